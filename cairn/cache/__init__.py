@@ -1,0 +1,1 @@
+"""The hybrid prefix cache: radix tree, snapshot placement and retention, planning, tiers."""

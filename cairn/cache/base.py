@@ -1,0 +1,61 @@
+"""PrefixCache: the interface between the scheduler and the prefix cache.
+
+The scheduler calls these at fixed points of a request's life; a cache that caches nothing is the
+separate `NullCache`, not a flag inside a real one.
+
+    admit(seq)        before a request first runs; may resume it (sets num_cached / num_computed,
+                      shares KV pages into seq.page_table, restores state into seq.state_slot) and
+                      sets seq.cuts, the positions where its prefill chunks must end.
+    after_step(seq)   after every step that computed tokens for seq; takes the snapshots due at
+                      seq.num_computed.
+    release(seq, finished)  when seq stops running (finished, aborted or preempted); a finished
+                      request's path is inserted before its pages and slot are released.
+    evict_pages(n)    free at least n KV pages if it can; returns how many it freed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from cairn.sequence import Sequence
+
+
+class PrefixCache(ABC):
+    @abstractmethod
+    def admit(self, seq: Sequence) -> bool:
+        """Plan and apply seq's resume point. False: not admissible now (retry on a later step)."""
+
+    @abstractmethod
+    def after_step(self, seq: Sequence) -> None:
+        """Seq's working slot now holds its state at seq.num_computed."""
+
+    @abstractmethod
+    def release(self, seq: Sequence, finished: bool) -> None:
+        """Seq leaves the running set; drop its locks (and insert its path when finished)."""
+
+    @abstractmethod
+    def evict_pages(self, num_pages: int) -> int:
+        """Free at least num_pages unlocked KV pages if possible; returns the number freed."""
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the cache's bookkeeping is inconsistent."""
+
+    def stats(self) -> dict:
+        return {}
+
+
+class NullCache(PrefixCache):
+    """Caches nothing: every request is prefilled from position 0."""
+
+    def admit(self, seq: Sequence) -> bool:
+        seq.cuts = []
+        return True
+
+    def after_step(self, seq: Sequence) -> None:
+        pass
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        pass
+
+    def evict_pages(self, num_pages: int) -> int:
+        return 0

@@ -1,0 +1,149 @@
+"""The `cairn` command line, generated from the frozen config dataclasses.
+
+Each field of an option group becomes a flag (`kv_cache_gib` -> `--kv-cache-gib`) with its type,
+default and help text; `config_from_args` builds the EngineConfig back from the parsed namespace.
+Subcommands: `generate` (one prompt or a chat, prints text and timing) and the others registered
+in COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+import types
+import typing
+
+from cairn.config import EngineConfig
+
+GROUPS = {"model": "model", "memory": "memory", "scheduler": "scheduler"}
+
+
+def _field_type(f: dataclasses.Field, owner: type):
+    hint = typing.get_type_hints(owner)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = args[0]
+    return hint
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_type(f, cls)
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, default=default, choices=f.metadata.get("choices"),
+                               help=f"{help_text} (default: {default})")
+
+
+def build_group(cls: type, ns: argparse.Namespace):
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
+
+def engine_group_classes() -> dict[str, type]:
+    return {name: _field_type(f, EngineConfig) for name, f in ((f.name, f) for f in dataclasses.fields(EngineConfig))}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for name, cls in engine_group_classes().items():
+        add_dataclass_args(parser, cls, f"{name} options")
+
+
+def config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{name: build_group(cls, ns) for name, cls in engine_group_classes().items()})
+
+
+def config_with_overrides(base: EngineConfig, **overrides) -> EngineConfig:
+    """A copy of `base` with fields of any option group replaced by keyword (unknown keys are errors)."""
+    groups = {}
+    remaining = dict(overrides)
+    for name, cls in engine_group_classes().items():
+        names = {f.name for f in dataclasses.fields(cls)}
+        mine = {k: remaining.pop(k) for k in list(remaining) if k in names}
+        groups[name] = dataclasses.replace(getattr(base, name), **mine)
+    if remaining:
+        raise TypeError(f"unknown engine options: {sorted(remaining)}")
+    return dataclasses.replace(base, **groups)
+
+
+# ---- generate ---------------------------------------------------------------------------------------
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="prompt text (or use --messages)")
+    p.add_argument("--messages", help='chat as JSON, e.g. \'[{"role": "user", "content": "hi"}]\', '
+                                      "rendered with the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * the top probability")
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_engine_args(p)
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    from cairn.engine import Engine
+    from cairn.sampling import SamplingParams
+
+    if not ns.prompt and not ns.messages:
+        print("cairn generate: give a prompt or --messages", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            min_p=ns.min_p, seed=ns.sampling_seed, stop=tuple(ns.stop))
+    t0 = time.perf_counter()
+    engine = Engine(config_from_args(ns))
+    t_load = time.perf_counter() - t0
+    messages = json.loads(ns.messages) if ns.messages else None
+    t1 = time.perf_counter()
+    rid = engine.add_request(ns.prompt, params, messages=messages)
+    out = None
+    while out is None or not out.finished:
+        for o in engine.step():
+            if o.request_id == rid:
+                out = o
+                print(o.delta_text, end="", flush=True)
+    total = time.perf_counter() - t1
+    n = len(out.token_ids)
+    decode_s = total - (out.ttft_s or 0.0)
+    print()
+    print(f"[{engine.model_name}] load {t_load:.2f}s | prompt {out.num_prompt_tokens} tokens, "
+          f"first token {out.ttft_s or 0:.3f}s | {n} tokens in {total:.2f}s "
+          f"({max(n - 1, 0) / decode_s if decode_s > 0 else 0:.1f} tok/s decode) | finish: {out.finish_reason}",
+          file=sys.stderr)
+    return 0
+
+
+COMMANDS: dict[str, tuple[str, typing.Callable, typing.Callable]] = {
+    "generate": ("generate text for one prompt or chat", add_generate_args, run_generate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cairn", description="Serve hybrid language models with a prefix "
+                                     "cache that resumes a conversation anywhere along it.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text, parents=[common]))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return COMMANDS[ns.command][2](ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

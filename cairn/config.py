@@ -1,0 +1,55 @@
+"""Engine configuration: frozen, typed dataclasses that the command line is generated from.
+
+Every field carries its help text in `metadata["help"]`; `cairn.cli` turns each field into a flag
+(`kv_cache_gib` -> `--kv-cache-gib`). Nothing below the CLI parses arguments or reads the
+environment: these objects are built once and passed down. Derived values are properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1 << 30
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    model: str | None = _f(None, "Hugging Face checkpoint directory; omit it for the built-in demo model")
+    dtype: str = _f("auto", "weights and activations: auto (the checkpoint's), bfloat16, float16 or float32",
+                    choices=("auto", "bfloat16", "float16", "float32"))
+    device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    demo_seed: int = _f(0, "seed of the demo model's random weights")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    page_size: int = _f(16, "tokens per KV page")
+    kv_cache_gib: float = _f(1.0, "device bytes for the paged KV pool of the attention layers, in GiB")
+    state_cache_gib: float = _f(0.25, "device bytes for the working recurrent-state slots, in GiB")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_gib * GIB)
+
+    @property
+    def state_cache_bytes(self) -> int:
+        return int(self.state_cache_gib * GIB)
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    max_num_seqs: int = _f(16, "most requests running at once (each takes one working state slot)")
+    max_num_batched_tokens: int = _f(2048, "token budget of one step: decode tokens plus prefill chunks")
+    max_model_len: int | None = _f(None, "longest prompt + output; default: the model's and the KV pool's limit")
+    max_waiting: int = _f(1024, "most requests queued before new ones are refused")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelOptions = field(default_factory=ModelOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)

@@ -1,0 +1,1 @@
+"""Building blocks of hybrid models: norms, rotary embedding, gated attention, Gated DeltaNet, MLP/MoE."""

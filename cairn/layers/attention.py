@@ -1,0 +1,57 @@
+"""Gated full attention over the paged KV pool.
+
+Per head: q and k get a zero-centred RMSNorm over head_dim, then partial rotary; keys and values of
+the new tokens are written to the pool, then each query attends over its sequence's whole context.
+The output is scaled by sigmoid(gate), where the gate is the second half of each head's q_proj row
+block ([q_h | gate_h] per head), and projected back by o_proj. Grouped-query: num_heads is a multiple
+of num_kv_heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cairn.layers.norm import RMSNorm
+from cairn.layers.rotary import PartialRotary
+from cairn.memory import KVPool
+from cairn.model.batch import ForwardBatch
+from cairn.model.config import ModelConfig
+from cairn.ops import Kernels
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, pool_index: int, rotary: PartialRotary):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.pool_index = pool_index  # this layer's index in the KV pool's layer dimension
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv: KVPool, kernels: Kernels) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.rotary.apply(self.q_norm(q), *cos_sin)
+        k = self.rotary.apply(self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)), *cos_sin)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        k_pool, v_pool = kv.k[self.pool_index], kv.v[self.pool_index]
+        k_pool.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
+        v_pool.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
+
+        out = torch.empty_like(q)
+        nd = batch.num_decode
+        if nd:
+            out[:nd] = kernels.paged_decode_attention(
+                q[:nd], k_pool, v_pool, batch.page_tables[:nd], batch.decode_context_lens(), self.scale)
+        for i, row, new, context in batch.prefill_segments():
+            out[row:row + new] = kernels.paged_prefill_attention(
+                q[row:row + new], k_pool, v_pool, batch.page_tables[i], context, self.scale)
+        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
+        return self.o_proj(out)

@@ -1,0 +1,49 @@
+"""ForwardBatch: what one model step computes, built by the runner from the scheduler's decision.
+
+A step mixes decode sequences (one new token each) and prefill segments (many new tokens each).
+Decode sequences come first so that their tokens form one contiguous, batchable block:
+
+    tokens:  | d0 | d1 | d2 | p0 p0 p0 p0 p0 | p1 p1 p1 |
+    seqs:      0    1    2    3                4
+               <- num_decode ->
+
+For sequence i, `query_lens[i]` tokens are new this step, at absolute positions
+[context_lens[i] - query_lens[i], context_lens[i]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] long: the new tokens of every sequence, flattened
+    positions: torch.Tensor  # [T] long: absolute position of each new token
+    query_lens: list[int]  # per sequence: new tokens this step
+    context_lens: list[int]  # per sequence: tokens in its context after this step (cached + new)
+    num_decode: int  # the first num_decode sequences each have exactly one new token
+    page_tables: torch.Tensor  # [B, max_pages] long: KV page ids per sequence, padded with 0
+    slot_mapping: torch.Tensor  # [T] long: flat KV index (page * page_size + offset) of each new token
+    state_slots: torch.Tensor  # [B] long: working state slot of each sequence
+    logits_indices: torch.Tensor  # [N] long: token rows whose next-token logits are wanted
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode
+
+    def decode_context_lens(self) -> torch.Tensor:
+        return torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long, device=self.input_ids.device)
+
+    def prefill_segments(self):
+        """(seq index, first token row, new tokens, context length) of each prefill sequence."""
+        row = self.num_decode
+        for i in range(self.num_decode, self.num_seqs):
+            yield i, row, self.query_lens[i], self.context_lens[i]
+            row += self.query_lens[i]

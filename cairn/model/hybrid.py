@@ -1,0 +1,213 @@
+"""HybridModel: the decoder stack shared by the Qwen hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
+
+    embed -> [ x + mixer(norm(x)) ; x + mlp(norm(x)) ] * num_layers -> norm -> lm_head
+
+where each layer's mixer is Gated DeltaNet ("linear_attention") or gated full attention
+("full_attention") and its MLP is dense SwiGLU or a sparse MoE. A family file subclasses this with
+the choice of MLP per layer and the map from its checkpoint's tensor names to these parameters.
+
+Checkpoint tensors are copied straight into slices of the (possibly fused) parameters as they stream
+in; `finish_loading` then checks that every element of every parameter was written exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cairn.layers.attention import GatedAttention
+from cairn.layers.gated_deltanet import GatedDeltaNet
+from cairn.layers.mlp import SparseMoE, SwiGLU
+from cairn.layers.norm import RMSNorm
+from cairn.layers.rotary import PartialRotary
+from cairn.memory import KVPool, StatePool
+from cairn.model.batch import ForwardBatch
+from cairn.model.config import ModelConfig
+from cairn.ops import REFERENCE, Kernels
+
+
+class WeightError(ValueError):
+    """A checkpoint's tensors do not fit the model (missing, unexpected or misshapen)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: a parameter, the region of it, and a transform applied first."""
+
+    param: str
+    region: tuple = ()  # index into the parameter (slices / ints); () is the whole parameter
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, mixer: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.is_linear = cfg.layer_types[layer] == "linear_attention"
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mixer = mixer
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x, batch, cos_sin, kv: KVPool, states: StatePool, kernels: Kernels):
+        h = self.input_norm(x)
+        if self.is_linear:
+            h = self.mixer(h, batch, states, kernels)
+        else:
+            h = self.mixer(h, batch, cos_sin, kv, kernels)
+        x = x + h
+        return x + self.mlp(self.post_norm(x))
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels = REFERENCE):
+        super().__init__()
+        self.cfg = cfg
+        self.kernels = kernels
+        self.rotary = PartialRotary(cfg.rotary_dim, cfg.rope_theta)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        linear_index = {layer: i for i, layer in enumerate(cfg.linear_layers)}
+        attention_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
+        layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == "linear_attention":
+                mixer = GatedDeltaNet(cfg, linear_index[i])
+            else:
+                mixer = GatedAttention(cfg, attention_index[i], self.rotary)
+            layers.append(DecoderLayer(cfg, i, mixer, self.make_mlp(i)))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._written: dict[str, int] = {}
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        cfg = self.cfg
+        if cfg.moe_layers and cfg.moe_layers[layer]:
+            return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                             cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:
+        """Run one step; returns fp32 logits [len(batch.logits_indices), vocab] and updates kv / states."""
+        x = self.embed(batch.input_ids)
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, batch, cos_sin, kv, states, self.kernels)
+        x = self.norm(x[batch.logits_indices])
+        return self.lm_head(x).float()
+
+    # ---- checkpoint loading -------------------------------------------------------------------------
+
+    def targets(self, name: str) -> list[Target] | None:
+        """Where checkpoint tensor `name` goes, or None when the family does not know it."""
+        cfg = self.cfg
+        p = cfg.weight_prefix
+        if name == p + "embed_tokens.weight":
+            return [Target("embed.weight")]
+        if name == p + "norm.weight":
+            return [Target("norm.weight")]
+        if name == "lm_head.weight":
+            return [] if cfg.tie_word_embeddings else [Target("lm_head.weight")]
+        m = re.fullmatch(re.escape(p) + r"layers\.(\d+)\.(.+)", name)
+        if not m or int(m.group(1)) >= cfg.num_layers:
+            return None
+        layer, rest = int(m.group(1)), m.group(2)
+        prefix = f"layers.{layer}."
+        found = (self.norm_targets(rest) or self.attention_targets(rest)
+                 or self.linear_targets(rest) or self.mlp_targets(layer, rest))
+        return None if found is None else [Target(prefix + t.param, t.region, t.transform) for t in found]
+
+    @staticmethod
+    def norm_targets(rest: str) -> list[Target] | None:
+        names = {"input_layernorm.weight": "input_norm.weight", "post_attention_layernorm.weight": "post_norm.weight"}
+        return [Target(names[rest])] if rest in names else None
+
+    @staticmethod
+    def attention_targets(rest: str) -> list[Target] | None:
+        m = re.fullmatch(r"self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight", rest)
+        return [Target(f"mixer.{m.group(1)}.weight")] if m else None
+
+    def linear_targets(self, rest: str) -> list[Target] | None:
+        """Gated DeltaNet tensors in the Qwen3.5 layout (separate in_proj_qkv / _z / _b / _a)."""
+        cfg = self.cfg
+        if not rest.startswith("linear_attn."):
+            return None
+        rest = rest[len("linear_attn."):]
+        c, vd, vh = cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_v_heads
+        rows = {"in_proj_qkv.weight": slice(0, c), "in_proj_z.weight": slice(c, c + vd),
+                "in_proj_b.weight": slice(c + vd, c + vd + vh), "in_proj_a.weight": slice(c + vd + vh, c + vd + 2 * vh)}
+        if rest in rows:
+            return [Target("mixer.in_proj.weight", (rows[rest],))]
+        plain = {"dt_bias": "mixer.dt_bias", "A_log": "mixer.A_log", "norm.weight": "mixer.norm.weight",
+                 "out_proj.weight": "mixer.out_proj.weight"}
+        if rest in plain:
+            return [Target(plain[rest])]
+        if rest == "conv1d.weight":
+            return [Target("mixer.conv_weight", (), lambda t: t.reshape(t.shape[0], -1))]
+        return None
+
+    def mlp_targets(self, layer: int, rest: str) -> list[Target] | None:
+        if not rest.startswith("mlp."):
+            return None
+        rest = rest[len("mlp."):]
+        moe = bool(self.cfg.moe_layers and self.cfg.moe_layers[layer])
+        if not moe:
+            return swiglu_targets(rest, "mlp.", self.cfg.intermediate_size)
+        inner = self.cfg.moe_intermediate_size
+        if rest == "gate.weight":
+            return [Target("mlp.router.weight")]
+        if rest == "shared_expert_gate.weight":
+            return [Target("mlp.shared_gate.weight")]
+        if rest.startswith("shared_expert."):
+            return swiglu_targets(rest[len("shared_expert."):], "mlp.shared.", self.cfg.shared_expert_intermediate_size)
+        m = re.fullmatch(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", rest)
+        if m:
+            e, which = int(m.group(1)), m.group(2)
+            if which == "down_proj":
+                return [Target("mlp.down", (e,))]
+            rows = slice(0, inner) if which == "gate_proj" else slice(inner, 2 * inner)
+            return [Target("mlp.gate_up", (e, rows))]
+        fused = {"experts.gate_up_proj": "mlp.gate_up", "experts.down_proj": "mlp.down"}
+        return [Target(fused[rest])] if rest in fused else None
+
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one checkpoint tensor into place; False when the name belongs to no parameter."""
+        targets = self.targets(name)
+        if targets is None:
+            return False
+        params = dict(self.named_parameters(remove_duplicate=False))
+        for t in targets:
+            value = t.transform(tensor) if t.transform else tensor
+            dest = params[t.param].data[t.region] if t.region else params[t.param].data
+            if tuple(dest.shape) != tuple(value.shape):
+                raise WeightError(f"{name}: shape {tuple(value.shape)} does not fit {t.param}{list(t.region)} "
+                                  f"of shape {tuple(dest.shape)}")
+            dest.copy_(value)
+            self._written[t.param] = self._written.get(t.param, 0) + value.numel()
+        return True
+
+    def finish_loading(self) -> None:
+        """Raise WeightError unless every parameter was written exactly once, element for element."""
+        problems = []
+        for name, param in self.named_parameters():
+            written = self._written.get(name, 0)
+            if written != param.numel():
+                problems.append(f"{name} ({written} of {param.numel()} elements)")
+        self._written = {}
+        if problems:
+            raise WeightError(f"checkpoint leaves {len(problems)} parameter(s) incomplete: {', '.join(problems[:8])}")
+
+
+def swiglu_targets(rest: str, module: str, inner: int) -> list[Target] | None:
+    rows = {"gate_proj.weight": slice(0, inner), "up_proj.weight": slice(inner, 2 * inner)}
+    if rest in rows:
+        return [Target(module + "gate_up.weight", (rows[rest],))]
+    if rest == "down_proj.weight":
+        return [Target(module + "down.weight")]
+    return None

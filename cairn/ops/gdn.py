@@ -1,0 +1,104 @@
+"""Reference (pure PyTorch) kernels for the gated delta rule, the recurrence inside Gated DeltaNet.
+
+Per value head, with a state S of shape [k_dim, v_dim], each token t does
+
+    S <- exp(g_t) * S                      (gated decay, g_t <= 0 in log space)
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T (delta rule: write only what S does not predict)
+    o_t = S^T q_t
+
+`chunk_gated_delta_rule` computes the same thing 64 tokens at a time with the WY/UT transform
+(prefill); `recurrent_gated_delta_rule` takes one step for a batch of sequences (decode). Both
+normalise q and k with L2 inside, scale q by k_dim**-0.5 and keep the state in fp32.
+These are the references a fast kernel must match on outputs and final states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_SIZE = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _expand_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each q/k head serves num_v_heads // num_k_heads consecutive value heads."""
+    groups = num_v_heads // q.shape[-2]
+    if groups == 1:
+        return q, k
+    return q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's prefill segment.
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; initial_state: [Hv, Dk, Dv] fp32.
+    Returns (o [T, Hv, Dv] in v's dtype, final_state [Hv, Dk, Dv] fp32).
+    """
+    out_dtype = v.dtype
+    seq_len, num_v_heads, _ = v.shape
+    q, k = _expand_heads(q, k, num_v_heads)
+    # -> [H, T, D] in fp32
+    q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))
+    g, beta = g.transpose(0, 1).float(), beta.transpose(0, 1).float()
+    q = l2norm(q) * q.shape[-1] ** -0.5
+    k = l2norm(k)
+    pad = (-seq_len) % CHUNK_SIZE
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    heads, total = g.shape
+    n = total // CHUNK_SIZE
+    q, k, v = (x.reshape(heads, n, CHUNK_SIZE, -1) for x in (q, k, v))
+    g, beta = g.reshape(heads, n, CHUNK_SIZE), beta.reshape(heads, n, CHUNK_SIZE)
+
+    cum = g.cumsum(-1)  # log decay from chunk start to each position
+    causal = torch.ones(CHUNK_SIZE, CHUNK_SIZE, dtype=torch.bool, device=q.device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    # (I + strictly_lower(beta_i k_i.k_j decay_ij)) X = rhs, solved for the values and decayed keys
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp().unsqueeze(-1)
+    k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()
+
+    state = initial_state.float().clone()
+    out = torch.empty_like(u)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(heads, total, -1)[:, :seq_len].transpose(0, 1)
+    return out.to(out_dtype), state
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for a batch of sequences.
+
+    q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv] fp32.
+    Returns (o [B, Hv, Dv] in v's dtype, new_state [B, Hv, Dk, Dv] fp32).
+    """
+    out_dtype = v.dtype
+    q, k = _expand_heads(q, k, v.shape[-2])
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    k = l2norm(k.float())
+    v, g, beta = v.float(), g.float(), beta.float()
+    state = state * g.exp()[..., None, None]
+    predicted = torch.einsum("bhkv,bhk->bhv", state, k)
+    delta = (v - predicted) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = torch.einsum("bhkv,bhk->bhv", state, q)
+    return out.to(out_dtype), state

@@ -1,0 +1,68 @@
+"""Per-request output: incremental detokenization, stop strings and the RequestOutput record.
+
+Text is decoded incrementally so that a multi-byte character split across tokens is emitted only when
+complete. With stop strings, the last `max(len(stop)) - 1` characters are held back from streaming
+until they cannot be the start of a stop string; the final text ends before the first stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cairn.sequence import CacheReport
+from cairn.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str  # everything generated so far (stop strings and end-of-sequence tokens removed)
+    delta_text: str  # what this step added to `text`
+    token_ids: list[int]  # generated token ids so far
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    num_prompt_tokens: int
+    logprobs: list[float] = field(default_factory=list)  # per generated token, when asked for
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    cache: CacheReport = field(default_factory=CacheReport)
+    ttft_s: float | None = None  # arrival to first token
+    error: str | None = None  # set when the request failed inside the engine
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""  # decoded text (before stop truncation)
+        self.sent = 0  # characters of text already returned as deltas
+        self._prefix, self._read = 0, 0
+
+    def add(self, token: int | None, final: bool) -> tuple[str, bool]:
+        """Feed one token (None: no text for it, e.g. EOS). Returns (delta, hit_stop_string)."""
+        if token is not None:
+            self.ids.append(token)
+        self._decode_new(force=final)
+        hit = False
+        if self.stop:
+            start = max(0, self.sent - self.hold)
+            found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if found:
+                self.text = self.text[: min(found)]
+                hit = final = True
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        delta = self.text[self.sent:end]
+        self.sent = end
+        return delta, hit
+
+    def _decode_new(self, force: bool) -> None:
+        """Append the text of the tokens not yet decoded, unless it ends in an incomplete character."""
+        if self._read == len(self.ids):
+            return
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix:])
+        if force or (len(after) > len(before) and not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)

@@ -1,0 +1,203 @@
+"""Scheduler: continuous batching with chunked prefill under a per-step token budget.
+
+Each step (`schedule`) picks, in order:
+1. every running sequence in decode: one token each; a sequence that needs a new KV page and finds
+   none preempts the most recently admitted running sequence (its pages and slot are released and it
+   returns to the front of the queue to be recomputed);
+2. running sequences still in prefill: a chunk each, within the remaining budget, ending at the next
+   cut (a position where the prefix cache wants a snapshot) or at the end of the tokens;
+3. waiting sequences, first come first served, while the budget, a working state slot and KV pages
+   for the whole remaining prompt are available. The prefix cache plans each admission (where to
+   resume, which snapshots to take) and may evict to make room.
+
+The scheduler owns page and slot bookkeeping for running sequences; it calls the model only through
+the runner and the cache only through its interface. Its output is a `ScheduledBatch`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from cairn.cache.base import PrefixCache
+from cairn.memory import PageAllocator, StatePool
+from cairn.sequence import Sequence, Status
+
+
+class RequestTooLarge(ValueError):
+    """A request that could never fit in the engine's memory or context."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting; retry later."""
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: decode sequences first (one token each), then prefill chunks."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence, tokens computed this step
+    num_decode: int  # how many of `seqs` (from the front) are decode steps
+    preempted: list[Sequence]  # sequences sent back to the queue by this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, pages: PageAllocator, page_size: int, states: StatePool, cache: PrefixCache,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, max_waiting: int):
+        self.pages = pages
+        self.page_size = page_size
+        self.states = states
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ---- admission --------------------------------------------------------------------------------
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise RequestTooLarge for a request that could never run, whatever else is running."""
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if seq.num_prompt_tokens >= self.max_model_len:
+            raise RequestTooLarge(f"prompt has {seq.num_prompt_tokens} tokens; this model's context is "
+                                  f"{self.max_model_len} tokens, and at least one must be left to generate")
+        if total > self.max_model_len:
+            raise RequestTooLarge(f"prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.params.max_tokens}) = "
+                                  f"{total} tokens exceeds the context of {self.max_model_len} tokens")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self.cache.release(seq, finished=False)
+                self.release(seq)
+                seq.status = Status.FINISHED
+                seq.finish_reason = "abort"
+                return seq
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [], 0, [])
+        budget = self.max_num_batched_tokens
+        for seq in [s for s in self.running if not s.in_prefill]:
+            if seq.status != Status.RUNNING:
+                continue  # preempted while making room for an earlier one
+            if not self._make_room(seq, seq.num_computed + 1, batch):
+                continue
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(1)
+            budget -= 1
+        batch.num_decode = len(batch.seqs)
+        for seq in [s for s in self.running if s.in_prefill]:
+            if budget <= 0:
+                break
+            n = seq.next_chunk_len(budget)
+            if n:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            n = seq.next_chunk_len(budget)
+            if n:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        return batch
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give `seq` a slot and pages for all its tokens, resuming from the cache where it can."""
+        if self.states.num_free == 0:
+            return False
+        seq.state_slot = self.states.alloc()
+        if not self.cache.admit(seq):
+            self.release(seq)
+            return False
+        if not self._grow(seq, seq.num_tokens):
+            self.cache.release(seq, finished=False)
+            self.release(seq)
+            seq.num_computed = seq.num_cached = 0
+            return False
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(seq.page_table))
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Ensure seq's page table covers num_tokens, evicting cached pages if the pool is short."""
+        need = self._pages_needed(seq, num_tokens)
+        if need > self.pages.num_free:
+            self.cache.evict_pages(need - self.pages.num_free)
+        if need > self.pages.num_free:
+            return False
+        seq.page_table.extend(self.pages.alloc(need))
+        return True
+
+    def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Grow seq to num_tokens, preempting the latest-admitted other sequences if needed."""
+        while not self._grow(seq, num_tokens):
+            victims = [s for s in reversed(self.running) if s is not seq and s not in batch.seqs]
+            victim = victims[0] if victims else seq
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release a running sequence and put it back at the front of the queue, to be recomputed."""
+        self.running.remove(seq)
+        self.cache.release(seq, finished=False)
+        self.release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = seq.num_cached = 0
+        self.waiting.appendleft(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Return seq's pages and working slot (the cache holds its own references to shared pages)."""
+        if seq.page_table:
+            self.pages.decref(seq.page_table)
+            seq.page_table = []
+        if seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self.cache.release(seq, finished=True)
+        self.release(seq)

@@ -1,0 +1,112 @@
+"""Sequence: one request as the scheduler sees it.
+
+Token ranges of a sequence at any moment:
+
+    0            num_cached      num_computed                 num_tokens
+    |-- resumed ---|-- computed here --|-- still to compute --|
+                   (prefill chunks and decode steps)
+
+`num_cached` tokens came from the prefix cache (KV pages shared, recurrent state restored into the
+working slot); `num_computed` tokens have KV in `page_table` and are folded into the working slot's
+state. `token_ids` is the prompt followed by the generated tokens. In prefill, a step computes up to
+the next position in `cuts` (where the cache wants a snapshot) or the end of the tokens; once every
+token is computed the logits of the last one give the next token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cairn.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class CacheReport:
+    """What the prefix cache did for a request (reported per request and per prefill log line)."""
+
+    cached_tokens: int = 0  # prompt tokens not computed because they were resumed from the cache
+    resume_position: int = 0  # position the request resumed at (0: cold)
+    resume_tier: str | None = None  # tier the resumed snapshot came from
+    resume_source: str | None = None  # placement rule that created that snapshot (grid, message, ...)
+    match_length: int = 0  # longest common prefix with any cached path
+    miss_reason: str | None = None  # why a deeper point than resume_position was not usable
+    snapshots_taken: int = 0  # snapshots this request added to the cache
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    num_prompt_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    message_starts: list[int] = field(default_factory=list)  # token position of each chat message start
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_cached: int = 0
+    page_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    cuts: list[int] = field(default_factory=list)  # sorted positions where a prefill chunk must end
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cache: CacheReport = field(default_factory=CacheReport)
+    generator: torch.Generator | None = None
+    arrival_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    cache_state: object | None = None  # the prefix cache's private bookkeeping for this request
+
+    def __post_init__(self):
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the last token is left to compute."""
+        return self.num_tokens - self.num_computed > 1 or self.num_output_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def next_chunk_len(self, budget: int) -> int:
+        """Tokens to compute this step: up to `budget`, stopping at the next cut after num_computed."""
+        end = min(self.num_tokens, self.num_computed + budget)
+        i = bisect.bisect_right(self.cuts, self.num_computed)
+        if i < len(self.cuts) and self.cuts[i] < end:
+            end = self.cuts[i]
+        return max(0, end - self.num_computed)
+
+    def add_cut(self, position: int) -> None:
+        if 0 < position <= self.num_tokens and position not in self.cuts:
+            bisect.insort(self.cuts, position)
