@@ -17,7 +17,8 @@ import torch
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.config import EngineConfig
 from cairn.demo import DEMO_NAME, build_demo
-from cairn.memory import KVPool, StatePool
+from cairn.memory.kv_pool import KVPool
+from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
 from cairn.model.loader import load_checkpoint
 from cairn.outputs import Detokenizer, RequestOutput
@@ -25,7 +26,7 @@ from cairn.runner import ModelRunner
 from cairn.sampling import SamplingParams, sample
 from cairn.scheduler import RequestTooLarge, ScheduledBatch, Scheduler
 from cairn.sequence import Sequence, Status
-from cairn.tokenizer import HFTokenizer, Tokenizer
+from cairn.tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -209,9 +210,8 @@ class Engine:
     def check_integrity(self) -> None:
         """Pages, slots and the cache's bookkeeping agree (call when idle)."""
         self.cache.check_integrity()
-        if not self.scheduler.has_work:
-            if self.states.num_free != self.states.num_slots:
-                raise AssertionError("an idle engine holds working state slots")
+        if not self.scheduler.has_work and self.states.num_free != self.states.num_slots:
+            raise AssertionError("an idle engine holds working state slots")
 
 
 class LLM:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from cairn.memory import KVPool, StatePool
+from cairn.memory.kv_pool import KVPool
+from cairn.memory.state_pool import StatePool
 from cairn.model.batch import ForwardBatch
 from cairn.model.hybrid import HybridModel
 from cairn.scheduler import ScheduledBatch

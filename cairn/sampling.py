@@ -85,7 +85,9 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[Sampled]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[Sampled]:
     """One token per row of `logits` [N, vocab] (fp32)."""
     greedy_tokens = logits.argmax(dim=-1).tolist()
     want_logprobs = any(p.logprobs or p.top_logprobs for p in params)

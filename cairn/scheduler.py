@@ -20,7 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from cairn.cache.base import PrefixCache
-from cairn.memory import PageAllocator, StatePool
+from cairn.memory.pages import PageAllocator
+from cairn.memory.state_pool import StatePool
 from cairn.sequence import Sequence, Status
 
 

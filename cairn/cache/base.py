@@ -37,7 +37,7 @@ class PrefixCache(ABC):
     def evict_pages(self, num_pages: int) -> int:
         """Free at least num_pages unlocked KV pages if possible; returns the number freed."""
 
-    def check_integrity(self) -> None:
+    def check_integrity(self) -> None:  # noqa: B027 (optional hook: a cache with no bookkeeping has nothing to check)
         """Raise AssertionError if the cache's bookkeeping is inconsistent."""
 
     def stats(self) -> dict:

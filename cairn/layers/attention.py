@@ -14,7 +14,7 @@ from torch import nn
 
 from cairn.layers.norm import RMSNorm
 from cairn.layers.rotary import PartialRotary
-from cairn.memory import KVPool
+from cairn.memory.kv_pool import KVPool
 from cairn.model.batch import ForwardBatch
 from cairn.model.config import ModelConfig
 from cairn.ops import Kernels

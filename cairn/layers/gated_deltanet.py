@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cairn.layers.norm import GatedRMSNorm
-from cairn.memory import StatePool
+from cairn.memory.state_pool import StatePool
 from cairn.model.batch import ForwardBatch
 from cairn.model.config import ModelConfig
 from cairn.ops import Kernels

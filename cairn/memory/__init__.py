@@ -1,6 +1,5 @@
-"""Device memory: the paged KV pool of the attention layers and the recurrent-state slot pools."""
+"""Memory: the paged KV pool (kv_pool), page bookkeeping (pages, torch-free) and state slots (state_pool).
 
-from cairn.memory.kv_pool import KVPool, OutOfPages, PageAllocator
-from cairn.memory.state_pool import OutOfSlots, StatePool
-
-__all__ = ["KVPool", "OutOfPages", "OutOfSlots", "PageAllocator", "StatePool"]
+Import from the submodules; this package file imports nothing, so torch-free users of `pages` do not
+load torch.
+"""

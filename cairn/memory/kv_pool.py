@@ -5,69 +5,14 @@ Layout, one tensor each for keys and values:
     k, v: [num_attention_layers, num_pages, page_size, num_kv_heads, head_dim]  (model dtype)
 
 Token position p of a sequence lives in page page_table[p // page_size] at offset p % page_size.
-Pages are reference counted: a page is shared by every sequence and cache node that lists it and is
-free again when the last one lets go. `PageAllocator` holds that bookkeeping and knows nothing of
-tensors, so the cache and scheduler can be tested without a model.
+Pages are reference counted by `cairn.memory.pages.PageAllocator`, which knows nothing of tensors.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-class OutOfPages(RuntimeError):
-    """The pool has fewer free pages than asked for."""
-
-
-class PageAllocator:
-    """Free list and reference counts of `num_pages` pages. Page ids are 0..num_pages-1."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self.refcount = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out the lowest id first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> list[int]:
-        """n fresh pages with refcount 1. Raises OutOfPages (allocating nothing) when fewer are free."""
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} KV pages, {len(self._free)} free of {self.num_pages}")
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self.refcount[p] = 1
-        return pages
-
-    def incref(self, pages: list[int]) -> None:
-        for p in pages:
-            if self.refcount[p] <= 0:
-                raise AssertionError(f"incref of free page {p}")
-            self.refcount[p] += 1
-
-    def decref(self, pages: list[int]) -> int:
-        """Drop one reference from each page; returns how many pages became free."""
-        freed = 0
-        for p in pages:
-            if self.refcount[p] <= 0:
-                raise AssertionError(f"decref of free page {p}")
-            self.refcount[p] -= 1
-            if self.refcount[p] == 0:
-                self._free.append(p)
-                freed += 1
-        return freed
-
-    def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
-        """Free list and refcounts agree; with expected_refs, every count equals the expected one."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a page is on the free list twice")
-        for p in range(self.num_pages):
-            if (self.refcount[p] == 0) != (p in free):
-                raise AssertionError(f"page {p}: refcount {self.refcount[p]} but free={p in free}")
-            if expected_refs is not None and self.refcount[p] != expected_refs.get(p, 0):
-                raise AssertionError(f"page {p}: refcount {self.refcount[p]}, owners {expected_refs.get(p, 0)}")
+from cairn.memory.pages import PageAllocator
 
 
 class KVPool:

@@ -24,7 +24,8 @@ from cairn.layers.gated_deltanet import GatedDeltaNet
 from cairn.layers.mlp import SparseMoE, SwiGLU
 from cairn.layers.norm import RMSNorm
 from cairn.layers.rotary import PartialRotary
-from cairn.memory import KVPool, StatePool
+from cairn.memory.kv_pool import KVPool
+from cairn.memory.state_pool import StatePool
 from cairn.model.batch import ForwardBatch
 from cairn.model.config import ModelConfig
 from cairn.ops import REFERENCE, Kernels

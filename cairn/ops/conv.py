@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's prefill segment.
 
     x: [T, C]; state: [C, K-1] (inputs before x); weight: [C, K].
@@ -23,7 +25,9 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
     return F.silu(out[0, :, -seq_len:]).transpose(0, 1).to(x.dtype), new_state
 
 
-def causal_conv1d_update(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_update(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step for a batch. x: [B, C]; state: [B, C, K-1]; weight: [C, K]."""
     window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
     out = (window.to(weight.dtype) * weight).sum(-1)
