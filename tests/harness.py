@@ -1,0 +1,51 @@
+"""Drive a cairn model directly, without the scheduler: fresh pools, chosen chunk boundaries."""
+
+from __future__ import annotations
+
+import torch
+
+from cairn.memory.kv_pool import KVPool
+from cairn.memory.state_pool import StatePool
+from cairn.model.batch import ForwardBatch
+from cairn.model.hybrid import HybridModel
+
+
+def pools(model: HybridModel, num_pages: int = 64, page_size: int = 4, num_slots: int = 4):
+    cfg = model.cfg
+    dtype = model.embed.weight.dtype
+    kv = KVPool(max(len(cfg.attention_layers), 1), num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    states = StatePool(len(cfg.linear_layers), num_slots, cfg.conv_dim, cfg.conv_kernel, cfg.linear_num_v_heads,
+                       cfg.linear_k_head_dim, cfg.linear_v_head_dim, dtype)
+    return kv, states
+
+
+def segment_batch(ids: list[int], start: int, page_table: list[int], slot: int, page_size: int,
+                  all_logits: bool = True) -> ForwardBatch:
+    """A one-sequence prefill of ids[start:], whose first `start` tokens are already computed."""
+    new = ids[start:]
+    end = len(ids)
+    positions = list(range(start, end))
+    return ForwardBatch(
+        input_ids=torch.tensor(new), positions=torch.tensor(positions), query_lens=[len(new)], context_lens=[end],
+        num_decode=0, page_tables=torch.tensor([page_table[: -(-end // page_size)]]),
+        slot_mapping=torch.tensor([page_table[p // page_size] * page_size + p % page_size for p in positions]),
+        state_slots=torch.tensor([slot]),
+        logits_indices=torch.arange(len(new)) if all_logits else torch.tensor([len(new) - 1]),
+    )
+
+
+def prefill(model: HybridModel, ids: list[int], cuts: list[int] = (), kv=None, states=None, slot: int | None = None,
+            page_table: list[int] | None = None, start: int = 0) -> torch.Tensor:
+    """Logits of every position of ids[start:], computed in chunks ending at `cuts`."""
+    if kv is None:
+        kv, states = pools(model, num_pages=-(-len(ids) // 4) + 4)
+    if slot is None:
+        slot = states.alloc()
+    if page_table is None:
+        page_table = kv.allocator.alloc(-(-len(ids) // kv.page_size))
+    bounds = [c for c in sorted(cuts) if start < c < len(ids)] + [len(ids)]
+    out, pos = [], start
+    for end in bounds:
+        out.append(model(segment_batch(ids[:end], pos, page_table, slot, kv.page_size), kv, states))
+        pos = end
+    return torch.cat(out)
