@@ -1,0 +1,132 @@
+"""The engine on the demo model: continuous batching, chunked prefill, admission, preemption, cleanup."""
+
+from __future__ import annotations
+
+import pytest
+
+from cairn.cache.base import NullCache
+from cairn.config import EngineConfig
+from cairn.engine import LLM, Engine
+from cairn.sampling import SamplingParams
+from cairn.scheduler import RequestTooLarge
+from cairn.sequence import Sequence
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(**kw) -> LLM:
+    opts = dict(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+    return LLM(**{**opts, **kw})
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 250 for j in range(10 + 9 * i)] for i in range(n)]
+
+
+def drain(engine: Engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_many_requests_batch_continuously_and_match_running_alone():
+    llm = make_llm()
+    engine = llm.engine
+    ids = [engine.add_request(p, GREEDY) for p in prompts(10)]
+    outputs, widest_step = {}, 0
+    while engine.has_unfinished():
+        step = engine.step()
+        widest_step = max(widest_step, len(step))
+        outputs.update({o.request_id: o for o in step if o.finished})
+    assert widest_step == 4  # max_num_seqs requests advanced together
+    for p, out in zip(prompts(10), [outputs[i] for i in ids], strict=True):
+        assert out.token_ids == llm.generate(p, GREEDY)[0].token_ids
+        assert out.finish_reason == "length"
+    llm.engine.check_integrity()
+    assert llm.engine.kv.allocator.num_free == llm.engine.kv.num_pages
+
+
+class CutAt(NullCache):
+    """A test double of the cache interface that asks for chunk boundaries and records where steps end."""
+
+    def __init__(self, cuts):
+        self.cuts, self.seen = cuts, []
+
+    def admit(self, seq: Sequence) -> bool:
+        seq.cuts = list(self.cuts)
+        return True
+
+    def after_step(self, seq: Sequence) -> None:
+        self.seen.append(seq.num_computed)
+
+
+def test_prefill_chunks_end_at_the_positions_the_cache_requires():
+    cache = CutAt([5, 33, 34, 50])
+    cfg = make_llm().engine.config
+    engine = Engine(cfg, cache=cache)
+    engine.add_request(list(range(100)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    drain(engine)
+    assert cache.seen[:6] == [5, 33, 34, 50, 100, 101]
+
+
+def test_each_step_stays_within_the_token_budget():
+    llm = make_llm(max_num_batched_tokens=16)
+    cache = CutAt([])
+    engine = Engine(llm.engine.config, cache=cache)
+    engine.add_request(list(range(100)), SamplingParams(max_tokens=1, temperature=0.0))
+    drain(engine)
+    assert cache.seen == list(range(16, 100, 16)) + [100]
+
+
+def test_a_request_that_can_never_fit_is_refused_with_a_clear_error():
+    llm = make_llm(max_model_len=64)
+    with pytest.raises(RequestTooLarge, match="context"):
+        llm.engine.add_request(list(range(64)), GREEDY)
+    with pytest.raises(RequestTooLarge, match="max_tokens"):
+        llm.engine.add_request(list(range(60)), SamplingParams(max_tokens=10))
+    with pytest.raises(RequestTooLarge, match="empty"):
+        llm.engine.add_request([], GREEDY)
+    assert llm.generate(list(range(20)), GREEDY)[0].finish_reason == "length"  # and the engine still serves
+
+
+def test_admission_waits_for_free_kv_pages_and_everyone_finishes():
+    cfg = make_llm().engine.config
+    engine = Engine(EngineConfig(cfg.model, type(cfg.memory)(page_size=8, kv_cache_gib=0.0005, state_cache_gib=0.02),
+                                 cfg.scheduler))
+    pages = engine.kv.num_pages
+    long = [list(range(i, i + 8 * pages // 2 - 8)) for i in range(3)]  # each needs about half the pool
+    ids = [engine.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)) for p in long]
+    max_running, done = 0, set()
+    while engine.has_unfinished():
+        done |= {o.request_id for o in engine.step() if o.finished}
+        max_running = max(max_running, engine.num_running)
+    assert done == set(ids) and max_running < 3
+    assert engine.kv.allocator.num_free == pages
+
+
+def test_preempted_requests_are_recomputed_and_their_output_is_unchanged():
+    llm = make_llm(kv_cache_gib=0.0004, max_num_seqs=4)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ps = [list(range(i, i + 20)) for i in range(4)]
+    together = llm.generate(ps, params)
+    assert [o.token_ids for o in together] == [llm.generate(p, params)[0].token_ids for p in ps]
+    assert llm.engine.kv.allocator.num_free == llm.engine.kv.num_pages
+
+
+def test_aborted_request_releases_its_pages_and_slot():
+    engine = make_llm().engine
+    rid = engine.add_request(list(range(40)), SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.kv.allocator.num_free < engine.kv.num_pages
+    out = engine.abort(rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.kv.allocator.num_free == engine.kv.num_pages
+    assert engine.states.num_free == engine.states.num_slots
+    assert not engine.has_unfinished()
+
+
+def test_chat_input_is_rendered_with_the_chat_template():
+    llm = make_llm()
+    msgs = [{"role": "user", "content": "hi"}]
+    out = llm.chat(msgs, GREEDY)[0]
+    expected = llm.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert out.num_prompt_tokens == len(expected)
