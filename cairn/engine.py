@@ -144,6 +144,10 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def running_request_ids(self) -> list[str]:
+        """Ids of the requests in the running batch (the ones a failed step may have left half-done)."""
+        return [seq.request_id for seq in self.scheduler.running]
+
     # ---- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -153,11 +157,19 @@ class Engine:
         if batch.empty:
             return []
         self.num_steps += 1
-        logits, to_sample = self.runner.run(batch)
+        logits, to_sample = self.runner.run(batch) if batch.seqs else (None, [])
+        row_of = {seq.request_id: i for i, seq in enumerate(to_sample)}
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
-            self.cache.after_step(seq)
+            i = row_of.get(seq.request_id)
+            self.cache.after_step(seq, None if i is None else logits[i])
         self._log_prefill(batch)
+        if batch.ready:
+            restored = torch.stack([seq.ready_logits.float().cpu() for seq in batch.ready])
+            logits = restored if logits is None else torch.cat([logits, restored])
+            to_sample = to_sample + batch.ready
+            for seq in batch.ready:
+                seq.ready_logits = None
         sampled = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
         return [self._append(seq, s) for seq, s in zip(to_sample, sampled, strict=True)]
 
@@ -198,9 +210,8 @@ class Engine:
             logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft)
 
     def _log_prefill(self, batch: ScheduledBatch) -> None:
-        if batch.num_decode == len(batch.seqs):
-            return
-        for seq, n in zip(batch.seqs[batch.num_decode:], batch.num_new_tokens[batch.num_decode:], strict=True):
+        prefills = list(zip(batch.seqs[batch.num_decode:], batch.num_new_tokens[batch.num_decode:], strict=True))
+        for seq, n in prefills + [(seq, 0) for seq in batch.ready]:
             c = seq.cache
             log.info("prefill %s: new=%d cached=%d resume=%d tier=%s source=%s snapshots=%d kv_free=%d/%d "
                      "slots_free=%d/%d", seq.request_id, n, c.cached_tokens, c.resume_position, c.resume_tier,

@@ -17,7 +17,7 @@ the runner and the cache only through its interface. Its output is a `ScheduledB
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cairn.cache.base import PrefixCache
 from cairn.memory.pages import PageAllocator
@@ -41,14 +41,15 @@ class ScheduledBatch:
     num_new_tokens: list[int]  # per sequence, tokens computed this step
     num_decode: int  # how many of `seqs` (from the front) are decode steps
     preempted: list[Sequence]  # sequences sent back to the queue by this step
+    ready: list[Sequence] = field(default_factory=list)  # admitted with their next-token logits restored
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs and not self.ready
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
-
-    @property
-    def empty(self) -> bool:
-        return not self.seqs
 
 
 class Scheduler:
@@ -129,6 +130,9 @@ class Scheduler:
             if not self._admit(seq):
                 break
             self.waiting.popleft()
+            if seq.ready_logits is not None:
+                batch.ready.append(seq)
+                continue
             n = seq.next_chunk_len(budget)
             if n:
                 batch.seqs.append(seq)

@@ -67,6 +67,7 @@ class Sequence:
     first_token_s: float | None = None
     last_token_s: float | None = None
     cache_state: object | None = None  # the prefix cache's private bookkeeping for this request
+    ready_logits: torch.Tensor | None = None  # next-token logits restored from the cache (nothing to compute)
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

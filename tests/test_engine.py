@@ -55,7 +55,7 @@ class CutAt(NullCache):
         seq.cuts = list(self.cuts)
         return True
 
-    def after_step(self, seq: Sequence) -> None:
+    def after_step(self, seq: Sequence, logits) -> None:
         self.seen.append(seq.num_computed)
 
 

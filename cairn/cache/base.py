@@ -5,9 +5,11 @@ separate `NullCache`, not a flag inside a real one.
 
     admit(seq)        before a request first runs; may resume it (sets num_cached / num_computed,
                       shares KV pages into seq.page_table, restores state into seq.state_slot) and
-                      sets seq.cuts, the positions where its prefill chunks must end.
-    after_step(seq)   after every step that computed tokens for seq; takes the snapshots due at
-                      seq.num_computed.
+                      sets seq.cuts, the positions where its prefill chunks must end. When the whole
+                      prompt is resumed from a snapshot that stored its logits, it sets seq.ready_logits
+                      and the request computes nothing before its first token.
+    after_step(seq, logits)  after every step that computed tokens for seq; takes the snapshots due at
+                      seq.num_computed (`logits`: the next-token logits there, when this step made them).
     release(seq, finished)  when seq stops running (finished, aborted or preempted); a finished
                       request's path is inserted before its pages and slot are released.
     evict_pages(n)    free at least n KV pages if it can; returns how many it freed.
@@ -16,6 +18,8 @@ separate `NullCache`, not a flag inside a real one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+
+import torch
 
 from cairn.sequence import Sequence
 
@@ -26,8 +30,9 @@ class PrefixCache(ABC):
         """Plan and apply seq's resume point. False: not admissible now (retry on a later step)."""
 
     @abstractmethod
-    def after_step(self, seq: Sequence) -> None:
-        """Seq's working slot now holds its state at seq.num_computed."""
+    def after_step(self, seq: Sequence, logits: torch.Tensor | None) -> None:
+        """Seq's working slot now holds its state at seq.num_computed; `logits` are those at num_computed - 1
+        when this step computed them (prefill end or decode), else None."""
 
     @abstractmethod
     def release(self, seq: Sequence, finished: bool) -> None:
@@ -51,7 +56,7 @@ class NullCache(PrefixCache):
         seq.cuts = []
         return True
 
-    def after_step(self, seq: Sequence) -> None:
+    def after_step(self, seq: Sequence, logits: torch.Tensor | None) -> None:
         pass
 
     def release(self, seq: Sequence, finished: bool) -> None:

@@ -21,6 +21,8 @@ class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        # Zeroed, not uninitialised: batched decode reads whole pages and masks the positions past each
+        # sequence's length, and a masked NaN bit pattern would still poison the weighted sum.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size

@@ -23,9 +23,10 @@ class StatePool:
     def __init__(self, num_layers: int, num_slots: int, conv_dim: int, conv_kernel: int, v_heads: int,
                  k_head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  pin_memory: bool = False):
-        self.conv = torch.zeros((num_layers, num_slots, conv_dim, conv_kernel - 1), dtype=dtype, device=device,
+        # Uninitialised: alloc() zeroes a working slot, and a snapshot slot is always copied into first.
+        self.conv = torch.empty((num_layers, num_slots, conv_dim, conv_kernel - 1), dtype=dtype, device=device,
                                 pin_memory=pin_memory)
-        self.recurrent = torch.zeros((num_layers, num_slots, v_heads, k_head_dim, v_head_dim),
+        self.recurrent = torch.empty((num_layers, num_slots, v_heads, k_head_dim, v_head_dim),
                                      dtype=torch.float32, device=device, pin_memory=pin_memory)
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -56,13 +57,14 @@ class StatePool:
         return (self.conv[:, 0].numel() * self.conv.element_size()
                 + self.recurrent[:, 0].numel() * self.recurrent.element_size())
 
-    def alloc(self) -> int:
-        """A free slot, zeroed (the state before any token)."""
+    def alloc(self, zero: bool = True) -> int:
+        """A free slot; zeroed (the state before any token) unless the caller overwrites it at once."""
         if not self._free:
             raise OutOfSlots(f"all {self.num_slots} state slots are in use")
         slot = self._free.pop()
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()
+        if zero:
+            self.conv[:, slot].zero_()
+            self.recurrent[:, slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:

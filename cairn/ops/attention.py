@@ -27,16 +27,17 @@ def paged_prefill_attention(
     already written to the pool. Returns [L, H, D].
     """
     new_len = q.shape[0]
-    k = gather_pages(k_pool, page_table, context_len).transpose(0, 1)
-    v = gather_pages(v_pool, page_table, context_len).transpose(0, 1)
-    qh = q.transpose(0, 1)
+    # [1, heads, tokens, dim]: SDPA takes its fused CPU kernel only for 4-D inputs
+    k = gather_pages(k_pool, page_table, context_len).transpose(0, 1).unsqueeze(0)
+    v = gather_pages(v_pool, page_table, context_len).transpose(0, 1).unsqueeze(0)
+    qh = q.transpose(0, 1).unsqueeze(0)
     if new_len == context_len:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         rows = torch.arange(context_len - new_len, context_len, device=q.device).unsqueeze(1)
         mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= rows
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def paged_decode_attention(

@@ -1,0 +1,159 @@
+"""Engine throughput, cairn against Hugging Face transformers on the same random weights, in one run.
+
+Reports cold prefill tokens/s (512 and 2048 tokens), batch-1 decode tokens/s and batch-8 aggregate decode
+tokens/s, at two sizes: `tiny` and `0.8b` (the Qwen3.5-0.8B dimensions: hidden 1024, 24 layers = 18 Gated
+DeltaNet + 6 gated attention, 16 value heads of 128, 8 query / 2 KV heads of 256, intermediate 3584; the
+vocabulary is cut to 32k to save memory, which changes only the lm_head cost).
+
+    python benchmarks/engine_throughput.py --sizes tiny,0.8b --out benchmarks/out/engine_throughput.json
+
+This is a benchmark, not a test: it asserts nothing and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=64, linear_value_head_dim=64),
+    "0.8b": dict(vocab_size=32768, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                 linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128),
+}
+
+
+def make_checkpoint(size: str, path: Path):
+    import transformers as tf
+
+    from tests.checkpoints import write_tokenizer
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen3_5TextConfig(**SIZES[size], linear_conv_kernel_dim=4, initializer_range=0.02,
+                               max_position_embeddings=8192)
+    model = tf.Qwen3_5ForCausalLM(cfg).eval()
+    model.save_pretrained(str(path))
+    write_tokenizer(path)
+    return model
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---- cairn ---------------------------------------------------------------------------------------------
+
+def cairn_engine(path: Path):
+    from cairn.config import EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
+    from cairn.engine import Engine
+
+    cfg = EngineConfig(ModelOptions(model=str(path), dtype="float32", device="cpu"),
+                       MemoryOptions(page_size=16, kv_cache_gib=0.5, state_cache_gib=0.5),
+                       SchedulerOptions(max_num_seqs=8, max_num_batched_tokens=2048))
+    return Engine(cfg, show_progress=False)
+
+
+def cairn_prefill_s(engine, n: int) -> float:
+    from cairn.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    engine.add_request(prompt(n, seed=n), SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def cairn_decode_tok_s(engine, batch: int, new_tokens: int) -> float:
+    """Aggregate decode tokens/s once every request has its first token."""
+    from cairn.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
+    ids = {engine.add_request(prompt(128, seed=i), params) for i in range(batch)}
+    started, t0, produced = set(), None, 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        if t0 is not None:
+            produced += sum(len(o.delta_token_ids) for o in outs)
+        started |= {o.request_id for o in outs}
+        if t0 is None and started >= ids:
+            t0 = time.perf_counter()
+    return produced / (time.perf_counter() - t0)
+
+
+# ---- transformers ---------------------------------------------------------------------------------------
+
+def hf_prefill_s(model, n: int) -> float:
+    ids = torch.tensor([prompt(n, seed=n)])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - t0
+
+
+def hf_decode_tok_s(model, batch: int, new_tokens: int) -> float:
+    ids = torch.tensor([prompt(128, seed=i) for i in range(batch)])
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **kw)
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens + 1, **kw)
+        t2 = time.perf_counter()
+    return batch * new_tokens / ((t2 - t1) - (t1 - t0))
+
+
+def best(fn, repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def run_size(size: str, new_tokens: int, repeats: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        hf = make_checkpoint(size, Path(d))
+        engine = cairn_engine(Path(d))
+        cairn_prefill_s(engine, 64), hf_prefill_s(hf, 64)  # warm-up
+        row = {"size": size}
+        for n in (512, 2048):
+            row[f"prefill{n}_cairn_tok_s"] = n / best(lambda n=n: cairn_prefill_s(engine, n), repeats)
+            row[f"prefill{n}_hf_tok_s"] = n / best(lambda n=n: hf_prefill_s(hf, n), repeats)
+        for b in (1, 8):
+            row[f"decode_b{b}_cairn_tok_s"] = cairn_decode_tok_s(engine, b, new_tokens)
+            row[f"decode_b{b}_hf_tok_s"] = hf_decode_tok_s(hf, b, new_tokens)
+        return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| size | metric | cairn tok/s | transformers tok/s | cairn / transformers |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        for metric in ("prefill512", "prefill2048", "decode_b1", "decode_b8"):
+            c, h = r[f"{metric}_cairn_tok_s"], r[f"{metric}_hf_tok_s"]
+            lines.append(f"| {r['size']} | {metric} | {c:.1f} | {h:.1f} | {c / h:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="tiny,0.8b")
+    ap.add_argument("--new-tokens", type=int, default=32, help="decode tokens measured per request")
+    ap.add_argument("--repeats", type=int, default=2, help="prefill runs per point; the best is kept")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [run_size(s, args.new_tokens, args.repeats) for s in args.sizes.split(",")]
+    print(f"torch {torch.__version__}, {args.threads} threads, fp32, CPU\n")
+    print(table(rows))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
