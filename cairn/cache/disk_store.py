@@ -1,0 +1,426 @@
+"""The disk tier's live segment store: one model namespace's segments, indexed, within a byte budget.
+
+`DiskStore` puts and gets `Segment`s by key (LRU eviction, pins), writes atomically, indexes the
+namespace at start-up from headers only, verifies every checksum on `get`, turns every bad file into
+a counted miss, and counts every refusal in `faults` (each reason logged once). The on-disk layout,
+safe file primitives and the `cairn cache ls|verify|purge` helpers (`list_namespaces`,
+`verify_store`, `purge_namespace`, re-exported here) live in disk_namespace.py.
+
+This module is NOT the file format (segment.py), the tensor conversion, nor the tier policy (what
+to demote or prefetch, when to read): it stores and returns bytes.
+
+Thread safety: calls may come from several threads; puts and scans are serialised, and the index is
+only mutated under a lock. A get that races an eviction returns None, never wrong data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cairn.cache.disk_namespace import (
+    LOCK_NAME,
+    SEGMENT_NAME,
+    TEMP_NAME,
+    DiskStoreError,
+    NamespaceSummary,
+    StoreLockedError,
+    UnusableEntry,
+    VerifyResult,
+    list_namespaces,
+    open_namespace,
+    purge_namespace,
+    read_index_header,
+    read_segment_file,
+    segment_file_name,
+    try_lock,
+    unlink_ours,
+    verify_store,
+    write_atomic,
+)
+from cairn.cache.segment import (
+    DEFAULT_LIMITS,
+    Segment,
+    SegmentError,
+    SegmentHeader,
+    SegmentLimits,
+    encode_segment_parts,
+    read_header,
+)
+
+__all__ = ["DiskStore", "SegmentInfo", "DiskStoreError", "StoreLockedError", "NamespaceSummary", "VerifyResult",
+           "list_namespaces", "verify_store", "purge_namespace"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """What the index knows about a stored segment, without reading its file."""
+
+    key: bytes  # 32-byte segment key
+    parent_key: bytes | None  # None for a child of the root
+    start_position: int  # absolute position of the first token
+    num_tokens: int  # tokens in the segment
+    has_snapshot: bool  # holds a recurrent-state snapshot at start_position + num_tokens
+    has_logits: bool  # holds the logits at start_position + num_tokens - 1
+    size_bytes: int  # file size, counted against the budget
+    last_used: float  # wall-clock seconds of the last get/put in this process (file mtime at scan)
+
+
+@dataclass
+class _Entry:
+    header: SegmentHeader  # the validated header of the indexed file
+    size_bytes: int  # file size
+    last_used: float  # see SegmentInfo.last_used
+
+
+# ---------------------------------------------------------------------------------------------- store
+
+
+class DiskStore:
+    """Segments of one model namespace on disk, within `budget_bytes`.
+
+    Contracts:
+      put(segment)   True once the complete file is durable under its final name and indexed; False
+                     (counted in `faults`) when refused or failed, with nothing else lost.
+      get(key)       the fully verified segment, or None (miss, or a bad file: counted, dropped
+                     from the index, deleted when it is our regular file). Never wrong data.
+      pin / unpin    a pinned key is never evicted (pins nest); a pin does not keep a bad file.
+      on_evict(key)  called, outside the store's locks, whenever an indexed key leaves the index
+                     without the caller asking: budget eviction or a bad file found by get.
+    A store that cannot take the namespace's lock is read-only: it gets and scans, never writes,
+    evicts or deletes. used_bytes <= budget_bytes always holds for the lock holder.
+    """
+
+    def __init__(self, root, compat_digest: str, budget_bytes: int, *, compression: str | None = None,
+                 limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None):
+        if compression not in (None, "zstd", "lz4"):
+            raise ValueError(f"compression must be None, 'zstd' or 'lz4', got {compression!r}")
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.root, self.compat_digest, self.budget_bytes = os.fspath(root), compat_digest, budget_bytes
+        self.compression, self.limits, self.on_evict = compression, limits, on_evict
+        self.faults: dict[str, int] = {}  # reason -> occurrences
+        self._logged: set[str] = set()  # reasons already logged once
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
+        self._used_bytes = 0  # sum of indexed sizes, plus the size of a put in flight
+        self._counts = {"puts": 0, "gets": 0, "hits": 0, "evictions": 0}
+        self._lock = threading.RLock()  # guards everything above
+        self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
+        self._dir_fd = open_namespace(self.root, compat_digest, create=True)
+        self._lock_fd = None
+        try:
+            self._lock_fd = self._take_lock()
+            self.scan()
+        except BaseException:
+            self.close()
+            raise
+
+    def _take_lock(self) -> int | None:
+        try:
+            fd = try_lock(self._dir_fd)
+        except OSError as e:
+            self._fault("lock_failed", str(e))
+            return None
+        if fd is None:
+            self._logged.add("readonly")  # this warning stands for every refused put
+            logger.warning("disk cache %s/%s is managed by another process; this store is read-only",
+                           self.root, self.compat_digest)
+        return fd
+
+    @property
+    def readonly(self) -> bool:
+        return self._lock_fd is None
+
+    def _fault(self, reason: str, detail: str = "") -> None:
+        with self._lock:
+            self.faults[reason] = self.faults.get(reason, 0) + 1
+            if reason in self._logged:
+                return
+            self._logged.add(reason)
+        logger.warning("disk cache %s: %s (%s); further occurrences are counted, not logged",
+                       self.compat_digest[:16], reason, detail)
+
+    def _check_open(self) -> None:
+        if self._dir_fd is None:
+            raise ValueError("the disk store is closed")
+
+    # ------------------------------------------------------------------------------------ scan
+
+    def scan(self) -> None:
+        """(Re)build the index from the namespace directory, validating headers and end markers only.
+
+        The lock holder also removes leftover temp files and bad files of ours, then evicts down
+        to the budget. Keys already indexed keep their recency; new ones take their file mtime.
+        """
+        with self._put_lock:
+            self._check_open()
+            found = {}
+            for name in sorted(os.listdir(self._dir_fd)):
+                entry = self._scan_one(name)
+                if entry is not None:
+                    found[entry.header.key] = entry
+            with self._lock:
+                rank = {key: i for i, key in enumerate(self._index)}
+                for key, entry in found.items():
+                    if key in self._index:
+                        entry.last_used = self._index[key].last_used
+                order = sorted(found.values(), key=lambda e: (e.last_used, rank.get(e.header.key, -1), e.header.key))
+                self._index = OrderedDict((e.header.key, e) for e in order)
+                self._used_bytes = sum(e.size_bytes for e in order)
+                evicted = [] if self.readonly else self._evict(self._plan_eviction(0, None) or [])
+        self._notify(evicted)
+
+    def _scan_one(self, name: str) -> _Entry | None:
+        if name == LOCK_NAME:
+            return None
+        if TEMP_NAME.fullmatch(name):
+            if not self.readonly and unlink_ours(self._dir_fd, name):
+                self._fault("stale_temp", name)
+            return None
+        if not SEGMENT_NAME.fullmatch(name):
+            self._fault("foreign_name", name)
+            return None
+        try:
+            header, st = read_index_header(self._dir_fd, name, self.compat_digest, self.limits)
+        except UnusableEntry as e:
+            self._fault(e.reason, name)
+        except SegmentError as e:
+            self._fault(e.reason, f"{name}: {e}")
+            if not self.readonly:
+                unlink_ours(self._dir_fd, name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._fault("read_failed", f"{name}: {e}")
+        else:
+            return _Entry(header, st.st_size, st.st_mtime)
+        return None
+
+    # ------------------------------------------------------------------------------------ reads
+
+    def get(self, key: bytes) -> Segment | None:
+        """The segment stored under key, with every checksum verified, or None (see class docstring)."""
+        with self._lock:
+            self._check_open()
+            self._counts["gets"] += 1
+            if key not in self._index:
+                return None
+        name = segment_file_name(key)
+        try:
+            segment = read_segment_file(self._dir_fd, name, self.compat_digest, self.limits)
+        except (SegmentError, UnusableEntry) as e:
+            self._reject(key, e.reason, str(e), delete=isinstance(e, SegmentError))
+            return None
+        except FileNotFoundError:
+            self._reject(key, "missing", name, delete=False)
+            return None
+        except OSError as e:
+            self._reject(key, "read_failed", str(e), delete=False)
+            return None
+        with self._lock:
+            self._counts["hits"] += 1
+            self._touch(key)
+        return segment
+
+    def _reject(self, key: bytes, reason: str, detail: str, delete: bool) -> None:
+        """Count a bad or vanished file, drop it from the index, and delete it when it is ours."""
+        self._fault(reason, detail)
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used_bytes -= entry.size_bytes
+        if delete and not self.readonly:
+            unlink_ours(self._dir_fd, segment_file_name(key))
+        self._notify([key] if entry is not None else [])
+
+    def _touch(self, key: bytes) -> None:
+        if key in self._index:
+            self._index[key].last_used = time.time()
+            self._index.move_to_end(key)
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def info(self, key: bytes) -> SegmentInfo | None:
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            return None
+        h = entry.header
+        return SegmentInfo(key=h.key, parent_key=h.parent_key, start_position=h.start_position,
+                           num_tokens=h.num_tokens, has_snapshot=h.has_snapshot, has_logits=h.has_logits,
+                           size_bytes=entry.size_bytes, last_used=entry.last_used)
+
+    def keys(self) -> list[bytes]:
+        """Indexed keys, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"segments": len(self._index), "used_bytes": self._used_bytes, "budget_bytes": self.budget_bytes,
+                    **self._counts, "readonly": self.readonly}
+
+    # ------------------------------------------------------------------------------------ pins
+
+    def pin(self, key: bytes) -> bool:
+        """Protect key from eviction until the matching unpin; False (no pin taken) if it is not indexed."""
+        with self._lock:
+            if key not in self._index:
+                return False
+            self._pins[key] = self._pins.get(key, 0) + 1
+            return True
+
+    def unpin(self, key: bytes) -> None:
+        """Release one successful pin(key); ValueError if there is none."""
+        with self._lock:
+            if key not in self._pins:
+                raise ValueError(f"unpin of a key that is not pinned: {key.hex()[:16]}")
+            self._pins[key] -= 1
+            if not self._pins[key]:
+                del self._pins[key]
+
+    # ------------------------------------------------------------------------------------ writes
+
+    def put(self, segment: Segment) -> bool:
+        """Store segment under segment.key, evicting least-recently-used unpinned segments to fit.
+
+        An indexed key whose file already holds everything segment holds (snapshot, logits) is only
+        touched. False, counted, when: read-only ("readonly"), larger than the budget or the limits
+        ("too_large"), pins leave too little room ("budget_full"), the name is taken by a non-file
+        ("name_taken"), or the write fails ("write_failed"). Raises ValueError on an invalid segment.
+        """
+        with self._put_lock:
+            ok, evicted = self._put_locked(segment)
+        self._notify(evicted)
+        return ok
+
+    def _put_locked(self, segment: Segment) -> tuple[bool, list[bytes]]:
+        with self._lock:
+            self._check_open()
+            if self.readonly:
+                self._fault("readonly", "another process manages this namespace")
+                return False, []
+            entry = self._index.get(segment.key)
+            if entry is not None and _covers(entry.header, segment):
+                self._touch(segment.key)
+                return True, []
+        try:
+            parts = encode_segment_parts(segment, self.compat_digest, self.compression, self.limits)
+        except SegmentError as e:
+            self._fault("too_large", str(e))
+            return False, []
+        size_bytes = sum(memoryview(p).nbytes for p in parts)
+        reservation = self._reserve(segment.key, size_bytes)
+        if reservation is None:
+            return False, []
+        evicted, reserved = reservation
+        try:
+            if not write_atomic(self._dir_fd, segment_file_name(segment.key), parts):
+                self._fault("dir_sync_failed", "the directory fsync failed after the rename")
+        except (OSError, UnusableEntry) as e:
+            with self._lock:
+                self._used_bytes -= reserved
+            self._fault(getattr(e, "reason", "write_failed"), str(e))
+            return False, evicted
+        self._commit(segment, parts[0], size_bytes, reserved)
+        return True, evicted
+
+    def _reserve(self, key: bytes, size_bytes: int) -> tuple[list[bytes], int] | None:
+        """Evict to make room for size_bytes under key and count them as used.
+
+        Returns (evicted keys, bytes added to used_bytes), or None (counted) when it cannot fit.
+        """
+        with self._lock:
+            old = self._index[key].size_bytes if key in self._index else 0
+            if size_bytes > self.budget_bytes:
+                self._fault("too_large", f"{size_bytes} bytes > budget {self.budget_bytes}")
+                return None
+            victims = self._plan_eviction(size_bytes - old, exclude=key)
+            if victims is None:
+                self._fault("budget_full", "pinned segments leave too little room")
+                return None
+            self._used_bytes += size_bytes - old
+            return self._evict(victims), size_bytes - old
+
+    def _commit(self, segment: Segment, header_bytes: bytes, size_bytes: int, reserved: int) -> None:
+        header = read_header(header_bytes, self.compat_digest, size_bytes, self.limits)
+        with self._lock:
+            old = self._index.pop(segment.key, None)
+            self._used_bytes += (size_bytes - old.size_bytes if old else size_bytes) - reserved
+            self._index[segment.key] = _Entry(header, size_bytes, time.time())
+            self._counts["puts"] += 1
+
+    def _plan_eviction(self, need_bytes: int, exclude: bytes | None) -> list[bytes] | None:
+        """Least-recently-used unpinned keys (never `exclude`) whose removal makes room for need_bytes.
+
+        [] when it already fits; None when even evicting every unpinned key would not be enough.
+        """
+        excess = self._used_bytes + need_bytes - self.budget_bytes
+        victims = []
+        for key, entry in self._index.items():
+            if excess <= 0:
+                break
+            if key != exclude and key not in self._pins:
+                victims.append(key)
+                excess -= entry.size_bytes
+        return victims if excess <= 0 else None
+
+    def _evict(self, victims: list[bytes]) -> list[bytes]:
+        """Drop victims from the index and delete their files (caller holds self._lock)."""
+        for key in victims:
+            self._used_bytes -= self._index.pop(key).size_bytes
+            unlink_ours(self._dir_fd, segment_file_name(key))
+            self._counts["evictions"] += 1
+        return victims
+
+    def _notify(self, keys: list[bytes]) -> None:
+        if self.on_evict is not None:
+            for key in keys:
+                self.on_evict(key)
+
+    # ------------------------------------------------------------------------------------ lifetime
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests call it after each step)."""
+        with self._lock:
+            assert self._used_bytes == sum(e.size_bytes for e in self._index.values()), "used_bytes drifted"
+            assert self.readonly or self._used_bytes <= self.budget_bytes, "over budget"
+            assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
+            assert all(k == e.header.key for k, e in self._index.items()), "index key differs from its header"
+
+    def close(self) -> None:
+        """Release the lock (another process may then manage the namespace) and the directory. Idempotent."""
+        with self._put_lock, self._lock:
+            for fd in (self._lock_fd, self._dir_fd):
+                if fd is not None:
+                    os.close(fd)
+            self._lock_fd = self._dir_fd = None
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _covers(header: SegmentHeader, segment: Segment) -> bool:
+    """The stored file already holds everything `segment` would add."""
+    has_snapshot = header.has_snapshot or segment.snapshot_bytes is None
+    return has_snapshot and (header.has_logits or segment.logits_bytes is None)

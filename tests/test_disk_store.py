@@ -1,0 +1,284 @@
+"""The disk segment store: put/get, restart scan, exact LRU eviction within budget, pins, the lock,
+permissions, counters, and the `cairn cache ls|verify|purge` helpers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cairn.cache.disk_store import (
+    DiskStore,
+    DiskStoreError,
+    StoreLockedError,
+    list_namespaces,
+    purge_namespace,
+    verify_store,
+)
+from cairn.cache.segment import Segment, segment_key
+
+DIGEST = "ab" * 32
+OTHER_DIGEST = "cd" * 32
+CHILD = Path(__file__).with_name("disk_store_child.py")
+
+
+def make_segment(i: int, parent: bytes | None = None, kv_bytes: int = 1000, snapshot: bool = True) -> Segment:
+    tokens = [i, i + 1, i + 2]
+    return Segment(segment_key(parent, tokens), parent, 0 if parent is None else 3, tokens, bytes([i % 256]) * kv_bytes,
+                   {"i": i}, snapshot_bytes=b"s" * 100 if snapshot else None, snapshot_meta={"pos": 3})
+
+
+def file_bytes(seg: Segment) -> int:
+    """The size a segment takes on disk, measured by storing it once in a scratch store."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp, DiskStore(tmp, DIGEST, 1 << 30) as store:
+        store.put(seg)
+        return store.info(seg.key).size_bytes
+
+
+def equal_sized_segments(n: int) -> list[Segment]:
+    return [make_segment(10 * (i + 1)) for i in range(n)]
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    return tmp_path / "cache"
+
+
+def namespace_files(root: Path, digest: str = DIGEST) -> list[str]:
+    return sorted(os.listdir(root / digest))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd", "lz4"])
+def test_put_then_get_returns_the_identical_segment(root, compression):
+    with DiskStore(root, DIGEST, 1 << 20, compression=compression) as store:
+        seg = make_segment(1)
+        assert store.put(seg)
+        assert store.contains(seg.key) and len(store) == 1
+        assert store.get(seg.key) == seg
+        info = store.info(seg.key)
+        assert (info.parent_key, info.start_position, info.num_tokens, info.has_snapshot, info.has_logits) == (
+            None, 0, 3, True, False)
+        assert info.size_bytes == store.used_bytes == os.path.getsize(root / DIGEST / f"{seg.key.hex()}.seg")
+        assert store.get(segment_key(None, [9])) is None
+        assert store.stats() | {"used_bytes": 0} == {"segments": 1, "used_bytes": 0, "budget_bytes": 1 << 20,
+                                                     "puts": 1, "gets": 2, "hits": 1, "evictions": 0,
+                                                     "readonly": False}
+        store.check_integrity()
+
+
+def test_restart_scan_indexes_what_a_previous_store_wrote(root):
+    a = make_segment(1)
+    b = make_segment(4, parent=a.key, snapshot=False)
+    with DiskStore(root, DIGEST, 1 << 20) as store:
+        assert store.put(a) and store.put(b)
+        infos = {k: store.info(k) for k in (a.key, b.key)}
+    with DiskStore(root, DIGEST, 1 << 20) as store:
+        assert sorted(store.keys()) == sorted([a.key, b.key])
+        for key, info in infos.items():
+            assert store.info(key).size_bytes == info.size_bytes
+            assert store.info(key).parent_key == info.parent_key
+        assert store.get(a.key) == a and store.get(b.key) == b
+        assert store.faults == {}
+        store.check_integrity()
+
+
+def test_lru_eviction_drops_least_recently_used_first_and_never_exceeds_budget(root):
+    segs = equal_sized_segments(5)
+    size = file_bytes(segs[0])
+    evicted = []
+    with DiskStore(root, DIGEST, 3 * size, on_evict=evicted.append) as store:
+        for seg in segs[:3]:
+            assert store.put(seg)
+        assert store.get(segs[0].key) == segs[0]  # now 1 is the least recently used
+        assert store.put(segs[3])
+        assert evicted == [segs[1].key]
+        assert store.put(segs[4])
+        assert evicted == [segs[1].key, segs[2].key]
+        assert store.keys() == [segs[0].key, segs[3].key, segs[4].key]
+        assert store.used_bytes == 3 * size <= store.budget_bytes
+        assert sorted(namespace_files(root)) == sorted([".lock"] + [f"{s.key.hex()}.seg" for s in segs[::3] + segs[4:]])
+        assert store.stats()["evictions"] == 2
+        store.check_integrity()
+
+
+def test_restart_recency_comes_from_file_mtime(root):
+    segs = equal_sized_segments(4)
+    size = file_bytes(segs[0])
+    with DiskStore(root, DIGEST, 3 * size) as store:
+        for seg in segs[:3]:
+            store.put(seg)
+    for age, seg in zip((100, 300, 200), segs[:3], strict=True):  # oldest mtime: segs[1]
+        os.utime(root / DIGEST / f"{seg.key.hex()}.seg", (1e9 - age, 1e9 - age))
+    evicted = []
+    with DiskStore(root, DIGEST, 3 * size, on_evict=evicted.append) as store:
+        assert store.put(segs[3])
+        assert evicted == [segs[1].key]
+
+
+def test_lowered_budget_at_restart_evicts_down_to_it(root):
+    segs = equal_sized_segments(3)
+    size = file_bytes(segs[0])
+    with DiskStore(root, DIGEST, 3 * size) as store:
+        for seg in segs:
+            store.put(seg)
+    with DiskStore(root, DIGEST, size) as store:
+        assert len(store) == 1 and store.used_bytes <= size
+        store.check_integrity()
+
+
+def test_pinned_segment_is_never_evicted(root):
+    segs = equal_sized_segments(4)
+    size = file_bytes(segs[0])
+    evicted = []
+    with DiskStore(root, DIGEST, 2 * size, on_evict=evicted.append) as store:
+        store.put(segs[0])
+        store.put(segs[1])
+        assert store.pin(segs[0].key)  # the LRU one, being read for a restore
+        assert store.put(segs[2])
+        assert evicted == [segs[1].key]
+        assert store.pin(segs[2].key)
+        assert not store.put(segs[3])  # everything left is pinned
+        assert store.faults == {"budget_full": 1} and evicted == [segs[1].key]
+        assert store.get(segs[0].key) == segs[0]
+        store.unpin(segs[0].key)
+        assert store.put(segs[3])
+        assert evicted == [segs[1].key, segs[0].key]
+        assert not store.pin(segs[0].key)  # gone: no pin taken
+        with pytest.raises(ValueError):
+            store.unpin(segs[0].key)
+        store.check_integrity()
+
+
+def test_segment_larger_than_the_whole_budget_is_refused_as_too_large(root):
+    with DiskStore(root, DIGEST, 500) as store:
+        assert not store.put(make_segment(1, kv_bytes=1000))
+        assert store.faults == {"too_large": 1}
+        assert namespace_files(root) == [".lock"]
+
+
+def test_put_of_a_stored_key_rewrites_only_to_add_a_snapshot(root):
+    bare, full = make_segment(1, snapshot=False), make_segment(1)
+    with DiskStore(root, DIGEST, 1 << 20) as store:
+        assert store.put(bare)
+        assert store.put(full)
+        assert store.info(full.key).has_snapshot and store.stats()["puts"] == 2
+        assert store.put(bare)  # already covered: only touched
+        assert store.stats()["puts"] == 2 and store.get(full.key) == full
+        assert store.used_bytes == store.info(full.key).size_bytes
+        store.check_integrity()
+
+
+def test_store_in_same_process_with_its_own_lock_description_is_readonly(root):
+    seg = make_segment(1)
+    with DiskStore(root, DIGEST, 1 << 20) as writer:
+        writer.put(seg)
+        with DiskStore(root, DIGEST, 1 << 20) as reader:
+            assert reader.readonly and not writer.readonly
+            assert reader.get(seg.key) == seg
+            assert not reader.put(make_segment(2)) and reader.faults == {"readonly": 1}
+    with DiskStore(root, DIGEST, 1 << 20) as after:  # the lock was released on close
+        assert not after.readonly
+
+
+def test_readonly_store_while_another_process_holds_the_lock_never_writes_evicts_or_deletes(root, caplog):
+    segs = equal_sized_segments(3)
+    with DiskStore(root, DIGEST, 1 << 20) as store:
+        for seg in segs:
+            store.put(seg)
+    child = subprocess.Popen([sys.executable, str(CHILD), "hold", str(root), DIGEST], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        stray_temp = root / DIGEST / ".tmp-1-0123456789abcdef"  # maybe the holder's write in progress
+        stray_temp.write_bytes(b"partial")
+        broken = root / DIGEST / f"{segment_key(None, [7]).hex()}.seg"
+        broken.write_bytes(b"garbage")
+        before = namespace_files(root)
+        with caplog.at_level(logging.WARNING), DiskStore(root, DIGEST, file_bytes(segs[0])) as reader:
+            assert reader.readonly and reader.stats()["readonly"]
+            assert len(reader) == 3 and reader.used_bytes > reader.budget_bytes  # over budget, yet nothing evicted
+            assert all(reader.get(s.key) == s for s in segs)
+            assert not reader.put(make_segment(99)) and not reader.put(make_segment(98))
+            assert reader.faults["readonly"] == 2 and reader.stats()["evictions"] == 0
+        assert namespace_files(root) == before
+        assert sum("another process" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
+    with DiskStore(root, DIGEST, 1 << 20) as writer:  # now the lock is free: cleanup happens
+        assert not writer.readonly and len(writer) == 3
+        assert not stray_temp.exists() and not broken.exists()
+
+
+def test_namespace_and_files_are_private(tmp_path):
+    old_umask = os.umask(0)
+    try:
+        root = tmp_path / "fresh" / "cache"
+        with DiskStore(root, DIGEST, 1 << 20) as store:
+            store.put(seg := make_segment(1))
+        mode = lambda p: stat.S_IMODE(os.lstat(p).st_mode)
+        assert mode(root) == 0o700 and mode(root / DIGEST) == 0o700
+        assert mode(root / DIGEST / ".lock") == 0o600
+        assert mode(root / DIGEST / f"{seg.key.hex()}.seg") == 0o600
+        existing = tmp_path / "shared"
+        existing.mkdir(mode=0o755)
+        DiskStore(existing, DIGEST, 1 << 20).close()
+        assert mode(existing) == 0o755  # a root we did not create is left as it was
+    finally:
+        os.umask(old_umask)
+
+
+def test_namespace_name_must_be_hex_and_a_real_directory(root, tmp_path):
+    for bad in ("../escape", "AB" * 32, "", "abc"):
+        with pytest.raises(ValueError):
+            DiskStore(root, bad, 1 << 20)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root).mkdir()
+    (root / OTHER_DIGEST).symlink_to(elsewhere)
+    with pytest.raises(DiskStoreError):
+        DiskStore(root, OTHER_DIGEST, 1 << 20)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_each_fault_reason_is_logged_once_and_counted_every_time(root, caplog):
+    with caplog.at_level(logging.WARNING), DiskStore(root, DIGEST, 100) as store:
+        for i in range(3):
+            assert not store.put(make_segment(i))
+    assert store.faults == {"too_large": 3}
+    assert sum("too_large" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_list_verify_and_purge_touch_only_our_files(root):
+    segs = equal_sized_segments(3)
+    with DiskStore(root, DIGEST, 1 << 20) as store, DiskStore(root, OTHER_DIGEST, 1 << 20) as other:
+        for seg in segs:
+            store.put(seg)
+        other.put(segs[0])
+        sizes = [store.info(s.key).size_bytes for s in segs]
+    bad_name = f"{segs[1].key.hex()}.seg"
+    data = bytearray((root / DIGEST / bad_name).read_bytes())
+    data[-300] ^= 0x10  # inside the kv payload
+    (root / DIGEST / bad_name).write_bytes(bytes(data))
+    (root / DIGEST / "notes.txt").write_text("keep me")
+    (root / "not-a-namespace").mkdir()
+
+    assert list_namespaces(root) == [(DIGEST, 3, sum(sizes)), (OTHER_DIGEST, 1, sizes[0])]
+    report = verify_store(root)
+    assert report[DIGEST].ok == 2 and report[DIGEST].bad == [(bad_name, "checksum")]
+    assert verify_store(root, OTHER_DIGEST) == {OTHER_DIGEST: (1, [])}
+
+    with DiskStore(root, OTHER_DIGEST, 1 << 20), pytest.raises(StoreLockedError):
+        purge_namespace(root, OTHER_DIGEST)
+    assert namespace_files(root, OTHER_DIGEST) == [".lock", f"{segs[0].key.hex()}.seg"]
+    assert purge_namespace(root, DIGEST) == 3
+    assert namespace_files(root) == ["notes.txt"]  # foreign file kept, so the directory stays
+    assert purge_namespace(root, OTHER_DIGEST) == 1
+    assert sorted(os.listdir(root)) == [DIGEST, "not-a-namespace"]
+    assert list_namespaces(tmp := root / "missing") == [] and verify_store(tmp) == {}

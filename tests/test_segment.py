@@ -1,0 +1,189 @@
+"""The segment file format: keys chain, encode/decode round-trips, and every damaged file is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+import pytest
+
+from cairn.cache import segment as fmt
+from cairn.cache.segment import (
+    HEADER_BYTES,
+    Segment,
+    SegmentError,
+    SegmentLimits,
+    decode_segment,
+    encode_segment,
+    read_header,
+    segment_key,
+)
+
+DIGEST = "c0ffee" * 8
+OTHER_DIGEST = "beef" * 16
+
+
+def make_segment(tokens=(5, 6, 7, 8), parent=None, start=0, kv=b"K" * 300, snapshot=b"S" * 200,
+                 logits=b"L" * 100) -> Segment:
+    return Segment(key=segment_key(parent, tokens), parent_key=parent, start_position=start, tokens=tokens,
+                   kv_bytes=kv, kv_meta={"shape": [2, 4], "dtype": "bfloat16"}, snapshot_bytes=snapshot,
+                   snapshot_meta={"layers": 3} if snapshot is not None else {}, logits_bytes=logits,
+                   logits_meta={"vocab": 25} if logits is not None else {})
+
+
+def blake16(*parts) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def reseal(data: bytes | bytearray) -> bytes:
+    """Recompute every checksum of an edited file, as a buggy or hostile writer would."""
+    data = bytearray(data)
+    data[HEADER_BYTES - 16 : HEADER_BYTES] = blake16(data[: HEADER_BYTES - 16])
+    sums, offset, end = [], HEADER_BYTES, len(data) - fmt.END_BYTES
+    while offset < end:
+        _, stored, _ = struct.unpack_from("<IQQ", data, offset)
+        body = offset + fmt.SECTION_HEADER_BYTES
+        data[offset + 20 : body] = blake16(data[offset : offset + 20], data[body : body + stored])
+        sums.append(bytes(data[offset + 20 : body]))
+        offset = body + stored
+    data[-16:] = blake16(data[HEADER_BYTES - 16 : HEADER_BYTES], *sums)
+    return bytes(data)
+
+
+def test_segment_key_is_32_bytes_and_chains_parent_and_tokens():
+    a = segment_key(None, [1, 2, 3])
+    assert len(a) == 32
+    assert segment_key(None, (1, 2, 3)) == a  # equal prefixes, equal keys, whatever the container
+    assert segment_key(None, [1, 2, 4]) != a
+    b = segment_key(a, [4, 5])
+    assert segment_key(segment_key(None, [1, 2, 3]), [4, 5]) == b
+    assert segment_key(segment_key(None, [1, 2, 9]), [4, 5]) != b  # a different prefix changes every descendant
+    assert segment_key(fmt.ROOT_KEY, [1, 2, 3]) == a  # None means the root marker
+
+
+def test_segment_key_is_stable_across_processes_and_versions():
+    # A changed key function silently orphans every durable cache: these values must never change.
+    a = segment_key(None, [1, 2, 3])
+    assert a.hex() == "8474a380da36750f3cd3c80e1304358b3b545caa0f0f6f2310f1bc7a3786978c"
+    assert segment_key(a, [4, 5]).hex() == "eb27bdf46c82c27c8c5138bbff7a9ee5b0c641b3ff135d524f7dbd37cd1e6637"
+
+
+def test_segment_key_rejects_bad_parent_and_tokens():
+    with pytest.raises(ValueError):
+        segment_key(b"short", [1])
+    with pytest.raises(ValueError):
+        segment_key(None, [-1])
+    with pytest.raises(ValueError):
+        segment_key(None, [2**32])
+
+
+@pytest.mark.parametrize("compression", [None, "zstd", "lz4"])
+@pytest.mark.parametrize("with_extras", [True, False])
+def test_encode_decode_round_trips_every_field(compression, with_extras):
+    parent = segment_key(None, [1, 2])
+    seg = make_segment(parent=parent, start=2, kv=bytes(range(256)) * 40,
+                       snapshot=b"\x00" * 4096 if with_extras else None, logits=b"\x01" * 64 if with_extras else None)
+    data = encode_segment(seg, DIGEST, compression)
+    assert decode_segment(data, DIGEST) == seg
+    header = read_header(data[:HEADER_BYTES], DIGEST, len(data))
+    assert (header.key, header.parent_key, header.start_position, header.num_tokens) == (seg.key, parent, 2, 4)
+    assert header.has_snapshot == header.has_logits == with_extras
+
+
+def test_compression_is_kept_only_for_sections_it_shrinks():
+    seg = make_segment(kv=os.urandom(4096), snapshot=bytes(4096), logits=None)
+    data = encode_segment(seg, DIGEST, "zstd")
+    header = read_header(data, DIGEST, len(data))
+    assert not header.flags & fmt.FLAG_KV_COMPRESSED  # random bytes: stored raw
+    assert header.flags & fmt.FLAG_SNAPSHOT_COMPRESSED
+    assert len(data) < len(encode_segment(seg, DIGEST))
+    assert decode_segment(data, DIGEST) == seg
+
+
+def test_encode_rejects_inconsistent_segments():
+    seg = make_segment()
+    with pytest.raises(ValueError):
+        encode_segment(Segment(b"\x00" * 32, None, 0, (1,), b""), DIGEST)  # key is not the hash
+    with pytest.raises(ValueError):
+        encode_segment(Segment(segment_key(None, ()), None, 0, (), b""), DIGEST)  # no tokens
+    with pytest.raises(ValueError):
+        encode_segment(seg, "../etc")  # digest must be hex
+    with pytest.raises(ValueError):
+        encode_segment(seg, DIGEST, compression="gzip")
+    with pytest.raises(SegmentError) as e:
+        encode_segment(seg, DIGEST, limits=SegmentLimits(max_file_bytes=100))
+    assert e.value.reason == "oversized"
+
+
+def test_every_strict_prefix_of_a_file_is_truncated_or_empty():
+    data = encode_segment(make_segment(), DIGEST)
+    for n in range(len(data)):
+        with pytest.raises(SegmentError) as e:
+            decode_segment(data[:n], DIGEST)
+        assert e.value.reason == ("empty" if n == 0 else "truncated"), n
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_no_single_bit_flip_anywhere_decodes(compression):
+    seg = make_segment(kv=b"kv" * 40, snapshot=bytes(64), logits=b"lg" * 8)
+    data = encode_segment(seg, DIGEST, compression)
+    for i in range(len(data) * 8):
+        flipped = bytearray(data)
+        flipped[i // 8] ^= 1 << (i % 8)
+        with pytest.raises(SegmentError):
+            decode_segment(bytes(flipped), DIGEST)
+
+
+def test_wrong_magic_version_and_digest_have_their_reasons():
+    data = encode_segment(make_segment(), DIGEST)
+    cases = {"magic": b"NOTCAIRN" + data[8:],
+             "version": reseal(data[:8] + struct.pack("<H", fmt.FORMAT_VERSION + 1) + data[10:])}
+    for reason, bad in cases.items():
+        with pytest.raises(SegmentError) as e:
+            decode_segment(bad, DIGEST)
+        assert e.value.reason == reason
+    with pytest.raises(SegmentError) as e:
+        decode_segment(data, OTHER_DIGEST)
+    assert e.value.reason == "foreign_model"
+
+
+def test_lengths_are_bounded_by_limits_before_use():
+    data = encode_segment(make_segment(), DIGEST)
+    for limits in (SegmentLimits(max_tokens=3), SegmentLimits(max_meta_bytes=10), SegmentLimits(max_section_bytes=250),
+                   SegmentLimits(max_file_bytes=len(data) - 1)):
+        with pytest.raises(SegmentError) as e:
+            decode_segment(data, DIGEST, limits)
+        assert e.value.reason == "oversized", limits
+
+
+def test_resealed_inconsistencies_are_malformed_not_trusted():
+    seg = make_segment()
+    data = bytearray(encode_segment(seg, DIGEST))
+    kv_section = HEADER_BYTES + fmt.SECTION_HEADER_BYTES + 16  # after the 4-token section
+    wrong_id = data.copy()
+    struct.pack_into("<I", wrong_id, kv_section, fmt.SECTION_SNAPSHOT)
+    wrong_tokens = data.copy()
+    wrong_tokens[HEADER_BYTES + fmt.SECTION_HEADER_BYTES] ^= 1  # key no longer hashes the tokens
+    trailing = bytes(data) + b"\x00"
+    for bad in (reseal(wrong_id), reseal(wrong_tokens)):
+        with pytest.raises(SegmentError) as e:
+            decode_segment(bad, DIGEST)
+        assert e.value.reason == "malformed"
+    with pytest.raises(SegmentError) as e:
+        decode_segment(trailing, DIGEST)
+    assert e.value.reason == "malformed"
+
+
+def test_compressed_section_cannot_claim_a_different_raw_size():
+    seg = make_segment(kv=bytes(10_000), snapshot=None, logits=None)
+    data = bytearray(encode_segment(seg, DIGEST, "zstd"))
+    kv_section = HEADER_BYTES + fmt.SECTION_HEADER_BYTES + 16
+    _, stored, raw = struct.unpack_from("<IQQ", data, kv_section)
+    struct.pack_into("<IQQ", data, kv_section, fmt.SECTION_KV, stored, raw + 1)
+    with pytest.raises(SegmentError) as e:
+        decode_segment(reseal(data), DIGEST)
+    assert e.value.reason == "malformed"
