@@ -19,8 +19,6 @@ import typing
 
 from cairn.config import EngineConfig
 
-GROUPS = {"model": "model", "memory": "memory", "scheduler": "scheduler"}
-
 
 def _field_type(f: dataclasses.Field, owner: type):
     hint = typing.get_type_hints(owner)[f.name]
@@ -123,8 +121,25 @@ def run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+# ---- serve ------------------------------------------------------------------------------------------
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from cairn.server.options import ServerOptions
+
+    add_dataclass_args(p, ServerOptions, "server options")
+    add_engine_args(p)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    from cairn.server.main import serve
+    from cairn.server.options import ServerOptions
+
+    return serve(config_from_args(ns), build_group(ServerOptions, ns))
+
+
 COMMANDS: dict[str, tuple[str, typing.Callable, typing.Callable]] = {
     "generate": ("generate text for one prompt or chat", add_generate_args, run_generate),
+    "serve": ("serve the OpenAI-compatible HTTP API", add_serve_args, run_serve),
 }
 
 

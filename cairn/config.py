@@ -49,7 +49,23 @@ class SchedulerOptions:
 
 
 @dataclass(frozen=True)
+class CacheOptions:
+    prefix_cache: bool = _f(True, "keep KV and state snapshots of past requests and resume new ones from them")
+    snapshot_interval: int = _f(1024, "a snapshot every this many tokens of absolute position; 0 turns the grid off")
+    snapshot_at_messages: bool = _f(True, "a snapshot where every chat message starts")
+    snapshot_at_prompt_end: bool = _f(True, "a snapshot (with its logits) at the end of every prompt")
+    snapshot_at_request_end: bool = _f(True, "a snapshot at the end of every request, after generation")
+    snapshot_at_branch: bool = _f(True, "a snapshot where a prompt leaves a cached path below its deepest snapshot")
+    device_snapshot_gib: float = _f(1.0, "device bytes for snapshots, in GiB")
+
+    @property
+    def device_snapshot_bytes(self) -> int:
+        return int(self.device_snapshot_gib * GIB)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+    cache: CacheOptions = field(default_factory=CacheOptions)

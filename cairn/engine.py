@@ -15,6 +15,9 @@ from typing import Any
 import torch
 
 from cairn.cache.base import NullCache, PrefixCache
+from cairn.cache.hybrid_cache import HybridPrefixCache
+from cairn.cache.placement import PlacementOptions
+from cairn.cache.tiers import DeviceSnapshotTier
 from cairn.config import EngineConfig
 from cairn.demo import DEMO_NAME, build_demo
 from cairn.memory.kv_pool import KVPool
@@ -24,7 +27,7 @@ from cairn.model.loader import load_checkpoint
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.runner import ModelRunner
 from cairn.sampling import SamplingParams, sample
-from cairn.scheduler import RequestTooLarge, ScheduledBatch, Scheduler
+from cairn.scheduler import RequestTooLarge, Scheduler
 from cairn.sequence import Sequence, Status
 from cairn.tokenizer import HFTokenizer
 
@@ -42,6 +45,10 @@ class Engine:
         self.config = config
         opts = config.model
         self.device = resolve_device(opts.device)
+        if self.device.type == "cpu":
+            # Decayed recurrent states underflow into subnormal floats, which x86 CPUs compute up to
+            # 100x slower; flushing them to zero changes no result beyond 1e-38 and is set once here.
+            torch.set_flush_denormal(True)
         torch.manual_seed(opts.demo_seed)
         if opts.model is None:
             dtype = torch.float32 if opts.dtype == "auto" else getattr(torch, opts.dtype)
@@ -54,7 +61,7 @@ class Engine:
         self.dtype = self.model.embed.weight.dtype
         self.kv, self.states = self._allocate_pools(self.model_config)
         self.max_model_len = self._max_model_len()
-        self.cache = cache if cache is not None else NullCache()
+        self.cache = cache if cache is not None else self._build_cache()
         sched = config.scheduler
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache,
                                    min(sched.max_num_seqs, self.states.num_slots), sched.max_num_batched_tokens,
@@ -85,6 +92,19 @@ class Engine:
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d working state slots of %.2f MiB",
                  num_pages, mem.page_size, kv.total_bytes / 2**20, num_slots, slot_bytes / 2**20)
         return kv, states
+
+    def _build_cache(self) -> PrefixCache:
+        opts = self.config.cache
+        if not opts.prefix_cache or not self.model_config.linear_layers:
+            return NullCache()
+        placement = PlacementOptions(
+            interval_tokens=opts.snapshot_interval, at_messages=opts.snapshot_at_messages,
+            at_prompt_end=opts.snapshot_at_prompt_end, at_request_end=opts.snapshot_at_request_end,
+            at_branch=opts.snapshot_at_branch)
+        tier = DeviceSnapshotTier(self.states, opts.device_snapshot_bytes, self.model_config.vocab_size)
+        log.info("prefix cache: %d device snapshot slots (%.1f MiB budget), snapshot every %d tokens",
+                 tier.num_slots, opts.device_snapshot_bytes / 2**20, opts.snapshot_interval)
+        return HybridPrefixCache(self.kv, self.states, tier, placement)
 
     def _max_model_len(self) -> int:
         limit = min(self.model_config.max_position_embeddings, self.kv.num_pages * self.kv.page_size)
@@ -163,7 +183,6 @@ class Engine:
             seq.num_computed += n
             i = row_of.get(seq.request_id)
             self.cache.after_step(seq, None if i is None else logits[i])
-        self._log_prefill(batch)
         if batch.ready:
             restored = torch.stack([seq.ready_logits.float().cpu() for seq in batch.ready])
             logits = restored if logits is None else torch.cat([logits, restored])
@@ -177,6 +196,7 @@ class Engine:
         now = time.monotonic()
         if seq.first_token_s is None:
             seq.first_token_s = now
+            self._log_prefill(seq)
         seq.last_token_s = now
         seq.token_ids.append(s.token)
         if s.logprob is not None:
@@ -209,18 +229,24 @@ class Engine:
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft)
 
-    def _log_prefill(self, batch: ScheduledBatch) -> None:
-        prefills = list(zip(batch.seqs[batch.num_decode:], batch.num_new_tokens[batch.num_decode:], strict=True))
-        for seq, n in prefills + [(seq, 0) for seq in batch.ready]:
-            c = seq.cache
-            log.info("prefill %s: new=%d cached=%d resume=%d tier=%s source=%s snapshots=%d kv_free=%d/%d "
-                     "slots_free=%d/%d", seq.request_id, n, c.cached_tokens, c.resume_position, c.resume_tier,
-                     c.resume_source, c.snapshots_taken, self.kv.allocator.num_free, self.kv.num_pages,
-                     self.states.num_free, self.states.num_slots)
+    def _log_prefill(self, seq: Sequence) -> None:
+        """One line per request whose prefill just finished: what it computed and what the cache gave."""
+        c = seq.cache
+        log.info("prefill %s: new=%d cached=%d resume=%d tier=%s source=%s match=%d miss=%s snapshots=%d "
+                 "ttft=%.3fs kv_free=%d/%d slots_free=%d/%d", seq.request_id, seq.num_computed - seq.num_cached,
+                 c.cached_tokens, c.resume_position, c.resume_tier, c.resume_source, c.match_length, c.miss_reason,
+                 c.snapshots_taken, seq.first_token_s - seq.arrival_s, self.kv.allocator.num_free, self.kv.num_pages,
+                 self.states.num_free, self.states.num_slots)
 
     def check_integrity(self) -> None:
-        """Pages, slots and the cache's bookkeeping agree (call when idle)."""
+        """Pages, slots and the cache's bookkeeping agree: every page's refcount is the tree's references
+        plus the running requests' page tables."""
         self.cache.check_integrity()
+        expected: dict[int, int] = dict(self.cache.page_refs())
+        for seq in self.scheduler.running:
+            for page in seq.page_table:
+                expected[page] = expected.get(page, 0) + 1
+        self.kv.allocator.check_integrity(expected)
         if not self.scheduler.has_work and self.states.num_free != self.states.num_slots:
             raise AssertionError("an idle engine holds working state slots")
 

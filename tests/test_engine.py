@@ -15,7 +15,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def make_llm(**kw) -> LLM:
-    opts = dict(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+    """The demo model without the prefix cache, so that every page is free again when requests finish."""
+    opts = dict(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+                prefix_cache=False)
     return LLM(**{**opts, **kw})
 
 
@@ -90,8 +92,8 @@ def test_a_request_that_can_never_fit_is_refused_with_a_clear_error():
 
 def test_admission_waits_for_free_kv_pages_and_everyone_finishes():
     cfg = make_llm().engine.config
-    engine = Engine(EngineConfig(cfg.model, type(cfg.memory)(page_size=8, kv_cache_gib=0.0005, state_cache_gib=0.02),
-                                 cfg.scheduler))
+    memory = type(cfg.memory)(page_size=8, kv_cache_gib=0.0005, state_cache_gib=0.02)
+    engine = Engine(EngineConfig(cfg.model, memory, cfg.scheduler, cfg.cache))
     pages = engine.kv.num_pages
     long = [list(range(i, i + 8 * pages // 2 - 8)) for i in range(3)]  # each needs about half the pool
     ids = [engine.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)) for p in long]

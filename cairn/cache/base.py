@@ -48,6 +48,10 @@ class PrefixCache(ABC):
     def stats(self) -> dict:
         return {}
 
+    def page_refs(self) -> dict[int, int]:
+        """Page id -> references the cache holds (for the engine's integrity check)."""
+        return {}
+
 
 class NullCache(PrefixCache):
     """Caches nothing: every request is prefilled from position 0."""

@@ -18,11 +18,15 @@ def causal_conv1d(
     x: [T, C]; state: [C, K-1] (inputs before x); weight: [C, K].
     Returns (silu(conv(x)) [T, C], new_state [C, K-1]).
     """
-    seq_len = x.shape[0]
-    window = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=-1)  # [C, K-1+T]
-    out = F.conv1d(window.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])
-    new_state = window[:, -state.shape[-1]:] if state.shape[-1] else window[:, :0]
-    return F.silu(out[0, :, -seq_len:]).transpose(0, 1).to(x.dtype), new_state
+    seq_len, kernel = x.shape[0], weight.shape[-1]
+    window = torch.cat([state.to(x.dtype).transpose(0, 1), x], dim=0)  # [K-1+T, C], time-major
+    # a depthwise conv with a kernel of a few taps is a few shifted multiply-adds (faster than a conv call)
+    w = weight.to(x.dtype).transpose(0, 1)  # [K, C]
+    out = window[0:seq_len] * w[0]
+    for k in range(1, kernel):
+        out = out + window[k:k + seq_len] * w[k]
+    new_state = window[seq_len:].transpose(0, 1)  # the last K-1 inputs
+    return F.silu(out), new_state.contiguous()
 
 
 def causal_conv1d_update(

@@ -1,0 +1,86 @@
+"""Retention order of snapshots: which snapshot the radix tree gives up first (DESIGN §4.2).
+
+This module is the ranking only: it reads a tree's nodes and returns keys. It does not evict, does
+not know about tiers and never imports torch; `RadixTree.evict_snapshots` applies it.
+
+A snapshot's value is the prefill it saves over the nearest snapshot above it on its path (its
+*gap*), weighted by how recently its path was used, per byte. The victim is the minimum of
+
+    (entry.last_access, deepest, gap / entry.nbytes, position)
+
+    last_access  older first: the least-recently-used conversation loses first.
+    deepest      False before True: a snapshot with another snapshot below it in its subtree goes
+                 before the deepest one of its branch (the deepest resumes the longest prompts).
+    gap / nbytes prefill tokens saved per byte, smallest first.
+    position     shallower first among exact ties.
+
+Worked example: one path with snapshots at 100, 200, 300, 400, equal bytes, all stamped by the same
+operation. Gaps are 100, 100, 100, 100 and 400 is deepest, so 100 goes (lowest position). Gaps are now
+200 (at 200), 100 (at 300), 100 (at 400, deepest), so 300 goes. Then 200 (gap 200) goes before 400.
+Survivors stay spread along the conversation: {200, 300, 400} -> {200, 400} -> {400}.
+
+The key is a total order on one tree: one operation stamps only the snapshots along one root-to-node
+chain, so two snapshots with equal `last_access` lie on one chain and differ in position.
+Locked snapshots are never ranked, but they still count as the snapshot above (for gaps) and below
+(for `deepest`) their neighbours. Gaps are recomputed from scratch on every call, so evicting one
+snapshot changes the gap of the one below it.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from cairn.cache.radix_types import Node
+
+
+class RetentionKey(NamedTuple):
+    """Sort key of one unlocked snapshot; the smallest is evicted first."""
+
+    last_access: int  # clock tick of the last operation whose path contained the snapshot's position
+    deepest: bool  # no other snapshot in the subtree below the snapshot's node
+    gap_per_byte: Fraction  # (position - nearest ancestor snapshot's position, or 0) / nbytes
+    position: int  # the snapshot's position (its node's end), tokens
+
+
+def rank_snapshots(root: Node) -> list[tuple[RetentionKey, Node]]:
+    """(key, node) for every unlocked snapshot under `root`, unordered. Pure: mutates nothing.
+
+    Walks the tree iteratively (paths can be thousands of nodes deep), so it is O(number of nodes).
+    """
+    order = _preorder_with_ancestor_snapshot(root)
+    has_snapshot_below = _snapshot_below(order)
+    ranked = []
+    for node, ancestor_position in order:
+        entry = node.snapshot
+        if entry is None or entry.lock_count > 0:
+            continue
+        key = RetentionKey(
+            last_access=entry.last_access,
+            deepest=not has_snapshot_below[id(node)],
+            gap_per_byte=Fraction(node.end - ancestor_position, entry.nbytes),
+            position=node.end,
+        )
+        ranked.append((key, node))
+    return ranked
+
+
+def _preorder_with_ancestor_snapshot(root: Node) -> list[tuple[Node, int]]:
+    """Nodes below root in pre-order, each with the position of the nearest snapshot strictly above it."""
+    order: list[tuple[Node, int]] = []
+    stack = [(child, 0) for child in root.children.values()]
+    while stack:
+        node, ancestor_position = stack.pop()
+        order.append((node, ancestor_position))
+        below_position = node.end if node.snapshot is not None else ancestor_position
+        stack.extend((child, below_position) for child in node.children.values())
+    return order
+
+
+def _snapshot_below(order: list[tuple[Node, int]]) -> dict[int, bool]:
+    """id(node) -> whether any strict descendant holds a snapshot (children come after parents in `order`)."""
+    below: dict[int, bool] = {}
+    for node, _ in reversed(order):
+        below[id(node)] = any(child.snapshot is not None or below[id(child)] for child in node.children.values())
+    return below

@@ -1,0 +1,285 @@
+"""EngineBridge: the engine's own thread, and how asyncio code hands it work and gets outputs back.
+
+The engine is single-threaded, so exactly one thread (started here) makes every engine call:
+
+    asyncio handlers ──(commands: thread-safe queue.Queue)──> engine thread: run commands, step()
+    asyncio handlers <──(loop.call_soon_threadsafe: per-request asyncio.Queue)── outputs of each step
+
+The engine thread blocks on the command queue while the engine has nothing to do (no busy wait),
+and between steps runs every queued command (add, abort, stats...). A request's outputs arrive on
+its `RequestStream` in order; the stream ends after the finished output, or raises EngineFailure
+(engine.step() raised while the request was running) or ServerShuttingDown (aborted by a drain or
+stop). An exception in step() fails the requests the engine was running (all in-flight ones if none
+was running yet, so a failure always makes progress) and the thread keeps serving.
+
+What this is not: it knows nothing of HTTP, JSON or metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from cairn.engine import Engine
+from cairn.outputs import RequestOutput
+from cairn.sampling import SamplingParams
+from cairn.server.errors import EngineFailure, ServerShuttingDown
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request for the engine (exactly one of prompt / messages)."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | list[int] | None = None  # text or token ids
+    messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the engine's chat template
+    fit_max_tokens: bool = False  # params.max_tokens is a placeholder: use all the context the prompt leaves
+
+
+class RequestStream:
+    """The outputs of one request, in order: `async for out in stream`. Consumed by one task."""
+
+    def __init__(self, bridge: EngineBridge, request_id: str, outputs: asyncio.Queue):
+        self.request_id = request_id
+        self._bridge = bridge
+        self._outputs = outputs
+        self.done = False  # the finished output (or an error) has been taken
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        self.done = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it has finished; safe to call any number of times."""
+        if not self.done:
+            self.done = True
+            self._bridge.abort(self.request_id)
+
+
+def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if fut.done():  # the awaiting task was cancelled
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+        loop.call_soon_threadsafe(fn, *args)
+
+
+class EngineBridge:
+    """Owns the engine thread. Every method may be called from any thread unless it says otherwise."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.num_step_failures = 0  # engine.step() exceptions survived
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="cairn-engine", daemon=True)
+        # The fields below are touched only by the engine thread.
+        self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
+        self._draining = False  # refuse new requests
+        self._drain_deadline_s: float | None = None  # time.monotonic() at which what is left is aborted
+        self._stopping = False
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new requests from now on (ServerShuttingDown); abort those still running after timeout_s."""
+        def begin() -> None:
+            self._draining = True
+            self._drain_deadline_s = time.monotonic() + timeout_s
+        self._commands.put(begin)
+
+    def stop(self, timeout_s: float) -> None:
+        """Abort every request (their streams raise ServerShuttingDown), end the thread; blocks up to timeout_s."""
+        def end() -> None:
+            self._draining = self._stopping = True
+        self._commands.put(end)
+        if self.alive:
+            self._thread.join(timeout_s)
+
+    # ---- the asyncio side -------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps and return its result (or raise its error)."""
+        if not self.alive:
+            raise EngineFailure("the engine thread is not running")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:
+            try:
+                value, error = fn(self.engine), None
+            except Exception as e:
+                value, error = None, e
+            _post(loop, _settle, fut, value, error)
+
+        self._commands.put(run)
+        return await fut
+
+    async def submit(self, sub: Submission) -> RequestStream:
+        """Add the request to the engine. Raises what add_request raises (RequestTooLarge, QueueFull,
+        SamplingError, ChatTemplateError, ValueError), or ServerShuttingDown while draining."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            await self.call(lambda engine: self._add(engine, sub, (loop, outputs)))
+        except asyncio.CancelledError:
+            self.abort(sub.request_id)  # the add may still run after our caller went away
+            raise
+        return RequestStream(self, sub.request_id, outputs)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request and free its memory, unless it already finished (then nothing happens)."""
+        self._commands.put(lambda: self._abort(request_id, None))
+
+    # ---- the engine thread ------------------------------------------------------------------------
+
+    def _add(self, engine: Engine, sub: Submission, sink: Sink) -> None:
+        if self._draining:
+            raise ServerShuttingDown("The server is shutting down and takes no new requests.")
+        prompt, params = sub.prompt, sub.params
+        if sub.fit_max_tokens:
+            prompt, params = self._fit_max_tokens(engine, sub)
+        engine.add_request(prompt, params, request_id=sub.request_id, messages=sub.messages)
+        self._sinks[sub.request_id] = sink
+
+    @staticmethod
+    def _fit_max_tokens(engine: Engine, sub: Submission) -> tuple[str | list[int] | None, SamplingParams]:
+        """max_tokens = the context the prompt leaves (at least 1, so a too-long prompt is refused as such)."""
+        prompt = sub.prompt
+        if sub.messages is not None:
+            num_prompt_tokens = len(engine.tokenizer.encode(engine.tokenizer.render_chat(sub.messages)))
+        else:
+            prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
+            num_prompt_tokens = len(prompt)
+        max_tokens = max(1, engine.max_model_len - num_prompt_tokens)
+        return prompt, dataclasses.replace(sub.params, max_tokens=max_tokens)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands(block=not self.engine.has_unfinished())
+                self._abort_if_past_deadline()
+                if self._stopping or not self.engine.has_unfinished():
+                    continue
+                self._step()
+                if not self.engine.has_unfinished():
+                    self._check_idle_integrity()
+        finally:
+            self._abort_all(ServerShuttingDown("The server is shutting down; the request was aborted."))
+            self._run_commands(block=False)  # settle calls that raced with the stop
+            log.info("engine thread stopped")
+
+    def _run_commands(self, block: bool) -> None:
+        """Run queued commands; when `block`, first sleep until one arrives (or the drain deadline)."""
+        if block:
+            deadline = self._drain_deadline_s
+            try:
+                self._run_one(self._commands.get(timeout=None if deadline is None else
+                                                 max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                self._run_one(self._commands.get_nowait())
+            except queue.Empty:
+                return
+
+    @staticmethod
+    def _run_one(command: Callable[[], None]) -> None:
+        try:
+            command()
+        except Exception:
+            log.exception("engine-thread command failed")
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.num_step_failures += 1
+            log.exception("engine.step() failed; failing the requests it was running and continuing")
+            self._fail_after_step_error(e)
+            return
+        self._deliver(outputs)
+
+    def _fail_after_step_error(self, e: Exception) -> None:
+        failure = EngineFailure(f"The engine failed while running this request: {type(e).__name__}: {e}")
+        request_ids = self.engine.running_request_ids() or list(self._sinks)
+        for request_id in request_ids:
+            self._abort(request_id, failure)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            if sink is not None:
+                by_loop[sink[0]].append((sink[1], out))
+        for loop, items in by_loop.items():
+            _post(loop, _put_all, items)
+
+    def _abort(self, request_id: str, reason: BaseException | None) -> None:
+        """Abort in the engine; tell the request's stream `reason` (None: its consumer is gone)."""
+        sink = self._sinks.pop(request_id, None)
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("engine.abort(%s) failed", request_id)
+        if sink is not None and reason is not None:
+            _post(sink[0], _put_all, [(sink[1], reason)])
+
+    def _abort_all(self, reason: BaseException) -> None:
+        for request_id in list(self._sinks):
+            self._abort(request_id, reason)
+
+    def _abort_if_past_deadline(self) -> None:
+        if self._drain_deadline_s is not None and time.monotonic() >= self._drain_deadline_s:
+            if self._sinks:
+                log.warning("shutdown timeout: aborting %d request(s) still running", len(self._sinks))
+            self._abort_all(ServerShuttingDown("The server is shutting down; the request was aborted."))
+            self._drain_deadline_s = None
+
+    def _check_idle_integrity(self) -> None:
+        """The engine's idle-time invariants; a violation is logged loudly but does not stop serving."""
+        try:
+            self.engine.check_integrity()
+        except Exception:
+            log.exception("engine bookkeeping is inconsistent while idle")

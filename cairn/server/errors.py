@@ -1,0 +1,106 @@
+"""OpenAI-shaped errors: one exception type for the HTTP layer and the mapping from engine errors to it.
+
+Every error the server returns has the body
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
+
+with the status codes below. This module decides status, type and code; it does not log and does
+not know about requests in flight.
+
+| raised by                                    | status | type                  | code                    |
+|----------------------------------------------|--------|-----------------------|-------------------------|
+| malformed JSON                               | 400    | invalid_request_error | invalid_json            |
+| a missing field / a wrong type or value      | 400    | invalid_request_error | missing_field / invalid_value |
+| SamplingError, ChatTemplateError, ValueError | 400    | invalid_request_error | invalid_value           |
+| an unsupported option (n > 1, echo, ...)     | 400    | invalid_request_error | unsupported_value       |
+| RequestTooLarge: prompt over the context     | 400    | invalid_request_error | context_length_exceeded |
+| RequestTooLarge: other (empty prompt, ...)   | 400    | invalid_request_error | invalid_value           |
+| unknown model                                | 404    | invalid_request_error | model_not_found         |
+| body over --max-request-bytes                | 413    | invalid_request_error | request_too_large       |
+| QueueFull                                    | 429    | rate_limit_error      | queue_full              |
+| client closed the connection (not sent)      | 499    | invalid_request_error | client_closed           |
+| EngineFailure, any other exception           | 500    | server_error          | internal_error          |
+| ServerShuttingDown                           | 503    | server_error          | shutting_down           |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from cairn.sampling import SamplingError
+from cairn.scheduler import QueueFull, RequestTooLarge
+from cairn.tokenizer import ChatTemplateError
+
+INVALID = "invalid_request_error"
+
+
+class ServerShuttingDown(RuntimeError):
+    """The server is draining: it takes no new request, and aborts the ones left at the deadline."""
+
+
+class EngineFailure(RuntimeError):
+    """engine.step() raised while this request was running; the request was aborted."""
+
+
+@dataclass(eq=False)
+class APIError(Exception):
+    """An error response: raise it anywhere in a handler and the app turns it into JSON."""
+
+    status: int
+    message: str
+    type: str = INVALID
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code or self.type}: {self.message}"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def body_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def from_exception(e: BaseException, prompt_param: str = "messages") -> APIError:
+    """The response for an exception raised by add_request, SamplingParams or the engine thread.
+    `prompt_param` names the prompt field in errors about it ("messages" or "prompt")."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFull):
+        return APIError(429, f"The server is busy: {e}", "rate_limit_error", code="queue_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(e, ServerShuttingDown):
+        return APIError(503, str(e) or "The server is shutting down.", "server_error", code="shutting_down")
+    if isinstance(e, RequestTooLarge):
+        over_context = "context" in str(e)
+        return APIError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else prompt_param,
+                        code="context_length_exceeded" if over_context else "invalid_value")
+    if isinstance(e, SamplingError):
+        return APIError(400, str(e), param=str(e).split(" ", 1)[0], code="invalid_value")
+    if isinstance(e, ChatTemplateError):
+        return APIError(400, str(e), param="messages", code="invalid_value")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), code="invalid_value")
+    return APIError(500, f"Internal server error: {type(e).__name__}: {e}", "server_error", code="internal_error")
+
+
+def from_validation_errors(errors: list[dict]) -> APIError:
+    """The response for FastAPI's RequestValidationError (malformed JSON, wrong or missing fields)."""
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"The request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    code = "missing_field" if first.get("type") == "missing" else "invalid_value"
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return APIError(400, message, param=param, code=code)

@@ -1,0 +1,191 @@
+"""Prometheus metrics of one server (one CollectorRegistry per app, never the global one).
+
+Recorded as requests happen:
+
+    cairn_requests_total{endpoint, status}         HTTP requests by route and status code
+    cairn_requests_finished_total{finish_reason}   stop / length / abort (client gone, shutdown) / error
+    cairn_prompt_tokens_total                      prompt tokens of requests whose prefill is done
+    cairn_cached_tokens_total{tier}                of which resumed from the cache, by resume tier
+    cairn_computed_prompt_tokens_total             of which prefilled (prompt - cached)
+    cairn_generation_tokens_total                  generated tokens (aborted requests' included)
+    cairn_time_to_first_token_seconds              histogram: request received -> first token out
+    cairn_inter_token_latency_seconds              histogram: between successive tokens of a stream
+    cairn_request_duration_seconds                 histogram: request received -> finished
+
+Read from the engine at scrape time (`EngineStats`, taken on the engine thread):
+
+    cairn_num_requests_running, cairn_num_requests_waiting
+    cairn_kv_pages_total, cairn_kv_pages_free, cairn_kv_pages_cached (held by the prefix cache)
+    cairn_state_slots_total, cairn_state_slots_free    (working slots; snapshots live in the cache's tier)
+    cairn_pool_used_bytes{pool="kv"|"state"}, cairn_pool_capacity_bytes{pool}
+    cairn_engine_step_failures_total
+    cairn_cache_*                                  whatever engine.cache.stats() reports, see below
+
+Shape of `engine.cache.stats()` (a flat dict; NullCache returns {} and exports nothing):
+
+    {"snapshots_taken": 12,                                  -> cairn_cache_snapshots_taken_total 12
+     "snapshots_restored": 5,                                -> cairn_cache_snapshots_restored_total 5
+     "snapshots_evicted{reason}": {"capacity": 3, "stale_kv": 1},
+                                        -> cairn_cache_snapshots_evicted_total{reason="capacity"} 3 ...
+     "snapshots_demoted{tier}": {"host": 2},                 -> cairn_cache_snapshots_demoted_total{tier="host"} 2
+     "num_snapshots{tier}": {"device": 7, "host": 2},        -> cairn_cache_num_snapshots{tier="device"} 7 (gauge)
+     "used_bytes{tier}": {"device": 1048576},                -> cairn_cache_used_bytes{tier="device"} (gauge)
+     "hit_rate_note": "text"}                                -> ignored (not a number)
+
+Rules: a value is a number, or a dict {label value: number} whose label name is given in braces at
+the end of the key (`kind` when there are none). Keys starting with `num_` or ending with `_bytes` are
+gauges (levels that go up and down); every other key is a counter (monotonic since start-up; a trailing
+`_total` is optional). Other characters than [a-zA-Z0-9_] in names become `_`; booleans and
+non-numbers are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cairn.engine import Engine
+from cairn.outputs import RequestOutput
+
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
+DURATION_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800)
+_KEY = re.compile(r"^(?P<name>[^{]+?)(?:\{(?P<label>[^}]*)\})?$")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state at one moment; build it with `read` on the engine thread."""
+
+    num_running: int
+    num_waiting: int
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_bytes_per_page: int
+    state_slots_total: int
+    state_slots_free: int
+    state_bytes_per_slot: int
+    kv_pages_cached: int = 0  # pages the prefix cache references (when idle: free + cached == total)
+    cache: dict = field(default_factory=dict)  # engine.cache.stats(), shape in the module docstring
+
+    @classmethod
+    def read(cls, engine: Engine) -> EngineStats:
+        kv, states, cache = engine.kv, engine.states, engine.cache
+        return cls(engine.num_running, engine.num_waiting, kv.num_pages, kv.allocator.num_free, kv.bytes_per_page,
+                   states.num_slots, states.num_free, states.bytes_per_slot, len(cache.page_refs()),
+                   dict(cache.stats()))
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def engine_families(s: EngineStats) -> Iterator[Metric]:
+    yield _gauge("cairn_num_requests_running", "Requests in the running batch", s.num_running)
+    yield _gauge("cairn_num_requests_waiting", "Requests queued for admission", s.num_waiting)
+    yield _gauge("cairn_kv_pages_total", "KV pages in the device pool", s.kv_pages_total)
+    yield _gauge("cairn_kv_pages_free", "KV pages free in the device pool", s.kv_pages_free)
+    yield _gauge("cairn_kv_pages_cached", "KV pages the prefix cache holds", s.kv_pages_cached)
+    yield _gauge("cairn_state_slots_total", "Working recurrent-state slots", s.state_slots_total)
+    yield _gauge("cairn_state_slots_free", "Working recurrent-state slots free", s.state_slots_free)
+    used = GaugeMetricFamily("cairn_pool_used_bytes", "Bytes in use per device pool", labels=["pool"])
+    used.add_metric(["kv"], (s.kv_pages_total - s.kv_pages_free) * s.kv_bytes_per_page)
+    used.add_metric(["state"], (s.state_slots_total - s.state_slots_free) * s.state_bytes_per_slot)
+    yield used
+    capacity = GaugeMetricFamily("cairn_pool_capacity_bytes", "Bytes per device pool", labels=["pool"])
+    capacity.add_metric(["kv"], s.kv_pages_total * s.kv_bytes_per_page)
+    capacity.add_metric(["state"], s.state_slots_total * s.state_bytes_per_slot)
+    yield capacity
+    yield from cache_families(s.cache)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _sanitize(name: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name.strip())
+
+
+def cache_families(stats: dict) -> Iterator[Metric]:
+    """One metric family per numeric entry of engine.cache.stats() (rules in the module docstring)."""
+    for key, value in stats.items():
+        m = _KEY.match(str(key))
+        if m is None:
+            continue
+        name = _sanitize(m.group("name")).removesuffix("_total")
+        label = _sanitize(m.group("label") or "kind")
+        is_gauge = name.startswith("num_") or name.endswith("_bytes")
+        full, doc = f"cairn_cache_{name}", f"prefix cache: {m.group('name')}"
+        if isinstance(value, dict):
+            family = (GaugeMetricFamily if is_gauge else CounterMetricFamily)(full, doc, labels=[label])
+            for label_value, v in value.items():
+                if _is_number(v):
+                    family.add_metric([str(label_value)], v)
+            yield family
+        elif _is_number(value):
+            yield (GaugeMetricFamily if is_gauge else CounterMetricFamily)(full, doc, value=value)
+
+
+class EngineCollector(Collector):
+    """Exports the EngineStats last handed to `update` (nothing before the first)."""
+
+    def __init__(self):
+        self.latest: EngineStats | None = None
+        self.num_step_failures = 0
+
+    def update(self, stats: EngineStats | None, num_step_failures: int) -> None:
+        self.latest = stats
+        self.num_step_failures = num_step_failures
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("cairn_engine_step_failures", "engine.step() exceptions survived",
+                                  value=self.num_step_failures)
+        if self.latest is not None:
+            yield from engine_families(self.latest)
+
+
+class ServerMetrics:
+    """The metrics of one app; `render` gives the Prometheus text exposition."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("cairn_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.finished = Counter("cairn_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("cairn_prompt_tokens", "Prompt tokens of prefilled requests", registry=r)
+        self.cached_tokens = Counter("cairn_cached_tokens", "Prompt tokens resumed from the cache", ["tier"],
+                                     registry=r)
+        self.computed_prompt_tokens = Counter("cairn_computed_prompt_tokens", "Prompt tokens prefilled",
+                                              registry=r)
+        self.generation_tokens = Counter("cairn_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("cairn_time_to_first_token_seconds", "Request received to first token",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("cairn_inter_token_latency_seconds", "Time between successive tokens",
+                             buckets=ITL_BUCKETS_S, registry=r)
+        self.duration = Histogram("cairn_request_duration_seconds", "Request received to finished",
+                                  buckets=DURATION_BUCKETS_S, registry=r)
+        self.engine = EngineCollector()
+        r.register(self.engine)
+
+    def observe_output(self, out: RequestOutput, is_first: bool, duration_s: float) -> None:
+        """Count one output of a request: its new tokens; with the first, the prompt's tokens (prefill is
+        done); with the finished one, the finish reason and duration. Aborted requests keep what they made."""
+        self.generation_tokens.inc(len(out.delta_token_ids))
+        if is_first:
+            cached = out.cache.cached_tokens
+            self.prompt_tokens.inc(out.num_prompt_tokens)
+            if cached:
+                self.cached_tokens.labels(out.cache.resume_tier or "unknown").inc(cached)
+            self.computed_prompt_tokens.inc(max(0, out.num_prompt_tokens - cached))
+        if out.finished:
+            self.finished.labels(out.finish_reason or "unknown").inc()
+            self.duration.observe(duration_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

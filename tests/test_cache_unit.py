@@ -1,0 +1,95 @@
+"""Placement rules, the device snapshot tier, non-consuming restore, and the cache's reporting."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cairn.cache.placement import PlacementInput, PlacementOptions, place
+from cairn.cache.tiers import DeviceSnapshotTier
+from cairn.engine import LLM
+from cairn.memory.state_pool import StatePool
+from cairn.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def _place(**kw):
+    inp = dict(prompt_len=1000, resume_position=0, match_length=0, path_has_deeper_snapshot=False)
+    opts = {k: kw.pop(k) for k in list(kw) if k in PlacementOptions.__dataclass_fields__}
+    return place(PlacementInput(**{**inp, **kw}), PlacementOptions(**{"interval_tokens": 256, **opts}))
+
+
+def test_grid_is_on_absolute_positions_above_the_resume_point():
+    assert _place() == {256: "grid", 512: "grid", 768: "grid", 1000: "prompt_end"}
+    assert _place(resume_position=300) == {512: "grid", 768: "grid", 1000: "prompt_end"}
+    assert _place(resume_position=512) == {768: "grid", 1000: "prompt_end"}
+
+
+def test_message_starts_and_branch_point_are_placed_and_each_source_switches_off():
+    got = _place(message_starts=(40, 300, 1200), match_length=700, path_has_deeper_snapshot=True)
+    assert got == {40: "message", 256: "grid", 300: "message", 512: "grid", 700: "branch", 768: "grid",
+                   1000: "prompt_end"}
+    assert 700 not in _place(match_length=700, path_has_deeper_snapshot=False)  # the cached path ends there
+    off = _place(message_starts=(40,), match_length=700, path_has_deeper_snapshot=True, interval_tokens=0,
+                 at_messages=False, at_branch=False, at_prompt_end=False)
+    assert off == {}
+
+
+def test_device_tier_never_exceeds_its_budget_and_restore_does_not_consume():
+    work = StatePool(2, 2, 8, 4, 2, 4, 4, torch.float32)
+    tier = DeviceSnapshotTier(work, budget_bytes=3 * work.bytes_per_slot + 10, vocab_size=5)
+    slot = work.alloc()
+    work.recurrent[:, slot] = 1.5
+    stored = [tier.store(work, slot, None) for _ in range(3)]
+    assert all(stored) and tier.store(work, slot, None) is None
+    assert tier.used_bytes <= tier.budget_bytes
+    other = work.alloc()
+    for _ in range(2):  # restoring twice gives the same state: the stored copy is not consumed
+        tier.restore(stored[0], work, other)
+        assert torch.equal(work.recurrent[:, other], work.recurrent[:, slot])
+    tier.free(stored[0])
+    with_logits = tier.store(work, slot, torch.arange(5.0))
+    assert with_logits is None  # a slot is free but the logits' bytes would pass the budget
+    assert tier.store(work, slot, None) is not None
+
+
+def test_resuming_never_changes_the_stored_snapshot_or_the_cached_kv():
+    llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, snapshot_interval=32)
+    cache = llm.engine.cache
+    prompt = list(range(10, 110))
+    llm.generate(prompt, GREEDY)
+    stored = {pos: (entry.handle.slot, node.pages) for pos, entry, node in cache.tree.iter_snapshots()}
+    pool = cache.tier.pool
+    before_state = {pos: pool.recurrent[:, slot].clone() for pos, (slot, _) in stored.items()}
+    before_kv = {pos: llm.engine.kv.k[:, pages].clone() for pos, (_, pages) in stored.items()}
+    resumed = []
+    for tail in ([1, 2, 3], [4, 5], [6]):  # three branches resume from the same snapshots and run on
+        resumed.append(llm.generate(prompt[:70] + tail, GREEDY)[0].cache.resume_position)
+    assert resumed == [64, 70, 70]  # the first branch leaves a snapshot at its branch point
+    for pos, (slot, pages) in stored.items():
+        assert torch.equal(pool.recurrent[:, slot], before_state[pos])
+        assert torch.equal(llm.engine.kv.k[:, pages], before_kv[pos])
+    llm.engine.check_integrity()
+
+
+def test_each_prefill_logs_one_line_with_its_cache_figures(caplog):
+    llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, snapshot_interval=32)
+    llm.generate(list(range(10, 90)), GREEDY)
+    with caplog.at_level(logging.INFO, logger="cairn.engine"):
+        out = llm.generate(list(range(10, 80)) + [3, 4], GREEDY)[0]
+    lines = [r.message for r in caplog.records if r.message.startswith("prefill")]
+    assert len(lines) == 1
+    assert f"cached={out.cache.cached_tokens}" in lines[0] and "resume=64" in lines[0] and "source=grid" in lines[0]
+    assert "new=8" in lines[0] and "snapshots=2" in lines[0] and "snapshots=" in lines[0] and "kv_free=" in lines[0]
+
+
+@pytest.mark.parametrize("budget_gib", [0.0, 1e-4])
+def test_a_full_snapshot_budget_degrades_to_cold_prefill_not_errors(budget_gib):
+    llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, snapshot_interval=16,
+              device_snapshot_gib=budget_gib)
+    outs = [llm.generate(list(range(10, 100)) + [i], GREEDY)[0] for i in range(3)]
+    assert all(len(o.token_ids) == 4 for o in outs)
+    llm.engine.check_integrity()

@@ -1,0 +1,112 @@
+"""The app in-process (Starlette TestClient, real demo Engine, real engine thread), for the failures a
+real server cannot be made to show on demand: engine.step() raising, a full queue, a draining or
+dead engine thread, and filling max_tokens up to the context.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cairn.cli import config_with_overrides
+from cairn.config import EngineConfig
+from cairn.engine import Engine
+from cairn.server.app import create_app
+from cairn.server.options import ServerOptions
+
+MODEL = "cairn-demo"
+MAX_MODEL_LEN = 64
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    config = config_with_overrides(EngineConfig(), kv_cache_gib=0.01, state_cache_gib=0.01,
+                                   max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    return Engine(config)
+
+
+@pytest.fixture
+def app(engine):
+    return create_app(engine, ServerOptions())
+
+
+@pytest.fixture
+def client(app):
+    with TestClient(app) as c:
+        yield c
+
+
+def metric(client: TestClient, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", client.get("/metrics").text, re.MULTILINE)
+    assert m, name
+    return float(m.group(1))
+
+
+def fail_step_on_call(engine: Engine, monkeypatch, call_number: int) -> None:
+    real_step, calls = engine.step, [0]
+
+    def step():
+        calls[0] += 1
+        if calls[0] == call_number:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+
+def test_step_exception_fails_the_request_with_500_and_the_server_keeps_serving(client, engine, monkeypatch):
+    fail_step_on_call(engine, monkeypatch, 1)
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error" and "injected fault" in r.json()["error"]["message"]
+    assert metric(client, "cairn_engine_step_failures_total") == 1
+    assert metric(client, 'cairn_requests_finished_total{finish_reason="error"}') == 1
+    assert metric(client, "cairn_num_requests_running") == 0
+    assert metric(client, "cairn_kv_pages_free") + metric(client, "cairn_kv_pages_cached") == \
+        metric(client, "cairn_kv_pages_total")  # nothing held but what the prefix cache keeps
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert client.get("/health").status_code == 200
+
+
+def test_step_exception_mid_stream_sends_an_error_event_then_done(client, engine, monkeypatch):
+    fail_step_on_call(engine, monkeypatch, 3)
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"code":"internal_error"' in events[-2]
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_queue_full_is_429_with_retry_after(client, engine, monkeypatch):
+    monkeypatch.setattr(engine.scheduler, "max_waiting", 0)
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
+
+
+def test_draining_server_refuses_new_requests_with_503(client, app):
+    app.state.ctx.bridge.drain(timeout_s=30)
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+
+
+def test_health_is_503_once_the_engine_thread_has_stopped(client, app):
+    assert client.get("/health").status_code == 200
+    app.state.ctx.bridge.stop(timeout_s=5)
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unhealthy"
+
+
+def test_chat_without_max_tokens_generates_up_to_the_context(client):
+    r = client.post("/v1/chat/completions", json={k: v for k, v in CHAT.items() if k != "max_tokens"})
+    usage = r.json()["usage"]
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert usage["total_tokens"] == MAX_MODEL_LEN
+
+
+def test_served_model_name_replaces_the_engine_name(engine):
+    with TestClient(create_app(engine, ServerOptions(served_model_name="my-model"))) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["my-model"]
+        assert c.post("/v1/chat/completions", json={**CHAT, "model": "my-model"}).json()["model"] == "my-model"

@@ -1,0 +1,68 @@
+"""SIGTERM / SIGINT on a real `cairn serve` process: it stops accepting, aborts the stream still running
+after --shutdown-timeout-s with a last error event and [DONE], and exits 0 within a bounded time."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_process import start_server
+
+SHUTDOWN_TIMEOUT_S = 1.0
+EXIT_BOUND_S = SHUTDOWN_TIMEOUT_S + 2.0 + 6.0  # + uvicorn's grace + interpreter teardown (torch is slow to unload)
+
+
+def stream_in_background(url: str, events: list[str], first_event: threading.Event) -> threading.Thread:
+    body = {"prompt": "a long story", "max_tokens": 5000, "stream": True, "ignore_eos": True}
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                        first_event.set()
+        except httpx.HTTPError as e:
+            events.append(f"client error: {e!r}")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def stops_accepting_within(url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url + "/health", timeout=0.5)
+        except httpx.ConnectError:
+            return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_mid_stream_aborts_it_and_exits_0_within_the_bound(sig):
+    srv = start_server("--shutdown-timeout-s", str(SHUTDOWN_TIMEOUT_S), "--log-level", "WARNING")
+    try:
+        events: list[str] = []
+        first_event = threading.Event()
+        thread = stream_in_background(srv.base_url, events, first_event)
+        assert first_event.wait(30), srv.log()
+        start = time.monotonic()
+        srv.signal(sig)
+        assert stops_accepting_within(srv.base_url, SHUTDOWN_TIMEOUT_S)
+        assert srv.proc.wait(EXIT_BOUND_S) == 0, srv.log()
+        elapsed_s = time.monotonic() - start
+        assert elapsed_s < EXIT_BOUND_S
+        thread.join(5)
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert '"code":"shutting_down"' in events[-2]
+    finally:
+        srv.stop()

@@ -1,0 +1,176 @@
+"""Server parts without a server: request conversion, error mapping, the cache-stats collector, and
+the engine thread's idle behaviour (with a fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from cairn.sampling import SamplingError
+from cairn.scheduler import QueueFull, RequestTooLarge
+from cairn.server.bridge import EngineBridge
+from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception
+from cairn.server.metrics import EngineStats, cache_families
+from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.tokenizer import ChatTemplateError
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+# ---- request conversion -------------------------------------------------------------------------
+
+def test_cache_prompt_false_reaches_sampling_params():
+    assert CompletionRequest(prompt="a", cache_prompt=False).to_sampling_params().cache_prompt is False
+    assert CompletionRequest(prompt="a").to_sampling_params().cache_prompt is True
+
+
+def test_max_completion_tokens_takes_precedence_over_max_tokens():
+    req = ChatCompletionRequest(messages=CHAT, max_tokens=5, max_completion_tokens=7)
+    assert req.to_sampling_params(context_fill_tokens=100).max_tokens == 7
+
+
+def test_chat_without_max_tokens_asks_for_the_context_fill():
+    req = ChatCompletionRequest(messages=CHAT)
+    assert req.requested_max_tokens is None and req.to_sampling_params(context_fill_tokens=100).max_tokens == 100
+
+
+def test_completion_max_tokens_defaults_to_16():
+    assert CompletionRequest(prompt="a").to_sampling_params().max_tokens == 16
+
+
+def test_sampling_fields_map_one_to_one():
+    p = ChatCompletionRequest(messages=CHAT, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3, stop="x",
+                              ignore_eos=True, logprobs=True, top_logprobs=3, user="u").to_sampling_params(10)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.stop) == (0.5, 0.9, 40, 0.05, 3, ("x",))
+    assert p.ignore_eos and p.logprobs and p.top_logprobs == 3 and p.extra == {"user": "u"}
+
+
+def test_stop_may_be_a_list():
+    assert CompletionRequest(prompt="a", stop=["x", "yz"]).to_sampling_params().stop == ("x", "yz")
+
+
+def test_text_parts_are_joined_by_newlines_and_other_parts_refused():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": parts, "name": "n"}])
+    assert req.template_messages() == [{"role": "user", "content": "a\nb", "name": "n"}]
+    bad = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "input_audio"}]}])
+    with pytest.raises(APIError) as e:
+        bad.template_messages()
+    assert e.value.status == 400 and e.value.param == "messages.0.content.0"
+
+
+def test_single_prompt_lists_are_unwrapped_and_batches_refused():
+    assert CompletionRequest(prompt=["abc"]).engine_prompt() == "abc"
+    assert CompletionRequest(prompt=[[1, 2]]).engine_prompt() == [1, 2]
+    assert CompletionRequest(prompt=[1, 2]).engine_prompt() == [1, 2]
+    with pytest.raises(APIError):
+        CompletionRequest(prompt=["a", "b"]).engine_prompt()
+
+
+@pytest.mark.parametrize("fields", [{"n": 2}, {"echo": True}, {"frequency_penalty": 0.5}, {"best_of": 3}])
+def test_unsupported_options_are_refused_not_ignored(fields):
+    with pytest.raises(APIError) as e:
+        CompletionRequest(prompt="a", **fields).to_sampling_params()
+    assert e.value.status == 400 and e.value.code == "unsupported_value"
+
+
+# ---- error mapping ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("exc,status,code", [
+    (QueueFull("9 waiting"), 429, "queue_full"),
+    (RequestTooLarge("prompt has 9 tokens; this model's context is 8 tokens"), 400, "context_length_exceeded"),
+    (RequestTooLarge("the prompt is empty"), 400, "invalid_value"),
+    (SamplingError("top_p must be in (0, 1]"), 400, "invalid_value"),
+    (ChatTemplateError("bad roles"), 400, "invalid_value"),
+    (ValueError("request id in use"), 400, "invalid_value"),
+    (ServerShuttingDown("bye"), 503, "shutting_down"),
+    (EngineFailure("boom"), 500, "internal_error"),
+    (KeyError("x"), 500, "internal_error"),
+])
+def test_engine_errors_map_to_openai_statuses(exc, status, code):
+    error = from_exception(exc)
+    assert (error.status, error.code) == (status, code)
+    assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_sampling_error_names_its_parameter():
+    assert from_exception(SamplingError("top_p must be in (0, 1]")).param == "top_p"
+
+
+# ---- cache stats ----------------------------------------------------------------------------------
+
+def _exposition(stats: dict) -> str:
+    registry = CollectorRegistry()
+
+    class Fixed:
+        def collect(self):
+            return cache_families(stats)
+
+    registry.register(Fixed())
+    return generate_latest(registry).decode()
+
+
+def test_cache_stats_become_counters_gauges_and_labelled_families():
+    text = _exposition({"snapshots_taken": 12, "snapshots_restored_total": 5,
+                        "snapshots_evicted{reason}": {"capacity": 3, "stale_kv": 1},
+                        "num_snapshots{tier}": {"device": 7}, "used_bytes": 4096, "note": "text", "flag": True})
+    assert "cairn_cache_snapshots_taken_total 12.0" in text
+    assert "cairn_cache_snapshots_restored_total 5.0" in text
+    assert 'cairn_cache_snapshots_evicted_total{reason="capacity"} 3.0' in text
+    assert 'cairn_cache_snapshots_evicted_total{reason="stale_kv"} 1.0' in text
+    assert "# TYPE cairn_cache_num_snapshots gauge" in text and 'cairn_cache_num_snapshots{tier="device"} 7.0' in text
+    assert "# TYPE cairn_cache_used_bytes gauge" in text
+    assert "note" not in text and "flag" not in text
+
+
+def test_null_cache_stats_export_nothing():
+    assert "cairn_cache" not in _exposition({})
+
+
+def test_engine_stats_read_pool_usage_from_the_engine():
+    class Pool:
+        num_pages, num_slots, num_free, bytes_per_page, bytes_per_slot = 10, 4, 3, 100, 50
+        allocator = type("A", (), {"num_free": 6})()
+
+    class Cache:
+        def stats(self):
+            return {"snapshots_taken": 1}
+
+        def page_refs(self):
+            return {0: 1, 5: 2}
+
+    engine = type("E", (), {"num_running": 2, "num_waiting": 1, "kv": Pool(), "states": Pool(), "cache": Cache()})()
+    s = EngineStats.read(engine)
+    assert (s.kv_pages_total, s.kv_pages_free, s.kv_pages_cached) == (10, 6, 2)
+    assert (s.state_slots_free, s.cache) == (3, {"snapshots_taken": 1})
+
+
+# ---- the engine thread ----------------------------------------------------------------------------
+
+class IdleEngine:
+    """Never has work; counts how often the bridge asks."""
+
+    def __init__(self):
+        self.num_polls = 0
+
+    def has_unfinished(self) -> bool:
+        self.num_polls += 1
+        return False
+
+
+def test_engine_thread_sleeps_while_idle_and_wakes_for_a_command():
+    engine = IdleEngine()
+    bridge = EngineBridge(engine)
+    bridge.start()
+    try:
+        time.sleep(0.3)
+        assert engine.num_polls <= 4  # no busy wait: a handful of checks in 0.3 s, not thousands
+        seen = asyncio.run(bridge.call(lambda e: threading.current_thread().name))
+        assert seen == "cairn-engine"
+    finally:
+        bridge.stop(timeout_s=5)
+    assert not bridge.alive
