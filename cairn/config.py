@@ -57,6 +57,10 @@ class CacheOptions:
     snapshot_at_request_end: bool = _f(True, "a snapshot at the end of every request, after generation")
     snapshot_at_branch: bool = _f(True, "a snapshot where a prompt leaves a cached path below its deepest snapshot")
     device_snapshot_gib: float = _f(1.0, "device bytes for snapshots, in GiB")
+    snapshot_policy: str = _f("cairn", "where snapshots go: cairn, or a baseline for comparison (none, last_chunk, "
+                              "prompt_end_branch, user_messages)",
+                              choices=("cairn", "none", "last_chunk", "prompt_end_branch", "user_messages"))
+    snapshot_min_gap: int = _f(0, "least distance between snapshots of the user_messages policy, in tokens")
 
     @property
     def device_snapshot_bytes(self) -> int:

@@ -100,7 +100,8 @@ class Engine:
         placement = PlacementOptions(
             interval_tokens=opts.snapshot_interval, at_messages=opts.snapshot_at_messages,
             at_prompt_end=opts.snapshot_at_prompt_end, at_request_end=opts.snapshot_at_request_end,
-            at_branch=opts.snapshot_at_branch)
+            at_branch=opts.snapshot_at_branch, policy=opts.snapshot_policy, min_gap_tokens=opts.snapshot_min_gap,
+            page_size=self.kv.page_size)
         tier = DeviceSnapshotTier(self.states, opts.device_snapshot_bytes, self.model_config.vocab_size)
         log.info("prefix cache: %d device snapshot slots (%.1f MiB budget), snapshot every %d tokens",
                  tier.num_slots, opts.device_snapshot_bytes / 2**20, opts.snapshot_interval)
@@ -123,8 +124,11 @@ class Engine:
                     messages: list[dict[str, Any]] | None = None, template_kwargs: dict | None = None) -> str:
         """Queue a request: a text prompt, token ids, or chat messages. Raises on input that can never run."""
         message_starts: list[int] = []
+        user_starts: list[int] = []
         if messages is not None:
-            ids, message_starts = self.tokenize_chat(messages, **(template_kwargs or {}))
+            ids, starts = self.tokenize_chat(messages, **(template_kwargs or {}))
+            message_starts = sorted({p for p in starts if 0 < p < len(ids)})
+            user_starts = [p for p, m in zip(starts, messages[1:], strict=False) if m.get("role") == "user"]
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
@@ -139,7 +143,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seq = Sequence(request_id, ids, params, eos_token_ids=eos + params.stop_token_ids,
-                       message_starts=message_starts)
+                       message_starts=message_starts, user_message_starts=user_starts)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)

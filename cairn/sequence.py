@@ -52,6 +52,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     message_starts: list[int] = field(default_factory=list)  # token position of each chat message start
+    user_message_starts: list[int] = field(default_factory=list)  # the subset starting a user message
     status: Status = Status.WAITING
     num_computed: int = 0
     num_cached: int = 0

@@ -81,21 +81,20 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed on these messages: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], **extra) -> tuple[list[int], list[int]]:
-        """Token ids of the rendered conversation (with generation prompt) and the token position where
-        each message after the first starts, and where the generation prompt starts.
+        """Token ids of the rendered conversation (with generation prompt) and, for i = 1 .. len(messages),
+        the token position where the render of messages[:i] stops agreeing with the whole one: where
+        messages[i] starts, and for i = len(messages) where the generation prompt starts.
 
-        A message's start is where the render of the messages before it stops agreeing with the render
-        of the whole conversation, so templates that rewrite history (e.g. drop old reasoning) still
-        give positions that a later request with the same history shares.
+        Templates that rewrite history (e.g. drop old reasoning) still give positions that a later
+        request with the same history shares.
         """
         full = self.render_chat(messages, add_generation_prompt=True, **extra)
         ids, offsets = self.encode_with_offsets(full)
         starts = []
         for k in range(1, len(messages) + 1):
             prefix = self.render_chat(messages[:k], add_generation_prompt=False, **extra)
-            chars = _common_prefix_len(prefix, full)
-            starts.append(_token_at_or_after(offsets, chars, len(ids)))
-        return ids, sorted(set(p for p in starts if 0 < p < len(ids)))
+            starts.append(_token_at_or_after(offsets, _common_prefix_len(prefix, full), len(ids)))
+        return ids, starts
 
 
 def _common_prefix_len(a: str, b: str) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cairn.cache.base import PrefixCache
-from cairn.cache.placement import PlacementInput, PlacementOptions, place
+from cairn.cache.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.radix import RadixTree
 from cairn.cache.radix_types import LockHandle, MatchResult, Node, SnapshotEntry
 from cairn.cache.tiers import SnapshotTier
@@ -72,7 +72,7 @@ class HybridPrefixCache(PrefixCache):
         state.places = place(PlacementInput(
             prompt_len=seq.num_tokens, resume_position=seq.num_computed, match_length=match.match_len,
             path_has_deeper_snapshot=self._has_snapshot_beyond(match), message_starts=tuple(seq.message_starts),
-        ), self.placement)
+            user_message_starts=tuple(seq.user_message_starts)), self.placement)
         seq.cuts = sorted(state.places)
         seq.cache_state = state
         return True
@@ -159,7 +159,7 @@ class HybridPrefixCache(PrefixCache):
         state: _RequestState | None = seq.cache_state
         if state is None:
             return
-        if finished and self.placement.at_request_end and seq.num_computed > 0:
+        if finished and seq.num_computed > 0 and request_end_allowed(seq.num_computed, self.placement):
             self._take(seq, state, "request_end", None)
         if state.lock is not None:
             self.tree.unlock(state.lock)

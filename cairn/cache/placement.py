@@ -11,7 +11,17 @@ are returned, since the cache already holds what lies below it.
                branch: `match`, when the prompt leaves a cached path that has a snapshot deeper than it
                prompt_end: prompt_len (stored with the logits of its last token)
 
-The end of the request after generation is placed by the cache when the request finishes.
+The end of the request after generation is placed by the cache when the request finishes
+(`request_end_allowed`).
+
+`policy` selects cairn's placement ("cairn", above) or one of the baselines other engines use, so that
+a benchmark can compare policies on the same weights and budgets:
+
+    "none"               no snapshots (with the cache on, only exact prompt-end reuse is impossible too)
+    "last_chunk"         one snapshot at the last 64-aligned position of the prompt's final prefill chunk,
+                         and the request end only when it falls on a page boundary
+    "prompt_end_branch"  the prompt end and branch points only
+    "user_messages"      every user-message start, at least `min_gap_tokens` apart, plus the prompt end
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SOURCES = ("grid", "message", "branch", "prompt_end", "request_end")
+POLICIES = ("cairn", "none", "last_chunk", "prompt_end_branch", "user_messages")
+LAST_CHUNK_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -28,7 +40,9 @@ class PlacementOptions:
     at_prompt_end: bool = True  # a snapshot (with logits) at the end of every prompt
     at_request_end: bool = True  # a snapshot at the end of every request, after generation
     at_branch: bool = True  # a snapshot where a prompt leaves a cached path below its deepest snapshot
-    min_gap_tokens: int = 0  # skip a grid point closer than this to another chosen position
+    min_gap_tokens: int = 0  # skip a grid point (a message start for "user_messages") closer than this
+    policy: str = "cairn"  # one of POLICIES
+    page_size: int = 16  # KV page size, for the "last_chunk" baseline's request-end rule
 
 
 @dataclass(frozen=True)
@@ -38,10 +52,13 @@ class PlacementInput:
     match_length: int  # longest common prefix with a cached path
     path_has_deeper_snapshot: bool  # the matched cached path holds a snapshot beyond match_length
     message_starts: tuple[int, ...] = field(default=())  # token position of each chat message start
+    user_message_starts: tuple[int, ...] = field(default=())  # the subset that starts a user message
 
 
 def place(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
     """{position: source} for every snapshot to take while prefilling this prompt."""
+    if opts.policy != "cairn":
+        return _place_baseline(inp, opts)
     lo, hi = inp.resume_position, inp.prompt_len
     chosen: dict[int, str] = {}
     if opts.at_prompt_end and hi > lo:
@@ -59,4 +76,38 @@ def place(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
             if opts.min_gap_tokens and any(abs(p - q) < opts.min_gap_tokens for q in fixed):
                 continue
             chosen.setdefault(p, "grid")
+    return dict(sorted(chosen.items()))
+
+
+def request_end_allowed(position: int, opts: PlacementOptions) -> bool:
+    """Whether a finished request leaves a snapshot at its end (`position`)."""
+    if opts.policy in ("none", "prompt_end_branch", "user_messages"):
+        return False
+    if opts.policy == "last_chunk":
+        return position % opts.page_size == 0
+    return opts.at_request_end
+
+
+def _place_baseline(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
+    lo, hi = inp.resume_position, inp.prompt_len
+    chosen: dict[int, str] = {}
+    if opts.policy == "last_chunk":
+        aligned = (hi - 1) // LAST_CHUNK_ALIGN * LAST_CHUNK_ALIGN
+        if lo < aligned:
+            chosen[aligned] = "prompt_end"
+    elif opts.policy == "prompt_end_branch":
+        if hi > lo:
+            chosen[hi] = "prompt_end"
+        if inp.path_has_deeper_snapshot and lo < inp.match_length < hi:
+            chosen[inp.match_length] = "branch"
+    elif opts.policy == "user_messages":
+        last = lo
+        for p in inp.user_message_starts:
+            if lo < p < hi and p - last >= opts.min_gap_tokens:
+                chosen[p] = "message"
+                last = p
+        if hi > lo:
+            chosen[hi] = "prompt_end"
+    elif opts.policy != "none":
+        raise ValueError(f"unknown snapshot placement policy {opts.policy!r}; known: {POLICIES}")
     return dict(sorted(chosen.items()))
