@@ -46,7 +46,7 @@ def ttft_s(eng, ids: list[int]):
 
 
 def snapshot_copy_figures(eng, repeats: int = 20) -> dict:
-    tier, states = eng.cache.tier, eng.states
+    tier, states = eng.cache.tiers.device, eng.states
     slot = states.alloc()
     stored = tier.store(states, slot, None)
     t0 = time.perf_counter()

@@ -61,6 +61,21 @@ class CacheOptions:
                               "prompt_end_branch, user_messages)",
                               choices=("cairn", "none", "last_chunk", "prompt_end_branch", "user_messages"))
     snapshot_min_gap: int = _f(0, "least distance between snapshots of the user_messages policy, in tokens")
+    host_cache_gib: float = _f(0.0, "host RAM for demoted snapshots and KV pages, in GiB; 0: no host tier")
+    disk_cache: str | None = _f(None, "directory of the durable disk tier (survives restarts); none by default")
+    disk_cache_gib: float = _f(16.0, "disk bytes for the disk tier, in GiB")
+    disk_write_through: bool = _f(True, "write each finished request's new snapshots and KV to disk at once "
+                                  "(durable across restarts); otherwise only what the host tier evicts")
+    disk_compression: str = _f("none", "compression of disk segments: none, zstd or lz4",
+                               choices=("none", "zstd", "lz4"))
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return int(self.host_cache_gib * GIB)
+
+    @property
+    def disk_cache_bytes(self) -> int:
+        return int(self.disk_cache_gib * GIB)
 
     @property
     def device_snapshot_bytes(self) -> int:

@@ -14,10 +14,8 @@ from typing import Any
 
 import torch
 
-from cairn.cache.base import NullCache, PrefixCache
-from cairn.cache.hybrid_cache import HybridPrefixCache
-from cairn.cache.placement import PlacementOptions
-from cairn.cache.tiers import DeviceSnapshotTier
+from cairn.cache.base import PrefixCache
+from cairn.cache.factory import build_cache
 from cairn.config import EngineConfig
 from cairn.demo import DEMO_NAME, build_demo
 from cairn.memory.kv_pool import KVPool
@@ -61,7 +59,8 @@ class Engine:
         self.dtype = self.model.embed.weight.dtype
         self.kv, self.states = self._allocate_pools(self.model_config)
         self.max_model_len = self._max_model_len()
-        self.cache = cache if cache is not None else self._build_cache()
+        self.cache = cache if cache is not None else build_cache(
+            config.cache, self.model, self.model_config, self.kv, self.states)
         sched = config.scheduler
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache,
                                    min(sched.max_num_seqs, self.states.num_slots), sched.max_num_batched_tokens,
@@ -92,20 +91,6 @@ class Engine:
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d working state slots of %.2f MiB",
                  num_pages, mem.page_size, kv.total_bytes / 2**20, num_slots, slot_bytes / 2**20)
         return kv, states
-
-    def _build_cache(self) -> PrefixCache:
-        opts = self.config.cache
-        if not opts.prefix_cache or not self.model_config.linear_layers:
-            return NullCache()
-        placement = PlacementOptions(
-            interval_tokens=opts.snapshot_interval, at_messages=opts.snapshot_at_messages,
-            at_prompt_end=opts.snapshot_at_prompt_end, at_request_end=opts.snapshot_at_request_end,
-            at_branch=opts.snapshot_at_branch, policy=opts.snapshot_policy, min_gap_tokens=opts.snapshot_min_gap,
-            page_size=self.kv.page_size)
-        tier = DeviceSnapshotTier(self.states, opts.device_snapshot_bytes, self.model_config.vocab_size)
-        log.info("prefix cache: %d device snapshot slots (%.1f MiB budget), snapshot every %d tokens",
-                 tier.num_slots, opts.device_snapshot_bytes / 2**20, opts.snapshot_interval)
-        return HybridPrefixCache(self.kv, self.states, tier, placement)
 
     def _max_model_len(self) -> int:
         limit = min(self.model_config.max_position_embeddings, self.kv.num_pages * self.kv.page_size)
@@ -181,7 +166,11 @@ class Engine:
         if batch.empty:
             return []
         self.num_steps += 1
+        started = time.perf_counter()
         logits, to_sample = self.runner.run(batch) if batch.seqs else (None, [])
+        prefill_tokens = batch.num_tokens - batch.num_decode
+        if prefill_tokens:
+            self.cache.observe_prefill(prefill_tokens, time.perf_counter() - started)
         row_of = {seq.request_id: i for i, seq in enumerate(to_sample)}
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
@@ -242,6 +231,12 @@ class Engine:
                  c.snapshots_taken, seq.first_token_s - seq.arrival_s, self.kv.allocator.num_free, self.kv.num_pages,
                  self.states.num_free, self.states.num_slots)
 
+    def close(self) -> None:
+        """Abort what is running and release the cache's files and locks (call once, at shutdown)."""
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.abort(seq.request_id)
+        self.cache.close()
+
     def check_integrity(self) -> None:
         """Pages, slots and the cache's bookkeeping agree: every page's refcount is the tree's references
         plus the running requests' page tables."""
@@ -281,6 +276,15 @@ class LLM:
             conversations = [conversations]
         ids = [self.engine.add_request(None, params or SamplingParams(), messages=m) for m in conversations]
         return self._run(ids)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cairn.cache.placement import PlacementInput, PlacementOptions, place
-from cairn.cache.tiers import DeviceSnapshotTier
+from cairn.cache.tiers import PoolSnapshotTier
 from cairn.engine import LLM
 from cairn.memory.state_pool import StatePool
 from cairn.sampling import SamplingParams
@@ -40,7 +40,7 @@ def test_message_starts_and_branch_point_are_placed_and_each_source_switches_off
 
 def test_device_tier_never_exceeds_its_budget_and_restore_does_not_consume():
     work = StatePool(2, 2, 8, 4, 2, 4, 4, torch.float32)
-    tier = DeviceSnapshotTier(work, budget_bytes=3 * work.bytes_per_slot + 10, vocab_size=5)
+    tier = PoolSnapshotTier("device", work, 3 * work.bytes_per_slot + 10, vocab_size=5, device="cpu")
     slot = work.alloc()
     work.recurrent[:, slot] = 1.5
     stored = [tier.store(work, slot, None) for _ in range(3)]
@@ -61,8 +61,8 @@ def test_resuming_never_changes_the_stored_snapshot_or_the_cached_kv():
     cache = llm.engine.cache
     prompt = list(range(10, 110))
     llm.generate(prompt, GREEDY)
-    stored = {pos: (entry.handle.slot, node.pages) for pos, entry, node in cache.tree.iter_snapshots()}
-    pool = cache.tier.pool
+    stored = {pos: (entry.handle.device.slot, node.pages) for pos, entry, node in cache.tree.iter_snapshots()}
+    pool = cache.tiers.device.pool
     before_state = {pos: pool.recurrent[:, slot].clone() for pos, (slot, _) in stored.items()}
     before_kv = {pos: llm.engine.kv.k[:, pages].clone() for pos, (_, pages) in stored.items()}
     resumed = []

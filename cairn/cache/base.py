@@ -42,6 +42,12 @@ class PrefixCache(ABC):
     def evict_pages(self, num_pages: int) -> int:
         """Free at least num_pages unlocked KV pages if possible; returns the number freed."""
 
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release files and locks (the disk tier's); the cache is not used afterwards."""
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:  # noqa: B027 (optional hook)
+        """A step computed num_tokens prefill tokens in `seconds` (the planner's prefill speed)."""
+
     def check_integrity(self) -> None:  # noqa: B027 (optional hook: a cache with no bookkeeping has nothing to check)
         """Raise AssertionError if the cache's bookkeeping is inconsistent."""
 

@@ -35,8 +35,10 @@ from cairn.cache.segment import (
     SegmentLimits,
     check_end_marker,
     decode_segment,
+    decode_tokens,
     digest_bytes,
     read_header,
+    tokens_section_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,18 @@ def read_segment_file(dir_fd: int, name: str, compat_digest: str, limits: Segmen
     if segment_file_name(segment.key) != name:
         raise SegmentError("malformed", "the key differs from the file name")
     return segment
+
+
+def read_segment_tokens(dir_fd: int, name: str, compat_digest: str, limits: SegmentLimits) -> tuple[int, ...]:
+    """The verified tokens of one segment file, reading only its header and tokens section."""
+    fd, st = open_regular(dir_fd, name)
+    try:
+        head = os.pread(fd, HEADER_BYTES, 0) if 0 < st.st_size <= limits.max_file_bytes else b""
+        header = read_header(head, compat_digest, st.st_size, limits)
+        section = os.pread(fd, tokens_section_bytes(header), HEADER_BYTES)
+    finally:
+        os.close(fd)
+    return decode_tokens(section, header)
 
 
 def read_index_header(dir_fd: int, name: str, compat_digest: str, limits: SegmentLimits):

@@ -37,6 +37,7 @@ from cairn.cache.disk_namespace import (
     purge_namespace,
     read_index_header,
     read_segment_file,
+    read_segment_tokens,
     segment_file_name,
     try_lock,
     unlink_ours,
@@ -229,6 +230,24 @@ class DiskStore:
             self._counts["hits"] += 1
             self._touch(key)
         return segment
+
+    def get_tokens(self, key: bytes) -> tuple[int, ...] | None:
+        """The verified tokens of the segment stored under key (header and tokens section only), or None
+        (a miss, or a bad file: counted, dropped from the index). Used to index the store at start-up."""
+        with self._lock:
+            self._check_open()
+            if key not in self._index:
+                return None
+        name = segment_file_name(key)
+        try:
+            return read_segment_tokens(self._dir_fd, name, self.compat_digest, self.limits)
+        except (SegmentError, UnusableEntry) as e:
+            self._reject(key, e.reason, str(e), delete=isinstance(e, SegmentError))
+        except FileNotFoundError:
+            self._reject(key, "missing", name, delete=False)
+        except OSError as e:
+            self._reject(key, "read_failed", str(e), delete=False)
+        return None
 
     def _reject(self, key: bytes, reason: str, detail: str, delete: bool) -> None:
         """Count a bad or vanished file, drop it from the index, and delete it when it is ours."""

@@ -1,23 +1,25 @@
 """HybridPrefixCache: the prefix cache of a hybrid model, behind the scheduler's PrefixCache interface.
 
-It joins the radix tree (which paths have KV, where snapshots sit), the placement rules (where to take
-snapshots) and a snapshot tier (where their bytes live). For each request:
+It joins the radix tree (which paths have KV where, where snapshots sit), the placement rules (where
+to take snapshots), the planner (where to resume) and the tiers (where the bytes live). Per request:
 
-    admit       match the prompt; resume at the deepest usable snapshot p: share the tree's KV pages
-                for [0, p) (copying the page that holds p when p is mid-page, so the request never
-                writes a page the tree owns), copy the snapshot into the working slot (the stored
-                one stays), lock the matched path; then place this prompt's snapshots as chunk cuts.
-    after_step  at a placed position, copy the working slot into the tier and attach it to the tree
-                with the path's KV pages (evicting by retention when the tier is full).
-    release     when the request finishes, snapshot its end and insert its whole path; unlock.
+    admit       match the prompt; plan the resume point by estimated time to first token across
+                tiers; lock the matched path; share the device KV pages of [0, p) and copy the rest
+                (host or disk pages, and the page holding p when p is mid-page, so the request never
+                writes a page the tree owns) into fresh pages; copy the snapshot into the working slot
+                (the stored copy stays); then place this prompt's snapshots as chunk cuts.
+    after_step  at a placed position, copy the working slot into the device tier (demoting older
+                snapshots down the tiers when it is full) and attach it to the tree.
+    release     when the request finishes, snapshot its end, insert its path and, with a disk tier,
+                write what is not yet on disk; unlock.
 
-Nothing a request does writes another conversation's stored state: tree pages below the resume point
-are only read, and snapshots are copied in and out, never moved (DESIGN invariant 2).
+Nothing a request does writes another conversation's stored state (DESIGN invariant 2).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -25,9 +27,11 @@ import torch
 
 from cairn.cache.base import PrefixCache
 from cairn.cache.placement import PlacementInput, PlacementOptions, place, request_end_allowed
-from cairn.cache.radix import RadixTree
-from cairn.cache.radix_types import LockHandle, MatchResult, Node, SnapshotEntry
-from cairn.cache.tiers import SnapshotTier
+from cairn.cache.planner import Candidate, Plan, plan
+from cairn.cache.radix_types import LockHandle, MatchResult, Node, SnapshotEntry, page_indices
+from cairn.cache.speeds import SpeedMeter
+from cairn.cache.tiered_tree import TieredRadixTree
+from cairn.cache.tiering import TieredSnapshot, TierSet
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.sequence import Sequence
@@ -45,30 +49,47 @@ class _RequestState:
 
 
 class HybridPrefixCache(PrefixCache):
-    def __init__(self, kv: KVPool, states: StatePool, tier: SnapshotTier, placement: PlacementOptions):
-        self.kv = kv
-        self.states = states
-        self.tier = tier
-        self.placement = placement
+    def __init__(self, kv: KVPool, states: StatePool, tiers: TierSet, placement: PlacementOptions,
+                 speeds: SpeedMeter | None = None):
+        self.kv, self.states, self.tiers, self.placement = kv, states, tiers, placement
         self.page_size = kv.page_size
-        self.tree = RadixTree(kv.page_size, kv.allocator, self._on_released)
-        self.counters: Counter[str] = Counter()  # plain counters (snapshots_taken, cached_tokens, ...)
-        self.taken_by_source: Counter[str] = Counter()  # snapshots taken, by placement source
-        self.dropped_by_reason: Counter[str] = Counter()  # snapshots released by the tree, by reason
+        host_pages = tiers.host_kv.allocator if tiers.host_kv is not None else None
+        self.tree = TieredRadixTree(kv.page_size, kv.allocator, self._on_released, host_pages)
+        tiers.tree = self.tree
+        self.speeds = speeds or SpeedMeter()
+        self.counters: Counter[str] = Counter()  # snapshots_taken, snapshots_restored, cached_tokens, ...
+        self.taken_by_source: Counter[str] = Counter()
+        self.restored_by_tier: Counter[str] = Counter()
+        self.dropped_by_reason: Counter[str] = Counter()
+        self._stale_disk_keys: list[bytes] = []
+        if tiers.disk is not None:
+            tiers.disk.store.on_evict = self._stale_disk_keys.append
+            self._index_disk()
 
     # ---- admission --------------------------------------------------------------------------------
 
     def admit(self, seq: Sequence) -> bool:
+        self._forget_stale_disk_keys()
         if not seq.params.cache_prompt:
             seq.cuts, seq.cache_state = [], None
             seq.cache.miss_reason = "opted_out"
             return True
-        match = self.tree.match(seq.token_ids)
         state = _RequestState(places={})
-        if match.resume_position > 0 and not self._resume(seq, match, state):
-            return False
+        for _ in range(3):  # a disk copy found corrupt while loading is dropped, then we plan again
+            match = self.tree.match(seq.token_ids)
+            chosen = self._plan(match, seq.num_tokens)
+            if chosen.position == 0:
+                break
+            outcome = self._resume(seq, match, chosen, state)
+            if outcome == "wait":
+                return False
+            if outcome == "ok":
+                break
+            seq.cache.miss_reason = "corrupt"
+            self._forget_stale_disk_keys()
         seq.cache.match_length = match.match_len
-        seq.cache.miss_reason = match.miss_reason
+        if seq.cache.miss_reason is None:
+            seq.cache.miss_reason = self._miss_reason(match, chosen)
         state.places = place(PlacementInput(
             prompt_len=seq.num_tokens, resume_position=seq.num_computed, match_length=match.match_len,
             path_has_deeper_snapshot=self._has_snapshot_beyond(match), message_starts=tuple(seq.message_starts),
@@ -77,34 +98,106 @@ class HybridPrefixCache(PrefixCache):
         seq.cache_state = state
         return True
 
-    def _resume(self, seq: Sequence, match: MatchResult, state: _RequestState) -> bool:
-        """Share [0, p) and restore the snapshot at p into seq's working slot. False: no page for the copy."""
-        p = match.resume_position
-        state.lock = self.tree.lock(match)
-        table = self.tree.prefix_pages(match, p)
-        shared = table[: p // self.page_size]
-        if p % self.page_size:
-            if self.kv.allocator.num_free == 0:
-                self.tree.evict_pages(1)
-            if self.kv.allocator.num_free == 0:
-                self.tree.unlock(state.lock)
-                return False
-            copy = self.kv.allocator.alloc(1)[0]
-            self.kv.copy_page(table[-1], copy)
-        else:
-            copy = None
-        self.kv.allocator.incref(shared)
-        seq.page_table = shared + ([copy] if copy is not None else [])
-        entry = match.resume_node.snapshot
-        logits = self.tier.restore(entry.handle, self.states, seq.state_slot)
+    def _plan(self, match: MatchResult, prompt_len: int) -> Plan:
+        """The planner's choice among the usable snapshots on the matched path."""
+        candidates, load = [], {"device": 0, "host": 0, "disk": 0}
+        page_bytes = self.kv.bytes_per_page
+        for node in match.path:
+            if node.end > match.match_len:
+                break
+            tier = node.kv_tiers()[0]
+            if tier != "device":
+                load[tier] += page_bytes * len(page_indices(node.start, node.end, self.page_size))
+            entry = node.snapshot
+            if entry is None or (node.end == prompt_len and not entry.has_logits):
+                continue
+            handle: TieredSnapshot = entry.handle
+            snap_tier = handle.tiers()[0]
+            cost = dict(load)
+            cost[snap_tier] += entry.nbytes
+            candidates.append(Candidate(node.end, snap_tier, cost, entry.source))
+        unusable = {match.match_len: match.miss_reason} if match.miss_reason else {}
+        return plan(candidates, prompt_len, self.speeds.snapshot(), unusable)
+
+    @staticmethod
+    def _miss_reason(match: MatchResult, chosen: Plan) -> str | None:
+        """Why the deepest point past the resume position was not used (None when there is none)."""
+        deeper = sorted(p for p in chosen.reasons if p > chosen.position)
+        if deeper:
+            why = chosen.reasons[deeper[-1]]
+            return "slower" if why.startswith("slower") else why
+        return match.miss_reason if match.match_len > chosen.position else None
+
+    def _resume(self, seq: Sequence, match: MatchResult, chosen: Plan, state: _RequestState) -> str:
+        """Load KV [0, p) and the snapshot at p into seq. "ok", "wait" (no pages now) or "corrupt"."""
+        p = chosen.position
+        started = time.perf_counter()
+        lock = self.tree.lock(match)
+        table, copies = self._page_plan(match, p)
+        if not self._alloc_copies(table, copies):
+            self.tree.unlock(lock)
+            return "wait"
+        segments: dict = {}
+        for index, (node, i) in copies:
+            if node.pages is not None:
+                self.kv.copy_page(node.pages[i], table[index])
+                continue
+            page = self.tiers.page_copy(node, i, segments)
+            if page is None:
+                return self._abandon(table, lock)
+            self.kv.k[:, table[index]], self.kv.v[:, table[index]] = page
+        resume = next(n for n in match.path if n.end == p)
+        logits = self.tiers.restore_snapshot(resume.snapshot.handle, chosen.snapshot_tier, self.states, seq.state_slot)
+        if logits is False:
+            return self._abandon(table, lock)
+        state.lock = lock
+        seq.page_table = table
         seq.num_computed = seq.num_cached = p
         if p == seq.num_tokens:
             seq.ready_logits = logits
-        seq.cache.cached_tokens, seq.cache.resume_position = p, p
-        seq.cache.resume_tier, seq.cache.resume_source = self.tier.name, entry.source
+        self._report_resume(seq, p, chosen, resume.snapshot.source, time.perf_counter() - started)
+        return "ok"
+
+    def _page_plan(self, match: MatchResult, p: int) -> tuple[list[int | None], list[tuple[int, tuple[Node, int]]]]:
+        """The request's page table for [0, p): shared device pages, and None where a copy is needed."""
+        sources = self.tree.prefix_page_sources(match, p)
+        table: list[int | None] = []
+        copies = []
+        for index, (node, i) in enumerate(sources):
+            partial = index == len(sources) - 1 and p % self.page_size != 0
+            if node.pages is not None and not partial:
+                table.append(node.pages[i])
+            else:
+                table.append(None)
+                copies.append((index, (node, i)))
+        return table, copies
+
+    def _alloc_copies(self, table: list[int | None], copies: list) -> bool:
+        allocator = self.kv.allocator
+        if len(copies) > allocator.num_free:
+            self.tiers.free_device_pages(len(copies) - allocator.num_free)
+        if len(copies) > allocator.num_free:
+            return False
+        shared = [page for page in table if page is not None]
+        allocator.incref(shared)
+        for (index, _), page in zip(copies, allocator.alloc(len(copies)), strict=True):
+            table[index] = page
+        return True
+
+    def _abandon(self, table: list[int], lock: LockHandle) -> str:
+        self.kv.allocator.decref(table)
+        self.tree.unlock(lock)
+        return "corrupt"
+
+    def _report_resume(self, seq: Sequence, p: int, chosen: Plan, source: str, seconds: float) -> None:
+        seq.cache.cached_tokens = seq.cache.resume_position = p
+        seq.cache.resume_tier, seq.cache.resume_source = chosen.snapshot_tier, source
         self.counters["snapshots_restored"] += 1
         self.counters["cached_tokens"] += p
-        return True
+        self.restored_by_tier[chosen.snapshot_tier] += 1
+        moved = sum(chosen.candidate.load_bytes.values())
+        if moved and chosen.snapshot_tier != "device":
+            self.speeds.observe_load(chosen.snapshot_tier, moved, seconds)
 
     def _has_snapshot_beyond(self, match: MatchResult) -> bool:
         """The cached path the prompt leaves holds a snapshot deeper than the divergence point."""
@@ -128,29 +221,28 @@ class HybridPrefixCache(PrefixCache):
         if source is not None:
             self._take(seq, state, source, logits if source == "prompt_end" else None)
 
-    def _take(self, seq: Sequence, state: _RequestState, source: str, logits: torch.Tensor | None) -> None:
-        """Copy seq's working slot into the tier and attach it at seq.num_computed."""
+    def _take(self, seq: Sequence, state: _RequestState, source: str, logits: torch.Tensor | None) -> Node | None:
+        """Copy seq's working slot into the device tier and attach it at seq.num_computed."""
         pos = seq.num_computed
         if pos in state.taken or pos == 0:
-            return
-        stored = self.tier.store(self.states, seq.state_slot, logits)
-        while stored is None and self.tree.evict_snapshots(1):
-            stored = self.tier.store(self.states, seq.state_slot, logits)
-        if stored is None:
+            return None
+        handle = self.tiers.store_snapshot(self.states, seq.state_slot, logits)
+        if handle is None:
             self.counters["snapshots_skipped_budget"] += 1
-            return
-        entry = SnapshotEntry(nbytes=stored.nbytes, source=source, has_logits=logits is not None, handle=stored)
+            return None
+        entry = SnapshotEntry(nbytes=handle.device.nbytes, source=source, has_logits=logits is not None, handle=handle)
         if not self.tree.attach_snapshot(seq.token_ids[:pos], seq.page_table, entry):
-            self.tier.free(stored)
-            return
+            self.tiers.release(entry)
+            return None
         state.taken.add(pos)
         seq.cache.snapshots_taken += 1
         self.counters["snapshots_taken"] += 1
         self.taken_by_source[source] += 1
+        return None
 
     def _on_released(self, entry: SnapshotEntry, reason: str) -> None:
-        """The tree let go of a snapshot: free its bytes (the device tier is the last tier here)."""
-        self.tier.free(entry.handle)
+        """The tree let go of a snapshot: free its device and host copies."""
+        self.tiers.release(entry)
         self.dropped_by_reason[reason] += 1
 
     # ---- release and eviction ---------------------------------------------------------------------
@@ -161,23 +253,65 @@ class HybridPrefixCache(PrefixCache):
             return
         if finished and seq.num_computed > 0 and request_end_allowed(seq.num_computed, self.placement):
             self._take(seq, state, "request_end", None)
+        if finished and self.tiers.disk is not None and self.tiers.disk.write_through and state.taken:
+            tokens = seq.token_ids[: max(state.taken)]
+            node = self.tree.insert(tokens, seq.page_table)
+            self.tiers.persist_path(node)
         if state.lock is not None:
             self.tree.unlock(state.lock)
         seq.cache_state = None
+        self._forget_stale_disk_keys()
 
     def evict_pages(self, num_pages: int) -> int:
-        freed = self.tree.evict_pages(num_pages)
+        freed = self.tiers.free_device_pages(num_pages)
         self.counters["kv_pages_evicted"] += freed
         return freed
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.speeds.observe_prefill(num_tokens, seconds)
+
+    def close(self) -> None:
+        if self.tiers.disk is not None:
+            self.tiers.disk.store.close()
+
+    # ---- disk -------------------------------------------------------------------------------------
+
+    def _index_disk(self) -> None:
+        """Rebuild the tree from the disk store's segments (start-up): KV and snapshots on disk only."""
+        disk, found = self.tiers.disk, 0
+        for path, start, ref, has_snapshot, has_logits in disk.stored_paths():
+            node = self.tree.insert_from_disk(path, start, ref)
+            if has_snapshot:
+                handle = TieredSnapshot(has_logits, disk=ref.key)
+                nbytes = self.tiers.device.snapshot_bytes(has_logits)
+                self.tree.put_snapshot(node, SnapshotEntry(nbytes, "disk", has_logits, handle))
+                found += 1
+        log.info("disk cache: indexed %d segments, %d snapshots", len(disk.store), found)
+
+    def _forget_stale_disk_keys(self) -> None:
+        """Drop the tree's references to disk segments the store evicted or found corrupt."""
+        while self._stale_disk_keys:
+            key = self._stale_disk_keys.pop()
+            for node in self.tree.nodes_on_disk(key):
+                if node.snapshot is not None and node.snapshot.handle.disk == key:
+                    node.snapshot.handle.disk = None
+                    if not node.snapshot.handle.tiers() and node.snapshot.lock_count == 0:
+                        self.tree.remove_snapshot(node, "disk_evicted")
+                if node.lock_count == 0 and node.parent is not None:
+                    self.tree.drop_kv(node, "disk")
 
     # ---- reporting --------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()
-        if self.tree.snapshot_bytes != self.tier.used_bytes:
-            raise AssertionError(f"tree holds {self.tree.snapshot_bytes} snapshot bytes, tier {self.tier.used_bytes}")
-        if self.tier.used_bytes > self.tier.budget_bytes:
-            raise AssertionError("the device snapshot tier is over its budget")
+        for tier in (self.tiers.device, self.tiers.host):
+            if tier is None:
+                continue
+            held = sum(getattr(e.handle, tier.name).nbytes for _, e, _ in self.tree.iter_snapshots()
+                       if getattr(e.handle, tier.name) is not None)
+            if held != tier.used_bytes or tier.used_bytes > tier.budget_bytes:
+                raise AssertionError(f"{tier.name} tier: {tier.used_bytes} bytes used, tree holds {held}, "
+                                     f"budget {tier.budget_bytes}")
 
     def page_refs(self) -> dict[int, int]:
         return self.tree.page_refs()
@@ -185,12 +319,27 @@ class HybridPrefixCache(PrefixCache):
     def stats(self) -> dict:
         """Counters and gauges in the server's metrics convention: keys starting with num_ or ending in
         _bytes are gauges, others counters; a dict value is one series per label value."""
-        return {
+        per_tier = Counter()
+        for _, entry, _ in self.tree.iter_snapshots():
+            per_tier.update(entry.handle.tiers())
+        tiers = [t for t in (self.tiers.device, self.tiers.host) if t is not None]
+        out = {
             **self.counters,
             "snapshots_taken_by{source}": dict(self.taken_by_source),
+            "snapshots_restored_from{tier}": dict(self.restored_by_tier),
             "snapshots_dropped{reason}": dict(self.dropped_by_reason),
-            "num_snapshots{tier}": {self.tier.name: self.tree.num_snapshots},
-            "snapshot_used_bytes{tier}": {self.tier.name: self.tier.used_bytes},
-            "snapshot_budget_bytes{tier}": {self.tier.name: self.tier.budget_bytes},
+            "tier_moves{kind}": dict(self.tiers.moved),
+            "tier_drops{reason}": dict(self.tiers.dropped),
+            "num_snapshots{tier}": {t: per_tier.get(t, 0) for t in self.tiers.names},
+            "snapshot_used_bytes{tier}": {t.name: t.used_bytes for t in tiers},
+            "snapshot_budget_bytes{tier}": {t.name: t.budget_bytes for t in tiers},
             "num_tree_nodes": self.tree.num_nodes,
         }
+        if self.tiers.host_kv is not None:
+            out["host_kv_used_bytes"] = self.tiers.host_kv.used_bytes
+        if self.tiers.disk is not None:
+            store = self.tiers.disk.store
+            out["disk_used_bytes"] = store.used_bytes
+            out["num_disk_segments"] = len(store)
+            out["disk_faults{reason}"] = dict(store.faults)
+        return out

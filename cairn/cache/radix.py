@@ -56,6 +56,7 @@ class RadixTree:
         page_size: int,
         pages: PageAllocator,
         on_snapshot_released: Callable[[SnapshotEntry, str], None],
+        host_pages: PageAllocator | None = None,
     ):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -68,7 +69,9 @@ class RadixTree:
         self._num_nodes = 0  # nodes below the root
         self._num_snapshots = 0
         self._snapshot_bytes = 0
+        self.host_pages = host_pages  # the host KV bank's allocator, when there is a host tier
         self._page_refs: Counter[int] = Counter()  # page id -> references the tree holds
+        self._host_refs: Counter[int] = Counter()  # host page id -> references the tree holds
         self._locks: set[LockHandle] = set()  # outstanding lock handles
 
     # ---- sizes ----------------------------------------------------------------------------------
@@ -90,6 +93,10 @@ class RadixTree:
     def page_refs(self) -> dict[int, int]:
         """Page id -> number of allocator references the tree holds on it (one per node listing it)."""
         return dict(self._page_refs)
+
+    def host_page_refs(self) -> dict[int, int]:
+        """Host page id -> references the tree holds on it."""
+        return dict(self._host_refs)
 
     # ---- reading --------------------------------------------------------------------------------
 
@@ -115,22 +122,30 @@ class RadixTree:
         return MatchResult(len(tokens), match_len, path, resume_position, resume_node, miss_reason)
 
     def prefix_pages(self, result: MatchResult, num_tokens: int) -> list[int]:
-        """Page table for positions [0, num_tokens) of a matched prompt; num_tokens <= result.match_len.
+        """Device page table for positions [0, num_tokens) of a matched prompt; num_tokens <= result.match_len.
 
-        For each page index, the page listed by the deepest node of result.path that starts before
-        num_tokens. If num_tokens % page_size != 0 the last page holds valid KV only before
-        num_tokens: the caller copies it before writing there. Pure; takes no references.
+        For each page index, the device page listed by the deepest node of result.path that starts
+        before num_tokens (-1 where that node's KV is not on the device). If num_tokens % page_size != 0
+        the last page holds valid KV only before num_tokens: the caller copies it before writing there.
+        Pure; takes no references.
         """
+        return [node.pages[i] if node.pages is not None else -1
+                for node, i in self.prefix_page_sources(result, num_tokens)]
+
+    def prefix_page_sources(self, result: MatchResult, num_tokens: int) -> list[tuple[Node, int]]:
+        """For each page index of [0, num_tokens): (the deepest node of result.path listing it that starts
+        before num_tokens, the page's index in that node's page lists). That node's copy of the page, on
+        whichever tier holds it, has valid KV for every position of the page below num_tokens. Pure."""
         if not 0 <= num_tokens <= result.match_len:
             raise ValueError(f"num_tokens {num_tokens} outside the match [0, {result.match_len}]")
-        table = [-1] * (-(-num_tokens // self.page_size))
+        sources: list[tuple[Node, int] | None] = [None] * (-(-num_tokens // self.page_size))
         for node in result.path:
             if node.start >= num_tokens:
                 break
-            for index, page in zip(page_indices(node.start, node.end, self.page_size), node.pages, strict=True):
-                if index < len(table):
-                    table[index] = page
-        return table
+            for i, index in enumerate(page_indices(node.start, node.end, self.page_size)):
+                if index < len(sources):
+                    sources[index] = (node, i)
+        return sources
 
     def iter_nodes(self) -> Iterator[Node]:
         """Every node below the root, parents before children. Do not mutate the tree while iterating."""
@@ -271,9 +286,11 @@ class RadixTree:
         """Raise AssertionError if any structural, page, lock or snapshot invariant is broken."""
         refs: Counter[int] = Counter()
         num_nodes = num_snapshots = snapshot_bytes = 0
+        host_refs: Counter[int] = Counter()
         for node in self.iter_nodes():
             node.check_integrity(self.page_size)
-            refs.update(node.pages)
+            refs.update(node.pages or ())
+            host_refs.update(node.host_pages or ())
             num_nodes += 1
             if node.snapshot is not None:
                 num_snapshots += 1
@@ -290,6 +307,10 @@ class RadixTree:
         for page, count in refs.items():
             if self.pages.refcount[page] < count:
                 raise AssertionError(f"page {page}: allocator refcount {self.pages.refcount[page]} < tree refs {count}")
+        if host_refs != self._host_refs:
+            raise AssertionError("host page references listed by nodes disagree with host_page_refs()")
+        if self.host_pages is not None:
+            self.host_pages.check_integrity(dict(host_refs))
         self._check_locks()
 
     def _check_locks(self) -> None:
@@ -381,17 +402,25 @@ class RadixTree:
         both halves list the page containing it, so the tree takes one more reference on it.
         """
         s, ps = node.start, self.page_size
-        upper_pages = node.pages[: (position - 1) // ps - s // ps + 1]
-        upper = Node(self._next_node_id, node.tokens[: position - s], s, position, node.parent, upper_pages)
+        head = slice(0, (position - 1) // ps - s // ps + 1)
+        tail = slice(position // ps - s // ps, None)
+        upper = Node(self._next_node_id, node.tokens[: position - s], s, position, node.parent,
+                     None if node.pages is None else node.pages[head])
+        upper.host_pages = None if node.host_pages is None else node.host_pages[head]
+        upper.disk = node.disk
         upper.lock_count, upper.last_access = node.lock_count, node.last_access
         self._next_node_id += 1
         node.parent.children[upper.tokens[0]] = upper
-        node.pages = node.pages[position // ps - s // ps :]
+        node.pages = None if node.pages is None else node.pages[tail]
+        node.host_pages = None if node.host_pages is None else node.host_pages[tail]
         node.tokens, node.start, node.parent = node.tokens[position - s :], position, upper
         upper.children[node.tokens[0]] = node
         self._num_nodes += 1
-        if position % ps != 0:
-            self._incref([node.pages[0]])
+        if position % ps != 0:  # both halves list the page holding the split point
+            if node.pages is not None:
+                self._incref([node.pages[0]])
+            if node.host_pages is not None:
+                self._host_incref([node.host_pages[0]])
         return upper
 
     def _remove_leaf(self, node: Node) -> int:
@@ -401,7 +430,8 @@ class RadixTree:
         del node.parent.children[node.tokens[0]]
         node.parent = None
         self._num_nodes -= 1
-        return self._decref(node.pages)
+        self._host_decref(node.host_pages or [])
+        return self._decref(node.pages or [])
 
     def _release_snapshot(self, node: Node, reason: str) -> None:
         """The single exit point of snapshots: unhook, update totals, tell the storage tier."""
@@ -433,6 +463,19 @@ class RadixTree:
     def _incref(self, pages: list[int]) -> None:
         self.pages.incref(pages)
         self._page_refs.update(pages)
+
+    def _host_incref(self, pages: list[int]) -> None:
+        self.host_pages.incref(pages)
+        self._host_refs.update(pages)
+
+    def _host_decref(self, pages: list[int]) -> int:
+        if not pages:
+            return 0
+        self._host_refs.subtract(pages)
+        for page in pages:
+            if self._host_refs[page] == 0:
+                del self._host_refs[page]
+        return self.host_pages.decref(pages)
 
     def _decref(self, pages: list[int]) -> int:
         self._page_refs.subtract(pages)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch")
+SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk")  # "disk": found at start-up
 MISS_REASONS = ("no_snapshot", "evicted", "needs_logits")
 RELEASE_EVICTED = "evicted"  # on_snapshot_released reason: lost to retention (evict_snapshots)
 RELEASE_KV_EVICTED = "kv_evicted"  # on_snapshot_released reason: its node's KV was evicted (evict_pages)
@@ -31,6 +31,15 @@ class SnapshotEntry:
     last_access: int = 0  # clock tick of the last lock/insert/attach whose path contained its position
 
 
+@dataclass(frozen=True)
+class DiskRef:
+    """Where a node's KV lives on disk: a segment covering [segment_start, segment_end) ⊇ [start, end)."""
+
+    key: bytes  # the segment's content address in the disk store
+    segment_start: int  # first position the segment holds
+    segment_end: int  # one past its last position
+
+
 @dataclass(eq=False)
 class Node:
     """A run of tokens [start, end) shared by every path through it. The root is the empty run [0, 0)."""
@@ -40,12 +49,20 @@ class Node:
     start: int  # position of tokens[0]; == parent.end
     end: int  # one past the last position; > start except for the root
     parent: Node | None  # None for the root and for a node removed from the tree
-    pages: list[int]  # page ids of page indices start // page_size .. (end - 1) // page_size
+    pages: list[int] | None  # device page ids of page indices start // page_size .. (end - 1) // page_size;
+    # None when the KV is not on the device (then it is in host_pages and/or on disk)
     children: dict[int, Node] = field(default_factory=dict)  # keyed by child.tokens[0]
     snapshot: SnapshotEntry | None = None  # the snapshot at position end, if any
     snapshot_evicted: bool = False  # a snapshot at end was evicted and none attached since (miss tombstone)
     lock_count: int = 0  # outstanding LockHandles whose locked path passes through this node; > 0: KV kept
     last_access: int = 0  # clock tick of the last lock/insert/attach whose path entered this node
+    host_pages: list[int] | None = None  # host-bank page ids, same page indices as `pages`; None: not on host
+    disk: DiskRef | None = None  # the disk segment holding this node's KV, if any
+
+    def kv_tiers(self) -> tuple[str, ...]:
+        """The tiers holding this node's KV, fastest first."""
+        return tuple(t for t, v in (("device", self.pages), ("host", self.host_pages), ("disk", self.disk))
+                     if v is not None)
 
     def path_tokens(self) -> tuple[int, ...]:
         """The token ids at positions [0, end): the concatenation of the tokens from the root down."""
@@ -63,8 +80,14 @@ class Node:
             raise AssertionError(f"{where} is not its parent's child under its first token")
         if self.start != parent.end or self.end - self.start != len(self.tokens):
             raise AssertionError(f"{where}: parent ends at {parent.end}, {len(self.tokens)} tokens")
-        if len(self.pages) != len(page_indices(self.start, self.end, page_size)):
-            raise AssertionError(f"{where} lists {len(self.pages)} pages")
+        spanned = len(page_indices(self.start, self.end, page_size))
+        for tier, pages in (("device", self.pages), ("host", self.host_pages)):
+            if pages is not None and len(pages) != spanned:
+                raise AssertionError(f"{where} lists {len(pages)} {tier} pages for {spanned} page indices")
+        if not self.kv_tiers():
+            raise AssertionError(f"{where} holds its KV on no tier")
+        if self.disk is not None and not self.disk.segment_start <= self.start < self.end <= self.disk.segment_end:
+            raise AssertionError(f"{where} is not inside its disk segment {self.disk}")
         if self.lock_count < 0 or (self.snapshot is not None and self.snapshot.lock_count < 0):
             raise AssertionError(f"{where}: negative lock count")
         if self.snapshot is not None and self.snapshot_evicted:

@@ -28,11 +28,12 @@ snapshot changes the gap of the one below it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fractions import Fraction
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from cairn.cache.radix_types import Node
+    from cairn.cache.radix_types import Node, SnapshotEntry
 
 
 class RetentionKey(NamedTuple):
@@ -44,8 +45,13 @@ class RetentionKey(NamedTuple):
     position: int  # the snapshot's position (its node's end), tokens
 
 
-def rank_snapshots(root: Node) -> list[tuple[RetentionKey, Node]]:
-    """(key, node) for every unlocked snapshot under `root`, unordered. Pure: mutates nothing.
+def rank_snapshots(
+    root: Node, eligible: Callable[[SnapshotEntry], bool] | None = None
+) -> list[tuple[RetentionKey, Node]]:
+    """(key, node) for every unlocked snapshot under `root` (that `eligible` accepts), unordered. Pure.
+
+    Gaps and `deepest` count every snapshot, eligible or not: with tiers, a snapshot on a slower tier
+    still saves prefill for the one below it.
 
     Walks the tree iteratively (paths can be thousands of nodes deep), so it is O(number of nodes).
     """
@@ -54,7 +60,7 @@ def rank_snapshots(root: Node) -> list[tuple[RetentionKey, Node]]:
     ranked = []
     for node, ancestor_position in order:
         entry = node.snapshot
-        if entry is None or entry.lock_count > 0:
+        if entry is None or entry.lock_count > 0 or (eligible is not None and not eligible(entry)):
             continue
         key = RetentionKey(
             last_access=entry.last_access,

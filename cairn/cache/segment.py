@@ -457,3 +457,26 @@ def decode_segment(data, compat_digest: str, limits: SegmentLimits = DEFAULT_LIM
                    tokens=tokens, kv_bytes=payloads[SECTION_KV], kv_meta=meta["kv"],
                    snapshot_bytes=payloads.get(SECTION_SNAPSHOT), snapshot_meta=meta["snapshot"],
                    logits_bytes=payloads.get(SECTION_LOGITS), logits_meta=meta["logits"])
+
+
+def tokens_section_bytes(header: SegmentHeader) -> int:
+    """Bytes of the tokens section (its header and payload), which comes first after the file header."""
+    return SECTION_HEADER_BYTES + 4 * header.num_tokens
+
+
+def decode_tokens(section, header: SegmentHeader) -> tuple[int, ...]:
+    """The tokens of a segment from its first section alone (checksum and key verified): enough to index
+    the segment at start-up without reading its KV. Raises SegmentError."""
+    view = memoryview(section).cast("B") if not isinstance(section, memoryview) else section
+    if view.nbytes < tokens_section_bytes(header):
+        raise SegmentError("truncated", "tokens section cut short")
+    got_id, stored_bytes, raw_bytes = _SECTION.unpack_from(view, 0)
+    if got_id != SECTION_TOKENS or stored_bytes != raw_bytes or stored_bytes != 4 * header.num_tokens:
+        raise SegmentError("malformed", "tokens section header disagrees with the file header")
+    payload = view[SECTION_HEADER_BYTES : SECTION_HEADER_BYTES + stored_bytes]
+    if _checksum(view[: _SECTION.size], payload) != bytes(view[_SECTION.size : SECTION_HEADER_BYTES]):
+        raise SegmentError("checksum", "tokens section checksum mismatch")
+    tokens = _tokens_from_bytes(bytes(payload))
+    if segment_key(header.parent_key, tokens) != header.key:
+        raise SegmentError("malformed", "key is not the hash of parent key and tokens")
+    return tokens

@@ -1,24 +1,34 @@
-"""Snapshot tiers: where a snapshot's bytes live. This module holds the interface and the device tier.
+"""Snapshot and KV storage of the device and host tiers.
 
-A tier stores copies of working state slots (every linear layer's conv and recurrent state) plus,
-optionally, the next-token logits at that position, under a byte budget it never exceeds. Storing and
-restoring are copies; restoring never consumes the stored snapshot (DESIGN invariant 2). Tiers know
-nothing of the radix tree or the scheduler: the cache decides what to store, evict and restore.
+A snapshot tier stores copies of working state slots (every linear layer's conv and recurrent state)
+plus, optionally, the next-token logits at that position, under a byte budget it never exceeds.
+The device and host tiers are the same `PoolSnapshotTier` over a preallocated slot pool, on the
+model's device or in host RAM (page-locked when the device is CUDA). `HostKVBank` is the host's bank
+of KV pages, laid out like the device KV pool.
+
+Moves are two-phase: `prepare_*` reserves the destination and starts the copy (asynchronous on CUDA);
+the returned `PendingCopy` is unreadable, and its space unevictable, until `complete()` publishes it.
+On CPU the copy finishes inside prepare and complete only publishes. Restoring copies out and never
+consumes the stored copy (DESIGN invariant 2). Tiers know nothing of the radix tree or scheduler.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
+from cairn.memory.kv_pool import KVPool
+from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
+
+T = TypeVar("T")
 
 
 @dataclass
 class StoredSnapshot:
-    """A tier's record of one snapshot (the handle the radix tree carries, opaque to it)."""
+    """One tier's copy of one snapshot."""
 
     tier: str  # name of the tier holding it
     slot: int  # the slot in the tier's pool
@@ -26,54 +36,40 @@ class StoredSnapshot:
     nbytes: int  # bytes it takes in the tier (state slot + logits)
 
 
-class SnapshotTier(ABC):
-    name: str
+class PendingCopy(Generic[T]):
+    """A copy in flight: its destination is reserved; `complete()` waits for it and returns the result."""
 
-    @property
-    @abstractmethod
-    def budget_bytes(self) -> int: ...
+    def __init__(self, result: T, event: torch.cuda.Event | None = None):
+        self._result, self._event, self.done = result, event, False
 
-    @property
-    @abstractmethod
-    def used_bytes(self) -> int: ...
-
-    @abstractmethod
-    def snapshot_bytes(self, with_logits: bool) -> int:
-        """Bytes a snapshot of this model takes here."""
-
-    @abstractmethod
-    def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
-        """Copy src[slot] (and the logits) into the tier; None when it does not fit now."""
-
-    @abstractmethod
-    def restore(self, snap: StoredSnapshot, dst: StatePool, slot: int) -> torch.Tensor | None:
-        """Copy the snapshot into dst[slot]; returns a copy of its logits (or None). The snapshot stays."""
-
-    @abstractmethod
-    def free(self, snap: StoredSnapshot) -> None:
-        """Release the snapshot's space. Safe to call once per stored snapshot."""
+    def complete(self) -> T:
+        if self._event is not None:
+            self._event.synchronize()
+        self.done = True
+        return self._result
 
 
-class DeviceSnapshotTier(SnapshotTier):
-    """Snapshots in a preallocated slot pool on the model's device, within `budget_bytes`."""
+def _copy_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the copies just issued when they may still be running (CUDA), else None."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
-    name = "device"
 
-    def __init__(self, working: StatePool, budget_bytes: int, vocab_size: int):
+class PoolSnapshotTier:
+    """Snapshots in a preallocated slot pool (on `device`), within `budget_bytes`."""
+
+    def __init__(self, name: str, working: StatePool, budget_bytes: int, vocab_size: int,
+                 device: torch.device | str, pin_memory: bool = False):
+        self.name = name
         self._slot_bytes = working.bytes_per_slot
         self._logits_bytes = 4 * vocab_size
-        self._budget = budget_bytes
-        num_slots = budget_bytes // self._slot_bytes
-        self.pool = StatePool.like(working, num_slots, working.conv.device)
-        self._used = 0
-
-    @property
-    def budget_bytes(self) -> int:
-        return self._budget
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
+        self.budget_bytes = budget_bytes
+        self.pool = StatePool.like(working, budget_bytes // self._slot_bytes, device, pin_memory)
+        self.used_bytes = 0
+        self.device = torch.device(device)
 
     @property
     def num_slots(self) -> int:
@@ -82,20 +78,69 @@ class DeviceSnapshotTier(SnapshotTier):
     def snapshot_bytes(self, with_logits: bool) -> int:
         return self._slot_bytes + (self._logits_bytes if with_logits else 0)
 
-    def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
-        nbytes = self.snapshot_bytes(logits is not None)
-        if self.pool.num_free == 0 or self._used + nbytes > self._budget:
+    def fits(self, with_logits: bool) -> bool:
+        return self.pool.num_free > 0 and self.used_bytes + self.snapshot_bytes(with_logits) <= self.budget_bytes
+
+    def prepare_store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> PendingCopy | None:
+        """Reserve a slot and start copying src[slot] (and logits) into it; None when it does not fit."""
+        if not self.fits(logits is not None):
             return None
         dst = self.pool.alloc(zero=False)
-        src.copy_to(slot, self.pool, dst)
-        kept = None if logits is None else logits.detach().float().to(self.pool.conv.device, copy=True)
-        self._used += nbytes
-        return StoredSnapshot(self.name, dst, kept, nbytes)
+        src.copy_to(slot, self.pool, dst, non_blocking=True)
+        kept = None
+        if logits is not None:
+            kept = torch.empty(logits.shape, dtype=torch.float32, device=self.device,
+                               pin_memory=self.pool.conv.is_pinned())
+            kept.copy_(logits, non_blocking=True)
+        nbytes = self.snapshot_bytes(logits is not None)
+        self.used_bytes += nbytes
+        return PendingCopy(StoredSnapshot(self.name, dst, kept, nbytes), _copy_event(src.conv.device))
+
+    def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
+        pending = self.prepare_store(src, slot, logits)
+        return None if pending is None else pending.complete()
 
     def restore(self, snap: StoredSnapshot, dst: StatePool, slot: int) -> torch.Tensor | None:
+        """Copy the snapshot into dst[slot] (synchronously); returns a copy of its logits. It stays stored."""
         self.pool.copy_to(snap.slot, dst, slot)
-        return None if snap.logits is None else snap.logits.clone()
+        return None if snap.logits is None else snap.logits.to(dst.conv.device, copy=True)
 
     def free(self, snap: StoredSnapshot) -> None:
         self.pool.free(snap.slot)
-        self._used -= snap.nbytes
+        self.used_bytes -= snap.nbytes
+
+
+class HostKVBank:
+    """KV pages in host RAM, laid out like the device pool, with their own allocator and budget."""
+
+    def __init__(self, like: KVPool, budget_bytes: int, pin_memory: bool = False):
+        num_pages = budget_bytes // like.bytes_per_page
+        layers, _, page_size, heads, dim = like.k.shape
+        shape = (layers, num_pages, page_size, heads, dim)
+        self.k = torch.zeros(shape, dtype=like.k.dtype, pin_memory=pin_memory)
+        self.v = torch.zeros(shape, dtype=like.v.dtype, pin_memory=pin_memory)
+        self.allocator = PageAllocator(num_pages)
+        self.bytes_per_page = like.bytes_per_page
+        self.budget_bytes = budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.allocator.num_pages - self.allocator.num_free) * self.bytes_per_page
+
+    def prepare_copy_in(self, kv: KVPool, device_pages: list[int]) -> PendingCopy[list[int]] | None:
+        """Reserve host pages and start copying the device pages into them; None when the bank is full."""
+        if len(device_pages) > self.allocator.num_free:
+            return None
+        host_pages = self.allocator.alloc(len(device_pages))
+        src = torch.tensor(device_pages, device=kv.k.device)
+        dst = torch.tensor(host_pages)
+        self.k[:, dst] = kv.k[:, src].to("cpu")
+        self.v[:, dst] = kv.v[:, src].to("cpu")
+        return PendingCopy(host_pages)
+
+    def copy_out(self, host_pages: list[int], kv: KVPool, device_pages: list[int]) -> None:
+        """Copy host pages into device pages (synchronously). The host copy stays."""
+        src = torch.tensor(host_pages)
+        dst = torch.tensor(device_pages, device=kv.k.device)
+        kv.k[:, dst] = self.k[:, src].to(kv.k.device)
+        kv.v[:, dst] = self.v[:, src].to(kv.v.device)

@@ -207,6 +207,7 @@ class EngineBridge:
         finally:
             self._abort_all(ServerShuttingDown("The server is shutting down; the request was aborted."))
             self._run_commands(block=False)  # settle calls that raced with the stop
+            self.engine.close()  # release the disk cache's lock and files
             log.info("engine thread stopped")
 
     def _run_commands(self, block: bool) -> None:

@@ -1,0 +1,70 @@
+"""The cache policies the benchmark compares, as engine configurations over the same weights and budgets.
+
+Every policy gets a fresh engine built from one EngineConfig (same checkpoint, same KV pool and
+snapshot budgets, same chunk size); only these cache fields differ:
+
+    none               prefix_cache=False: every prompt is prefilled whole
+    last_chunk         snapshot_policy="last_chunk": one snapshot at the last 64-aligned position of the
+                       prompt's final prefill chunk, and the request end only when it falls on a page
+                       boundary (FreeToken / SGLang-style hybrid radix cache, seeds/000)
+    prompt_end_branch  snapshot_policy="prompt_end_branch": the prompt end and branch points only
+    user_messages      snapshot_policy="user_messages", snapshot_min_gap=N: llama.cpp-style checkpoints
+                       at user-message starts at least N tokens apart, plus the prompt end
+    cairn              snapshot_policy="cairn": grid, message starts, prompt end, request end, branches
+
+What `user_messages` models of llama.cpp's server (tools/server, --ctx-checkpoints /
+--checkpoint-min-step): checkpoints are exact-position recurrent-state copies taken while a prompt
+is processed, at user-message starts and spaced by a minimum step, plus one near the prompt end.
+What it does not model, all of which make llama.cpp do worse than this baseline: per-slot ownership
+(a slot reused by another conversation erases that slot's checkpoints past the common prefix,
+seeds/001), the per-slot cap on the number of checkpoints (32 by default) with oldest-first
+eviction, the RAM prompt cache's f_keep / f_sim lookup, the checkpoint being a few tokens *before*
+the prompt end, and the last-user-message bypass of the minimum step. Here the snapshots live in
+cairn's shared radix tree under cairn's byte budget and value-based retention. llama.cpp's default
+minimum step is 8192 tokens on contexts of 100k+; the benchmark's contexts are a few thousand
+tokens, so its default spacing (`--min-gap-tokens`) is scaled down to 1024.
+
+What it is not: the policies' implementation (cairn/cache/placement.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from cairn.config import CacheOptions, EngineConfig
+
+POLICIES = ("none", "last_chunk", "prompt_end_branch", "user_messages", "cairn")
+LABELS = {"none": "no cache", "last_chunk": "last chunk", "prompt_end_branch": "prompt end + branch",
+          "user_messages": "llama.cpp-style", "cairn": "cairn"}
+DEFAULT_MIN_GAP_TOKENS = 1024
+
+
+def has_disk_tier() -> bool:
+    """Whether this build's CacheOptions has the disk tier's `disk_cache` directory option."""
+    return any(f.name == "disk_cache" for f in dataclasses.fields(CacheOptions))
+
+
+def policy_config(base: EngineConfig, policy: str, min_gap_tokens: int, disk_dir: Path | None = None) -> EngineConfig:
+    """`base` with the cache fields of `policy`; `disk_dir` puts the disk tier there (when the build has one)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    if policy == "none":
+        return dataclasses.replace(base, cache=dataclasses.replace(base.cache, prefix_cache=False))
+    fields = {"prefix_cache": True, "snapshot_policy": policy}
+    if policy == "user_messages":
+        fields["snapshot_min_gap"] = min_gap_tokens
+    if disk_dir is not None and has_disk_tier():
+        fields["disk_cache"] = str(disk_dir)
+    return dataclasses.replace(base, cache=dataclasses.replace(base.cache, **fields))
+
+
+def parse_names(spec: str, known: tuple[str, ...] | list[str], what: str) -> list[str]:
+    """'all' or a comma-separated subset of `known`, in the order given."""
+    if spec == "all":
+        return list(known)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown {what} {unknown or spec!r}; known: {', '.join(known)} or all")
+    return names

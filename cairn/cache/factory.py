@@ -1,0 +1,69 @@
+"""build_cache: the prefix cache an engine runs with, assembled from CacheOptions.
+
+Device tier always (when the cache is on), host tier with host_cache_gib > 0 (page-locked on CUDA),
+disk tier with disk_cache set (its namespace is the compatibility digest of these weights). Start-up
+speeds for the planner are measured here with real copies of one state slot.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cairn.cache.base import NullCache, PrefixCache
+from cairn.cache.disk_store import DiskStore
+from cairn.cache.disk_tier import DiskTier, compat_digest, weights_digest
+from cairn.cache.hybrid_cache import HybridPrefixCache
+from cairn.cache.placement import PlacementOptions
+from cairn.cache.speeds import SpeedMeter, measure_copy_bytes_per_s
+from cairn.cache.tiering import TierSet
+from cairn.cache.tiers import HostKVBank, PoolSnapshotTier
+from cairn.config import CacheOptions
+from cairn.memory.kv_pool import KVPool
+from cairn.memory.state_pool import StatePool
+from cairn.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def placement_options(opts: CacheOptions, page_size: int) -> PlacementOptions:
+    return PlacementOptions(
+        interval_tokens=opts.snapshot_interval, at_messages=opts.snapshot_at_messages,
+        at_prompt_end=opts.snapshot_at_prompt_end, at_request_end=opts.snapshot_at_request_end,
+        at_branch=opts.snapshot_at_branch, policy=opts.snapshot_policy, min_gap_tokens=opts.snapshot_min_gap,
+        page_size=page_size)
+
+
+def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv: KVPool,
+                states: StatePool) -> PrefixCache:
+    if not opts.prefix_cache or not cfg.linear_layers:
+        return NullCache()
+    device = states.conv.device
+    pinned = device.type == "cuda"
+    dev_tier = PoolSnapshotTier("device", states, opts.device_snapshot_bytes, cfg.vocab_size, device)
+    host = host_kv = disk = None
+    if opts.host_cache_bytes > 0:
+        host = PoolSnapshotTier("host", states, opts.host_cache_bytes // 2, cfg.vocab_size, "cpu", pinned)
+        host_kv = HostKVBank(kv, opts.host_cache_bytes // 2, pinned)
+    if opts.disk_cache:
+        digest = compat_digest(weights_digest(model), cfg, kv.k.dtype, kv.page_size)
+        store = DiskStore(opts.disk_cache, digest, opts.disk_cache_bytes,
+                          compression=None if opts.disk_compression == "none" else opts.disk_compression)
+        disk = DiskTier(store, kv.page_size, opts.disk_write_through)
+        log.info("disk cache: %s/%s (%.1f GiB budget%s)", opts.disk_cache, digest[:16], opts.disk_cache_gib,
+                 ", read-only: another server manages it" if store.readonly else "")
+    tiers = TierSet(kv, dev_tier, host, host_kv, disk)
+    log.info("prefix cache: %d device snapshot slots (%.1f MiB), host %s, disk %s, snapshot every %d tokens",
+             dev_tier.num_slots, opts.device_snapshot_bytes / 2**20,
+             f"{opts.host_cache_gib:g} GiB" if host else "off", opts.disk_cache or "off", opts.snapshot_interval)
+    return HybridPrefixCache(kv, states, tiers, placement_options(opts, kv.page_size), _measure(states, host))
+
+
+def _measure(states: StatePool, host: PoolSnapshotTier | None) -> SpeedMeter:
+    """Start-up bandwidths from copies of one state slot's recurrent state, device->device and host->device."""
+    src = states.recurrent[:, 0]
+    bandwidth = {"device": measure_copy_bytes_per_s(src, torch.empty_like(src))}
+    if host is not None:
+        bandwidth["host"] = measure_copy_bytes_per_s(host.pool.recurrent[:, 0], torch.empty_like(src))
+    return SpeedMeter(bandwidth)

@@ -1,0 +1,201 @@
+"""Host and disk tiers on the demo model (fp32): demote before drop, round trips, resume from every tier,
+restart, and faults that must fall back to a shallower point or a cold prefill.
+
+Budgets here are a few snapshots each, so every test moves state between tiers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from cairn.cache.segment import Segment
+from cairn.engine import LLM
+from cairn.sampling import SamplingParams
+
+G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
+SLOT = 430_080  # bytes of one demo-model state slot
+TOL = 1e-4
+CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
+
+
+@pytest.fixture(scope="module")
+def cold():
+    return LLM(**OPTS, prefix_cache=False)
+
+
+def tiered(tmp_path=None, device_slots=3, host_slots=12, **kw) -> LLM:
+    opts = dict(OPTS, device_snapshot_gib=device_slots * SLOT / 2**30, host_cache_gib=2 * host_slots * SLOT / 2**30)
+    if tmp_path is not None:
+        opts["disk_cache"] = str(tmp_path)
+    return LLM(**{**opts, **kw})
+
+
+def run(llm: LLM, prompt):
+    out = llm.generate(prompt, G)[0]
+    llm.engine.check_integrity()
+    return out
+
+
+def same_as_cold(cold: LLM, out, prompt) -> None:
+    ref = cold.generate(prompt, G)[0]
+    assert out.token_ids == ref.token_ids
+    assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs, strict=True)) < TOL
+
+
+def handles(llm: LLM) -> dict[int, object]:
+    return {pos: entry.handle for pos, entry, _ in llm.engine.cache.tree.iter_snapshots()}
+
+
+def test_device_eviction_demotes_snapshots_to_host_and_nothing_is_dropped():
+    llm = tiered()
+    run(llm, CONVERSATION)
+    stats = llm.engine.cache.stats()
+    assert stats["tier_moves{kind}"]["snapshot device->host"] >= 5
+    assert not stats["tier_drops{reason}"] and not stats["snapshots_dropped{reason}"]
+    tiers = {pos: h.tiers() for pos, h in handles(llm).items()}
+    assert all(t for t in tiers.values()) and any(t == ("host",) for t in tiers.values())
+
+
+def test_restoring_from_host_copies_back_and_keeps_the_host_copy(cold):
+    llm = tiered()
+    run(llm, CONVERSATION)
+    on_host = sorted(pos for pos, h in handles(llm).items() if h.tiers() == ("host",))
+    prompt = CONVERSATION[: on_host[-1] + 20] + [3, 4, 5]
+    out = run(llm, prompt)
+    assert out.cache.resume_position == on_host[-1] and out.cache.resume_tier == "host"
+    assert handles(llm)[on_host[-1]].host is not None  # not consumed
+    same_as_cold(cold, out, prompt)
+
+
+def test_kv_pages_move_to_host_under_device_pressure_and_resume_from_there(cold):
+    llm = tiered(kv_cache_gib=90 * 8 * 2 * 2 * 2 * 64 * 4 / 2**30)  # 90 pages of 8 tokens: two prompts do not fit
+    run(llm, CONVERSATION)
+    run(llm, [(t * 7) % 250 + 1 for t in range(400)])  # pushes the first conversation's KV off the device
+    stats = llm.engine.cache.stats()
+    assert stats["tier_moves{kind}"].get("kv device->host", 0) > 0
+    prompt = CONVERSATION[:300] + [9, 9]
+    out = run(llm, prompt)
+    assert out.cache.resume_position == 256
+    same_as_cold(cold, out, prompt)
+
+
+def test_round_trip_device_host_disk_device_is_bitwise_equal(tmp_path):
+    llm = tiered(tmp_path, device_slots=40, disk_write_through=False)
+    run(llm, CONVERSATION)
+    cache = llm.engine.cache
+    tiers, tree = cache.tiers, cache.tree
+    node = next(n for pos, _, n in tree.iter_snapshots() if pos == 256)
+    handle = node.snapshot.handle
+    pool, slot = tiers.device.pool, handle.device.slot
+    original = (pool.conv[:, slot].clone(), pool.recurrent[:, slot].clone())
+    kv_original = llm.engine.kv.k[:, node.pages].clone()
+    tiers.demote_snapshot(node, "device")  # device -> host
+    assert handle.tiers()[0] == "host"
+    tiers.demote_snapshot(node, "host")  # host -> disk
+    assert handle.tiers() == ("disk",)
+    work = llm.engine.states
+    slot_b = work.alloc()
+    tiers.restore_snapshot(handle, "disk", work, slot_b)  # disk -> device
+    assert torch.equal(work.conv[:, slot_b], original[0]) and torch.equal(work.recurrent[:, slot_b], original[1])
+    k, _ = tiers.disk.kv_of(tiers.disk.read(node.disk.key))
+    first = node.start // 8 - node.disk.segment_start // 8
+    assert torch.equal(k[:, first:first + len(node.pages)], kv_original)
+    work.free(slot_b)
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_resuming_from_each_tier_gives_the_cold_logits(tmp_path, cold, tier):
+    llm = tiered(tmp_path, device_slots=40, disk_write_through=False)
+    run(llm, CONVERSATION)
+    cache = llm.engine.cache
+    node = next(n for pos, _, n in cache.tree.iter_snapshots() if pos == 320)
+    for t in ("device", "host")[: ("device", "host", "disk").index(tier)]:
+        if getattr(node.snapshot.handle, t) is None and t == "device":
+            continue
+        cache.tiers.demote_snapshot(node, t)
+    prompt = CONVERSATION[:330] + [1, 2]
+    out = run(llm, prompt)
+    assert out.cache.resume_position == 320 and out.cache.resume_tier == tier
+    same_as_cold(cold, out, prompt)
+
+
+def test_a_conversation_resumes_from_disk_after_a_restart(tmp_path, cold):
+    with tiered(tmp_path) as first:
+        reply = run(first, CONVERSATION)
+    with tiered(tmp_path) as second:  # a new process would see the same: nothing in memory, the disk indexed
+        prompt = CONVERSATION + reply.token_ids + [5, 6, 7]
+        out = run(second, prompt)
+        assert out.cache.cached_tokens == len(CONVERSATION) + len(reply.token_ids) - 1
+        assert out.cache.resume_tier == "disk"
+        same_as_cold(cold, out, prompt)
+
+
+def test_another_model_never_sees_the_segments(tmp_path):
+    with tiered(tmp_path) as first:
+        run(first, CONVERSATION)
+    with tiered(tmp_path, demo_seed=1) as other:  # other weights: another namespace
+        assert len(other.engine.cache.tiers.disk.store) == 0
+        assert run(other, CONVERSATION[:300] + [1]).cache.cached_tokens == 0
+    assert len(os.listdir(tmp_path)) == 2
+
+
+def _segment_files(tmp_path):
+    (namespace,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    return sorted(namespace.glob("*.seg"), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("fault", ["bit_flip", "truncate", "symlink", "zero_length"])
+def test_a_damaged_segment_falls_back_and_the_engine_keeps_serving(tmp_path, cold, fault):
+    with tiered(tmp_path) as first:
+        run(first, CONVERSATION)
+    outside = tmp_path.parent / f"outside-{fault}"
+    outside.write_bytes(b"not a segment")
+    for path in _segment_files(tmp_path):  # damage every segment written
+        data = path.read_bytes()
+        if fault == "bit_flip":
+            path.write_bytes(data[:-100] + bytes([data[-100] ^ 1]) + data[-99:])
+        elif fault == "truncate":
+            path.write_bytes(data[: len(data) // 2])
+        elif fault == "zero_length":
+            path.write_bytes(b"")
+        else:
+            path.unlink()
+            path.symlink_to(outside)
+    with tiered(tmp_path) as second:
+        prompt = CONVERSATION[:300] + [4, 4]
+        out = run(second, prompt)
+        assert out.cache.cached_tokens == 0
+        same_as_cold(cold, out, prompt)
+        faults = second.engine.cache.stats()["disk_faults{reason}"]
+        assert sum(faults.values()) >= 1
+        assert run(second, prompt).cache.resume_position > 0  # it cached this run and serves it
+    assert outside.read_bytes() == b"not a segment"
+
+
+def test_a_segment_corrupted_after_start_up_is_dropped_when_read(tmp_path, cold):
+    with tiered(tmp_path) as first:
+        run(first, CONVERSATION)
+    with tiered(tmp_path) as second:
+        for path in _segment_files(tmp_path):  # corrupt after the index was built: found when loading
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        prompt = CONVERSATION[:300] + [4, 4]
+        out = run(second, prompt)
+        assert out.cache.cached_tokens == 0 and out.cache.miss_reason == "corrupt"
+        same_as_cold(cold, out, prompt)
+
+
+def test_disk_segments_hold_what_the_tree_says(tmp_path):
+    with tiered(tmp_path) as llm:
+        run(llm, CONVERSATION)
+        store = llm.engine.cache.tiers.disk.store
+        for _, entry, node in llm.engine.cache.tree.iter_snapshots():
+            segment: Segment = store.get(entry.handle.disk)
+            assert segment is not None and segment.end_position == node.end
+            assert segment.snapshot_bytes is not None
