@@ -137,9 +137,18 @@ def run_serve(ns: argparse.Namespace) -> int:
     return serve(config_from_args(ns), build_group(ServerOptions, ns))
 
 
+def _lazy(module: str) -> tuple[typing.Callable, typing.Callable]:
+    """(add_args, run) of a command module, imported only when that command is used."""
+    import importlib
+
+    return (lambda p: importlib.import_module(module).add_args(p),
+            lambda ns: importlib.import_module(module).run(ns))
+
+
 COMMANDS: dict[str, tuple[str, typing.Callable, typing.Callable]] = {
     "generate": ("generate text for one prompt or chat", add_generate_args, run_generate),
     "serve": ("serve the OpenAI-compatible HTTP API", add_serve_args, run_serve),
+    "cache": ("list, verify or purge a disk cache directory", *_lazy("cairn.cache.admin")),
 }
 
 
