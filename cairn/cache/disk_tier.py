@@ -53,9 +53,12 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def _from_bytes(data: bytes, meta: dict) -> torch.Tensor:
+def _from_bytes(data: bytes | memoryview, meta: dict) -> torch.Tensor:
+    """A tensor over `data` (no copy when it is a writable view, as segments read from disk are)."""
     dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(meta["shape"])
+    if not (isinstance(data, memoryview) and not data.readonly):
+        data = bytearray(data)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(meta["shape"])
 
 
 def _meta(t: torch.Tensor) -> dict:

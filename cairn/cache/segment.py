@@ -414,7 +414,9 @@ def _read_sections(view: memoryview, header: SegmentHeader, limits: SegmentLimit
         elif stored_bytes != raw_bytes:
             raise SegmentError("malformed", f"section {section_id}: stored and raw sizes differ")
         else:
-            payloads[section_id] = bytes(stored)
+            # a view, not a copy: KV and snapshot sections are megabytes, and the caller's buffer is fresh
+            payloads[section_id] = stored if section_id in (SECTION_KV, SECTION_SNAPSHOT, SECTION_LOGITS) \
+                else bytes(stored)
         offset = body + stored_bytes
     if offset != end:
         raise SegmentError("malformed", "bytes between the last section and the end marker")

@@ -1,0 +1,151 @@
+"""Tier figures, measured side by side in one run (a benchmark, not a test).
+
+1. Restore bandwidth per tier (a snapshot copied into a working slot), against a plain copy of the same
+   bytes: a tensor copy for device and host, reading the segment file for disk (target >= 50%).
+2. Time to first token resuming one conversation from device, host and disk, against a cold prefill.
+
+    python benchmarks/tier_bench.py --size 0.8b --context 2048 --out benchmarks/out/tier_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine_throughput import make_checkpoint, prompt
+
+
+def engine(path: Path, disk: str | None, context: int, prefix_cache: bool = True):
+    from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
+    from cairn.engine import Engine
+
+    cfg = EngineConfig(ModelOptions(model=str(path), dtype="float32", device="cpu"),
+                       MemoryOptions(page_size=16, kv_cache_gib=1.0, state_cache_gib=0.25),
+                       SchedulerOptions(max_num_seqs=2, max_num_batched_tokens=2048, max_model_len=context + 256),
+                       CacheOptions(prefix_cache=prefix_cache, snapshot_interval=512, device_snapshot_gib=1.0,
+                                    host_cache_gib=2.0, disk_cache=disk, disk_cache_gib=8.0, disk_write_through=False))
+    return Engine(cfg, show_progress=False)
+
+
+def ttft_s(eng, ids: list[int]) -> tuple[float, object]:
+    from cairn.sampling import SamplingParams
+
+    start = time.perf_counter()
+    eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0))
+    out = None
+    while eng.has_unfinished():
+        out = next((o for o in eng.step() if o.finished), out)
+    return time.perf_counter() - start, out
+
+
+def force_tier(eng, tier: str) -> None:
+    """Move every snapshot and every node's KV down to `tier` (demoting, or dropping faster copies)."""
+    tiers, tree = eng.cache.tiers, eng.cache.tree
+    above = ("device", "host", "disk")[: ("device", "host", "disk").index(tier)]
+    for _, entry, node in list(tree.iter_snapshots()):
+        for t in above:
+            if getattr(entry.handle, t) is not None:
+                tiers.demote_snapshot(node, t)
+    for node in list(tree.iter_nodes()):
+        if tier in ("host", "disk") and node.pages is not None and node.host_pages is None:
+            tiers._kv_to_host(node)
+        for t in above:
+            if t in node.kv_tiers() and len(node.kv_tiers()) > 1:
+                tree.drop_kv(node, t)
+
+
+def _drop_page_cache(path: Path) -> None:
+    """Ask the kernel to forget the file's cached pages, so that both reads come from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def restore_figures(eng, disk_root: str) -> dict:
+    tiers, states = eng.cache.tiers, eng.states
+    _, entry, _ = max(eng.cache.tree.iter_snapshots(), key=lambda x: x[0])
+    handle, slot = entry.handle, states.alloc()
+    rows = {}
+    for tier in ("device", "host", "disk"):
+        force_tier(eng, tier)
+        nbytes = entry.nbytes
+        if tier == "disk":
+            path = next(Path(disk_root).glob(f"*/{handle.disk.hex()}.seg"))
+            nbytes = path.stat().st_size
+            _drop_page_cache(path)
+        start = time.perf_counter()
+        tiers.restore_snapshot(handle, tier, states, slot)
+        seconds = time.perf_counter() - start
+        if tier == "disk":
+            _drop_page_cache(path)
+            start = time.perf_counter()
+            path.read_bytes()
+            plain = time.perf_counter() - start
+        else:
+            src = (tiers.device if tier == "device" else tiers.host).pool.recurrent[:, getattr(handle, tier).slot]
+            dst = torch.empty_like(states.recurrent[:, slot])
+            start = time.perf_counter()
+            dst.copy_(src)
+            plain = (time.perf_counter() - start) * entry.nbytes / (src.numel() * 4)
+        rows[tier] = {"bytes": nbytes, "restore_s": seconds, "plain_s": plain, "ratio": plain / seconds}
+    states.free(slot)
+    return rows
+
+
+def run(size: str, context: int) -> dict:
+    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as disk:
+        make_checkpoint(size, Path(d))
+        warm, cold = engine(Path(d), disk, context), engine(Path(d), None, context, prefix_cache=False)
+        ttft_s(warm, prompt(64, seed=9)), ttft_s(cold, prompt(64, seed=9))  # warm-up
+        conversation = prompt(context, seed=1)
+        ttft_s(warm, conversation)
+        result = {"size": size, "context": context}
+        result["cold_s"], _ = ttft_s(cold, conversation + prompt(32, seed=3))
+        for i, tier in enumerate(("device", "host", "disk")):  # each follow-up branches off at the conversation end
+            force_tier(warm, tier)
+            result[f"{tier}_s"], out = ttft_s(warm, conversation + prompt(32, seed=10 + i))
+            result[f"{tier}_resume"] = (out.cache.resume_position, out.cache.resume_tier)
+        result["restore"] = restore_figures(warm, disk)
+        return result
+
+
+def report(r: dict) -> str:
+    lines = [f"size {r['size']}, conversation of {r['context']} tokens, follow-up of 32 new tokens", "",
+             "| tier | bytes | restore | plain copy / file read | restore speed vs plain |",
+             "|---|---:|---:|---:|---:|"]
+    for tier, row in r["restore"].items():
+        lines.append(f"| {tier} | {row['bytes'] / 2**20:.2f} MiB | {row['restore_s'] * 1e3:.2f} ms | "
+                     f"{row['plain_s'] * 1e3:.2f} ms | {100 * row['ratio']:.0f}% |")
+    lines += ["", "| resume from | time to first token | vs cold |", "|---|---:|---:|",
+              f"| cold prefill | {r['cold_s']:.3f} s | 1.0x |"]
+    for tier in ("device", "host", "disk"):
+        pos, got = r[f"{tier}_resume"]
+        lines.append(f"| {tier} (resumed {pos} tokens from {got}) | {r[f'{tier}_s']:.3f} s | "
+                     f"{r['cold_s'] / r[f'{tier}_s']:.1f}x faster |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="0.8b")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    result = run(args.size, args.context)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU\n")
+    print(report(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
