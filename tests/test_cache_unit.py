@@ -92,4 +92,5 @@ def test_a_full_snapshot_budget_degrades_to_cold_prefill_not_errors(budget_gib):
               device_snapshot_gib=budget_gib)
     outs = [llm.generate(list(range(10, 100)) + [i], GREEDY)[0] for i in range(3)]
     assert all(len(o.token_ids) == 4 for o in outs)
+    assert [o.cache.miss_reason for o in outs[1:]] == ["budget", "budget"]  # reported, not silent
     llm.engine.check_integrity()

@@ -229,6 +229,7 @@ class HybridPrefixCache(PrefixCache):
         handle = self.tiers.store_snapshot(self.states, seq.state_slot, logits)
         if handle is None:
             self.counters["snapshots_skipped_budget"] += 1
+            self.tree.mark_budget_miss(seq.token_ids[:pos], seq.page_table)
             return None
         entry = SnapshotEntry(nbytes=handle.device.nbytes, source=source, has_logits=logits is not None, handle=handle)
         if not self.tree.attach_snapshot(seq.token_ids[:pos], seq.page_table, entry):

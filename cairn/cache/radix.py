@@ -235,7 +235,7 @@ class RadixTree:
             return False
         entry.last_access = self.clock
         node.snapshot = entry
-        node.snapshot_evicted = False
+        node.snapshot_evicted = node.budget_miss = False
         self._num_snapshots += 1
         self._snapshot_bytes += entry.nbytes
         return True
@@ -364,6 +364,8 @@ class RadixTree:
                     return "needs_logits"
                 if node.snapshot_evicted:
                     return "evicted"
+                if node.budget_miss:
+                    return "budget"
         return "no_snapshot"
 
     def _insert(self, tokens: Sequence[int], page_table: list[int]) -> Node:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk")  # "disk": found at start-up
-MISS_REASONS = ("no_snapshot", "evicted", "needs_logits")
+MISS_REASONS = ("no_snapshot", "evicted", "budget", "needs_logits")
 RELEASE_EVICTED = "evicted"  # on_snapshot_released reason: lost to retention (evict_snapshots)
 RELEASE_KV_EVICTED = "kv_evicted"  # on_snapshot_released reason: its node's KV was evicted (evict_pages)
 
@@ -54,6 +54,7 @@ class Node:
     children: dict[int, Node] = field(default_factory=dict)  # keyed by child.tokens[0]
     snapshot: SnapshotEntry | None = None  # the snapshot at position end, if any
     snapshot_evicted: bool = False  # a snapshot at end was evicted and none attached since (miss tombstone)
+    budget_miss: bool = False  # a snapshot due at end was not taken: its tier was full of locked snapshots
     lock_count: int = 0  # outstanding LockHandles whose locked path passes through this node; > 0: KV kept
     last_access: int = 0  # clock tick of the last lock/insert/attach whose path entered this node
     host_pages: list[int] | None = None  # host-bank page ids, same page indices as `pages`; None: not on host

@@ -109,6 +109,13 @@ class TieredRadixTree(RadixTree):
         self._snapshot_bytes += entry.nbytes
         return True
 
+    def mark_budget_miss(self, tokens: Sequence[int], page_table: list[int]) -> None:
+        """Insert tokens and record that the snapshot due at their end was not taken for lack of budget
+        (match reports "budget" for it until a snapshot is attached there)."""
+        node = self.insert(tokens, page_table)
+        if node is not self.root and node.snapshot is None:
+            node.budget_miss = True
+
     def nodes_on_disk(self, key: bytes) -> list[Node]:
         """Nodes whose KV is in the disk segment `key` (a segment may back several nodes after splits)."""
         return [node for node in self.iter_nodes() if node.disk is not None and node.disk.key == key]
