@@ -199,3 +199,27 @@ def test_disk_segments_hold_what_the_tree_says(tmp_path):
             segment: Segment = store.get(entry.handle.disk)
             assert segment is not None and segment.end_position == node.end
             assert segment.snapshot_bytes is not None
+
+
+def test_a_move_in_flight_reserves_its_space_and_is_published_only_on_complete():
+    from cairn.cache.tiers import HostKVBank, PoolSnapshotTier
+    from cairn.memory.kv_pool import KVPool
+    from cairn.memory.state_pool import StatePool
+
+    work = StatePool(2, 2, 8, 4, 2, 4, 4, torch.float32)
+    host = PoolSnapshotTier("host", work, 2 * work.bytes_per_slot, vocab_size=4, device="cpu")
+    slot = work.alloc()
+    pending = host.prepare_store(work, slot, None)
+    assert not pending.done and host.used_bytes == work.bytes_per_slot and host.pool.num_free == 1
+    assert host.prepare_store(work, slot, None).complete() is not None  # the second slot
+    assert host.prepare_store(work, slot, None) is None  # full: the slot in flight is not given away
+    stored = pending.complete()
+    assert pending.done and stored.tier == "host" and stored.nbytes == work.bytes_per_slot
+
+    kv = KVPool(1, 4, 2, 1, 2, torch.float32)
+    kv.k.normal_()
+    bank = HostKVBank(kv, budget_bytes=2 * kv.bytes_per_page)
+    moving = bank.prepare_copy_in(kv, [1, 3])
+    assert bank.allocator.num_free == 0 and bank.prepare_copy_in(kv, [0]) is None
+    pages = moving.complete()
+    assert torch.equal(bank.k[:, pages], kv.k[:, [1, 3]])
