@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cache_bench import ttft_s
 from benchmarks.engine_throughput import make_checkpoint, prompt
 
 
@@ -31,17 +32,6 @@ def engine(path: Path, disk: str | None, context: int, prefix_cache: bool = True
                        CacheOptions(prefix_cache=prefix_cache, snapshot_interval=512, device_snapshot_gib=1.0,
                                     host_cache_gib=2.0, disk_cache=disk, disk_cache_gib=8.0, disk_write_through=False))
     return Engine(cfg, show_progress=False)
-
-
-def ttft_s(eng, ids: list[int]) -> tuple[float, object]:
-    from cairn.sampling import SamplingParams
-
-    start = time.perf_counter()
-    eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0))
-    out = None
-    while eng.has_unfinished():
-        out = next((o for o in eng.step() if o.finished), out)
-    return time.perf_counter() - start, out
 
 
 def force_tier(eng, tier: str) -> None:
