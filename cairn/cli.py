@@ -149,6 +149,7 @@ COMMANDS: dict[str, tuple[str, typing.Callable, typing.Callable]] = {
     "generate": ("generate text for one prompt or chat", add_generate_args, run_generate),
     "serve": ("serve the OpenAI-compatible HTTP API", add_serve_args, run_serve),
     "cache": ("list, verify or purge a disk cache directory", *_lazy("cairn.cache.admin")),
+    "bench": ("compare cache policies on divergence workloads (see BENCHMARKS.md)", *_lazy("cairn.bench.cli")),
 }
 
 

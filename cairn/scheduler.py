@@ -152,6 +152,7 @@ class Scheduler:
             self.cache.release(seq, finished=False)
             self.release(seq)
             seq.num_computed = seq.num_cached = 0
+            seq.ready_logits = None
             return False
         seq.status = Status.RUNNING
         self.running.append(seq)
@@ -188,6 +189,7 @@ class Scheduler:
         self.release(seq)
         seq.status = Status.WAITING
         seq.num_computed = seq.num_cached = 0
+        seq.ready_logits = None
         self.waiting.appendleft(seq)
 
     def release(self, seq: Sequence) -> None:

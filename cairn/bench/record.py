@@ -47,7 +47,8 @@ class SnapshotPoint:
 
     position: int  # its token position
     source: str  # placement rule that made it
-    tier: str  # tier holding it (the fastest, when several do)
+    tier: str  # the fastest tier holding a copy
+    tiers: list[str] = field(default_factory=list)  # every tier holding a copy, fastest first
 
 
 @dataclass

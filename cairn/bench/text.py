@@ -16,13 +16,16 @@ import random
 from cairn.tokenizer import Tokenizer
 
 WORDS = (
-    "the a of to and in is for on with that this it as be by are from at or an was not file line test "
-    "function return value error build run cache state token prompt model layer request server client "
-    "path node page slot tier disk host device snapshot position chunk prefix branch merge commit diff "
-    "patch fix check assert import module class method field config option flag default output input "
-    "read write open close list dict set map key index count size length offset range start end next "
-    "first last new old result status update change remove add create delete move copy load save parse"
-).split()
+    "the", "a", "of", "to", "and", "in", "is", "for", "on", "with", "that", "this", "it", "as", "be", "by", "are",
+    "from", "at", "or", "an", "was", "not", "file", "line", "test", "function", "return", "value", "error", "build",
+    "run", "cache", "state", "token", "prompt", "model", "layer", "request", "server", "client", "path", "node",
+    "page", "slot", "tier", "disk", "host", "device", "snapshot", "position", "chunk", "prefix", "branch", "merge",
+    "commit", "diff", "patch", "fix", "check", "assert", "import", "module", "class", "method", "field", "config",
+    "option", "flag", "default", "output", "input", "read", "write", "open", "close", "list", "dict", "set", "map",
+    "key", "index", "count", "size", "length", "offset", "range", "start", "end", "next", "first", "last", "new",
+    "old", "result", "status", "update", "change", "remove", "add", "create", "delete", "move", "copy", "load",
+    "save", "parse",
+)
 CALIBRATION_CHARS = 4096
 
 

@@ -14,8 +14,9 @@ from it. Everything but the replies is deterministic from the seed; the replies 
     interleave      for each shared fraction f: conversation A; conversation B sharing A's first
                     messages (the boundary nearest f of A's tokens; f = 0: nothing but the template's
                     first tokens); then A again (A + A's reply + a new user message)
-    edit            a conversation; the same with a user message near the middle rewritten; that
-                    edited prompt again (regenerate); then its continuation (+ reply + user message)
+    edit            a chat (user / assistant turns); the same with the user message nearest the middle
+                    rewritten; that edited prompt again (regenerate); then its continuation (+ the
+                    regenerated reply + a new user message)
     shared_system   `num_users` users with one long system prompt and their own question, then
                     each user's follow-up (question + reply + new question), in the same order
 
@@ -57,12 +58,12 @@ PRESETS = {
                            keep_fraction=0.55, instruction_tokens=24, agentic_turns=12, tool_result_tokens=40,
                            interleave_tokens=384, shared_fractions=(0.0, 0.4, 0.6), edit_context_tokens=512,
                            num_users=4, user_tokens=32, restart_turns=6),
-    # the published figures: Qwen3.5-0.8B dimensions on a 2-core CPU in about 40 minutes
-    "published": WorkloadSizes(system_tokens=512, message_tokens=128, reply_tokens=8,
-                               compaction_context_tokens=5120, keep_fraction=0.65, instruction_tokens=24,
-                               agentic_turns=30, tool_result_tokens=96, interleave_tokens=1536,
-                               shared_fractions=(0.0, 0.4, 0.6), edit_context_tokens=2048, num_users=6,
-                               user_tokens=128, restart_turns=12),
+    # the published figures: Qwen3.5-0.8B dimensions on a 2-core CPU, one thread, in about 50 minutes
+    "published": WorkloadSizes(system_tokens=256, message_tokens=96, reply_tokens=4,
+                               compaction_context_tokens=5120, keep_fraction=0.7, instruction_tokens=24,
+                               agentic_turns=30, tool_result_tokens=64, interleave_tokens=1024,
+                               shared_fractions=(0.0, 0.4, 0.6), edit_context_tokens=1280, num_users=4,
+                               user_tokens=96, restart_turns=10),
 }
 
 
@@ -108,16 +109,17 @@ def message_starts(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int
 
 
 def history(text: TextSource, tokenizer: Tokenizer, target_tokens: int, sizes: WorkloadSizes,
-            system: str | None = None) -> list[dict]:
-    """An agent-like conversation of about `target_tokens`: a system prompt, a user task, then assistant
-    calls and tool results, a user message every fourth exchange; it ends with a user or tool message."""
-    messages = [message("system", system or text.words(sizes.system_tokens)),
+            tool_results: bool = True) -> list[dict]:
+    """A conversation of about `target_tokens`: a system prompt, a user message, then exchanges of an
+    assistant message and a tool result (a user message every fourth exchange), or with
+    `tool_results=False` of an assistant message and a user message. It ends with a user or tool message."""
+    messages = [message("system", text.words(sizes.system_tokens)),
                 message("user", text.words(text.jittered(sizes.message_tokens)))]
     num_tokens = len(tokenizer.encode(messages[0]["content"] + messages[1]["content"]))
     exchange = 0
     while num_tokens < target_tokens:
         exchange += 1
-        role = "user" if exchange % 4 == 0 else "tool"
+        role = "user" if exchange % 4 == 0 or not tool_results else "tool"
         for r in ("assistant", role):
             content = text.words(text.jittered(sizes.message_tokens))
             messages.append(message(r, content))
@@ -160,9 +162,7 @@ def interleave(sizes: WorkloadSizes, text: TextSource, tokenizer: Tokenizer) -> 
 # ---- (d) edit mid-history and regenerate -------------------------------------------------------------
 
 def edit(sizes: WorkloadSizes, text: TextSource, tokenizer: Tokenizer) -> RequestStream:
-    conversation = history(text, tokenizer, sizes.edit_context_tokens, sizes)
-    if conversation[-1]["role"] != "user":
-        conversation.append(message("user", text.words(sizes.message_tokens)))
+    conversation = history(text, tokenizer, sizes.edit_context_tokens, sizes, tool_results=False)
     yield BenchRequest("original", conversation, sizes.reply_tokens)
     starts, total = message_starts(tokenizer, conversation)
     users = [i for i, m in enumerate(conversation) if m["role"] == "user" and i < len(conversation) - 1]
