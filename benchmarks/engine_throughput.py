@@ -51,12 +51,13 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 # ---- cairn ---------------------------------------------------------------------------------------------
 
 def cairn_engine(path: Path):
-    from cairn.config import EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
+    from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
     from cairn.engine import Engine
 
+    # the prefix cache is off: this measures the engine itself, and a repeated prompt must be computed again
     cfg = EngineConfig(ModelOptions(model=str(path), dtype="float32", device="cpu"),
                        MemoryOptions(page_size=16, kv_cache_gib=0.5, state_cache_gib=0.5),
-                       SchedulerOptions(max_num_seqs=8, max_num_batched_tokens=2048))
+                       SchedulerOptions(max_num_seqs=8, max_num_batched_tokens=2048), CacheOptions(prefix_cache=False))
     return Engine(cfg, show_progress=False)
 
 

@@ -26,6 +26,9 @@ class ModelRunner:
         self.page_size = kv.page_size
 
     def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
+        # decode sequences in slot order, so that consecutive slots are a view of the state pool
+        order = sorted(range(batch.num_decode), key=lambda i: batch.seqs[i].state_slot)
+        batch.seqs[: batch.num_decode] = [batch.seqs[i] for i in order]
         ids, positions, slots, logits_rows, sampled = [], [], [], [], []
         context_lens, tables = [], []
         ps = self.page_size

@@ -47,11 +47,13 @@ class GatedDeltaNet(nn.Module):
 
         nd = batch.num_decode
         if nd:
-            slots = batch.state_slots[:nd]
+            slots = batch.decode_slots()  # a slice (a view into the pool) when the slots are consecutive
             mixed_d, conv_states[slots] = kernels.causal_conv1d_update(mixed[:nd], conv_states[slots], self.conv_weight)
             q, k, v = self._split_heads(mixed_d)
-            out[:nd], rec_states[slots] = kernels.recurrent_gated_delta_rule(
-                q, k, v, g[:nd], beta[:nd], rec_states[slots])
+            state = rec_states[slots]
+            out[:nd], state = kernels.recurrent_gated_delta_rule(q, k, v, g[:nd], beta[:nd], state)
+            if not isinstance(slots, slice):  # a gathered copy: write it back
+                rec_states[slots] = state
         for i, row, new, _ in batch.prefill_segments():
             slot = int(batch.state_slots[i])
             rows = slice(row, row + new)

@@ -38,6 +38,15 @@ class ForwardBatch:
     def num_decode_tokens(self) -> int:
         return self.num_decode
 
+    def decode_slots(self) -> slice | torch.Tensor:
+        """The decode sequences' state slots: a slice when they are consecutive and ascending (indexing the
+        pool with it gives a view, updated in place), else the index tensor (a gathered copy)."""
+        slots = self.state_slots[: self.num_decode]
+        first = int(slots[0])
+        if torch.equal(slots, torch.arange(first, first + self.num_decode, device=slots.device)):
+            return slice(first, first + self.num_decode)
+        return slots
+
     def decode_context_lens(self) -> torch.Tensor:
         return torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long, device=self.input_ids.device)
 

@@ -86,19 +86,21 @@ def recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step for a batch of sequences.
+    """One decode step for a batch of sequences, updating `state` in place.
 
-    q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv] fp32.
-    Returns (o [B, Hv, Dv] in v's dtype, new_state [B, Hv, Dk, Dv] fp32).
+    q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv] fp32 (may be a view of
+    the state pool, which is then updated where it lies). Returns (o [B, Hv, Dv] in v's dtype, state).
     """
     out_dtype = v.dtype
-    q, k = _expand_heads(q, k, v.shape[-2])
-    q = l2norm(q.float()) * q.shape[-1] ** -0.5
-    k = l2norm(k.float())
-    v, g, beta = v.float(), g.float(), beta.float()
-    state = state * g.exp()[..., None, None]
-    predicted = torch.einsum("bhkv,bhk->bhv", state, k)
-    delta = (v - predicted) * beta.unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = torch.einsum("bhkv,bhk->bhv", state, q)
+    batch, heads, dk, dv = state.shape
+    q, k = _expand_heads(q, k, heads)
+    q = (l2norm(q.float()) * dk ** -0.5).reshape(batch * heads, 1, dk)
+    k = l2norm(k.float()).reshape(batch * heads, 1, dk)
+    decay = g.float().exp().reshape(batch * heads, 1, 1)
+    flat = state.view(batch * heads, dk, dv)
+    # S' = decay * S + k (beta * (v - decay * S^T k))^T, reading S once for the prediction
+    predicted = torch.bmm(k, flat).mul_(decay)  # [BH, 1, Dv]
+    delta = (v.float().reshape(batch * heads, 1, dv) - predicted).mul_(beta.float().reshape(batch * heads, 1, 1))
+    flat.mul_(decay).baddbmm_(k.transpose(1, 2), delta)
+    out = torch.bmm(q, flat).reshape(batch, heads, dv)
     return out.to(out_dtype), state
