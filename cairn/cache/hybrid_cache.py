@@ -221,25 +221,24 @@ class HybridPrefixCache(PrefixCache):
         if source is not None:
             self._take(seq, state, source, logits if source == "prompt_end" else None)
 
-    def _take(self, seq: Sequence, state: _RequestState, source: str, logits: torch.Tensor | None) -> Node | None:
+    def _take(self, seq: Sequence, state: _RequestState, source: str, logits: torch.Tensor | None) -> None:
         """Copy seq's working slot into the device tier and attach it at seq.num_computed."""
         pos = seq.num_computed
         if pos in state.taken or pos == 0:
-            return None
+            return
         handle = self.tiers.store_snapshot(self.states, seq.state_slot, logits)
         if handle is None:
             self.counters["snapshots_skipped_budget"] += 1
             self.tree.mark_budget_miss(seq.token_ids[:pos], seq.page_table)
-            return None
+            return
         entry = SnapshotEntry(nbytes=handle.device.nbytes, source=source, has_logits=logits is not None, handle=handle)
         if not self.tree.attach_snapshot(seq.token_ids[:pos], seq.page_table, entry):
             self.tiers.release(entry)
-            return None
+            return
         state.taken.add(pos)
         seq.cache.snapshots_taken += 1
         self.counters["snapshots_taken"] += 1
         self.taken_by_source[source] += 1
-        return None
 
     def _on_released(self, entry: SnapshotEntry, reason: str) -> None:
         """The tree let go of a snapshot: free its device and host copies."""
