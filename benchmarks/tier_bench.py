@@ -82,6 +82,7 @@ def restore_figures(eng, disk_root: str) -> dict:
         else:
             src = (tiers.device if tier == "device" else tiers.host).pool.recurrent[:, getattr(handle, tier).slot]
             dst = torch.empty_like(states.recurrent[:, slot])
+            dst.copy_(src)  # touch the destination first, as the restore's destination slot already is
             start = time.perf_counter()
             dst.copy_(src)
             plain = (time.perf_counter() - start) * entry.nbytes / (src.numel() * 4)

@@ -20,11 +20,11 @@ def causal_conv1d(
     """
     seq_len, kernel = x.shape[0], weight.shape[-1]
     window = torch.cat([state.to(x.dtype).transpose(0, 1), x], dim=0)  # [K-1+T, C], time-major
-    # a depthwise conv with a kernel of a few taps is a few shifted multiply-adds (faster than a conv call)
-    w = weight.to(x.dtype).transpose(0, 1)  # [K, C]
+    # a depthwise conv with a few taps is a few shifted multiply-adds, cheaper than a conv call here
+    w = weight.to(x.dtype).transpose(0, 1).contiguous()  # [K, C]
     out = window[0:seq_len] * w[0]
     for k in range(1, kernel):
-        out = out + window[k:k + seq_len] * w[k]
+        out.addcmul_(window[k:k + seq_len], w[k])
     new_state = window[seq_len:].transpose(0, 1)  # the last K-1 inputs
     return F.silu(out), new_state.contiguous()
 
