@@ -161,6 +161,9 @@ class IdleEngine:
         self.num_polls += 1
         return False
 
+    def close(self) -> None:
+        pass
+
 
 def test_engine_thread_sleeps_while_idle_and_wakes_for_a_command():
     engine = IdleEngine()
