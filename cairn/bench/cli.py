@@ -75,7 +75,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    bench(build_group(BenchOptions, ns), config_from_args(ns), command=shlex.join(["cairn", *sys.argv[1:]]))
+    flags = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]  # `cairn bench ...` or `-m cairn.bench ...`
+    bench(build_group(BenchOptions, ns), config_from_args(ns), command=shlex.join(["cairn", "bench", *flags]))
     return 0
 
 

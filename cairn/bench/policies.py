@@ -12,17 +12,21 @@ snapshot budgets, same chunk size); only these cache fields differ:
                        at user-message starts at least N tokens apart, plus the prompt end
     cairn              snapshot_policy="cairn": grid, message starts, prompt end, request end, branches
 
-What `user_messages` models of llama.cpp's server (tools/server, --ctx-checkpoints /
---checkpoint-min-step): checkpoints are exact-position recurrent-state copies taken while a prompt
-is processed, at user-message starts and spaced by a minimum step, plus one near the prompt end.
-What it does not model, all of which make llama.cpp do worse than this baseline: per-slot ownership
-(a slot reused by another conversation erases that slot's checkpoints past the common prefix,
-seeds/001), the per-slot cap on the number of checkpoints (32 by default) with oldest-first
-eviction, the RAM prompt cache's f_keep / f_sim lookup, the checkpoint being a few tokens *before*
-the prompt end, and the last-user-message bypass of the minimum step. Here the snapshots live in
-cairn's shared radix tree under cairn's byte budget and value-based retention. llama.cpp's default
-minimum step is 8192 tokens on contexts of 100k+; the benchmark's contexts are a few thousand
-tokens, so its default spacing (`--min-gap-tokens`) is scaled down to 1024.
+What `user_messages` models of llama.cpp's server (tools/server: --ctx-checkpoints,
+--checkpoint-min-step): checkpoints are exact-position copies of the recurrent state, taken while a
+prompt is processed, at user-message starts spaced by a minimum step, plus one at the prompt end.
+What it leaves out, each of which costs llama.cpp reuse that this baseline keeps:
+- per-slot ownership: a slot that another conversation reuses erases that slot's checkpoints past
+  the common prefix (seeds/001);
+- the per-slot cap on checkpoints (--ctx-checkpoints, 32 in recent builds), with the oldest evicted;
+- the RAM prompt cache's f_keep / f_sim lookup;
+- builds whose end-of-prompt checkpoint sits a few tokens before the end;
+- the last-user-message exception to the minimum step, which spends the cap on closely spaced
+  checkpoints (llama.cpp PR 25019).
+Here the baseline's snapshots live in cairn's shared radix tree under cairn's byte budget and
+value-based retention. llama.cpp's default minimum step is 8192 tokens, on contexts of 100k+. The
+benchmark's contexts are a few thousand tokens, so its default spacing (`--min-gap-tokens`) is
+scaled down to 1024.
 
 What it is not: the policies' implementation (cairn/cache/placement.py).
 """

@@ -2,7 +2,7 @@
 
 What it is: the request and reply types, the sizes (`WorkloadSizes`, with a `smoke` and a `published`
 preset), the helpers that build synthetic conversations, and four of the six workloads; the two
-sessions (agentic, restart) are in `sessions.py`. `WORKLOADS` lists all six by name.
+sessions (agentic, restart) are in `sessions.py`. `all_workloads()` lists all six by name.
 
 A workload is a generator: it yields a `BenchRequest`, the runner serves it and sends back the
 `Reply` (the generated text as a client receives it), and the workload decides the next request

@@ -1,0 +1,219 @@
+"""`cairn bench`: a smoke run of every workload under every policy on the demo model, checked for sanity.
+
+The run is small (seconds); nothing here checks speed. It checks what must hold whatever the timing:
+the oracle bounds every request's reuse, the no-cache policy reuses nothing, cairn reuses at least
+as much as every baseline where divergence is far back or between conversations, the record has its
+documented fields, the plots exist, the workloads are deterministic, and an HTTP run reports what
+the in-process run does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cairn.bench.cli import NO_DISK_TIER, BenchOptions, bench
+from cairn.bench.engine_runner import EngineRunner
+from cairn.bench.http_runner import HTTPRunner
+from cairn.bench.oracle import oracle_tokens
+from cairn.bench.policies import POLICIES, has_disk_tier
+from cairn.bench.record import BenchRecord, RequestRecord, WorkloadResult
+from cairn.bench.run import run_workload
+from cairn.bench.sessions import client_keeps
+from cairn.bench.text import TextSource
+from cairn.bench.workloads import Reply, WorkloadSizes, all_workloads
+from cairn.cli import build_parser, config_with_overrides
+from cairn.config import EngineConfig
+from cairn.server.app import create_app
+from cairn.server.options import ServerOptions
+from cairn.tokenizer import ByteTokenizer
+
+SIZES = WorkloadSizes(system_tokens=32, message_tokens=20, reply_tokens=2, compaction_context_tokens=320,
+                      keep_fraction=0.55, instruction_tokens=8, agentic_turns=5, tool_result_tokens=20,
+                      interleave_tokens=128, shared_fractions=(0.0, 0.4, 0.6), edit_context_tokens=160, num_users=2,
+                      user_tokens=16, restart_turns=4)
+CONFIG = config_with_overrides(EngineConfig(), kv_cache_gib=0.02, state_cache_gib=0.02, device_snapshot_gib=0.02,
+                               max_num_batched_tokens=192, snapshot_interval=128)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[BenchRecord, dict]:
+    out = tmp_path_factory.mktemp("bench")
+    opts = BenchOptions(out=str(out), min_gap_tokens=64, threads=1, print_requests=False)
+    record = bench(opts, CONFIG, command="pytest", sizes=SIZES)
+    return record, json.loads((out / "record.json").read_text())
+
+
+def ran(record: BenchRecord) -> list[WorkloadResult]:
+    return [r for r in record.results if not r.skipped]
+
+
+def result(record: BenchRecord, workload: str, policy: str) -> WorkloadResult:
+    return next(r for r in record.results if r.workload == workload and r.policy == policy)
+
+
+# ---- the oracle ----------------------------------------------------------------------------------------
+
+def test_oracle_is_the_longest_common_prefix_with_any_earlier_full_sequence_capped_below_the_prompt():
+    prompts = [[1, 2, 3, 4], [1, 2, 3, 4, 9, 9], [1, 2, 3, 4, 5, 6, 7], [1, 2, 8], [1, 2, 8]]
+    fulls = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9, 0], [1, 2, 3, 4, 5, 6, 7, 1], [1, 2, 8, 3], [1, 2, 8, 3]]
+    # 0: nothing before; 1: shares [1..4] with 0; 2: shares [1..6] with 0's generated tokens;
+    # 3: shares [1, 2] but must compute one token; 4: the identical prompt was served before
+    assert oracle_tokens(prompts, fulls) == [0, 4, 6, 2, 3]
+
+
+def test_oracle_of_a_prompt_entirely_inside_an_earlier_sequence_leaves_one_token_to_compute():
+    assert oracle_tokens([[5, 6, 7, 8], [5, 6]], [[5, 6, 7, 8, 9], [5, 6, 1]]) == [0, 1]
+
+
+# ---- the workloads -------------------------------------------------------------------------------------
+
+def requests_of(name: str, seed: int, reply: str = "thinking... answer") -> list:
+    tokenizer = ByteTokenizer()
+    stream = all_workloads()[name].build(SIZES, TextSource(seed, tokenizer), tokenizer)
+    out = [next(stream)]
+    for _ in range(1000):
+        try:
+            out.append(stream.send(Reply(reply)))
+        except StopIteration:
+            return out
+    raise AssertionError("the workload never ends")
+
+
+@pytest.mark.parametrize("name", list(all_workloads()))
+def test_workloads_are_deterministic_from_the_seed(name):
+    assert requests_of(name, 1) == requests_of(name, 1)
+    assert requests_of(name, 1) != requests_of(name, 2)
+
+
+def test_compaction_replays_the_conversation_cut_at_a_message_boundary_plus_an_instruction():
+    conversation, replay = requests_of("compaction", 0)
+    k = len(replay.messages) - 1
+    assert replay.messages[:k] == conversation.messages[:k] and k < len(conversation.messages)
+    assert replay.messages[-1]["role"] == "user" and replay.messages[-1]["content"].startswith("Compact")
+
+
+def test_agentic_session_keeps_replies_without_their_reasoning_and_compacts_at_two_thirds():
+    reqs = requests_of("agentic", 0, reply="REASONING answer")
+    assert len(reqs) == SIZES.agentic_turns
+    assert [i for i, r in enumerate(reqs) if "compaction" in r.label] == [2 * SIZES.agentic_turns // 3]
+    kept = [m["content"] for m in reqs[1].messages if m["role"] == "assistant"]
+    assert kept == [client_keeps("REASONING answer")] and "REASONING" not in kept[0]
+
+
+def test_restart_workload_restarts_once_halfway():
+    assert [r.restart_before for r in requests_of("restart", 0)] == [i == SIZES.restart_turns // 2
+                                                                     for i in range(SIZES.restart_turns)]
+
+
+# ---- the smoke run -------------------------------------------------------------------------------------
+
+def test_every_workload_ran_under_every_policy(run):
+    record, _ = run
+    assert {(r.workload, r.policy) for r in record.results} == {(w, p) for w in all_workloads() for p in POLICIES}
+    assert all(r.requests for r in ran(record))
+
+
+def test_oracle_bounds_every_request(run):
+    record, _ = run
+    for r in ran(record):
+        for x in r.requests:
+            assert 0 <= x.cached_tokens <= x.oracle_tokens <= x.prompt_tokens, (r.workload, r.policy, x)
+            assert x.computed_tokens == x.prompt_tokens - x.cached_tokens
+            assert x.resume_position == x.cached_tokens and x.output_tokens == SIZES.reply_tokens
+
+
+def test_reuse_ratio_is_in_the_unit_interval(run):
+    record, _ = run
+    for r in ran(record):
+        assert 0.0 <= r.totals()["reuse_of_oracle"] <= 1.0
+
+
+def test_no_cache_policy_reuses_nothing(run):
+    record, _ = run
+    assert all(x.cached_tokens == 0 for r in ran(record) if r.policy == "none" for x in r.requests)
+
+
+@pytest.mark.parametrize("workload", ["compaction", "interleave"])
+def test_cairn_reuses_at_least_as_much_as_every_baseline(run, workload):
+    record, _ = run
+    cairn = result(record, workload, "cairn").totals()["cached_tokens"]
+    for policy in POLICIES:
+        assert cairn >= result(record, workload, policy).totals()["cached_tokens"], policy
+    assert result(record, "compaction", "cairn").totals()["reuse_of_oracle"] > 0.9
+
+
+def test_restart_runs_with_the_disk_tier_or_says_why_not(run):
+    record, _ = run
+    restart = result(record, "restart", "cairn")
+    if has_disk_tier():
+        assert restart.skipped is None and restart.requests[SIZES.restart_turns // 2].restarted_before
+    else:
+        assert restart.skipped == NO_DISK_TIER
+
+
+def test_json_record_has_the_documented_fields(run):
+    _, data = run
+    assert set(data) == {f.name for f in dataclasses.fields(BenchRecord)}
+    assert data["schema"] == "cairn-bench/1" and data["policies"] == list(POLICIES)
+    for r in data["results"]:
+        assert set(r) == {f.name for f in dataclasses.fields(WorkloadResult)} | {"totals"}
+        assert set(r["totals"]) == {"num_requests", "prompt_tokens", "cached_tokens", "computed_tokens",
+                                    "oracle_tokens", "reuse_of_oracle", "ttft_total_s", "ttft_mean_s"}
+        for x in r["requests"]:
+            assert set(x) == {f.name for f in dataclasses.fields(RequestRecord)}
+    assert {t["workload"] for t in data["targets"]} == {"compaction", "agentic", "interleave", "restart"}
+    assert all(set(t) >= {"name", "policy", "value", "threshold", "met"} for t in data["targets"])
+
+
+def test_snapshot_map_of_the_agentic_session_lists_tiers_and_sources(run):
+    record, _ = run
+    points = result(record, "agentic", "cairn").snapshots
+    assert points and all(p.tier in ("device", "host", "disk") and p.source for p in points)
+    assert result(record, "agentic", "none").snapshots == []
+
+
+def test_plots_exist_and_are_non_empty_pngs(run):
+    record, data = run
+    names = sorted(p.rsplit("/", 1)[-1] for p in data["plots"])
+    assert names == ["reuse.png", "snapshots_agentic.png", "ttft_agentic.png"]
+    for path in data["plots"]:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_is_a_cairn_command():
+    ns = build_parser().parse_args(["bench", "--workloads", "edit", "--policies", "none,cairn", "--size", "demo"])
+    assert ns.command == "bench" and ns.workloads == "edit" and ns.kv_cache_gib == 1.0
+
+
+# ---- over HTTP -------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the bench's own runs use (two oversubscribe a shared 2-core machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_an_http_run_reports_what_the_in_process_run_does(one_thread):
+    from cairn.engine import Engine
+
+    config = dataclasses.replace(CONFIG, cache=dataclasses.replace(CONFIG.cache, snapshot_policy="cairn"))
+    workload = all_workloads()["edit"]
+    local = run_workload(workload, "cairn", lambda: EngineRunner(config), SIZES, seed=3)
+    with TestClient(create_app(Engine(config), ServerOptions())) as client:
+        remote = run_workload(workload, "server", lambda: HTTPRunner("http://testserver", ByteTokenizer(),
+                                                                     client=client), SIZES, seed=3)
+    fields = ("prompt_tokens", "cached_tokens", "resume_position", "resume_source", "match_length")
+    assert [[getattr(x, f) for f in fields] for x in remote.requests] == \
+        [[getattr(x, f) for f in fields] for x in local.requests]
+    assert all(x.cached_tokens <= x.oracle_tokens for x in remote.requests)
+    assert sum(x.cached_tokens for x in remote.requests) > 0
