@@ -65,7 +65,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache,
                                    min(sched.max_num_seqs, self.states.num_slots), sched.max_num_batched_tokens,
                                    self.max_model_len, sched.max_waiting)
-        self.runner = ModelRunner(self.model, self.kv, self.states, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.cache)
         self._detok: dict[str, Detokenizer] = {}
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()

@@ -94,3 +94,24 @@ def test_a_full_snapshot_budget_degrades_to_cold_prefill_not_errors(budget_gib):
     assert all(len(o.token_ids) == 4 for o in outs)
     assert [o.cache.miss_reason for o in outs[1:]] == ["budget", "budget"]  # reported, not silent
     llm.engine.check_integrity()
+
+
+def test_snapshots_inside_a_chunk_are_captured_without_splitting_it():
+    llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, snapshot_interval=16, max_num_batched_tokens=96)
+    engine = llm.engine
+    engine.add_request(list(range(10, 110)), GREEDY)  # 100 tokens: grid snapshots at 16, 32, ..., 96
+    steps_to_first_token = 0
+    while not any(o.delta_token_ids for o in engine.step()):
+        steps_to_first_token += 1
+    assert steps_to_first_token == 1  # two steps (96 + 4 tokens), not one per snapshot position
+    while engine.has_unfinished():
+        engine.step()
+    positions = sorted(p for p, _, _ in engine.cache.tree.iter_snapshots())
+    assert positions[:6] == [16, 32, 48, 64, 80, 96] and 100 in positions
+    engine.check_integrity()
+    # and resuming from a captured snapshot equals resuming from one taken at a chunk end
+    cold = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, prefix_cache=False)
+    prompt = list(range(10, 60)) + [7, 7]
+    warm_out = llm.generate(prompt, GREEDY)[0]
+    assert warm_out.cache.resume_position == 48
+    assert warm_out.token_ids == cold.generate(prompt, GREEDY)[0].token_ids

@@ -5,11 +5,14 @@ separate `NullCache`, not a flag inside a real one.
 
     admit(seq)        before a request first runs; may resume it (sets num_cached / num_computed,
                       shares KV pages into seq.page_table, restores state into seq.state_slot) and
-                      sets seq.cuts, the positions where its prefill chunks must end. When the whole
+                      may set seq.cuts, positions where its prefill chunks must end. When the whole
                       prompt is resumed from a snapshot that stored its logits, it sets seq.ready_logits
                       and the request computes nothing before its first token.
-    after_step(seq, logits)  after every step that computed tokens for seq; takes the snapshots due at
-                      seq.num_computed (`logits`: the next-token logits there, when this step made them).
+    captures(seq, start, end)  while a step is built: the positions inside the prefill segment where
+                      the state is to be saved (snapshots taken mid-chunk), with reserved slots.
+    after_step(seq, logits)  after every step that computed tokens for seq; publishes the captures and
+                      takes the snapshot due at seq.num_computed (`logits`: the next-token logits
+                      there, when this step made them).
     release(seq, finished)  when seq stops running (finished, aborted or preempted); a finished
                       request's path is inserted before its pages and slot are released.
     evict_pages(n)    free at least n KV pages if it can; returns how many it freed.
@@ -21,6 +24,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from cairn.memory.state_pool import StatePool
 from cairn.sequence import Sequence
 
 
@@ -33,6 +37,11 @@ class PrefixCache(ABC):
     def after_step(self, seq: Sequence, logits: torch.Tensor | None) -> None:
         """Seq's working slot now holds its state at seq.num_computed; `logits` are those at num_computed - 1
         when this step computed them (prefill end or decode), else None."""
+
+    def captures(self, seq: Sequence, start: int, end: int) -> tuple[StatePool | None, list[tuple[int, int]]]:
+        """Where this step, computing seq's positions [start, end), should save its recurrent state strictly
+        inside the segment: (the pool, [(position, slot)]). The slots are reserved until after_step."""
+        return None, []
 
     @abstractmethod
     def release(self, seq: Sequence, finished: bool) -> None:

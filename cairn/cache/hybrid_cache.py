@@ -46,6 +46,8 @@ class _RequestState:
     places: dict[int, str]  # position -> placement source of the snapshots still to take
     lock: LockHandle | None = None  # the matched path it resumed from, locked until release
     taken: set[int] = field(default_factory=set)  # positions this request attached snapshots at
+    captures: dict[int, TieredSnapshot] = field(default_factory=dict)  # position -> slot a step writes
+    missed: set[int] = field(default_factory=set)  # positions whose capture found no room
 
 
 class HybridPrefixCache(PrefixCache):
@@ -94,7 +96,7 @@ class HybridPrefixCache(PrefixCache):
             prompt_len=seq.num_tokens, resume_position=seq.num_computed, match_length=match.match_len,
             path_has_deeper_snapshot=self._has_snapshot_beyond(match), message_starts=tuple(seq.message_starts),
             user_message_starts=tuple(seq.user_message_starts)), self.placement)
-        seq.cuts = sorted(state.places)
+        seq.cuts = []  # snapshots are captured inside chunks: no chunk has to end at them
         seq.cache_state = state
         return True
 
@@ -213,10 +215,30 @@ class HybridPrefixCache(PrefixCache):
 
     # ---- snapshots --------------------------------------------------------------------------------
 
+    def captures(self, seq: Sequence, start: int, end: int) -> tuple[StatePool | None, list[tuple[int, int]]]:
+        state: _RequestState | None = seq.cache_state
+        if state is None:
+            return None, []
+        wanted = []
+        for pos in sorted(p for p in state.places if start < p < end and p not in state.captures):
+            handle = self.tiers.reserve_snapshot()
+            if handle is None:
+                state.missed.add(pos)
+                continue
+            state.captures[pos] = handle
+            wanted.append((pos, handle.device.slot))
+        return (self.tiers.device.pool if wanted else None), wanted
+
     def after_step(self, seq: Sequence, logits: torch.Tensor | None) -> None:
         state: _RequestState | None = seq.cache_state
         if state is None:
             return
+        for pos in sorted(p for p in state.captures if p < seq.num_computed):
+            self._attach(seq, state, pos, state.places.pop(pos), state.captures.pop(pos))
+        for pos in sorted(p for p in state.missed if p < seq.num_computed):
+            state.missed.discard(pos)
+            state.places.pop(pos, None)
+            self._budget_miss(seq, pos)
         source = state.places.pop(seq.num_computed, None)
         if source is not None:
             self._take(seq, state, source, logits if source == "prompt_end" else None)
@@ -228,10 +250,17 @@ class HybridPrefixCache(PrefixCache):
             return
         handle = self.tiers.store_snapshot(self.states, seq.state_slot, logits)
         if handle is None:
-            self.counters["snapshots_skipped_budget"] += 1
-            self.tree.mark_budget_miss(seq.token_ids[:pos], seq.page_table)
+            self._budget_miss(seq, pos)
             return
-        entry = SnapshotEntry(nbytes=handle.device.nbytes, source=source, has_logits=logits is not None, handle=handle)
+        self._attach(seq, state, pos, source, handle)
+
+    def _budget_miss(self, seq: Sequence, pos: int) -> None:
+        self.counters["snapshots_skipped_budget"] += 1
+        self.tree.mark_budget_miss(seq.token_ids[:pos], seq.page_table)
+
+    def _attach(self, seq: Sequence, state: _RequestState, pos: int, source: str, handle: TieredSnapshot) -> None:
+        """Hang a device copy of seq's state at `pos` on the tree (or free it if one is already there)."""
+        entry = SnapshotEntry(nbytes=handle.device.nbytes, source=source, has_logits=handle.has_logits, handle=handle)
         if not self.tree.attach_snapshot(seq.token_ids[:pos], seq.page_table, entry):
             self.tiers.release(entry)
             return
@@ -251,6 +280,8 @@ class HybridPrefixCache(PrefixCache):
         state: _RequestState | None = seq.cache_state
         if state is None:
             return
+        for handle in state.captures.values():  # reserved for a step that never completed
+            self.tiers.release(SnapshotEntry(handle.device.nbytes, "grid", False, handle))
         if finished and seq.num_computed > 0 and request_end_allowed(seq.num_computed, self.placement):
             self._take(seq, state, "request_end", None)
         if finished and self.tiers.disk is not None and self.tiers.disk.write_through and state.taken:

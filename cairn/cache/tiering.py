@@ -65,6 +65,13 @@ class TierSet:
         stored = self.device.prepare_store(states, slot, logits).complete()
         return TieredSnapshot(logits is not None, device=stored)
 
+    def reserve_snapshot(self) -> TieredSnapshot | None:
+        """A device slot for a state a model step will capture, demoting to make room; None if none can move."""
+        while not self.device.fits(False):
+            if not self._demote_one_snapshot("device"):
+                return None
+        return TieredSnapshot(False, device=self.device.reserve())
+
     def _demote_one_snapshot(self, tier: str) -> bool:
         node = self.tree.snapshot_victim(lambda e: getattr(e.handle, tier) is not None)
         if node is None:

@@ -96,6 +96,14 @@ class PoolSnapshotTier:
         self.used_bytes += nbytes
         return PendingCopy(StoredSnapshot(self.name, dst, kept, nbytes), _copy_event(src.conv.device))
 
+    def reserve(self) -> StoredSnapshot | None:
+        """A slot (and its bytes) set aside for a state that a model step will write there; None when full."""
+        if not self.fits(False):
+            return None
+        nbytes = self.snapshot_bytes(False)
+        self.used_bytes += nbytes
+        return StoredSnapshot(self.name, self.pool.alloc(zero=False), None, nbytes)
+
     def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
         pending = self.prepare_store(src, slot, logits)
         return None if pending is None else pending.complete()

@@ -54,13 +54,21 @@ class GatedDeltaNet(nn.Module):
             out[:nd], state = kernels.recurrent_gated_delta_rule(q, k, v, g[:nd], beta[:nd], state)
             if not isinstance(slots, slice):  # a gathered copy: write it back
                 rec_states[slots] = state
-        for i, row, new, _ in batch.prefill_segments():
+        for i, row, new, context in batch.prefill_segments():
             slot = int(batch.state_slots[i])
-            rows = slice(row, row + new)
-            mixed_p, conv_states[slot] = kernels.causal_conv1d(mixed[rows], conv_states[slot], self.conv_weight)
-            q, k, v = self._split_heads(mixed_p)
-            out[rows], rec_states[slot] = kernels.chunk_gated_delta_rule(
-                q, k, v, g[rows], beta[rows], rec_states[slot])
+            start = context - new  # absolute position of the segment's first token
+            pieces = [(p - start, dst) for p, dst in batch.captures_of(i)] + [(new, None)]
+            lo = 0
+            for hi, dst in pieces:  # split at the capture positions; each piece continues the state
+                rows = slice(row + lo, row + hi)
+                mixed_p, conv_states[slot] = kernels.causal_conv1d(mixed[rows], conv_states[slot], self.conv_weight)
+                q, k, v = self._split_heads(mixed_p)
+                out[rows], rec_states[slot] = kernels.chunk_gated_delta_rule(
+                    q, k, v, g[rows], beta[rows], rec_states[slot])
+                if dst is not None:
+                    batch.capture_pool.conv[self.pool_index, dst] = conv_states[slot]
+                    batch.capture_pool.recurrent[self.pool_index, dst] = rec_states[slot]
+                lo = hi
 
         out = self.norm(out, z.reshape(tokens, self.v_heads, self.v_dim))
         return self.out_proj(out.reshape(tokens, self.value_dim))

@@ -8,14 +8,19 @@ Decode sequences come first so that their tokens form one contiguous, batchable 
                <- num_decode ->
 
 For sequence i, `query_lens[i]` tokens are new this step, at absolute positions
-[context_lens[i] - query_lens[i], context_lens[i]).
+[context_lens[i] - query_lens[i], context_lens[i]). A prefill sequence may also ask for its recurrent
+state at positions strictly inside its segment (`captures`): the linear layers then save every layer's
+state there into slots of `capture_pool` without ending the step, which is how snapshots are taken
+mid-chunk at no extra forward pass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from cairn.memory.state_pool import StatePool
 
 
 @dataclass
@@ -29,6 +34,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] long: flat KV index (page * page_size + offset) of each new token
     state_slots: torch.Tensor  # [B] long: working state slot of each sequence
     logits_indices: torch.Tensor  # [N] long: token rows whose next-token logits are wanted
+    captures: list[list[tuple[int, int]]] = field(default_factory=list)  # per sequence: (absolute position
+    # strictly inside its segment, slot of capture_pool) where every linear layer saves its state
+    capture_pool: StatePool | None = None  # where captured states go (the cache's device snapshot pool)
 
     @property
     def num_seqs(self) -> int:
@@ -49,6 +57,9 @@ class ForwardBatch:
 
     def decode_context_lens(self) -> torch.Tensor:
         return torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long, device=self.input_ids.device)
+
+    def captures_of(self, i: int) -> list[tuple[int, int]]:
+        return self.captures[i] if i < len(self.captures) else []
 
     def prefill_segments(self):
         """(seq index, first token row, new tokens, context length) of each prefill sequence."""
