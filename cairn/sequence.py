@@ -9,8 +9,8 @@ Token ranges of a sequence at any moment:
 `num_cached` tokens came from the prefix cache (KV pages shared, recurrent state restored into the
 working slot); `num_computed` tokens have KV in `page_table` and are folded into the working slot's
 state. `token_ids` is the prompt followed by the generated tokens. In prefill, a step computes up to
-the next position in `cuts` (where the cache wants a snapshot) or the end of the tokens; once every
-token is computed the logits of the last one give the next token.
+the token budget, the next position in `cuts` (where a chunk must end) or the end of the tokens; once
+every token is computed the logits of the last one give the next token.
 """
 
 from __future__ import annotations

@@ -7,9 +7,12 @@ to take snapshots), the planner (where to resume) and the tiers (where the bytes
                 tiers; lock the matched path; share the device KV pages of [0, p) and copy the rest
                 (host or disk pages, and the page holding p when p is mid-page, so the request never
                 writes a page the tree owns) into fresh pages; copy the snapshot into the working slot
-                (the stored copy stays); then place this prompt's snapshots as chunk cuts.
-    after_step  at a placed position, copy the working slot into the device tier (demoting older
-                snapshots down the tiers when it is full) and attach it to the tree.
+                (the stored copy stays); then place this prompt's snapshots.
+    captures    while a step is built: reserve device slots for the placed positions strictly inside
+                the chunk; the linear layers write their state there during the step.
+    after_step  publish those captures, and at a placed position that ends the chunk copy the working
+                slot into the device tier (demoting older snapshots down the tiers when it is full);
+                attach each to the tree.
     release     when the request finishes, snapshot its end, insert its path and, with a disk tier,
                 write what is not yet on disk; unlock.
 
