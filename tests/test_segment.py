@@ -32,25 +32,26 @@ def make_segment(tokens=(5, 6, 7, 8), parent=None, start=0, kv=b"K" * 300, snaps
                    logits_meta={"vocab": 25} if logits is not None else {})
 
 
-def blake16(*parts) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
+def checksum16(*parts) -> bytes:
+    """The format's checksum, recomputed independently: the first 16 bytes of SHA-256."""
+    h = hashlib.sha256()
     for p in parts:
         h.update(p)
-    return h.digest()
+    return h.digest()[:16]
 
 
 def reseal(data: bytes | bytearray) -> bytes:
     """Recompute every checksum of an edited file, as a buggy or hostile writer would."""
     data = bytearray(data)
-    data[HEADER_BYTES - 16 : HEADER_BYTES] = blake16(data[: HEADER_BYTES - 16])
+    data[HEADER_BYTES - 16 : HEADER_BYTES] = checksum16(data[: HEADER_BYTES - 16])
     sums, offset, end = [], HEADER_BYTES, len(data) - fmt.END_BYTES
     while offset < end:
         _, stored, _ = struct.unpack_from("<IQQ", data, offset)
         body = offset + fmt.SECTION_HEADER_BYTES
-        data[offset + 20 : body] = blake16(data[offset : offset + 20], data[body : body + stored])
+        data[offset + 20 : body] = checksum16(data[offset : offset + 20], data[body : body + stored])
         sums.append(bytes(data[offset + 20 : body]))
         offset = body + stored
-    data[-16:] = blake16(data[HEADER_BYTES - 16 : HEADER_BYTES], *sums)
+    data[-16:] = checksum16(data[HEADER_BYTES - 16 : HEADER_BYTES], *sums)
     return bytes(data)
 
 
