@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from cairn.bench.plots import plot_all
 from cairn.bench.policies import DEFAULT_MIN_GAP_TOKENS, LABELS, POLICIES, has_disk_tier, parse_names, policy_config
 from cairn.bench.record import SCHEMA, BenchRecord, WorkloadResult, evaluate_targets
 from cairn.bench.report import report, requests_table
@@ -109,12 +108,22 @@ def bench(opts: BenchOptions, base: EngineConfig, command: str = "", sizes: Work
                          dataclasses.asdict(sizes), policies, [w.name for w in workloads], env, results)
     record.targets = evaluate_targets(results, SERVER_POLICY if opts.url else "cairn")
     if opts.plots:
-        record.plots = [str(p) for p in plot_all(results, out, SERVER_POLICY if opts.url else "cairn")]
+        record.plots = [str(p) for p in _plot_all(results, out, SERVER_POLICY if opts.url else "cairn")]
     record.write(out / "record.json")
     text = report(record)
     (out / "report.md").write_text(text)
     print("\n" + text + f"\nrecord: {out / 'record.json'}" + "".join(f"\nplot: {p}" for p in record.plots))
     return record
+
+
+def _plot_all(results, out: Path, policy: str) -> list[Path]:
+    """The PNG plots; matplotlib is the `bench` extra, so a missing one is named, not a traceback."""
+    try:
+        from cairn.bench.plots import plot_all
+    except ModuleNotFoundError as e:
+        hint = "pip install 'cairn[bench]' or pass --no-plots"
+        raise SystemExit(f"cairn bench: plots need matplotlib ({e}); {hint}") from None
+    return plot_all(results, out, policy)
 
 
 def _in_process(opts: BenchOptions, base: EngineConfig, workloads: list[Workload], policies: list[str],
