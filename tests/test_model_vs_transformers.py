@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cairn.engine import LLM
+from cairn.layers import gated_deltanet
 from cairn.model.loader import load_checkpoint
 from cairn.sampling import SamplingParams
 from tests.checkpoints import FAMILIES
@@ -44,6 +45,17 @@ def test_chunked_prefill_equals_one_pass(checkpoints, family):
     whole = prefill(model, ids)
     for cuts in ([1], [17, 64, 65], [3, 4, 5, 100, 149], list(range(7, 150, 29))):
         assert (prefill(model, ids, cuts) - whole).abs().max().item() < TOL, cuts
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_long_segments_split_into_pieces_match_transformers(checkpoints, family, monkeypatch):
+    """Segments longer than the linear layers' largest piece are run piece by piece, state carried over."""
+    monkeypatch.setattr(gated_deltanet, "MAX_PIECE", 37)
+    path, hf = checkpoints[family]
+    model, _ = load_checkpoint(path, "float32", "cpu", show_progress=False)
+    ids = prompt(150, seed=3)
+    assert (prefill(model, ids) - hf_logits(hf, ids)).abs().max().item() < TOL
+    assert (prefill(model, ids, [40, 74, 111]) - hf_logits(hf, ids)).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,6 +22,23 @@ from cairn.model.batch import ForwardBatch
 from cairn.model.config import ModelConfig
 from cairn.ops import Kernels
 
+# Longest piece of a prefill segment given to the prefill kernels at once. The chunked delta rule and
+# the conv are linear in length, but their fp32 intermediates for a 2048-token chunk (tens of MB per
+# layer) outgrow the CPU caches: 1024-token pieces ran 1.3x faster per layer at the 0.8B shape.
+MAX_PIECE = 1024
+
+
+def _pieces(length: int, captures: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
+    """Where a segment of `length` tokens is split: (end offset, capture slot or None), in order.
+
+    At every capture offset (the state there is saved to that slot), every MAX_PIECE tokens, and at
+    the end. Each piece continues the state of the one before, so the split never changes a result.
+    """
+    ends = dict.fromkeys(range(MAX_PIECE, length, MAX_PIECE))
+    ends.update({offset: dst for offset, dst in captures})
+    ends.setdefault(length, None)
+    return sorted(ends.items())
+
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, pool_index: int):
@@ -57,9 +74,8 @@ class GatedDeltaNet(nn.Module):
         for i, row, new, context in batch.prefill_segments():
             slot = int(batch.state_slots[i])
             start = context - new  # absolute position of the segment's first token
-            pieces = [(p - start, dst) for p, dst in batch.captures_of(i)] + [(new, None)]
             lo = 0
-            for hi, dst in pieces:  # split at the capture positions; each piece continues the state
+            for hi, dst in _pieces(new, [(p - start, dst) for p, dst in batch.captures_of(i)]):
                 rows = slice(row + lo, row + hi)
                 mixed_p, conv_states[slot] = kernels.causal_conv1d(mixed[rows], conv_states[slot], self.conv_weight)
                 q, k, v = self._split_heads(mixed_p)
