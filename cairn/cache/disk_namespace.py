@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ from cairn.cache.segment import (
     DEFAULT_LIMITS,
     END_BYTES,
     HEADER_BYTES,
+    SectionHasher,
     Segment,
     SegmentError,
     SegmentLimits,
@@ -121,16 +123,35 @@ def read_segment_file(dir_fd: int, name: str, compat_digest: str, limits: Segmen
     try:
         if st.st_size == 0 or st.st_size > limits.max_file_bytes:
             read_header(b"", compat_digest, st.st_size, limits)  # raises empty / oversized
-        buf = bytearray(st.st_size)
-        view, got = memoryview(buf), 0
-        while got < st.st_size and (n := os.readv(fd, [view[got:]])):
-            got += n
+        view = memoryview(bytearray(st.st_size))
+        hasher, got = _read_hashing(fd, view)
     finally:
         os.close(fd)
-    segment = decode_segment(view[:got], compat_digest, limits)
+    segment = decode_segment(view[:got] if got < view.nbytes else view, compat_digest, limits, hasher)
     if segment_file_name(segment.key) != name:
         raise SegmentError("malformed", "the key differs from the file name")
     return segment
+
+
+# Reads of this size overlap with the kernel's readahead, where one read of the whole file waits for
+# it (measured: 16 ms against 20-25 ms for a 20 MiB file not in the page cache), and hand the
+# checksum thread work early.
+READ_BLOCK_BYTES = 1 << 20
+_verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-segment-verify")
+
+
+def _read_hashing(fd: int, view: memoryview) -> tuple[SectionHasher, int]:
+    """Read the file into `view` block by block while a worker thread checksums the sections that have
+    arrived (both release the GIL): verifying a restore costs little more than reading it."""
+    hasher, got, pending = SectionHasher(view), 0, None
+    try:
+        while got < view.nbytes and (n := os.readv(fd, [view[got : got + READ_BLOCK_BYTES]])):
+            got += n
+            pending = _verifier.submit(hasher.advance, got)
+    finally:
+        if pending is not None:
+            pending.result()  # in order: the worker runs one task at a time
+    return hasher, got
 
 
 def read_segment_tokens(dir_fd: int, name: str, compat_digest: str, limits: SegmentLimits) -> tuple[int, ...]:

@@ -394,8 +394,13 @@ def _expected_sections(header: SegmentHeader) -> list[tuple[int, int]]:
     return expected + [(SECTION_META, 0)]
 
 
-def _read_sections(view: memoryview, header: SegmentHeader, limits: SegmentLimits) -> tuple[dict, list[bytes]]:
-    """{section id: raw payload} and the section checksums, each section bounded and verified."""
+def _read_sections(view: memoryview, header: SegmentHeader, limits: SegmentLimits,
+                   checksums: dict[tuple[int, int], bytes]) -> tuple[dict, list[bytes]]:
+    """{section id: raw payload} and the section checksums, each section bounded and verified.
+
+    `checksums` may hold some sections' checksums already computed over these very bytes (by
+    SectionHasher, while the file was read), keyed by the section's (start, stop) offsets.
+    """
     payloads, sums = {}, []
     offset, end = HEADER_BYTES, header.file_bytes - END_BYTES
     for section_id, compress_flag in _expected_sections(header):
@@ -409,7 +414,8 @@ def _read_sections(view: memoryview, header: SegmentHeader, limits: SegmentLimit
             raise SegmentError("oversized", f"section {section_id} of {raw_bytes} bytes > max_section_bytes")
         stored = view[body : body + stored_bytes]
         sums.append(bytes(view[offset + _SECTION.size : body]))
-        if _checksum(view[offset : offset + _SECTION.size], stored) != sums[-1]:
+        computed = checksums.get((offset, body + stored_bytes))
+        if (computed or _checksum(view[offset : offset + _SECTION.size], stored)) != sums[-1]:
             raise SegmentError("checksum", f"section {section_id} checksum mismatch")
         if header.flags & compress_flag:
             payloads[section_id] = _decompress(header.codec, stored, raw_bytes)
@@ -439,16 +445,19 @@ def _parse_meta(data: bytes, limits: SegmentLimits) -> dict:
     return meta
 
 
-def decode_segment(data, compat_digest: str, limits: SegmentLimits = DEFAULT_LIMITS) -> Segment:
+def decode_segment(data, compat_digest: str, limits: SegmentLimits = DEFAULT_LIMITS,
+                   hasher: SectionHasher | None = None) -> Segment:
     """Parse and fully verify a segment file's bytes; raises SegmentError, never returns wrong data.
 
     Verifies the header, every section checksum, the end marker's sections digest (which binds the
     sections to this header), the compatibility digest, and that key == segment_key(parent, tokens).
+    `hasher`: a SectionHasher that already went over these bytes; the checksums it finished are used
+    instead of hashing again, the others are computed here.
     """
     view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
     header = read_header(view[:HEADER_BYTES], compat_digest, view.nbytes, limits)
     sections_digest = check_end_marker(view[header.file_bytes - END_BYTES :], header)
-    payloads, sums = _read_sections(view, header, limits)
+    payloads, sums = _read_sections(view, header, limits, hasher.done if hasher and hasher.view is view else {})
     if _checksum(bytes(view[_HEADER.size : HEADER_BYTES]), *sums) != sections_digest:
         raise SegmentError("checksum", "sections digest in the end marker mismatch")
     if len(payloads[SECTION_TOKENS]) != 4 * header.num_tokens:
@@ -461,6 +470,47 @@ def decode_segment(data, compat_digest: str, limits: SegmentLimits = DEFAULT_LIM
                    tokens=tokens, kv_bytes=payloads[SECTION_KV], kv_meta=meta["kv"],
                    snapshot_bytes=payloads.get(SECTION_SNAPSHOT), snapshot_meta=meta["snapshot"],
                    logits_bytes=payloads.get(SECTION_LOGITS), logits_meta=meta["logits"])
+
+
+class SectionHasher:
+    """Computes a segment file's section checksums while the file is still being read into `view`.
+
+    The reader calls `advance(n)` each time the first n bytes of `view` are in place (in increasing
+    order, from one thread at a time; a worker thread, so hashing overlaps the next read). Sections
+    are contiguous, so each one is hashed as its bytes arrive. It trusts nothing it reads: a section
+    length that runs past the file stops it, and decode_segment computes what it did not finish and
+    checks every section against its stored checksum either way.
+    """
+
+    def __init__(self, view: memoryview):
+        self.view = view
+        self.done: dict[tuple[int, int], bytes] = {}  # (start, stop) of a section -> its checksum
+        self._end = view.nbytes - END_BYTES
+        self._start = HEADER_BYTES  # the current (or next) section's first byte
+        self._section: tuple[int, int, object] | None = None  # start, stop, sha256 object
+        self._cursor = HEADER_BYTES
+
+    def advance(self, available: int) -> None:
+        while True:
+            if self._section is None:
+                body = self._start + SECTION_HEADER_BYTES
+                if body > min(available, self._end):
+                    return
+                _, stored_bytes, _ = _SECTION.unpack_from(self.view, self._start)
+                if stored_bytes > self._end - body:
+                    self._end = -1  # a bad length: stop here
+                    return
+                h = hashlib.sha256(self.view[self._start : self._start + _SECTION.size])
+                self._section, self._cursor = (self._start, body + stored_bytes, h), body
+            start, stop, h = self._section
+            upto = min(stop, available)
+            if upto > self._cursor:
+                h.update(self.view[self._cursor : upto])
+                self._cursor = upto
+            if self._cursor < stop:
+                return
+            self.done[(start, stop)] = h.digest()[:_CHECKSUM_BYTES]
+            self._section, self._start = None, stop
 
 
 def tokens_section_bytes(header: SegmentHeader) -> int:

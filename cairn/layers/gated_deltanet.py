@@ -12,6 +12,8 @@ through the recurrent step, prefill segments one at a time through the chunked k
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,16 +30,15 @@ from cairn.ops import Kernels
 MAX_PIECE = 1024
 
 
-def _pieces(length: int, captures: list[tuple[int, int]]) -> list[tuple[int, int | None]]:
-    """Where a segment of `length` tokens is split: (end offset, capture slot or None), in order.
+def _pieces(length: int, captures: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """How a segment of `length` tokens is run: (start, end, [(count within the piece, capture slot)]).
 
-    At every capture offset (the state there is saved to that slot), every MAX_PIECE tokens, and at
-    the end. Each piece continues the state of the one before, so the split never changes a result.
+    Pieces of at most MAX_PIECE tokens, each continuing the state of the one before; a capture at
+    offset c (the state after c tokens of the segment) goes to the piece that computes it, and the
+    kernels return it without splitting the piece there.
     """
-    ends = dict.fromkeys(range(MAX_PIECE, length, MAX_PIECE))
-    ends.update({offset: dst for offset, dst in captures})
-    ends.setdefault(length, None)
-    return sorted(ends.items())
+    bounds = list(range(0, length, MAX_PIECE)) + [length]
+    return [(lo, hi, [(c - lo, dst) for c, dst in captures if lo < c <= hi]) for lo, hi in pairwise(bounds)]
 
 
 class GatedDeltaNet(nn.Module):
@@ -74,17 +75,15 @@ class GatedDeltaNet(nn.Module):
         for i, row, new, context in batch.prefill_segments():
             slot = int(batch.state_slots[i])
             start = context - new  # absolute position of the segment's first token
-            lo = 0
-            for hi, dst in _pieces(new, [(p - start, dst) for p, dst in batch.captures_of(i)]):
-                rows = slice(row + lo, row + hi)
-                mixed_p, conv_states[slot] = kernels.causal_conv1d(mixed[rows], conv_states[slot], self.conv_weight)
+            for lo, hi, caps in _pieces(new, [(p - start, dst) for p, dst in batch.captures_of(i)]):
+                rows, pool = slice(row + lo, row + hi), batch.capture_pool
+                mixed_p, conv_states[slot] = kernels.causal_conv1d(
+                    mixed[rows], conv_states[slot], self.conv_weight,
+                    [(c, pool.conv[self.pool_index, dst]) for c, dst in caps])
                 q, k, v = self._split_heads(mixed_p)
                 out[rows], rec_states[slot] = kernels.chunk_gated_delta_rule(
-                    q, k, v, g[rows], beta[rows], rec_states[slot])
-                if dst is not None:
-                    batch.capture_pool.conv[self.pool_index, dst] = conv_states[slot]
-                    batch.capture_pool.recurrent[self.pool_index, dst] = rec_states[slot]
-                lo = hi
+                    q, k, v, g[rows], beta[rows], rec_states[slot],
+                    [(c, pool.recurrent[self.pool_index, dst]) for c, dst in caps])
 
         out = self.norm(out, z.reshape(tokens, self.v_heads, self.v_dim))
         return self.out_proj(out.reshape(tokens, self.value_dim))

@@ -6,16 +6,19 @@ so a sequence can be continued at any position from its state alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 
 def causal_conv1d(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, capture_at: Sequence[tuple[int, torch.Tensor]] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's prefill segment.
 
-    x: [T, C]; state: [C, K-1] (inputs before x); weight: [C, K].
+    x: [T, C]; state: [C, K-1] (inputs before x); weight: [C, K]; capture_at: (count, out) pairs, count
+    in [1, T]: the state after that many tokens is written into `out` ([C, K-1]).
     Returns (silu(conv(x)) [T, C], new_state [C, K-1]).
     """
     seq_len, kernel = x.shape[0], weight.shape[-1]
@@ -26,6 +29,8 @@ def causal_conv1d(
     for k in range(1, kernel):
         out.addcmul_(window[k:k + seq_len], w[k])
     new_state = window[seq_len:].transpose(0, 1)  # the last K-1 inputs
+    for count, dst in capture_at:  # after `count` tokens, the last K-1 inputs are window[count : count + K-1]
+        dst.copy_(window[count : count + kernel - 1].transpose(0, 1))
     return F.silu(out), new_state.contiguous()
 
 

@@ -14,6 +14,8 @@ These are the references a fast kernel must match on outputs and final states.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -34,11 +36,13 @@ def _expand_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[t
 
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: torch.Tensor,
+    initial_state: torch.Tensor, capture_at: Sequence[tuple[int, torch.Tensor]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's prefill segment.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; initial_state: [Hv, Dk, Dv] fp32.
+    capture_at: (count, out) pairs, count in [1, T]: the state after that many tokens is written into
+    `out` ([Hv, Dk, Dv] fp32, e.g. a snapshot slot), so a snapshot inside the segment needs no split.
     Returns (o [T, Hv, Dv] in v's dtype, final_state [Hv, Dk, Dv] fp32).
     """
     out_dtype = v.dtype
@@ -72,11 +76,21 @@ def chunk_gated_delta_rule(
     k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()
 
+    wanted: dict[int, list[tuple[int, torch.Tensor]]] = {}  # chunk -> (its last token included, out)
+    for count, dst in capture_at:
+        if not 1 <= count <= seq_len:
+            raise ValueError(f"capture at {count} is outside the segment's {seq_len} tokens")
+        wanted.setdefault((count - 1) // CHUNK_SIZE, []).append(((count - 1) % CHUNK_SIZE, dst))
+
     state = initial_state.float().clone()
     out = torch.empty_like(u)
     for i in range(n):
         v_new = u[:, i] - w[:, i] @ state
         out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
+        for t, dst in wanted.get(i, ()):  # the state after token t: the chunk's update, cut at t
+            k_to_t = k[:, i, : t + 1] * (cum[:, i, t, None] - cum[:, i, : t + 1]).exp().unsqueeze(-1)
+            torch.mul(state, cum[:, i, t].exp()[:, None, None], out=dst)
+            dst.baddbmm_(k_to_t.transpose(-1, -2), v_new[:, : t + 1])
         state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
     out = out.reshape(heads, total, -1)[:, :seq_len].transpose(0, 1)
     return out.to(out_dtype), state
