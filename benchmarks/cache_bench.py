@@ -26,14 +26,14 @@ import torch
 from benchmarks.engine_throughput import make_checkpoint, prompt
 
 
-def engine(path: Path, prefix_cache: bool, context: int, interval: int):
+def engine(path: Path, context: int, interval: int):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
     from cairn.engine import Engine
 
     cfg = EngineConfig(ModelOptions(model=str(path), dtype="float32", device="cpu"),
                        MemoryOptions(page_size=16, kv_cache_gib=1.0, state_cache_gib=0.25),
                        SchedulerOptions(max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=context + 512),
-                       CacheOptions(prefix_cache=prefix_cache, snapshot_interval=interval, device_snapshot_gib=2.0))
+                       CacheOptions(prefix_cache=True, snapshot_interval=interval, device_snapshot_gib=2.0))
     return Engine(cfg, show_progress=False)
 
 
@@ -77,7 +77,7 @@ def snapshot_copy_figures(eng, repeats: int = 20) -> dict:
 def run(size: str, context: int, interval: int, keep: int, instruction: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         make_checkpoint(size, Path(d))
-        warm = engine(Path(d), True, context, interval)
+        warm = engine(Path(d), context, interval)
         ttft_s(warm, prompt(context, seed=99), cache=False)  # warm-up at full length
         row = {"size": size, "context": context, "interval": interval}
         row.update(snapshot_copy_figures(warm))

@@ -108,7 +108,3 @@ class Sequence:
         if i < len(self.cuts) and self.cuts[i] < end:
             end = self.cuts[i]
         return max(0, end - self.num_computed)
-
-    def add_cut(self, position: int) -> None:
-        if 0 < position <= self.num_tokens and position not in self.cuts:
-            bisect.insort(self.cuts, position)

@@ -15,11 +15,11 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from cairn.bench.cli import NO_DISK_TIER, BenchOptions, bench
+from cairn.bench.cli import BenchOptions, bench
 from cairn.bench.engine_runner import EngineRunner
 from cairn.bench.http_runner import HTTPRunner
 from cairn.bench.oracle import oracle_tokens
-from cairn.bench.policies import POLICIES, has_disk_tier
+from cairn.bench.policies import POLICIES
 from cairn.bench.record import BenchRecord, RequestRecord, WorkloadResult
 from cairn.bench.run import run_workload
 from cairn.bench.sessions import client_keeps
@@ -146,13 +146,10 @@ def test_cairn_reuses_at_least_as_much_as_every_baseline(run, workload):
     assert result(record, "compaction", "cairn").totals()["reuse_of_oracle"] > 0.9
 
 
-def test_restart_runs_with_the_disk_tier_or_says_why_not(run):
+def test_restart_runs_with_the_disk_tier(run):
     record, _ = run
     restart = result(record, "restart", "cairn")
-    if has_disk_tier():
-        assert restart.skipped is None and restart.requests[SIZES.restart_turns // 2].restarted_before
-    else:
-        assert restart.skipped == NO_DISK_TIER
+    assert restart.skipped is None and restart.requests[SIZES.restart_turns // 2].restarted_before
 
 
 def test_json_record_has_the_documented_fields(run):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from cairn.bench.policies import DEFAULT_MIN_GAP_TOKENS, LABELS, POLICIES, has_disk_tier, parse_names, policy_config
+from cairn.bench.policies import DEFAULT_MIN_GAP_TOKENS, LABELS, POLICIES, parse_names, policy_config
 from cairn.bench.record import SCHEMA, BenchRecord, WorkloadResult, evaluate_targets
 from cairn.bench.report import report, requests_table
 from cairn.bench.run import run_workload
@@ -39,7 +39,6 @@ from cairn.config import EngineConfig
 from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 SERVER_POLICY = "server"
-NO_DISK_TIER = "no disk tier in this build"
 
 
 def _f(default, help: str, **kw):
@@ -132,13 +131,12 @@ def _in_process(opts: BenchOptions, base: EngineConfig, workloads: list[Workload
 
     results = []
     for workload in workloads:
-        skip = NO_DISK_TIER if workload.needs_disk_tier and not has_disk_tier() else None
         for policy in policies:
             with tempfile.TemporaryDirectory(prefix="cairn-bench-disk-") as disk:
                 config = policy_config(base, policy, opts.min_gap_tokens, Path(disk) if workload.needs_disk_tier
                                        else None)
                 start_s = time.perf_counter()
-                result = run_workload(workload, policy, lambda c=config: EngineRunner(c), sizes, opts.seed, skip)
+                result = run_workload(workload, policy, lambda c=config: EngineRunner(c), sizes, opts.seed)
             _progress(opts, result, time.perf_counter() - start_s)
             results.append(result)
     return results

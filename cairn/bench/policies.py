@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from cairn.config import CacheOptions, EngineConfig
+from cairn.config import EngineConfig
 
 POLICIES = ("none", "last_chunk", "prompt_end_branch", "user_messages", "cairn")
 LABELS = {"none": "no cache", "last_chunk": "last chunk", "prompt_end_branch": "prompt end + branch",
@@ -44,13 +44,8 @@ LABELS = {"none": "no cache", "last_chunk": "last chunk", "prompt_end_branch": "
 DEFAULT_MIN_GAP_TOKENS = 1024
 
 
-def has_disk_tier() -> bool:
-    """Whether this build's CacheOptions has the disk tier's `disk_cache` directory option."""
-    return any(f.name == "disk_cache" for f in dataclasses.fields(CacheOptions))
-
-
 def policy_config(base: EngineConfig, policy: str, min_gap_tokens: int, disk_dir: Path | None = None) -> EngineConfig:
-    """`base` with the cache fields of `policy`; `disk_dir` puts the disk tier there (when the build has one)."""
+    """`base` with the cache fields of `policy`; `disk_dir` puts the disk tier there."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     if policy == "none":
@@ -58,7 +53,7 @@ def policy_config(base: EngineConfig, policy: str, min_gap_tokens: int, disk_dir
     fields = {"prefix_cache": True, "snapshot_policy": policy}
     if policy == "user_messages":
         fields["snapshot_min_gap"] = min_gap_tokens
-    if disk_dir is not None and has_disk_tier():
+    if disk_dir is not None:
         fields["disk_cache"] = str(disk_dir)
     return dataclasses.replace(base, cache=dataclasses.replace(base.cache, **fields))
 

@@ -72,7 +72,6 @@ class NullCache(PrefixCache):
     """Caches nothing: every request is prefilled from position 0."""
 
     def admit(self, seq: Sequence) -> bool:
-        seq.cuts = []
         return True
 
     def after_step(self, seq: Sequence, logits: torch.Tensor | None) -> None:

@@ -76,7 +76,7 @@ class HybridPrefixCache(PrefixCache):
     def admit(self, seq: Sequence) -> bool:
         self._forget_stale_disk_keys()
         if not seq.params.cache_prompt:
-            seq.cuts, seq.cache_state = [], None
+            seq.cache_state = None
             seq.cache.miss_reason = "opted_out"
             return True
         state = _RequestState(places={})
@@ -99,7 +99,6 @@ class HybridPrefixCache(PrefixCache):
             prompt_len=seq.num_tokens, resume_position=seq.num_computed, match_length=match.match_len,
             path_has_deeper_snapshot=self._has_snapshot_beyond(match), message_starts=tuple(seq.message_starts),
             user_message_starts=tuple(seq.user_message_starts)), self.placement)
-        seq.cuts = []  # snapshots are captured inside chunks: no chunk has to end at them
         seq.cache_state = state
         return True
 
@@ -265,7 +264,7 @@ class HybridPrefixCache(PrefixCache):
         """Hang a device copy of seq's state at `pos` on the tree (or free it if one is already there)."""
         entry = SnapshotEntry(nbytes=handle.device.nbytes, source=source, has_logits=handle.has_logits, handle=handle)
         if not self.tree.attach_snapshot(seq.token_ids[:pos], seq.page_table, entry):
-            self.tiers.release(entry)
+            self.tiers.release(handle)
             return
         state.taken.add(pos)
         seq.cache.snapshots_taken += 1
@@ -274,7 +273,7 @@ class HybridPrefixCache(PrefixCache):
 
     def _on_released(self, entry: SnapshotEntry, reason: str) -> None:
         """The tree let go of a snapshot: free its device and host copies."""
-        self.tiers.release(entry)
+        self.tiers.release(entry.handle)
         self.dropped_by_reason[reason] += 1
 
     # ---- release and eviction ---------------------------------------------------------------------
@@ -284,7 +283,7 @@ class HybridPrefixCache(PrefixCache):
         if state is None:
             return
         for handle in state.captures.values():  # reserved for a step that never completed
-            self.tiers.release(SnapshotEntry(handle.device.nbytes, "grid", False, handle))
+            self.tiers.release(handle)
         if finished and seq.num_computed > 0 and request_end_allowed(seq.num_computed, self.placement):
             self._take(seq, state, "request_end", None)
         if finished and self.tiers.disk is not None and self.tiers.disk.write_through and state.taken:

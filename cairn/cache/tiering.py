@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cairn.cache.disk_tier import DiskTier
-from cairn.cache.radix_types import RELEASE_EVICTED, Node, SnapshotEntry
+from cairn.cache.radix_types import RELEASE_EVICTED, Node
 from cairn.cache.tiered_tree import TieredRadixTree
 from cairn.cache.tiers import HostKVBank, PoolSnapshotTier, StoredSnapshot
 from cairn.memory.kv_pool import KVPool
@@ -103,9 +103,8 @@ class TierSet:
         handle.host = pending.complete()
         self.moved["snapshot device->host"] += 1
 
-    def release(self, entry: SnapshotEntry) -> None:
-        """The tree let go of a snapshot: free its device and host copies (disk files stay, LRU there)."""
-        handle: TieredSnapshot = entry.handle
+    def release(self, handle: TieredSnapshot) -> None:
+        """Free a snapshot's device and host copies (disk files stay, LRU there)."""
         for tier in ("device", "host"):
             copy = getattr(handle, tier)
             if copy is not None:

@@ -83,24 +83,21 @@ class PoolSnapshotTier:
 
     def prepare_store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> PendingCopy | None:
         """Reserve a slot and start copying src[slot] (and logits) into it; None when it does not fit."""
-        if not self.fits(logits is not None):
+        stored = self.reserve(logits is not None)
+        if stored is None:
             return None
-        dst = self.pool.alloc(zero=False)
-        src.copy_to(slot, self.pool, dst, non_blocking=True)
-        kept = None
+        src.copy_to(slot, self.pool, stored.slot, non_blocking=True)
         if logits is not None:
-            kept = torch.empty(logits.shape, dtype=torch.float32, device=self.device,
-                               pin_memory=self.pool.conv.is_pinned())
-            kept.copy_(logits, non_blocking=True)
-        nbytes = self.snapshot_bytes(logits is not None)
-        self.used_bytes += nbytes
-        return PendingCopy(StoredSnapshot(self.name, dst, kept, nbytes), _copy_event(src.conv.device))
+            stored.logits = torch.empty(logits.shape, dtype=torch.float32, device=self.device,
+                                        pin_memory=self.pool.conv.is_pinned())
+            stored.logits.copy_(logits, non_blocking=True)
+        return PendingCopy(stored, _copy_event(src.conv.device))
 
-    def reserve(self) -> StoredSnapshot | None:
-        """A slot (and its bytes) set aside for a state that a model step will write there; None when full."""
-        if not self.fits(False):
+    def reserve(self, with_logits: bool = False) -> StoredSnapshot | None:
+        """A slot (and its bytes) set aside for a state to be written there; None when full."""
+        if not self.fits(with_logits):
             return None
-        nbytes = self.snapshot_bytes(False)
+        nbytes = self.snapshot_bytes(with_logits)
         self.used_bytes += nbytes
         return StoredSnapshot(self.name, self.pool.alloc(zero=False), None, nbytes)
 
