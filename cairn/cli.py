@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import sys
 import time
 import types
 import typing
 
+from cairn import __version__
 from cairn.config import EngineConfig
+from cairn.logs import LOG_FORMATS, setup_logging
+from cairn.preflight import UserError, check_model, check_port
 
 
 def _field_type(f: dataclasses.Field, owner: type):
@@ -28,19 +30,33 @@ def _field_type(f: dataclasses.Field, owner: type):
     return hint
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+def _help_text(f: dataclasses.Field, default) -> str:
+    """The field's help with its default appended, unless the help already states it or there is none."""
+    text = f.metadata.get("help", "")
+    if default is None or "default:" in text or "by default" in text:
+        return text
+    shown = ("on" if default else "off") if isinstance(default, bool) else default
+    return f"{text} (default: {shown})"
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, exclude: frozenset = frozenset(),
+                       defaults: dict | None = None) -> None:
+    """One flag per field of `cls` (minus `exclude`); `defaults` replaces field defaults for this parser."""
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = _field_type(f, cls)
-        help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = (defaults or {}).get(f.name, default)
+        help_text = _help_text(f, default).replace("%", "%%")
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                help=help_text)
         else:
             group.add_argument(flag, dest=f.name, type=kind, default=default, choices=f.metadata.get("choices"),
-                               help=f"{help_text} (default: {default})")
+                               help=help_text)
 
 
 def build_group(cls: type, ns: argparse.Namespace):
@@ -51,9 +67,10 @@ def engine_group_classes() -> dict[str, type]:
     return {name: _field_type(f, EngineConfig) for name, f in ((f.name, f) for f in dataclasses.fields(EngineConfig))}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, exclude: frozenset = frozenset(),
+                    defaults: dict | None = None) -> None:
     for name, cls in engine_group_classes().items():
-        add_dataclass_args(parser, cls, f"{name} options")
+        add_dataclass_args(parser, cls, f"{name} options", exclude, defaults)
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
@@ -89,19 +106,31 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
 
+def _parse_messages(text: str | None) -> list[dict] | None:
+    if not text:
+        return None
+    try:
+        messages = json.loads(text)
+    except ValueError as e:
+        raise UserError(f"--messages is not valid JSON ({e})") from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise UserError('--messages must be a JSON list of messages, e.g. [{"role": "user", "content": "hi"}]')
+    return messages
+
+
 def run_generate(ns: argparse.Namespace) -> int:
-    from cairn.engine import Engine
+    if not ns.prompt and not ns.messages:
+        raise UserError("give a prompt or --messages")
+    messages = _parse_messages(ns.messages)
+    check_model(ns.model)
+    from cairn.engine import Engine  # imports torch: after the one-line checks
     from cairn.sampling import SamplingParams
 
-    if not ns.prompt and not ns.messages:
-        print("cairn generate: give a prompt or --messages", file=sys.stderr)
-        return 2
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                             min_p=ns.min_p, seed=ns.sampling_seed, stop=tuple(ns.stop))
     t0 = time.perf_counter()
     engine = Engine(config_from_args(ns))
     t_load = time.perf_counter() - t0
-    messages = json.loads(ns.messages) if ns.messages else None
     t1 = time.perf_counter()
     rid = engine.add_request(ns.prompt, params, messages=messages)
     out = None
@@ -131,10 +160,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(ns: argparse.Namespace) -> int:
-    from cairn.server.main import serve
     from cairn.server.options import ServerOptions
 
-    return serve(config_from_args(ns), build_group(ServerOptions, ns))
+    options = build_group(ServerOptions, ns)
+    check_port(options.host, options.port)
+    check_model(ns.model)
+    from cairn.server.main import serve  # imports torch and the server: after the one-line checks
+
+    return serve(config_from_args(ns), options)
 
 
 def _lazy(module: str) -> tuple[typing.Callable, typing.Callable]:
@@ -153,11 +186,27 @@ COMMANDS: dict[str, tuple[str, typing.Callable, typing.Callable]] = {
 }
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+QUIET_COMMANDS = {"bench": "WARNING"}  # commands whose default log level is not INFO
+
+
+def _add_log_args(parser: argparse.ArgumentParser, default) -> None:
+    """--log-level / --log-format, accepted before and after the subcommand (`default`: SUPPRESS after it,
+    so that a subcommand left without them keeps what was given before it)."""
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default,
+                        help="log level (default: INFO; WARNING for bench, which prints its own progress)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=default,
+                        help="text, or json: one JSON object per line (default: text)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cairn", description="Serve hybrid language models with a prefix "
                                      "cache that resumes a conversation anywhere along it.")
+    parser.add_argument("--version", action="version", version=f"cairn {__version__}")
+    _add_log_args(parser, None)
+    parser.set_defaults(log_format="text")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    _add_log_args(common, argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_args, _) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text, parents=[common]))
@@ -166,8 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return COMMANDS[ns.command][2](ns)
+    setup_logging(ns.log_level or QUIET_COMMANDS.get(ns.command, "INFO"), ns.log_format)
+    try:
+        return COMMANDS[ns.command][2](ns)
+    except UserError as e:
+        print(f"cairn {ns.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -36,13 +36,13 @@ SIZES = WorkloadSizes(system_tokens=32, message_tokens=20, reply_tokens=2, compa
                       interleave_tokens=128, shared_fractions=(0.0, 0.4, 0.6), edit_context_tokens=160, num_users=2,
                       user_tokens=16, restart_turns=4)
 CONFIG = config_with_overrides(EngineConfig(), kv_cache_gib=0.02, state_cache_gib=0.02, device_snapshot_gib=0.02,
-                               max_num_batched_tokens=192, snapshot_interval=128)
+                               max_num_batched_tokens=192, snapshot_interval=128, snapshot_min_gap=64)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[BenchRecord, dict]:
     out = tmp_path_factory.mktemp("bench")
-    opts = BenchOptions(out=str(out), min_gap_tokens=64, threads=1, print_requests=False)
+    opts = BenchOptions(out=str(out), threads=1, print_requests=False)
     record = bench(opts, CONFIG, command="pytest", sizes=SIZES)
     return record, json.loads((out / "record.json").read_text())
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from cairn.bench.policies import DEFAULT_MIN_GAP_TOKENS, LABELS, POLICIES, parse_names, policy_config
+from cairn.bench.policies import LABELS, POLICIES, SMOKE_MIN_GAP_TOKENS, parse_names, policy_config
 from cairn.bench.record import SCHEMA, BenchRecord, WorkloadResult, evaluate_targets
 from cairn.bench.report import report, requests_table
 from cairn.bench.run import run_workload
@@ -54,22 +54,27 @@ class BenchOptions:
                    "(0.8b = Qwen3.5-0.8B), made as benchmarks/engine_throughput.py does",
                    choices=("demo", "tiny", "0.8b"))
     checkpoint_dir: str | None = _f(None, "where the --size checkpoint is written and reused; default: a temp dir")
-    seed: int = _f(0, "workload seed")
-    min_gap_tokens: int = _f(DEFAULT_MIN_GAP_TOKENS, "least spacing of the llama.cpp-style (user_messages) policy")
+    workload_seed: int = _f(0, "seed of the workloads' text (the demo weights' seed is --demo-seed)")
     out: str = _f("benchmarks/out/bench", "directory for record.json, report.md and the PNGs")
     url: str | None = _f(None, "run against this server (e.g. http://127.0.0.1:8000) instead of in-process")
     tokenizer: str | None = _f(None, "over --url: checkpoint directory of the server's tokenizer; default: the "
                                "demo's byte tokenizer")
     server_model: str | None = _f(None, "over --url: the model name to send; default: the server's first model")
-    threads: int = _f(0, "torch CPU threads (0: torch's default); 1 keeps times steady when other processes share "
-                      "the cores")
+    threads: int = _f(1, "torch CPU threads (0: torch's default, one per core); 1 keeps times steady, and on a "
+                      "loaded machine torch's default can be 10x slower")
     plots: bool = _f(True, "write the PNG plots")
     print_requests: bool = _f(True, "print every request's row")
 
 
+# The engine flags `cairn bench` sets per policy (--policies picks them), and the engine defaults it
+# changes: with no flags, `cairn bench` is the smoke run that BENCHMARKS.md publishes.
+PER_POLICY_FLAGS = frozenset({"snapshot_policy", "prefix_cache"})
+ENGINE_DEFAULTS = {"max_num_batched_tokens": 256, "snapshot_min_gap": SMOKE_MIN_GAP_TOKENS}
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, BenchOptions, "bench options")
-    add_engine_args(parser)
+    add_engine_args(parser, exclude=PER_POLICY_FLAGS, defaults=ENGINE_DEFAULTS)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -102,8 +107,8 @@ def bench(opts: BenchOptions, base: EngineConfig, command: str = "", sizes: Work
             results = _in_process(opts, base, workloads, policies, sizes)
         env = environment(base)
     record = BenchRecord(SCHEMA, datetime.now(UTC).isoformat(timespec="seconds"), command,
-                         opts.url or "engine", model, _size_label(opts, base), opts.preset, opts.seed,
-                         opts.min_gap_tokens, {} if opts.url else dataclasses.asdict(base),
+                         opts.url or "engine", model, _size_label(opts, base), opts.preset, opts.workload_seed,
+                         base.cache.snapshot_min_gap, {} if opts.url else dataclasses.asdict(base),
                          dataclasses.asdict(sizes), policies, [w.name for w in workloads], env, results)
     record.targets = evaluate_targets(results, SERVER_POLICY if opts.url else "cairn")
     if opts.plots:
@@ -133,10 +138,10 @@ def _in_process(opts: BenchOptions, base: EngineConfig, workloads: list[Workload
     for workload in workloads:
         for policy in policies:
             with tempfile.TemporaryDirectory(prefix="cairn-bench-disk-") as disk:
-                config = policy_config(base, policy, opts.min_gap_tokens, Path(disk) if workload.needs_disk_tier
+                config = policy_config(base, policy, Path(disk) if workload.needs_disk_tier
                                        else None)
                 start_s = time.perf_counter()
-                result = run_workload(workload, policy, lambda c=config: EngineRunner(c), sizes, opts.seed)
+                result = run_workload(workload, policy, lambda c=config: EngineRunner(c), sizes, opts.workload_seed)
             _progress(opts, result, time.perf_counter() - start_s)
             results.append(result)
     return results
@@ -151,7 +156,7 @@ def _over_http(opts: BenchOptions, workloads: list[Workload], sizes: WorkloadSiz
         skip = "the HTTP runner cannot restart the server (run it in-process)" if workload.needs_disk_tier else None
         start_s = time.perf_counter()
         result = run_workload(workload, SERVER_POLICY, lambda: HTTPRunner(opts.url, tokenizer, opts.server_model),
-                              sizes, opts.seed, skip)
+                              sizes, opts.workload_seed, skip)
         _progress(opts, result, time.perf_counter() - start_s)
         results.append(result)
     return results

@@ -25,8 +25,8 @@ What it leaves out, each of which costs llama.cpp reuse that this baseline keeps
   checkpoints (llama.cpp PR 25019).
 Here the baseline's snapshots live in cairn's shared radix tree under cairn's byte budget and
 value-based retention. llama.cpp's default minimum step is 8192 tokens, on contexts of 100k+. The
-benchmark's contexts are a few thousand tokens, so its default spacing (`--min-gap-tokens`) is
-scaled down to 1024.
+benchmark's contexts are a few thousand tokens, so its default spacing (`--snapshot-min-gap`) is
+scaled down to 1024 (256 in the smoke run, `cairn bench`'s default).
 
 What it is not: the policies' implementation (cairn/cache/placement.py).
 """
@@ -41,18 +41,19 @@ from cairn.config import EngineConfig
 POLICIES = ("none", "last_chunk", "prompt_end_branch", "user_messages", "cairn")
 LABELS = {"none": "no cache", "last_chunk": "last chunk", "prompt_end_branch": "prompt end + branch",
           "user_messages": "llama.cpp-style", "cairn": "cairn"}
-DEFAULT_MIN_GAP_TOKENS = 1024
+PUBLISHED_MIN_GAP_TOKENS = 1024  # the llama.cpp-style spacing of the published (0.8B) run
+SMOKE_MIN_GAP_TOKENS = 256  # ... of the smoke run (the demo model's contexts are four times shorter)
 
 
-def policy_config(base: EngineConfig, policy: str, min_gap_tokens: int, disk_dir: Path | None = None) -> EngineConfig:
-    """`base` with the cache fields of `policy`; `disk_dir` puts the disk tier there."""
+def policy_config(base: EngineConfig, policy: str, disk_dir: Path | None = None) -> EngineConfig:
+    """`base` with the cache fields of `policy`; `disk_dir` puts the disk tier there. base's
+    snapshot_min_gap is the user_messages policy's spacing: the other policies run without one."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     if policy == "none":
         return dataclasses.replace(base, cache=dataclasses.replace(base.cache, prefix_cache=False))
-    fields = {"prefix_cache": True, "snapshot_policy": policy}
-    if policy == "user_messages":
-        fields["snapshot_min_gap"] = min_gap_tokens
+    fields = {"prefix_cache": True, "snapshot_policy": policy,
+              "snapshot_min_gap": base.cache.snapshot_min_gap if policy == "user_messages" else 0}
     if disk_dir is not None:
         fields["disk_cache"] = str(disk_dir)
     return dataclasses.replace(base, cache=dataclasses.replace(base.cache, **fields))
