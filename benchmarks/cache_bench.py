@@ -33,7 +33,8 @@ def engine(path: Path, context: int, interval: int):
     cfg = EngineConfig(ModelOptions(model=str(path), dtype="float32", device="cpu"),
                        MemoryOptions(page_size=16, kv_cache_gib=1.0, state_cache_gib=0.25),
                        SchedulerOptions(max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=context + 512),
-                       CacheOptions(prefix_cache=True, snapshot_interval=interval, device_snapshot_gib=2.0))
+                       CacheOptions(prefix_cache=True, snapshot_interval=interval, device_snapshot_gib=2.0,
+                                    host_cache_gib=0.0))
     return Engine(cfg, show_progress=False)
 
 

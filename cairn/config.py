@@ -2,7 +2,10 @@
 
 Every field carries its help text in `metadata["help"]`; `cairn.cli` turns each field into a flag
 (`kv_cache_gib` -> `--kv-cache-gib`). Nothing below the CLI parses arguments or reads the
-environment: these objects are built once and passed down. Derived values are properties.
+environment: these objects are built once and passed down. Derived values are properties. Memory
+budgets left at None are the machine's and the model's to decide: the engine resolves them once at
+start-up (`cairn.sizing.resolve_sizes`, which logs the result); the `*_bytes` properties are read only
+after that.
 """
 
 from __future__ import annotations
@@ -28,8 +31,18 @@ class ModelOptions:
 @dataclass(frozen=True)
 class MemoryOptions:
     page_size: int = _f(16, "tokens per KV page")
-    kv_cache_gib: float = _f(1.0, "device bytes for the paged KV pool of the attention layers, in GiB")
-    state_cache_gib: float = _f(0.25, "device bytes for the working recurrent-state slots, in GiB")
+    kv_cache_gib: float | None = _f(None, "device bytes for the paged KV pool of the attention layers, in GiB; "
+                                    "default: 1 (0.125 for the demo model)")
+    state_cache_gib: float | None = _f(None, "device bytes for the working recurrent-state slots, in GiB; default: "
+                                       "0.25 (1/64 for the demo model)")
+    device_memory_fraction: float | None = _f(None, "fraction of the device's memory this server may use (like "
+                                              "vLLM's --gpu-memory-utilization): the KV pool, working states and "
+                                              "device snapshots share what the weights leave of it, in the "
+                                              "proportions of their GiB budgets; on CPU the device is host RAM")
+
+    def __post_init__(self):
+        if self.device_memory_fraction is not None and not 0 < self.device_memory_fraction <= 1:
+            raise ValueError(f"device_memory_fraction must be in (0, 1], got {self.device_memory_fraction}")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -56,12 +69,15 @@ class CacheOptions:
     snapshot_at_prompt_end: bool = _f(True, "a snapshot (with its logits) at the end of every prompt")
     snapshot_at_request_end: bool = _f(True, "a snapshot at the end of every request, after generation")
     snapshot_at_branch: bool = _f(True, "a snapshot where a prompt leaves a cached path below its deepest snapshot")
-    device_snapshot_gib: float = _f(1.0, "device bytes for snapshots, in GiB")
+    device_snapshot_gib: float | None = _f(None, "device bytes for snapshots, in GiB; default: 1 (1/16 for the demo "
+                                           "model)")
     snapshot_policy: str = _f("cairn", "where snapshots go: cairn, or a baseline for comparison (none, last_chunk, "
                               "prompt_end_branch, user_messages)",
                               choices=("cairn", "none", "last_chunk", "prompt_end_branch", "user_messages"))
     snapshot_min_gap: int = _f(0, "least distance between snapshots of the user_messages policy, in tokens")
-    host_cache_gib: float = _f(0.0, "host RAM for demoted snapshots and KV pages, in GiB; 0: no host tier")
+    host_cache_gib: float | None = _f(None, "host RAM for demoted snapshots and KV pages, in GiB; default: min(25% of "
+                                      "available RAM, 8 GiB) (0.25 at most for the demo model), logged at start-up; "
+                                      "0: no host tier")
     disk_cache: str | None = _f(None, "directory of the durable disk tier (survives restarts); none by default")
     disk_cache_gib: float = _f(16.0, "disk bytes for the disk tier, in GiB")
     disk_write_through: bool = _f(True, "write each finished request's new snapshots and KV to disk at once "
@@ -83,8 +99,17 @@ class CacheOptions:
 
 
 @dataclass(frozen=True)
+class LogOptions:
+    log_requests: bool = _f(True, "log one INFO line per finished request (tokens, cache hit, time to first token, "
+                            "decode speed, finish reason)")
+    log_stats_interval_s: float = _f(10.0, "while busy, log a stats line (running, waiting, tok/s, cache hits per "
+                                     "tier, pool use) every this many seconds; 0: never")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     cache: CacheOptions = field(default_factory=CacheOptions)
+    logging: LogOptions = field(default_factory=LogOptions)

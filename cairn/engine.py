@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from cairn.activity import ActivityLog
 from cairn.cache.base import PrefixCache
 from cairn.cache.factory import build_cache
 from cairn.config import EngineConfig
@@ -27,6 +28,7 @@ from cairn.runner import ModelRunner
 from cairn.sampling import SamplingParams, sample
 from cairn.scheduler import RequestTooLarge, Scheduler
 from cairn.sequence import Sequence, Status
+from cairn.sizing import resolve_sizes
 from cairn.tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class Engine:
             self.tokenizer = HFTokenizer(opts.model, self.model_config.eos_token_ids)
             self.model_name = opts.model
         self.dtype = self.model.embed.weight.dtype
+        self.config = config = resolve_sizes(config, self.device, is_demo=opts.model is None)
         self.kv, self.states = self._allocate_pools(self.model_config)
         self.max_model_len = self._max_model_len()
         self.cache = cache if cache is not None else build_cache(
@@ -66,6 +69,7 @@ class Engine:
                                    min(sched.max_num_seqs, self.states.num_slots), sched.max_num_batched_tokens,
                                    self.max_model_len, sched.max_waiting)
         self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.cache)
+        self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -140,6 +144,7 @@ class Engine:
             return None
         self.scheduler.abort(request_id)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self._log_finished(seq)
         return self._output(seq, "", [])
 
     def has_unfinished(self) -> bool:
@@ -183,14 +188,18 @@ class Engine:
             for seq in batch.ready:
                 seq.ready_logits = None
         sampled = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
-        return [self._append(seq, s) for seq, s in zip(to_sample, sampled, strict=True)]
+        outputs = [self._append(seq, s) for seq, s in zip(to_sample, sampled, strict=True)]
+        self.activity.maybe_stats(self.pool_use, self.num_running, self.num_waiting)
+        return outputs
 
     def _append(self, seq: Sequence, s) -> RequestOutput:
         now = time.monotonic()
         if seq.first_token_s is None:
             seq.first_token_s = now
             self._log_prefill(seq)
+            self.activity.first_token(seq)
         seq.last_token_s = now
+        self.activity.token()
         seq.token_ids.append(s.token)
         if s.logprob is not None:
             seq.logprobs.append(s.logprob)
@@ -207,6 +216,7 @@ class Engine:
             reason = "stop"
         if reason:
             self.scheduler.finish(seq, reason)
+            self._log_finished(seq)
         return self._output(seq, delta, [s.token])
 
     def _output(self, seq: Sequence, delta: str, delta_ids: list[int]) -> RequestOutput:
@@ -222,10 +232,27 @@ class Engine:
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft)
 
+    def _log_finished(self, seq: Sequence) -> None:
+        if self.config.logging.log_requests:
+            self.activity.finished(seq)
+
+    def pool_use(self) -> dict[str, float]:
+        """Fraction of each pool in use: KV pages (the cache's included), working slots, snapshot tiers."""
+        kv, states = self.kv, self.states
+        use = {"kv_pool_use": 1 - kv.allocator.num_free / kv.num_pages,
+               "working_slots_use": 1 - states.num_free / states.num_slots}
+        stats = self.cache.stats()
+        budgets = stats.get("snapshot_budget_bytes{tier}", {})
+        for tier, used in stats.get("snapshot_used_bytes{tier}", {}).items():
+            if budgets.get(tier):
+                use[f"{tier}_snapshots_use"] = used / budgets[tier]
+        return {k: round(v, 4) for k, v in use.items()}
+
     def _log_prefill(self, seq: Sequence) -> None:
-        """One line per request whose prefill just finished: what it computed and what the cache gave."""
+        """One DEBUG line per request whose prefill just finished: what it computed and what the cache gave
+        (the INFO line comes when it finishes, see cairn.activity)."""
         c = seq.cache
-        log.info("prefill %s: new=%d cached=%d resume=%d tier=%s source=%s match=%d miss=%s snapshots=%d "
+        log.debug("prefill %s: new=%d cached=%d resume=%d tier=%s source=%s match=%d miss=%s snapshots=%d "
                  "ttft=%.3fs kv_free=%d/%d slots_free=%d/%d", seq.request_id, seq.num_computed - seq.num_cached,
                  c.cached_tokens, c.resume_position, c.resume_tier, c.resume_source, c.match_length, c.miss_reason,
                  c.snapshots_taken, seq.first_token_s - seq.arrival_s, self.kv.allocator.num_free, self.kv.num_pages,

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from cairn.cli import COMMANDS, build_parser, config_from_args
 from cairn.engine import LLM
 from cairn.sampling import SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def cairn(*args: str) -> subprocess.CompletedProcess:
@@ -55,3 +61,128 @@ def test_cache_ls_verify_and_purge_a_disk_cache(tmp_path):
     foreign.write_text("keep me")
     assert cairn("cache", "purge", "--disk-cache", str(tmp_path), "--namespace", namespace).returncode == 0
     assert not list((tmp_path / namespace).glob("*.seg")) and foreign.read_text() == "keep me"
+
+
+# ---- the first hour: one-line errors before slow work, --version, help -----------------------------
+
+def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_version_prints_the_package_version():
+    from cairn import __version__
+
+    out = cairn("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"cairn {__version__}"
+
+
+def test_hub_id_as_model_is_one_line_saying_how_to_download_it():
+    out = cairn("serve", "--model", "Qwen/Qwen3.5-0.8B")
+    assert_one_line_error(out, "Qwen/Qwen3.5-0.8B", "huggingface-cli download Qwen/Qwen3.5-0.8B --local-dir",
+                          "--model")
+
+
+def test_missing_model_directory_is_one_line(tmp_path):
+    assert_one_line_error(cairn("generate", "hi", "--model", str(tmp_path / "nowhere")), "no such directory")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.checkpoints import write_checkpoint
+
+    path = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint("qwen3_5_text", path)
+    return path
+
+
+def with_config_key(path, key: str, value) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_quantized_checkpoint_is_one_line_before_loading(checkpoint, tmp_path):
+    import shutil
+
+    shutil.copytree(checkpoint, tmp_path / "q")
+    with_config_key(tmp_path / "q", "quantization_config", {"quant_method": "fp8"})
+    assert_one_line_error(cairn("serve", "--model", str(tmp_path / "q")), "quantized", "fp8")
+
+
+def test_unsupported_config_key_is_one_line_naming_it(checkpoint, tmp_path):
+    import shutil
+
+    shutil.copytree(checkpoint, tmp_path / "k")
+    with_config_key(tmp_path / "k", "sliding_window_magic", 7)
+    assert_one_line_error(cairn("generate", "hi", "--model", str(tmp_path / "k")), "sliding_window_magic")
+
+
+def test_port_in_use_is_one_line_before_the_model_loads():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = cairn("serve", "--port", str(port))
+    assert_one_line_error(out, f"port {port}", "in use", "--port")
+    assert "memory budgets" not in out.stderr  # the engine was never built
+
+
+def test_invalid_messages_json_is_one_line():
+    assert_one_line_error(cairn("generate", "--messages", "[{"), "--messages")
+
+
+def test_log_level_and_format_are_accepted_before_and_after_the_subcommand():
+    parser = build_parser()
+    before = parser.parse_args(["--log-level", "debug", "--log-format", "json", "generate", "hi"])
+    after = parser.parse_args(["generate", "hi", "--log-level", "WARNING"])
+    neither = parser.parse_args(["generate", "hi"])
+    assert (before.log_level, before.log_format) == ("DEBUG", "json")
+    assert (after.log_level, after.log_format) == ("WARNING", "text")
+    assert neither.log_level is None  # main() picks the command's default (INFO; WARNING for bench)
+
+
+def help_lines(*command: str) -> list[str]:
+    """The entries of `cairn <command> --help`, one option per line (its help text joined to it)."""
+    out = subprocess.run([sys.executable, "-m", "cairn.cli", *command, "--help"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "COLUMNS": "1000"})
+    assert out.returncode == 0, out.stderr
+    entries: list[str] = []
+    for line in out.stdout.split("options:", 1)[1].splitlines():
+        text = line.strip()
+        if text.startswith("-"):
+            entries.append(text)
+        elif entries and line.startswith("   ") and text:
+            entries[-1] += "  " + text
+    return [e for e in entries if e.startswith("--")]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "bench"])
+def test_help_states_each_default_once_and_every_switch_default(command):
+    lines = help_lines(command)
+    assert lines
+    for line in lines:
+        assert "(default: None)" not in line, line
+        assert line.count("default:") <= 1 and "by default (default" not in line, line
+        if line.startswith("--") and ", --no-" in line.split("  ")[0]:
+            assert "(default: on)" in line or "(default: off)" in line, line
+
+
+def test_bench_flags_do_not_overlap_the_engine_flags():
+    flags = {line.split()[0].rstrip(",") for line in help_lines("bench")}
+    assert {"--policies", "--workload-seed", "--demo-seed", "--snapshot-min-gap"} <= flags
+    assert not flags & {"--seed", "--min-gap-tokens", "--snapshot-policy", "--prefix-cache"}
+
+
+def test_readme_lists_every_serve_flag():
+    listed = set()
+    for flag in re.findall(r"--(?:\[no-\])?[a-z][a-z0-9-]*", (REPO_ROOT / "README.md").read_text()):
+        name = flag.removeprefix("--").removeprefix("[no-]")
+        listed |= {f"--{name}", f"--no-{name}"} if "[no-]" in flag else {flag}
+    flags = {f for line in help_lines("serve") for f in re.findall(r"--[a-z][a-z0-9-]+", line.split("  ")[0])}
+    assert not flags - listed, f"README.md does not list: {sorted(flags - listed)}"

@@ -96,7 +96,9 @@ def report(record: BenchRecord) -> str:
     setup = (f"model `{record.model}` (size {record.size}), preset `{record.preset}`, seed {record.seed}, "
              f"target {record.target}")
     if cfg:
-        setup += (f"; KV pool {mem.get('kv_cache_gib')} GiB, snapshot budget {cache.get('device_snapshot_gib')} GiB, "
+        gib = lambda x: "auto" if x is None else f"{x:g}"  # None: sized at start-up (cairn.sizing)
+        setup += (f"; KV pool {gib(mem.get('kv_cache_gib'))} GiB, snapshot budget "
+                  f"{gib(cache.get('device_snapshot_gib'))} GiB, host tier {gib(cache.get('host_cache_gib'))} GiB, "
                   f"snapshot interval {cache.get('snapshot_interval')}, chunk {sched.get('max_num_batched_tokens')} "
                   f"tokens, page {mem.get('page_size')}, llama.cpp-style gap {record.min_gap_tokens}")
     env = record.environment

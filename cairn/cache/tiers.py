@@ -122,8 +122,9 @@ class HostKVBank:
         num_pages = budget_bytes // like.bytes_per_page
         layers, _, page_size, heads, dim = like.k.shape
         shape = (layers, num_pages, page_size, heads, dim)
-        self.k = torch.zeros(shape, dtype=like.k.dtype, pin_memory=pin_memory)
-        self.v = torch.zeros(shape, dtype=like.v.dtype, pin_memory=pin_memory)
+        # empty, not zeros: every page is written before it is read, and an untouched page costs no RAM
+        self.k = torch.empty(shape, dtype=like.k.dtype, pin_memory=pin_memory)
+        self.v = torch.empty(shape, dtype=like.v.dtype, pin_memory=pin_memory)
         self.allocator = PageAllocator(num_pages)
         self.bytes_per_page = like.bytes_per_page
         self.budget_bytes = budget_bytes

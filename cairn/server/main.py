@@ -18,6 +18,7 @@ import uvicorn
 
 from cairn.config import EngineConfig
 from cairn.engine import Engine
+from cairn.server.access_log import AccessLog
 from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
 
@@ -51,8 +52,8 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     engine = Engine(engine_config)
     app = create_app(engine, options)
     bridge = app.state.ctx.bridge
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_config=None,
-                            access_log=options.access_log, lifespan="on",
+    config = uvicorn.Config(AccessLog(app) if options.access_log else app, host=options.host, port=options.port,
+                            log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=options.shutdown_timeout_s + SHUTDOWN_GRACE_S)
     server = GracefulServer(config, lambda: bridge.drain(options.shutdown_timeout_s))
     log.info("serving %s (context %d tokens) on http://%s:%d", app.state.ctx.served_model, engine.max_model_len,

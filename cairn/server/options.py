@@ -24,7 +24,8 @@ class ServerOptions:
     max_request_bytes: int = _f(32 * MIB, "largest request body accepted, in bytes; larger ones get 413")
     shutdown_timeout_s: float = _f(10.0, "on SIGTERM/SIGINT, seconds in-flight requests may run before they are "
                                          "aborted; the process then exits 0")
-    access_log: bool = _f(False, "log one line per HTTP request")
+    access_log: bool = _f(True, "log one line per HTTP request when its response ends: client, method, path, "
+                                "status, duration (/health and /metrics at DEBUG)")
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

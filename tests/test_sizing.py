@@ -1,0 +1,68 @@
+"""Memory budgets left to cairn: the host tier sized from RAM, demo-sized pools, --device-memory-fraction."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cairn import sizing
+from cairn.cli import config_with_overrides
+from cairn.config import GIB, EngineConfig
+from cairn.engine import LLM
+from cairn.sizing import CHECKPOINT_DEFAULTS, DEMO_DEFAULTS, default_host_gib, resolve_sizes
+
+CPU = torch.device("cpu")
+
+
+def test_host_tier_defaults_to_a_quarter_of_available_ram_capped_at_8_gib():
+    assert default_host_gib(CHECKPOINT_DEFAULTS.host_cap_gib, 16 * GIB) == 4.0
+    assert default_host_gib(CHECKPOINT_DEFAULTS.host_cap_gib, 64 * GIB) == 8.0
+    assert default_host_gib(DEMO_DEFAULTS.host_cap_gib, 64 * GIB) == 0.25
+
+
+def test_left_out_budgets_are_resolved_and_logged_given_ones_are_kept(caplog):
+    with caplog.at_level(logging.INFO, logger="cairn.sizing"):
+        checkpoint = resolve_sizes(EngineConfig(), CPU, is_demo=False)
+        demo = resolve_sizes(config_with_overrides(EngineConfig(), kv_cache_gib=0.5), CPU, is_demo=True)
+    assert checkpoint.memory.kv_cache_gib == 1.0 and checkpoint.cache.device_snapshot_gib == 1.0
+    assert 0 < checkpoint.cache.host_cache_gib <= 8.0
+    assert demo.memory.kv_cache_gib == 0.5  # given
+    assert demo.memory.state_cache_gib == DEMO_DEFAULTS.state_cache_gib
+    assert demo.cache.device_snapshot_gib == DEMO_DEFAULTS.device_snapshot_gib
+    assert 0 < demo.cache.host_cache_gib <= 0.25
+    assert "host tier" in caplog.text and "available RAM" in caplog.text
+
+
+def test_host_cache_gib_zero_turns_the_host_tier_off():
+    resolved = resolve_sizes(config_with_overrides(EngineConfig(), host_cache_gib=0), CPU, is_demo=False)
+    assert resolved.cache.host_cache_gib == 0
+    with LLM(host_cache_gib=0) as llm:
+        assert llm.engine.cache.tiers.host is None
+    with LLM() as llm:
+        assert llm.engine.cache.tiers.host is not None  # on by default
+
+
+def test_device_memory_fraction_splits_what_the_weights_leave_in_the_budgets_proportions(monkeypatch):
+    monkeypatch.setattr(sizing, "device_memory_bytes", lambda device: (80 * GIB, 16 * GIB))  # (total, in use)
+    cfg = config_with_overrides(EngineConfig(), device_memory_fraction=0.5, state_cache_gib=0.5)
+    resolved = resolve_sizes(cfg, CPU, is_demo=False)
+    kv, state, snap = resolved.memory.kv_cache_gib, resolved.memory.state_cache_gib, resolved.cache.device_snapshot_gib
+    assert kv + state + snap == pytest.approx(0.5 * 80 - 16)
+    assert (kv / snap, state / snap) == (pytest.approx(1.0), pytest.approx(0.5))
+
+
+def test_device_memory_fraction_that_leaves_nothing_is_an_error(monkeypatch):
+    monkeypatch.setattr(sizing, "device_memory_bytes", lambda device: (80 * GIB, 60 * GIB))
+    with pytest.raises(ValueError, match="leaves nothing"):
+        resolve_sizes(config_with_overrides(EngineConfig(), device_memory_fraction=0.5), CPU, is_demo=False)
+    with pytest.raises(ValueError):
+        config_with_overrides(EngineConfig(), device_memory_fraction=1.5)
+
+
+def test_demo_model_pools_are_sized_to_the_demo():
+    with LLM() as llm:
+        kv_bytes = llm.engine.kv.total_bytes
+        assert kv_bytes <= DEMO_DEFAULTS.kv_cache_gib * GIB
+        assert llm.engine.max_model_len == llm.engine.model_config.max_position_embeddings  # still the full context
