@@ -111,8 +111,9 @@ def hf_decode_tok_s(model, batch: int, new_tokens: int) -> float:
     return batch * new_tokens / ((t2 - t1) - (t1 - t0))
 
 
-def best(fn, repeats: int) -> float:
-    return min(fn() for _ in range(repeats))
+def spread(runs: list[float]) -> str:
+    """How far repeated runs of one figure lie apart: 'lo-hi' (printed beside the figure kept)."""
+    return f"{min(runs):.3g}-{max(runs):.3g}" if len(runs) > 1 else "one run"
 
 
 def run_size(size: str, new_tokens: int, repeats: int) -> dict:
@@ -121,24 +122,28 @@ def run_size(size: str, new_tokens: int, repeats: int) -> dict:
         engine = cairn_engine(Path(d))
         cairn_prefill_s(engine, 64), hf_prefill_s(hf, 64)  # warm-up
         row = {"size": size}
-        for n in (512, 2048):
-            row[f"prefill{n}_cairn_tok_s"] = n / best(lambda n=n: cairn_prefill_s(engine, n), repeats)
-            row[f"prefill{n}_hf_tok_s"] = n / best(lambda n=n: hf_prefill_s(hf, n), repeats)
-        for b in (1, 8):  # the fastest of `repeats` runs, alternating the two sides
+        points = {f"prefill{n}": (lambda n=n: n / cairn_prefill_s(engine, n), lambda n=n: n / hf_prefill_s(hf, n))
+                  for n in (512, 2048)}
+        points.update({f"decode_b{b}": (lambda b=b: cairn_decode_tok_s(engine, b, new_tokens),
+                                        lambda b=b: hf_decode_tok_s(hf, b, new_tokens)) for b in (1, 8)})
+        for metric, (cairn_fn, hf_fn) in points.items():  # the fastest of `repeats` runs, the two sides alternating
             cairn_runs, hf_runs = [], []
             for _ in range(repeats):
-                cairn_runs.append(cairn_decode_tok_s(engine, b, new_tokens))
-                hf_runs.append(hf_decode_tok_s(hf, b, new_tokens))
-            row[f"decode_b{b}_cairn_tok_s"], row[f"decode_b{b}_hf_tok_s"] = max(cairn_runs), max(hf_runs)
+                cairn_runs.append(cairn_fn())
+                hf_runs.append(hf_fn())
+            row[f"{metric}_cairn_tok_s"], row[f"{metric}_hf_tok_s"] = max(cairn_runs), max(hf_runs)
+            row[f"{metric}_cairn_runs"], row[f"{metric}_hf_runs"] = cairn_runs, hf_runs
         return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| size | metric | cairn tok/s | transformers tok/s | cairn / transformers |", "|---|---|---:|---:|---:|"]
+    lines = ["| size | metric | cairn tok/s (spread) | transformers tok/s (spread) | cairn / transformers |",
+             "|---|---|---:|---:|---:|"]
     for r in rows:
         for metric in ("prefill512", "prefill2048", "decode_b1", "decode_b8"):
             c, h = r[f"{metric}_cairn_tok_s"], r[f"{metric}_hf_tok_s"]
-            lines.append(f"| {r['size']} | {metric} | {c:.1f} | {h:.1f} | {c / h:.2f}x |")
+            lines.append(f"| {r['size']} | {metric} | {c:.1f} ({spread(r[f'{metric}_cairn_runs'])}) | {h:.1f} "
+                         f"({spread(r[f'{metric}_hf_runs'])}) | {c / h:.2f}x |")
     return "\n".join(lines)
 
 

@@ -3,12 +3,15 @@
     python benchmarks/load.py                                 # starts a demo-model server itself
     python benchmarks/load.py --concurrency 32 --duration-s 60 --max-tokens 64
     python benchmarks/load.py --url http://127.0.0.1:8000 --server-pid 1234   # an already running server
+    python benchmarks/load.py --concurrency 1,2,4,8,16 --plot benchmarks/figures/load_concurrency.png
 
 Each client loops: one streamed /v1/completions request (a distinct prompt, `--max-tokens` tokens,
 ignore_eos so every request has the same length), then the next, until the duration is over; requests
 in flight at the deadline are finished and counted. Reports throughput (requests/s, output tokens/s),
 time to first token p50 / p99, errors (should be 0) and the server's peak RSS (VmHWM from
-/proc/<pid>/status) as a markdown table. Not a test: it asserts nothing and exits 1 only on errors.
+/proc/<pid>/status) as a markdown table. With several `--concurrency` levels, the levels run one after
+the other against the same server, one row each, and `--plot` draws throughput and time to first
+token against concurrency. Not a test: it asserts nothing and exits 1 only on errors.
 """
 
 from __future__ import annotations
@@ -86,13 +89,13 @@ async def worker(client: httpx.AsyncClient, index: int, args: argparse.Namespace
         k += 1
 
 
-async def run_load(args: argparse.Namespace) -> LoadResult:
+async def run_load(args: argparse.Namespace, concurrency: int) -> LoadResult:
     result = LoadResult()
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
         start = time.perf_counter()
         deadline = start + args.duration_s
-        await asyncio.gather(*(worker(client, i, args, deadline, result) for i in range(args.concurrency)))
+        await asyncio.gather(*(worker(client, i, args, deadline, result) for i in range(concurrency)))
         result.wall_s = time.perf_counter() - start
     return result
 
@@ -127,21 +130,45 @@ def start_demo_server(extra_args: list[str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"server did not become healthy; log: {log.name}")
 
 
-def report(args: argparse.Namespace, r: LoadResult, rss_bytes: int | None) -> str:
-    rows = [
-        ("clients (concurrent streams)", f"{args.concurrency}"),
-        ("duration (s)", f"{r.wall_s:.1f}"),
-        ("max_tokens / prompt words", f"{args.max_tokens} / {args.prompt_words}"),
-        ("requests completed", f"{r.num_requests}"),
-        ("throughput (requests/s)", f"{r.num_requests / r.wall_s:.2f}"),
-        ("output tokens/s", f"{r.num_output_tokens / r.wall_s:.1f}"),
-        ("TTFT p50 (ms)", f"{1000 * percentile(r.ttft_s, 50):.1f}"),
-        ("TTFT p99 (ms)", f"{1000 * percentile(r.ttft_s, 99):.1f}"),
-        ("TTFT mean (ms)", f"{1000 * statistics.fmean(r.ttft_s):.1f}" if r.ttft_s else "n/a"),
-        ("errors", f"{len(r.errors)}"),
-        ("server peak RSS (MiB)", f"{rss_bytes / 2**20:.0f}" if rss_bytes else "n/a"),
-    ]
-    return "\n".join(["| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+def report(args: argparse.Namespace, rows: list[tuple[int, LoadResult]], rss_bytes: int | None) -> str:
+    lines = [f"max_tokens {args.max_tokens}, prompt words {args.prompt_words}, clients start requests for "
+             f"{args.duration_s:g} s per level; server peak RSS "
+             + (f"{rss_bytes / 2**20:.0f} MiB" if rss_bytes else "n/a"), "",
+             "| clients | duration | requests | requests/s | output tok/s | TTFT p50 | TTFT p99 | TTFT mean | errors |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for concurrency, r in rows:
+        mean = f"{1000 * statistics.fmean(r.ttft_s):.0f} ms" if r.ttft_s else "n/a"
+        lines.append(f"| {concurrency} | {r.wall_s:.1f} s | {r.num_requests} | {r.num_requests / r.wall_s:.2f} | "
+                     f"{r.num_output_tokens / r.wall_s:.1f} | {1000 * percentile(r.ttft_s, 50):.0f} ms | "
+                     f"{1000 * percentile(r.ttft_s, 99):.0f} ms | {mean} | {len(r.errors)} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[tuple[int, LoadResult]], path: Path) -> None:
+    """Output tokens/s and time to first token (p50, p99) against the number of concurrent clients."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [c for c, _ in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(levels, [r.num_output_tokens / r.wall_s for _, r in rows], marker="o")
+    left.set_ylabel("output tokens/s (all clients)")
+    for q in (50, 99):
+        right.plot(levels, [percentile(r.ttft_s, q) for _, r in rows], marker="o", label=f"p{q}")
+    right.set_ylabel("time to first token (s)")
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent streaming clients")
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle("cairn serve under load: throughput and time to first token against concurrency")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,7 +177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-pid", type=int, help="pid of the server at --url, for its peak RSS")
     p.add_argument("--server-args", default="--kv-cache-gib 0.25 --state-cache-gib 0.1 --max-num-seqs 64",
                    help="flags for the server this script starts")
-    p.add_argument("--concurrency", type=int, default=16, help="concurrent streaming clients (default: 16)")
+    p.add_argument("--concurrency", default="16", help="concurrent streaming clients, or a comma-separated list of "
+                   "levels run one after the other (default: 16)")
+    p.add_argument("--plot", help="with several levels: draw throughput and TTFT against concurrency here (PNG)")
     p.add_argument("--duration-s", type=float, default=20.0, help="how long clients start requests (default: 20)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     p.add_argument("--prompt-words", type=int, default=40, help="approximate prompt length in words (default: 40)")
@@ -164,17 +193,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.url is None:
         proc, args.url = start_demo_server(args.server_args.split())
         args.server_pid = proc.pid
+    rows = []
     try:
-        result = asyncio.run(run_load(args))
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            rows.append((concurrency, asyncio.run(run_load(args, concurrency))))
         rss = peak_rss_bytes(args.server_pid) if args.server_pid else None
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    print(report(args, result, rss))
-    for e in result.errors[:5]:
+    print(report(args, rows, rss))
+    if args.plot:
+        plot(rows, Path(args.plot))
+    errors = [e for _, r in rows for e in r.errors]
+    for e in errors[:5]:
         print("error:", e, file=sys.stderr)
-    return 1 if result.errors else 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

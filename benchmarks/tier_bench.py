@@ -3,9 +3,12 @@
 1. Restore bandwidth per tier (a snapshot copied into a working slot), against a plain copy of the same
    bytes: a tensor copy for device and host, reading the segment file for disk (target >= 50%); the
    median of 7 of each, the page cache dropped before every disk restore and read.
-2. Time to first token resuming one conversation from device, host and disk, against a cold prefill.
+2. Time to first token resuming one conversation from device, host and disk, against a cold prefill;
+   with several `--contexts`, once per conversation length, and `--plot` draws time to first token
+   against context length per resume tier.
 
-    python benchmarks/tier_bench.py --size 0.8b --context 2048 --out benchmarks/out/tier_bench.json
+    python benchmarks/tier_bench.py --size 0.8b --contexts 2048 --out benchmarks/out/tier_bench.json
+    python benchmarks/tier_bench.py --size tiny --contexts 1024,2048,4096,8192 --plot benchmarks/figures/ttft_tiers.png
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def restore_figures(eng, disk_root: str, repeats: int = 7) -> dict:
                 dst.copy_(src)
                 plains.append((time.perf_counter() - start) * entry.nbytes / (src.numel() * 4))
         seconds, plain = statistics.median(restores), statistics.median(plains)
-        rows[tier] = {"bytes": nbytes, "restore_s": seconds, "plain_s": plain, "ratio": plain / seconds}
+        rows[tier] = {"bytes": nbytes, "restore_s": seconds, "plain_s": plain, "ratio": plain / seconds,
+                      "restore_runs_s": restores}
     states.free(slot)
     return rows
 
@@ -118,10 +122,12 @@ def run(size: str, context: int) -> dict:
 
 def report(r: dict) -> str:
     lines = [f"size {r['size']}, conversation of {r['context']} tokens, follow-up of 32 new tokens", "",
-             "| tier | bytes | restore | plain copy / file read | restore speed vs plain |",
+             "| tier | bytes | restore (median; spread) | plain copy / file read | restore speed vs plain |",
              "|---|---:|---:|---:|---:|"]
     for tier, row in r["restore"].items():
-        lines.append(f"| {tier} | {row['bytes'] / 2**20:.2f} MiB | {row['restore_s'] * 1e3:.2f} ms | "
+        runs_ms = [x * 1e3 for x in row["restore_runs_s"]]
+        lines.append(f"| {tier} | {row['bytes'] / 2**20:.2f} MiB | {row['restore_s'] * 1e3:.2f} ms "
+                     f"({min(runs_ms):.2f}-{max(runs_ms):.2f}) | "
                      f"{row['plain_s'] * 1e3:.2f} ms | {100 * row['ratio']:.0f}% |")
     lines += ["", "| resume from | time to first token | vs cold |", "|---|---:|---:|",
               f"| cold prefill | {r['cold_s']:.3f} s | 1.0x |"]
@@ -132,18 +138,47 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[dict], path: Path) -> None:
+    """Time to first token against context length: cold prefill and each resume tier (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [r["context"] for r in results]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key, label in (("cold_s", "cold prefill"), ("device_s", "resumed from device"),
+                       ("host_s", "resumed from host"), ("disk_s", "resumed from disk")):
+        ax.plot(contexts, [r[key] for r in results], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.set_xlabel("cached conversation (tokens); each follow-up adds 32 new tokens")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title(f"time to first token by resume tier, size {results[0]['size']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="0.8b")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--contexts", default="2048", help="comma-separated conversation lengths, in tokens")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--plot", default=None, help="draw time to first token against context length here (PNG)")
     args = ap.parse_args()
-    result = run(args.size, args.context)
+    results = [run(args.size, int(c)) for c in args.contexts.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU\n")
-    print(report(result))
+    print("\n\n".join(report(r) for r in results))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        Path(args.out).write_text(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    if args.plot:
+        plot(results, Path(args.plot))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def plot_ttft(results: list[WorkloadResult], workload: str, path: Path) -> Path 
     ax.set_ylabel("time to first token (s)")
     ax.set_title(f"{workload}: time to first token per request and cache policy")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend_right(ax)
     return _save(fig, path)
 
 
@@ -67,7 +67,7 @@ def plot_snapshots(result: WorkloadResult, path: Path) -> Path | None:
     top.set_title(f"{result.workload}, policy {_label(result.policy)}: {len(result.snapshots)} snapshots held at "
                   f"the end, by placement source and tier")
     if result.snapshots:
-        top.legend(title="tier", fontsize=8, loc="upper left")
+        _legend_right(top, title="tier")
     reqs = result.requests
     bottom.barh([x.index for x in reqs], [x.prompt_tokens for x in reqs], color="lightgrey", label="prompt")
     bottom.scatter([x.resume_position for x in reqs], [x.index for x in reqs], color="tab:red", s=12, zorder=3,
@@ -77,7 +77,7 @@ def plot_snapshots(result: WorkloadResult, path: Path) -> Path | None:
     bottom.invert_yaxis()
     bottom.set_ylabel("request")
     bottom.set_xlabel("token position")
-    bottom.legend(fontsize=8, loc="lower right")
+    _legend_right(bottom)
     return _save(fig, path)
 
 
@@ -98,14 +98,19 @@ def plot_reuse(results: list[WorkloadResult], path: Path) -> Path | None:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("reused / oracle")
     ax.set_title("prompt tokens reused, as a fraction of what an unlimited cache could reuse")
-    ax.legend(fontsize=8, ncols=len(policies))
+    ax.legend(fontsize=8, ncols=len(policies), loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
     return _save(fig, path)
+
+
+def _legend_right(ax, **kw) -> None:
+    """The legend outside the axes, on their right, so that it never covers data."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, **kw)
 
 
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # keeps the legends placed outside the axes
     plt.close(fig)
     return path
 
