@@ -1,0 +1,44 @@
+"""Packaging: every third-party package cairn imports is declared in pyproject.toml."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOCAL = {"cairn", "benchmarks"}  # this repository's own top-level packages
+
+
+def imported_top_levels(files) -> set[str]:
+    names = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in LOCAL}
+
+
+def declared(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+
+
+def distributions(modules: set[str]) -> set[str]:
+    by_module = importlib.metadata.packages_distributions()
+    return {by_module[m][0].lower().replace("_", "-") for m in modules}
+
+
+def test_every_imported_package_is_declared():
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    runtime = declared(project["dependencies"])
+    bench = runtime | declared(project["optional-dependencies"]["bench"])
+    package = [p for p in (REPO_ROOT / "cairn").rglob("*.py") if "bench" not in p.parts]
+    bench_files = list((REPO_ROOT / "cairn" / "bench").rglob("*.py"))
+    assert not distributions(imported_top_levels(package)) - runtime
+    assert not distributions(imported_top_levels(bench_files)) - bench  # `cairn bench` needs the bench extra
+
