@@ -1,7 +1,10 @@
 """Per-request output: incremental detokenization, stop strings and the RequestOutput record.
 
 Text is decoded incrementally so that a multi-byte character split across tokens is emitted only when
-complete. With stop strings, the last `max(len(stop)) - 1` characters are held back from streaming
+complete: a checkpoint's tokenizer through tokenizers' DecodeStream (28x faster per token than
+decoding windows from Python, see benchmarks/detokenize_bench.py), the demo's byte tokenizer through
+`WindowDecoder`. At the end, the ids of a character left incomplete are decoded as they are (U+FFFD).
+With stop strings, the last `max(len(stop)) - 1` characters are held back from streaming
 until they cannot be the start of a stop string; the final text ends before the first stop string.
 """
 
@@ -10,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cairn.sequence import CacheReport
-from cairn.tokenizer import Tokenizer
+from cairn.tokenizer import HFTokenizer, Tokenizer
 
 
 @dataclass
@@ -30,21 +33,46 @@ class RequestOutput:
     error: str | None = None  # set when the request failed inside the engine
 
 
+class WindowDecoder:
+    """Incremental decoding for any tokenizer: decode a short window of recent ids twice (without and
+    with the new ones) and return the difference, once it does not end in an incomplete character."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix, self._read = 0, 0
+
+    def __call__(self, token: int) -> str | None:
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before):]
+        return None
+
+
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
         self.tokenizer = tokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
         self.text = ""  # decoded text (before stop truncation)
         self.sent = 0  # characters of text already returned as deltas
-        self._prefix, self._read = 0, 0
+        self._step = tokenizer.decode_stream() if isinstance(tokenizer, HFTokenizer) else WindowDecoder(tokenizer)
+        self._pending: list[int] = []  # ids fed since the decoder last returned text
 
     def add(self, token: int | None, final: bool) -> tuple[str, bool]:
         """Feed one token (None: no text for it, e.g. EOS). Returns (delta, hit_stop_string)."""
         if token is not None:
-            self.ids.append(token)
-        self._decode_new(force=final)
+            self._pending.append(token)
+            piece = self._step(token)
+            if piece is not None:
+                self.text += piece
+                self._pending.clear()
+        if final and self._pending:  # an incomplete character at the very end: its replacement characters
+            self.text += self.tokenizer.decode(self._pending)
+            self._pending.clear()
         hit = False
         if self.stop:
             start = max(0, self.sent - self.hold)
@@ -56,13 +84,3 @@ class Detokenizer:
         delta = self.text[self.sent:end]
         self.sent = end
         return delta, hit
-
-    def _decode_new(self, force: bool) -> None:
-        """Append the text of the tokens not yet decoded, unless it ends in an incomplete character."""
-        if self._read == len(self.ids):
-            return
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        after = self.tokenizer.decode(self.ids[self._prefix:])
-        if force or (len(after) > len(before) and not after.endswith("\ufffd")):
-            self.text += after[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)

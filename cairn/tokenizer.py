@@ -10,6 +10,7 @@ token sequence (`message_starts`), which the prefix cache uses to place snapshot
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,14 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def decode_stream(self) -> Callable[[int], str | None]:
+        """tokenizers' incremental decoder (DecodeStream) on this tokenizer: feed one id, get the new text,
+        or None while the id does not complete a character. Used by cairn.outputs.Detokenizer."""
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=False)
+        return lambda token: stream.step(self._tok, token)
 
 
 def _token_text(value) -> str | None:

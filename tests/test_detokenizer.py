@@ -1,0 +1,63 @@
+"""Incremental detokenization: whole characters only, stop strings held back and cut, both decoders agree."""
+
+from __future__ import annotations
+
+import pytest
+
+from cairn.outputs import Detokenizer, WindowDecoder
+from cairn.tokenizer import ByteTokenizer, HFTokenizer
+from tests.checkpoints import write_tokenizer
+
+TEXT = "naïve café 東京は日本の首都です 🙂🚀 done"
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> HFTokenizer:
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path)  # byte-level: a CJK character is three tokens, an emoji four
+    return HFTokenizer(path)
+
+
+def stream(detok: Detokenizer, ids: list[int]) -> tuple[list[str], bool]:
+    deltas, hit = [], False
+    for i, t in enumerate(ids):
+        delta, hit = detok.add(t, final=i == len(ids) - 1)
+        deltas.append(delta)
+        if hit:
+            break
+    return deltas, hit
+
+
+@pytest.mark.parametrize("which", ["hf", "byte"])
+def test_characters_split_across_tokens_are_streamed_whole(hf, which):
+    tok = hf if which == "hf" else ByteTokenizer()
+    detok = Detokenizer(tok, ())
+    assert isinstance(detok._step, WindowDecoder) == (which == "byte")  # DecodeStream for a checkpoint's tokenizer
+    ids = tok.encode(TEXT)
+    assert len(ids) > len(TEXT)  # some characters do span several tokens
+    deltas, _ = stream(detok, ids)
+    assert "".join(deltas) == TEXT == detok.text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_decode_stream_and_window_decoding_give_the_same_deltas(hf):
+    ids = hf.encode(TEXT)
+    window = WindowDecoder(hf)
+    fast = hf.decode_stream()
+    assert [window(t) for t in ids] == [fast(t) for t in ids]
+
+
+@pytest.mark.parametrize("which", ["hf", "byte"])
+def test_stop_string_across_tokens_is_held_back_and_cut(hf, which):
+    tok = hf if which == "hf" else ByteTokenizer()
+    detok = Detokenizer(tok, ("首都",))
+    deltas, hit = stream(detok, tok.encode(TEXT))
+    assert hit and "".join(deltas) == "naïve café 東京は日本の" == detok.text
+    assert not any("首" in d for d in deltas)
+
+
+def test_an_incomplete_character_at_the_end_is_flushed_as_replacement(hf):
+    ids = hf.encode("ok 東")[:-1]  # the last character's final byte is missing
+    deltas, _ = stream(Detokenizer(hf, ()), ids)
+    assert "".join(deltas).startswith("ok ") and "".join(deltas).endswith("\ufffd")
+    assert "".join(deltas[:-1]) == "ok "  # nothing of it was sent before the end
