@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -31,6 +32,7 @@ from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
 from cairn.tokenizer import ByteTokenizer
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZES = WorkloadSizes(system_tokens=32, message_tokens=20, reply_tokens=2, compaction_context_tokens=320,
                       keep_fraction=0.55, instruction_tokens=8, agentic_turns=5, tool_result_tokens=20,
                       interleave_tokens=128, shared_fractions=(0.0, 0.4, 0.6), edit_context_tokens=160, num_users=2,
@@ -182,9 +184,23 @@ def test_plots_exist_and_are_non_empty_pngs(run):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_record_gives_back_the_results_it_plots(run):
+    from cairn.bench.plots import results_from_record
+
+    record, data = run
+    assert results_from_record(data) == record.results
+
+
 def test_bench_is_a_cairn_command():
     ns = build_parser().parse_args(["bench", "--workloads", "edit", "--policies", "none,cairn", "--size", "demo"])
-    assert ns.command == "bench" and ns.workloads == "edit" and ns.kv_cache_gib == 1.0
+    assert ns.command == "bench" and ns.workloads == "edit" and ns.kv_cache_gib is None  # sized at start-up
+
+
+def test_bench_without_flags_is_the_published_smoke_run():
+    ns = build_parser().parse_args(["bench"])
+    assert (ns.preset, ns.size, ns.workloads, ns.policies) == ("smoke", "demo", "all", "all")
+    assert (ns.threads, ns.max_num_batched_tokens, ns.snapshot_min_gap) == (1, 256, 256)
+    assert "cairn bench --out benchmarks/figures/cairn-bench-demo\n" in (REPO_ROOT / "BENCHMARKS.md").read_text()
 
 
 # ---- over HTTP -------------------------------------------------------------------------------------------

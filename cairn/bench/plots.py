@@ -6,6 +6,9 @@
                               below, where each request resumed and how long its prompt was
     reuse.png                 reused / oracle per workload and policy
 
+Legends sit outside the axes, so they never cover data. `python -m cairn.bench.plots DIR` draws the
+plots again from DIR/record.json (after a change here, without rerunning the benchmark).
+
 What it is not: the numbers (record.py) or the tables (report.py).
 """
 
@@ -19,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from cairn.bench.policies import LABELS  # noqa: E402
-from cairn.bench.record import WorkloadResult  # noqa: E402
+from cairn.bench.record import RequestRecord, SnapshotPoint, WorkloadResult  # noqa: E402
 
 TIER_COLOURS = {"device": "tab:blue", "host": "tab:orange", "disk": "tab:green"}
 SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk")
@@ -74,6 +77,7 @@ def plot_snapshots(result: WorkloadResult, path: Path) -> Path | None:
                    label="resumed at")
     bottom.scatter([x.oracle_tokens for x in reqs], [x.index for x in reqs], color="black", marker="x", s=12,
                    zorder=3, label="oracle")
+    bottom.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     bottom.invert_yaxis()
     bottom.set_ylabel("request")
     bottom.set_xlabel("token position")
@@ -124,3 +128,20 @@ def plot_all(results: list[WorkloadResult], out_dir: Path, snapshot_policy: str)
         made.append(plot_snapshots(mapped, out_dir / "snapshots_agentic.png"))
     made.append(plot_reuse(results, out_dir / "reuse.png"))
     return [p for p in made if p is not None]
+
+
+def results_from_record(record: dict) -> list[WorkloadResult]:
+    """The WorkloadResults of a record.json (as BenchRecord.to_json wrote it)."""
+    return [WorkloadResult(r["workload"], r["policy"], [RequestRecord(**x) for x in r["requests"]],
+                           [SnapshotPoint(**p) for p in r["snapshots"]], r.get("skipped"))
+            for r in record["results"]]
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    out = Path(sys.argv[1])
+    record = json.loads((out / "record.json").read_text())
+    policy = "server" if record["target"] != "engine" else "cairn"
+    print("\n".join(str(p) for p in plot_all(results_from_record(record), out, policy)))
