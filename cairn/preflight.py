@@ -31,7 +31,7 @@ def check_model(model: str | None) -> None:
     """The --model directory is a checkpoint cairn can load (None, the demo model, always is)."""
     if model is None:
         return
-    path = Path(model).expanduser()
+    path = Path(model)
     if not path.exists():
         if HUB_ID.match(model):
             local = f"~/models/{model.split('/')[-1]}"
