@@ -36,6 +36,7 @@ from cairn.bench.run import run_workload
 from cairn.bench.workloads import PRESETS, Workload, WorkloadSizes, all_workloads
 from cairn.cli import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.config import EngineConfig
+from cairn.preflight import check_model
 from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 SERVER_POLICY = "server"
@@ -78,6 +79,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    check_model(ns.model)
     flags = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]  # `cairn bench ...` or `-m cairn.bench ...`
     bench(build_group(BenchOptions, ns), config_from_args(ns), command=shlex.join(["cairn", "bench", *flags]))
     return 0
