@@ -1,7 +1,7 @@
 """Per-request output: incremental detokenization, stop strings and the RequestOutput record.
 
 Text is decoded incrementally so that a multi-byte character split across tokens is emitted only when
-complete: a checkpoint's tokenizer through tokenizers' DecodeStream (28x faster per token than
+complete: a checkpoint's tokenizer through tokenizers' DecodeStream (about 7x faster per token than
 decoding windows from Python, see benchmarks/detokenize_bench.py), the demo's byte tokenizer through
 `WindowDecoder`. At the end, the ids of a character left incomplete are decoded as they are (U+FFFD).
 With stop strings, the last `max(len(stop)) - 1` characters are held back from streaming
