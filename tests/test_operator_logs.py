@@ -18,13 +18,20 @@ from tests.server_process import REPO_ROOT, start_server
 OPTS = dict(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, snapshot_interval=32)
 
 
+def steady(llm: LLM) -> LLM:
+    """Pin the device copy speed the planner uses: its start-up measurement of one 0.4 MiB slot can read
+    a few MB/s on a loaded machine, which makes any restore look slower than recomputing a short prompt."""
+    llm.engine.cache.speeds.bandwidth["device"] = 1e9
+    return llm
+
+
 def finished_lines(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "request_finished"]
 
 
 def test_a_finished_request_logs_one_line_with_tokens_cache_ttft_speed_and_reason(caplog):
     prompt = list(range(10, 110))
-    with caplog.at_level(logging.INFO, logger="cairn.engine"), LLM(**OPTS) as llm:
+    with caplog.at_level(logging.INFO, logger="cairn.engine"), steady(LLM(**OPTS)) as llm:
         llm.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
         llm.generate(prompt + [7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     cold, warm = finished_lines(caplog)
@@ -44,7 +51,7 @@ def test_no_finished_line_with_log_requests_off(caplog):
 
 def test_stats_line_while_busy_reports_load_speed_cache_hits_per_tier_and_pool_use(caplog):
     prompt = list(range(10, 110))
-    with caplog.at_level(logging.INFO, logger="cairn.engine"), LLM(**OPTS, log_stats_interval_s=1e-9) as llm:
+    with caplog.at_level(logging.INFO, logger="cairn.engine"), steady(LLM(**OPTS, log_stats_interval_s=1e-9)) as llm:
         llm.generate(prompt, SamplingParams(max_tokens=2))
         llm.generate(prompt + [1, 2], SamplingParams(max_tokens=2))
     stats = [r.fields for r in caplog.records if getattr(r, "fields", {}).get("event") == "stats"]
