@@ -3,7 +3,9 @@
 Each field of an option group becomes a flag (`kv_cache_gib` -> `--kv-cache-gib`) with its type,
 default and help text; `config_from_args` builds the EngineConfig back from the parsed namespace.
 Subcommands: `generate` (one prompt or a chat, prints text and timing) and the others registered
-in COMMANDS.
+in COMMANDS. `--log-level` / `--log-format` go before or after the subcommand. A user's mistake
+(cairn.preflight.UserError: a missing or unsupported --model, a port in use, bad --messages) is
+checked before anything slow and printed as one line, exit status 2, without a traceback.
 """
 
 from __future__ import annotations
