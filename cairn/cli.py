@@ -167,7 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return COMMANDS[ns.command][2](ns)
+    from cairn.cache.disk_namespace import DiskStoreError
+
+    try:
+        return COMMANDS[ns.command][2](ns)
+    except DiskStoreError as e:  # an unusable --disk-cache directory: one line, no traceback
+        print(f"cairn {ns.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class Engine:
         self.kv, self.states = self._allocate_pools(self.model_config)
         self.max_model_len = self._max_model_len()
         self.cache = cache if cache is not None else build_cache(
-            config.cache, self.model, self.model_config, self.kv, self.states)
+            config.cache, self.model, self.model_config, self.kv, self.states, self.model_name)
         sched = config.scheduler
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache,
                                    min(sched.max_num_seqs, self.states.num_slots), sched.max_num_batched_tokens,
