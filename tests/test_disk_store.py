@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cairn.cache import disk_store
 from cairn.cache.disk_store import (
     DiskStore,
     DiskStoreError,
@@ -314,3 +315,23 @@ def test_ls_names_the_model_of_each_namespace(root):
     DiskStore(root, DIGEST, 1 << 20, model_name="Qwen/Qwen3.5-0.8B").close()
     DiskStore(root, OTHER_DIGEST, 1 << 20).close()
     assert [(n.digest, n.model) for n in list_namespaces(root)] == [(DIGEST, "Qwen/Qwen3.5-0.8B"), (OTHER_DIGEST, None)]
+
+
+def test_read_only_rescan_indexes_what_the_writer_adds_and_forgets_what_it_removes(root, monkeypatch):
+    first, second = make_segment(1), make_segment(2)
+    with DiskStore(root, DIGEST, 1 << 20) as writer:
+        assert writer.put(first)
+        gone = []
+        with DiskStore(root, DIGEST, 1 << 20, on_evict=gone.append) as reader:
+            assert reader.readonly and reader.contains(first.key)
+            assert writer.put(second)
+            (root / DIGEST / f"{first.key.hex()}.seg").unlink()  # as the writer's eviction would
+            reads = []
+            original = disk_store.read_index_header
+            monkeypatch.setattr(disk_store, "read_index_header", lambda fd, name, *a: reads.append(name) or
+                                original(fd, name, *a))
+            reader.scan()
+            assert reader.get(second.key) == second and not reader.contains(first.key)
+            assert gone == [first.key]
+            reader.scan()  # unchanged files are not read again
+            assert reads == [f"{second.key.hex()}.seg"]

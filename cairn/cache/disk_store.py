@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -80,6 +81,7 @@ class _Entry:
     header: SegmentHeader  # the validated header of the indexed file
     size_bytes: int  # file size
     last_used: float  # see SegmentInfo.last_used
+    mtime_ns: int = 0  # the file's mtime when scanned (0: written here); a rescan skips an unchanged file
 
 
 # ---------------------------------------------------------------------------------------------- store
@@ -198,6 +200,8 @@ class DiskStore:
         if not SEGMENT_NAME.fullmatch(name):
             self._fault("foreign_name", name)
             return None
+        if (known := self._unchanged(name)) is not None:
+            return known
         try:
             header, st = read_index_header(self._dir_fd, name, self.compat_digest, self.limits)
         except UnusableEntry as e:
@@ -214,8 +218,21 @@ class DiskStore:
         except OSError as e:
             self._fault("read_failed", f"{name}: {e}")
         else:
-            return _Entry(header, st.st_size, st.st_mtime)
+            return _Entry(header, st.st_size, st.st_mtime, st.st_mtime_ns)
         return None
+
+    def _unchanged(self, name: str) -> _Entry | None:
+        """The indexed entry of `name` when its file is the one indexed (same size and mtime): a rescan
+        does not read it again."""
+        entry = self._index.get(bytes.fromhex(name.removesuffix(".seg")))
+        if entry is None or not entry.mtime_ns:
+            return None
+        try:
+            st = os.lstat(name, dir_fd=self._dir_fd)
+        except OSError:
+            return None
+        same = stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == (entry.size_bytes, entry.mtime_ns)
+        return entry if same else None
 
     def _is_rejected(self, name: str) -> bool:
         """A file found bad before and unchanged since (a read-only store cannot remove it)."""
