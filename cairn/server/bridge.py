@@ -9,8 +9,9 @@ The engine thread blocks on the command queue while the engine has nothing to do
 and between steps runs every queued command (add, abort, stats...). A request's outputs arrive on
 its `RequestStream` in order; the stream ends after the finished output, or raises EngineFailure
 (engine.step() raised while the request was running) or ServerShuttingDown (aborted by a drain or
-stop). An exception in step() fails the requests the engine was running (all in-flight ones if none
-was running yet, so a failure always makes progress) and the thread keeps serving.
+stop). An exception in step() fails the requests that step touched (StepFailed names them; the engine
+has freed their memory) and the thread keeps serving. `unhealthy()` says why the engine cannot make
+progress (thread dead, steps failing in a row, every slot held while nothing runs): /health's 503.
 
 What this is not: it knows nothing of HTTP, JSON or metrics.
 """
