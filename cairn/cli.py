@@ -218,9 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     setup_logging(ns.log_level or QUIET_COMMANDS.get(ns.command, "INFO"), ns.log_format)
+    from cairn.cache.disk_namespace import DiskStoreError
+
     try:
         return COMMANDS[ns.command][2](ns)
-    except UserError as e:
+    except (UserError, DiskStoreError) as e:  # a user's mistake (e.g. an unusable --disk-cache): one line
         print(f"cairn {ns.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -26,12 +26,21 @@ from cairn.model.loader import load_checkpoint
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.runner import ModelRunner
 from cairn.sampling import SamplingParams, sample
-from cairn.scheduler import RequestTooLarge, Scheduler
+from cairn.scheduler import RequestTooLarge, ScheduledBatch, Scheduler, SequenceFailed
 from cairn.sequence import Sequence, Status
 from cairn.sizing import resolve_sizes
 from cairn.tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """engine.step() raised (its __cause__); the requests it touched (`request_ids`) were aborted and every
+    resource they held is free again. Other requests are untouched and keep running."""
+
+    def __init__(self, cause: BaseException, request_ids: list[str]):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,7 +72,7 @@ class Engine:
         self.kv, self.states = self._allocate_pools(self.model_config)
         self.max_model_len = self._max_model_len()
         self.cache = cache if cache is not None else build_cache(
-            config.cache, self.model, self.model_config, self.kv, self.states)
+            config.cache, self.model, self.model_config, self.kv, self.states, self.model_name)
         sched = config.scheduler
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache,
                                    min(sched.max_num_seqs, self.states.num_slots), sched.max_num_batched_tokens,
@@ -150,6 +159,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def stalled(self) -> str | None:
+        """Why the engine cannot make progress now (None when it can): every working state slot is held
+        while no request runs, so nothing queued can ever be admitted."""
+        if self.states.num_free == 0 and not self.scheduler.running:
+            return "every working state slot is held while no request is running"
+        return None
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -165,12 +181,37 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        """Schedule and run one batch. Raises StepFailed when anything in it raised, after aborting the
+        requests it touched: the one being admitted, else the batch (else every running request)."""
+        try:
+            batch = self.scheduler.schedule()
+        except SequenceFailed as e:
+            raise self._fail([e.seq], e.__cause__) from e.__cause__
+        except Exception as e:
+            raise self._fail(list(self.scheduler.running), e) from e
         for seq in batch.preempted:
             log.info("preempted %s (KV pool full); it will be recomputed", seq.request_id)
         if batch.empty:
             return []
         self.num_steps += 1
+        try:
+            return self._run(batch)
+        except Exception as e:
+            raise self._fail(batch.seqs + batch.ready, e) from e
+
+    def _fail(self, seqs: list[Sequence], cause: BaseException) -> StepFailed:
+        """Abort seqs after a failed step, freeing their slots, pages and cache locks."""
+        for seq in seqs:
+            try:
+                self.scheduler.drop(seq)
+            except Exception:
+                log.exception("freeing %s after a failed step raised too", seq.request_id)
+            seq.finish_reason = "error"
+            self._seqs.pop(seq.request_id, None)
+            self._detok.pop(seq.request_id, None)
+        return StepFailed(cause, [seq.request_id for seq in seqs])
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         started = time.perf_counter()
         logits, to_sample = self.runner.run(batch) if batch.seqs else (None, [])
         prefill_tokens = batch.num_tokens - batch.num_decode

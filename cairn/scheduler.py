@@ -16,6 +16,7 @@ the runner and the cache only through its interface. Its output is a `ScheduledB
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
 from cairn.sequence import Sequence, Status
 
+log = logging.getLogger(__name__)
+
 
 class RequestTooLarge(ValueError):
     """A request that could never fit in the engine's memory or context."""
@@ -31,6 +34,14 @@ class RequestTooLarge(ValueError):
 
 class QueueFull(RuntimeError):
     """Too many requests are waiting; retry later."""
+
+
+class SequenceFailed(RuntimeError):
+    """Scheduling one sequence raised (its __cause__); the sequence holds no slot, page or cache lock."""
+
+    def __init__(self, seq: Sequence):
+        super().__init__(f"scheduling {seq.request_id} failed")
+        self.seq = seq
 
 
 @dataclass
@@ -85,19 +96,25 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.waiting):
+        for seq in [*self.waiting, *self.running]:
             if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.running.remove(seq)
-                self.cache.release(seq, finished=False)
-                self.release(seq)
-                seq.status = Status.FINISHED
+                self.drop(seq)
                 seq.finish_reason = "abort"
                 return seq
         return None
+
+    def drop(self, seq: Sequence) -> None:
+        """Take seq out of the queue or the running batch and free everything it holds (its cache lock
+        and captures, pages, slot), even when the cache's release raises (that error propagates)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = Status.FINISHED
+        try:
+            self.cache.release(seq, finished=False)
+        finally:
+            self.release(seq)
 
     @property
     def has_work(self) -> bool:
@@ -127,7 +144,11 @@ class Scheduler:
                 budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            try:
+                admitted = self._admit(seq)
+            except Exception as e:
+                raise SequenceFailed(seq) from e
+            if not admitted:
                 break
             self.waiting.popleft()
             if seq.ready_logits is not None:
@@ -145,18 +166,26 @@ class Scheduler:
         if self.states.num_free == 0:
             return False
         seq.state_slot = self.states.alloc()
-        if not self.cache.admit(seq):
-            self.release(seq)
-            return False
-        if not self._grow(seq, seq.num_tokens):
-            self.cache.release(seq, finished=False)
-            self.release(seq)
-            seq.num_computed = seq.num_cached = 0
-            seq.ready_logits = None
+        try:
+            admitted = self.cache.admit(seq) and self._grow(seq, seq.num_tokens)
+        except BaseException:
+            self._unadmit(seq)
+            raise
+        if not admitted:
+            self._unadmit(seq)
             return False
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Undo a partial admission: seq stays queued, holding nothing."""
+        try:
+            self.cache.release(seq, finished=False)
+        finally:
+            self.release(seq)
+            seq.num_computed = seq.num_cached = 0
+            seq.ready_logits = None
 
     def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.page_size) - len(seq.page_table))
@@ -185,12 +214,14 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Release a running sequence and put it back at the front of the queue, to be recomputed."""
         self.running.remove(seq)
-        self.cache.release(seq, finished=False)
-        self.release(seq)
-        seq.status = Status.WAITING
-        seq.num_computed = seq.num_cached = 0
-        seq.ready_logits = None
-        self.waiting.appendleft(seq)
+        try:
+            self.cache.release(seq, finished=False)
+        finally:
+            self.release(seq)
+            seq.status = Status.WAITING
+            seq.num_computed = seq.num_cached = 0
+            seq.ready_logits = None
+            self.waiting.appendleft(seq)
 
     def release(self, seq: Sequence) -> None:
         """Return seq's pages and working slot (the cache holds its own references to shared pages)."""
@@ -206,5 +237,9 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
-        self.cache.release(seq, finished=True)
-        self.release(seq)
+        try:
+            self.cache.release(seq, finished=True)
+        except Exception:  # the request is complete: failing to cache it must not fail it
+            log.exception("caching the end of %s failed", seq.request_id)
+        finally:
+            self.release(seq)

@@ -49,7 +49,10 @@ def test_cache_ls_verify_and_purge_a_disk_cache(tmp_path):
         llm.generate(list(range(10, 200)), SamplingParams(max_tokens=3))
     (namespace,) = [p.name for p in tmp_path.iterdir() if p.is_dir()]
     listed = cairn("cache", "ls", "--disk-cache", str(tmp_path))
-    assert listed.returncode == 0 and namespace in listed.stdout
+    assert listed.returncode == 0
+    row = next(line.split() for line in listed.stdout.splitlines() if line.startswith(namespace[:16]))
+    size_mib = sum(p.stat().st_size for p in (tmp_path / namespace).glob("*.seg")) / 2**20
+    assert row[1] == "cairn-demo" and int(row[2]) > 0 and float(row[3]) == pytest.approx(size_mib, abs=0.01)
     assert cairn("cache", "verify", "--disk-cache", str(tmp_path)).returncode == 0
     victim = next((tmp_path / namespace).glob("*.seg"))
     data = bytearray(victim.read_bytes())
@@ -186,3 +189,18 @@ def test_readme_lists_every_serve_flag():
         listed |= {f"--{name}", f"--no-{name}"} if "[no-]" in flag else {flag}
     flags = {f for line in help_lines("serve") for f in re.findall(r"--[a-z][a-z0-9-]+", line.split("  ")[0])}
     assert not flags - listed, f"README.md does not list: {sorted(flags - listed)}"
+def test_cache_verify_accepts_the_short_namespace_id_of_the_startup_log(tmp_path):
+    with LLM(disk_cache=str(tmp_path), kv_cache_gib=0.02, state_cache_gib=0.02, snapshot_interval=64) as llm:
+        llm.generate(list(range(10, 100)), SamplingParams(max_tokens=2))
+    (namespace,) = [p.name for p in tmp_path.iterdir() if p.is_dir()]
+    out = cairn("cache", "verify", "--disk-cache", str(tmp_path), "--namespace", namespace[:16])
+    assert out.returncode == 0 and out.stdout.startswith(f"{namespace[:16]}: ") and " ok, 0 bad" in out.stdout
+    unknown = cairn("cache", "verify", "--disk-cache", str(tmp_path), "--namespace", "f00d")
+    assert unknown.returncode == 1 and "no namespace 'f00d'" in unknown.stderr
+
+
+@pytest.mark.parametrize("action", ["verify", "ls"])
+def test_cache_admin_on_a_missing_directory_fails_with_one_line(tmp_path, action):
+    out = cairn("cache", action, "--disk-cache", str(tmp_path / "missing"))
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip() == f"cairn cache {action}: {tmp_path / 'missing'} is not a directory"

@@ -147,7 +147,7 @@ def test_oversized_sparse_file_is_refused_without_reading_it(env):
 
 @pytest.mark.parametrize("target", ["valid_segment_elsewhere", "file_outside"])
 @pytest.mark.parametrize("when", ["before_scan", "after_scan"])
-def test_segment_replaced_by_a_symlink_is_never_followed_nor_deleted(env, target, when):
+def test_segment_replaced_by_a_symlink_is_never_followed_nor_deleted_but_moved_aside(env, target, when):
     link_target = env.outside / ("victim.seg" if target == "valid_segment_elsewhere" else "secret.txt")
     store = DiskStore(env.root, DIGEST, BUDGET_BYTES) if when == "after_scan" else None
     env.victim_path.unlink()
@@ -155,11 +155,30 @@ def test_segment_replaced_by_a_symlink_is_never_followed_nor_deleted(env, target
     temp_link = env.namespace / ".tmp-1-0123456789abcdef"  # a link with our temp name is not ours either
     temp_link.symlink_to(env.outside / "secret.txt")
     store = store or DiskStore(env.root, DIGEST, BUDGET_BYTES)
-    assert store.get(env.victim.key) is None
-    assert not store.put(env.victim)  # never written through (or over) the link
-    assert store.faults.get("name_taken") == 1
-    assert_never_loaded(env, "symlink", store)
-    assert env.victim_path.is_symlink() and temp_link.is_symlink()
+    with store:
+        assert store.get(env.victim.key) is None
+        assert store.faults.get("symlink") == 1, store.faults
+        assert store.get(env.other.key) == env.other
+        assert store.put(env.victim) and store.get(env.victim.key) == env.victim  # a real file now
+        store.check_integrity()
+    quarantined = env.namespace / "quarantine" / env.victim_path.name
+    assert quarantined.is_symlink() and os.readlink(quarantined) == str(link_target)
+    assert temp_link.is_symlink()
+    assert tree_state(env.outside) == env.outside_state
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as again:  # not met again at the next start
+        assert again.faults == {} and again.get(env.victim.key) == env.victim
+
+
+def test_read_only_store_skips_the_links_it_rejected_when_it_rescans(env):
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as writer:  # holds the lock: the next one is read-only
+        env.victim_path.unlink()
+        env.victim_path.symlink_to(env.outside / "victim.seg")
+        with DiskStore(env.root, DIGEST, BUDGET_BYTES) as reader:
+            assert reader.readonly and reader.get(env.victim.key) is None
+            reader.scan()
+            assert not reader.contains(env.victim.key) and reader.faults == {"symlink": 1}
+            assert env.victim_path.is_symlink()  # a read-only store moves nothing
+        assert writer.get(env.other.key) == env.other
 
 
 def test_non_regular_files_with_segment_names_are_skipped_without_blocking(env):
@@ -169,8 +188,9 @@ def test_non_regular_files_with_segment_names_are_skipped_without_blocking(env):
     (env.namespace / "README").write_text("someone else's")
     with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
         assert store.faults == {"not_regular": 2, "foreign_name": 1}
-    assert_never_loaded(env, "not_regular", count=2)
-    assert env.victim_path.exists() and (env.namespace / "README").read_text() == "someone else's"
+    assert_never_loaded(env, "not_regular", count=None)  # moved aside: not met again
+    assert (env.namespace / "quarantine" / env.victim_path.name).exists() and not env.victim_path.exists()
+    assert (env.namespace / "README").read_text() == "someone else's"
 
 
 def test_disk_full_during_a_write_loses_nothing_else(env, monkeypatch, caplog):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cairn.cache import disk_store
 from cairn.cache.disk_store import (
     DiskStore,
     DiskStoreError,
@@ -220,7 +221,7 @@ def test_namespace_and_files_are_private(tmp_path):
     old_umask = os.umask(0)
     try:
         root = tmp_path / "fresh" / "cache"
-        with DiskStore(root, DIGEST, 1 << 20) as store:
+        with DiskStore(root, DIGEST, 1 << 20, create_parents=True) as store:
             store.put(seg := make_segment(1))
         mode = lambda p: stat.S_IMODE(os.lstat(p).st_mode)
         assert mode(root) == 0o700 and mode(root / DIGEST) == 0o700
@@ -269,7 +270,7 @@ def test_list_verify_and_purge_touch_only_our_files(root):
     (root / DIGEST / "notes.txt").write_text("keep me")
     (root / "not-a-namespace").mkdir()
 
-    assert list_namespaces(root) == [(DIGEST, 3, sum(sizes)), (OTHER_DIGEST, 1, sizes[0])]
+    assert list_namespaces(root) == [(DIGEST, 3, sum(sizes), None), (OTHER_DIGEST, 1, sizes[0], None)]
     report = verify_store(root)
     assert report[DIGEST].ok == 2 and report[DIGEST].bad == [(bad_name, "checksum")]
     assert verify_store(root, OTHER_DIGEST) == {OTHER_DIGEST: (1, [])}
@@ -282,3 +283,55 @@ def test_list_verify_and_purge_touch_only_our_files(root):
     assert purge_namespace(root, OTHER_DIGEST) == 1
     assert sorted(os.listdir(root)) == [DIGEST, "not-a-namespace"]
     assert list_namespaces(tmp := root / "missing") == [] and verify_store(tmp) == {}
+
+
+def test_disk_cache_creates_only_its_last_component_unless_asked(tmp_path):
+    with pytest.raises(DiskStoreError, match="create-parents"):
+        DiskStore(tmp_path / "missing" / "cache", DIGEST, 1 << 20)
+    assert not (tmp_path / "missing").exists()
+    DiskStore(tmp_path / "cache", DIGEST, 1 << 20).close()  # the last component alone is created
+    DiskStore(tmp_path / "missing" / "cache", DIGEST, 1 << 20, create_parents=True).close()
+    assert (tmp_path / "missing" / "cache" / DIGEST).is_dir()
+
+
+def test_disk_cache_that_is_a_symlink_is_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(DiskStoreError, match="symbolic link"):
+        DiskStore(tmp_path / "link", DIGEST, 1 << 20)
+    assert list(real.iterdir()) == []
+
+
+def test_disk_cache_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setattr(os, "geteuid", lambda: os.lstat(tmp_path).st_uid + 1)  # we are someone else now
+    with pytest.raises(DiskStoreError, match="belongs to uid"):
+        DiskStore(tmp_path / "cache", DIGEST, 1 << 20)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_ls_names_the_model_of_each_namespace(root):
+    DiskStore(root, DIGEST, 1 << 20, model_name="Qwen/Qwen3.5-0.8B").close()
+    DiskStore(root, OTHER_DIGEST, 1 << 20).close()
+    assert [(n.digest, n.model) for n in list_namespaces(root)] == [(DIGEST, "Qwen/Qwen3.5-0.8B"), (OTHER_DIGEST, None)]
+
+
+def test_read_only_rescan_indexes_what_the_writer_adds_and_forgets_what_it_removes(root, monkeypatch):
+    first, second = make_segment(1), make_segment(2)
+    with DiskStore(root, DIGEST, 1 << 20) as writer:
+        assert writer.put(first)
+        gone = []
+        with DiskStore(root, DIGEST, 1 << 20, on_evict=gone.append) as reader:
+            assert reader.readonly and reader.contains(first.key)
+            assert writer.put(second)
+            (root / DIGEST / f"{first.key.hex()}.seg").unlink()  # as the writer's eviction would
+            reads = []
+            original = disk_store.read_index_header
+            monkeypatch.setattr(disk_store, "read_index_header", lambda fd, name, *a: reads.append(name) or
+                                original(fd, name, *a))
+            reader.scan()
+            assert reader.get(second.key) == second and not reader.contains(first.key)
+            assert gone == [first.key]
+            reader.scan()  # unchanged files are not read again
+            assert reads == [f"{second.key.hex()}.seg"]

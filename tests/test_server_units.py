@@ -161,6 +161,9 @@ class IdleEngine:
         self.num_polls += 1
         return False
 
+    def stalled(self) -> None:
+        return None
+
     def close(self) -> None:
         pass
 

@@ -223,3 +223,24 @@ def test_a_move_in_flight_reserves_its_space_and_is_published_only_on_complete()
     assert bank.allocator.num_free == 0 and bank.prepare_copy_in(kv, [0]) is None
     pages = moving.complete()
     assert torch.equal(bank.k[:, pages], kv.k[:, [1, 3]])
+
+
+def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes_it(tmp_path, cold):
+    with tiered(tmp_path) as first:
+        run(first, CONVERSATION)
+    with tiered(tmp_path) as second:
+        engine = second.engine
+        prompt = CONVERSATION[:300] + [4, 4]  # resumes from disk; its branch snapshot at 300 splits a disk node
+        request_id = engine.add_request(prompt, G)
+        engine.step()
+        assert engine._seqs[request_id].cache.resume_tier == "disk"
+        for path in _segment_files(tmp_path):  # gone before the write-through rewrites the split node
+            path.unlink()
+        finished = [o for _ in range(50) for o in engine.step() if o.finished]
+        (out,) = finished
+        same_as_cold(cold, out, prompt)
+        assert engine.cache.tiers.disk.counters["write_unreadable"] >= 1
+        engine.check_integrity()
+        again = run(second, prompt)  # the KV prefix under its snapshots is gone: cold, and the same
+        assert again.cache.miss_reason == "corrupt"
+        same_as_cold(cold, again, prompt)

@@ -1,17 +1,21 @@
 """The disk tier's on-disk namespace: names, private directories, no-follow reads, atomic writes,
 the lock, and the offline operations behind `cairn cache ls|verify|purge`.
 
-    <root>/                      0o700 when created here
+    <root>/                      0o700 when created here (its parent must exist unless create_parents);
+                                 never a symlink, and owned by the user
       <compat_digest>/           the namespace, 0o700; nothing outside it is ever written or deleted
         .lock                    flock'd by the one process that writes and evicts (0o600)
+        .model                   the name of the model the namespace belongs to (for `cairn cache ls`)
         <key hex>.seg            a complete segment file (segment.py), 0o600
         .tmp-<pid>-<16 hex>      a write in progress; a leftover one is removed at start-up
+        quarantine/              entries named like segments that are not regular files (a symlink,
+                                 a FIFO, a directory), moved aside by the lock holder, never followed
 
 Every file is opened relative to the namespace's directory fd with O_NOFOLLOW, so no symlink is
 ever followed, and only regular files with these names are ever deleted.
 
-This module is NOT the live store (disk_store.py: index, budget, eviction, pins, fault counters)
-nor the file format (segment.py).
+This module is NOT the live store (disk_store.py: index, budget, eviction, pins, fault counters),
+the offline operations behind `cairn cache` (disk_offline.py) nor the file format (segment.py).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from contextlib import suppress
 from typing import NamedTuple
 
 from cairn.cache.segment import (
-    DEFAULT_LIMITS,
     END_BYTES,
     HEADER_BYTES,
     SectionHasher,
@@ -46,6 +49,9 @@ from cairn.cache.segment import (
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
+MODEL_NAME = ".model"
+QUARANTINE_NAME = "quarantine"
+MAX_MODEL_NAME_BYTES = 4096
 SEGMENT_NAME = re.compile(r"[0-9a-f]{64}\.seg")
 TEMP_NAME = re.compile(r"\.tmp-[0-9]+-[0-9a-f]{16}")
 FILE_MODE = 0o600
@@ -182,7 +188,7 @@ def read_index_header(dir_fd: int, name: str, compat_digest: str, limits: Segmen
 
 def unlink_ours(dir_fd: int, name: str) -> bool:
     """Delete name if it is a regular file with one of our names; never a link, directory or foreign file."""
-    if not (SEGMENT_NAME.fullmatch(name) or TEMP_NAME.fullmatch(name) or name == LOCK_NAME):
+    if not (SEGMENT_NAME.fullmatch(name) or TEMP_NAME.fullmatch(name) or name in (LOCK_NAME, MODEL_NAME)):
         return False
     try:
         if not stat.S_ISREG(os.lstat(name, dir_fd=dir_fd).st_mode):
@@ -206,16 +212,40 @@ def _make_private_dir(path: str, dir_fd: int | None = None) -> None:
         os.close(fd)
 
 
-def open_namespace(root, compat_digest: str, create: bool) -> int | None:
-    """A directory fd on <root>/<compat_digest>; None if it does not exist and create is False."""
+def _check_root(root: str) -> None:
+    """Refuse a cache root that is a symlink, not a directory, or owned by another user."""
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode):
+        raise DiskStoreError(f"disk cache {root} is a symbolic link; give the directory it points to")
+    if not stat.S_ISDIR(st.st_mode):
+        raise DiskStoreError(f"disk cache {root} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise DiskStoreError(f"disk cache {root} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+
+
+def _make_root(root: str, create_parents: bool) -> None:
+    parent = os.path.dirname(root)
+    if create_parents:
+        os.makedirs(parent, DIR_MODE, exist_ok=True)
+    elif not os.path.isdir(parent):
+        raise DiskStoreError(f"disk cache {root}: the directory {parent} does not exist "
+                             "(create it, or pass --disk-cache-create-parents)")
+    _make_private_dir(root)
+
+
+def open_namespace(root, compat_digest: str, create: bool, create_parents: bool = False) -> int | None:
+    """A directory fd on <root>/<compat_digest>; None if it does not exist and create is False.
+
+    create makes the root (only its last component, unless create_parents) and the namespace.
+    Raises DiskStoreError when the root is a symlink, not a directory or another user's."""
     digest_bytes(compat_digest)  # only hex names: no path tricks
     root = os.path.abspath(os.fspath(root))
     if create:
-        os.makedirs(os.path.dirname(root), exist_ok=True)
-        _make_private_dir(root)
-    elif not os.path.isdir(root):
+        _make_root(root, create_parents)
+    elif not os.path.lexists(root):
         return None
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the root itself may be a link
+    _check_root(root)
+    root_fd = os.open(root, _OPEN_DIR)
     try:
         if create:
             _make_private_dir(compat_digest, dir_fd=root_fd)
@@ -233,6 +263,41 @@ def open_namespace(root, compat_digest: str, create: bool) -> int | None:
     if st.st_mode & 0o077:
         logger.warning("disk cache namespace %s/%s is accessible to other users", root, compat_digest)
     return fd
+
+
+def set_aside(dir_fd: int, name: str) -> bool:
+    """Move the entry `name` (a link or non-regular entry, never followed) into the quarantine
+    subdirectory, so it is not met again at every start-up. False when that failed."""
+    try:
+        _make_private_dir(QUARANTINE_NAME, dir_fd=dir_fd)
+        quarantine = os.open(QUARANTINE_NAME, _OPEN_DIR, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        os.rename(name, name, src_dir_fd=dir_fd, dst_dir_fd=quarantine)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(quarantine)
+
+
+def write_model_name(dir_fd: int, model: str) -> None:
+    """Record which model the namespace belongs to (best effort: `cairn cache ls` shows it)."""
+    with suppress(OSError, UnusableEntry):
+        if read_model_name(dir_fd) != model:
+            write_atomic(dir_fd, MODEL_NAME, [model.encode()[:MAX_MODEL_NAME_BYTES]])
+
+
+def read_model_name(dir_fd: int) -> str | None:
+    try:
+        fd, _ = open_regular(dir_fd, MODEL_NAME)
+    except (OSError, UnusableEntry):
+        return None
+    try:
+        return os.read(fd, MAX_MODEL_NAME_BYTES).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def try_lock(dir_fd: int) -> int | None:
@@ -282,90 +347,3 @@ def write_atomic(dir_fd: int, name: str, parts) -> bool:
     except OSError:
         return False
     return True
-
-
-# ---------------------------------------------------------------------------------------------- CLI
-
-
-def _namespace_names(root) -> list[str]:
-    """Names of the namespace directories under root (hex names, real directories, not links)."""
-    if not os.path.isdir(root):
-        return []
-    with os.scandir(root) as entries:
-        names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-    return sorted(n for n in names if re.fullmatch(r"(?:[0-9a-f]{2}){1,64}", n))
-
-
-def list_namespaces(root) -> list[NamespaceSummary]:
-    """Every namespace under root with its number of segment files and their bytes. Reads no file."""
-    out = []
-    for digest in _namespace_names(root):
-        fd = open_namespace(root, digest, create=False)
-        if fd is None:
-            continue
-        try:
-            stats = [os.lstat(n, dir_fd=fd) for n in os.listdir(fd) if SEGMENT_NAME.fullmatch(n)]
-        finally:
-            os.close(fd)
-        sizes = [st.st_size for st in stats if stat.S_ISREG(st.st_mode)]
-        out.append(NamespaceSummary(digest, len(sizes), sum(sizes)))
-    return out
-
-
-def verify_store(root, namespace: str | None = None,
-                 limits: SegmentLimits = DEFAULT_LIMITS) -> dict[str, VerifyResult]:
-    """{digest: VerifyResult} after reading and verifying every segment file of each namespace
-    (or only `namespace`). Modifies nothing, takes no lock; foreign names and temp files are ignored."""
-    results = {}
-    for digest in [namespace] if namespace is not None else _namespace_names(root):
-        fd = open_namespace(root, digest, create=False)
-        if fd is None:
-            continue
-        try:
-            results[digest] = _verify_namespace(fd, digest, limits)
-        finally:
-            os.close(fd)
-    return results
-
-
-def _verify_namespace(dir_fd: int, digest: str, limits: SegmentLimits) -> VerifyResult:
-    ok, bad = 0, []
-    for name in sorted(os.listdir(dir_fd)):
-        if not SEGMENT_NAME.fullmatch(name):
-            continue
-        try:
-            read_segment_file(dir_fd, name, digest, limits)
-            ok += 1
-        except (SegmentError, UnusableEntry) as e:
-            bad.append((name, e.reason))
-        except FileNotFoundError:
-            pass
-        except OSError:
-            bad.append((name, "read_failed"))
-    return VerifyResult(ok, bad)
-
-
-def purge_namespace(root, digest: str) -> int:
-    """Delete a namespace's segment and temp files, its lock, then the directory if it is empty.
-
-    Returns the number of segment and temp files removed. Raises StoreLockedError, deleting
-    nothing, while another process holds the namespace's lock. Foreign files, links and
-    subdirectories are left in place (and then so is the directory).
-    """
-    fd = open_namespace(root, digest, create=False)
-    if fd is None:
-        return 0
-    try:
-        lock_fd = try_lock(fd)
-        if lock_fd is None:
-            raise StoreLockedError(f"namespace {digest} is in use by another process")
-        try:
-            removed = sum(unlink_ours(fd, name) for name in os.listdir(fd) if name != LOCK_NAME)
-            unlink_ours(fd, LOCK_NAME)
-        finally:
-            os.close(lock_fd)
-    finally:
-        os.close(fd)
-    with suppress(OSError):
-        os.rmdir(os.path.join(os.fspath(root), digest))
-    return removed

@@ -3,8 +3,8 @@
 `DiskStore` puts and gets `Segment`s by key (LRU eviction, pins), writes atomically, indexes the
 namespace at start-up from headers only, verifies every checksum on `get`, turns every bad file into
 a counted miss, and counts every refusal in `faults` (each reason logged once). The on-disk layout,
-safe file primitives and the `cairn cache ls|verify|purge` helpers (`list_namespaces`,
-`verify_store`, `purge_namespace`, re-exported here) live in disk_namespace.py.
+safe file primitives live in disk_namespace.py, the `cairn cache ls|verify|purge` helpers
+(`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in disk_offline.py.
 
 This module is NOT the file format (segment.py), the tensor conversion, nor the tier policy (what
 to demote or prefetch, when to read): it stores and returns bytes.
@@ -17,33 +17,35 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 
 from cairn.cache.disk_namespace import (
     LOCK_NAME,
+    MODEL_NAME,
+    QUARANTINE_NAME,
     SEGMENT_NAME,
     TEMP_NAME,
     DiskStoreError,
-    NamespaceSummary,
     StoreLockedError,
     UnusableEntry,
-    VerifyResult,
-    list_namespaces,
     open_namespace,
-    purge_namespace,
     read_index_header,
     read_segment_file,
     read_segment_tokens,
     segment_file_name,
+    set_aside,
     try_lock,
     unlink_ours,
-    verify_store,
     write_atomic,
+    write_model_name,
 )
+from cairn.cache.disk_offline import NamespaceSummary, VerifyResult, list_namespaces, purge_namespace, verify_store
 from cairn.cache.segment import (
     DEFAULT_LIMITS,
     Segment,
@@ -79,6 +81,7 @@ class _Entry:
     header: SegmentHeader  # the validated header of the indexed file
     size_bytes: int  # file size
     last_used: float  # see SegmentInfo.last_used
+    mtime_ns: int = 0  # the file's mtime when scanned (0: written here); a rescan skips an unchanged file
 
 
 # ---------------------------------------------------------------------------------------------- store
@@ -96,11 +99,15 @@ class DiskStore:
       on_evict(key)  called, outside the store's locks, whenever an indexed key leaves the index
                      without the caller asking: budget eviction or a bad file found by get.
     A store that cannot take the namespace's lock is read-only: it gets and scans, never writes,
-    evicts or deletes. used_bytes <= budget_bytes always holds for the lock holder.
+    evicts, deletes or moves. used_bytes <= budget_bytes always holds for the lock holder.
+    Bad files: the lock holder deletes a corrupt segment of ours and moves an entry named like a
+    segment that is not a regular file (a link, a FIFO...) into quarantine/, so neither is met again
+    at the next start; a read-only store remembers the files it rejected and skips them on a rescan.
     """
 
     def __init__(self, root, compat_digest: str, budget_bytes: int, *, compression: str | None = None,
-                 limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None):
+                 limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None,
+                 create_parents: bool = False, model_name: str | None = None):
         if compression not in (None, "zstd", "lz4"):
             raise ValueError(f"compression must be None, 'zstd' or 'lz4', got {compression!r}")
         if budget_bytes < 0:
@@ -111,14 +118,17 @@ class DiskStore:
         self._logged: set[str] = set()  # reasons already logged once
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
+        self._rejected: dict[str, tuple[int, int]] = {}  # file name -> (inode, mtime ns) of a file found bad
         self._used_bytes = 0  # sum of indexed sizes, plus the size of a put in flight
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "evictions": 0}
         self._lock = threading.RLock()  # guards everything above
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
-        self._dir_fd = open_namespace(self.root, compat_digest, create=True)
+        self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
         self._lock_fd = None
         try:
             self._lock_fd = self._take_lock()
+            if model_name is not None and not self.readonly:
+                write_model_name(self._dir_fd, model_name)
             self.scan()
         except BaseException:
             self.close()
@@ -174,13 +184,14 @@ class DiskStore:
                     if key in self._index:
                         entry.last_used = self._index[key].last_used
                 order = sorted(found.values(), key=lambda e: (e.last_used, rank.get(e.header.key, -1), e.header.key))
+                vanished = [key for key in self._index if key not in found]  # another process removed them
                 self._index = OrderedDict((e.header.key, e) for e in order)
                 self._used_bytes = sum(e.size_bytes for e in order)
                 evicted = [] if self.readonly else self._evict(self._plan_eviction(0, None) or [])
-        self._notify(evicted)
+        self._notify(vanished + evicted)
 
     def _scan_one(self, name: str) -> _Entry | None:
-        if name == LOCK_NAME:
+        if name in (LOCK_NAME, MODEL_NAME, QUARANTINE_NAME) or self._is_rejected(name):
             return None
         if TEMP_NAME.fullmatch(name):
             if not self.readonly and unlink_ours(self._dir_fd, name):
@@ -189,12 +200,17 @@ class DiskStore:
         if not SEGMENT_NAME.fullmatch(name):
             self._fault("foreign_name", name)
             return None
+        if (known := self._unchanged(name)) is not None:
+            return known
         try:
             header, st = read_index_header(self._dir_fd, name, self.compat_digest, self.limits)
         except UnusableEntry as e:
             self._fault(e.reason, name)
+            self._remember_rejected(name)
+            self._set_aside(name)
         except SegmentError as e:
             self._fault(e.reason, f"{name}: {e}")
+            self._remember_rejected(name)
             if not self.readonly:
                 unlink_ours(self._dir_fd, name)
         except FileNotFoundError:
@@ -202,8 +218,41 @@ class DiskStore:
         except OSError as e:
             self._fault("read_failed", f"{name}: {e}")
         else:
-            return _Entry(header, st.st_size, st.st_mtime)
+            return _Entry(header, st.st_size, st.st_mtime, st.st_mtime_ns)
         return None
+
+    def _unchanged(self, name: str) -> _Entry | None:
+        """The indexed entry of `name` when its file is the one indexed (same size and mtime): a rescan
+        does not read it again."""
+        entry = self._index.get(bytes.fromhex(name.removesuffix(".seg")))
+        if entry is None or not entry.mtime_ns:
+            return None
+        try:
+            st = os.lstat(name, dir_fd=self._dir_fd)
+        except OSError:
+            return None
+        same = stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == (entry.size_bytes, entry.mtime_ns)
+        return entry if same else None
+
+    def _is_rejected(self, name: str) -> bool:
+        """A file found bad before and unchanged since (a read-only store cannot remove it)."""
+        if name not in self._rejected:
+            return False
+        try:
+            st = os.lstat(name, dir_fd=self._dir_fd)
+        except OSError:
+            return False
+        return self._rejected[name] == (st.st_ino, st.st_mtime_ns)
+
+    def _remember_rejected(self, name: str) -> None:
+        with suppress(OSError):
+            st = os.lstat(name, dir_fd=self._dir_fd)
+            self._rejected[name] = (st.st_ino, st.st_mtime_ns)
+
+    def _set_aside(self, name: str) -> None:
+        """The lock holder moves a non-regular entry into quarantine/ (counted when that fails)."""
+        if not self.readonly and not set_aside(self._dir_fd, name):
+            self._fault("quarantine_failed", name)
 
     # ------------------------------------------------------------------------------------ reads
 
@@ -218,7 +267,8 @@ class DiskStore:
         try:
             segment = read_segment_file(self._dir_fd, name, self.compat_digest, self.limits)
         except (SegmentError, UnusableEntry) as e:
-            self._reject(key, e.reason, str(e), delete=isinstance(e, SegmentError))
+            corrupt = isinstance(e, SegmentError)  # our file, damaged: delete it; else not a file: move it
+            self._reject(key, e.reason, str(e), delete=corrupt, set_aside=not corrupt)
             return None
         except FileNotFoundError:
             self._reject(key, "missing", name, delete=False)
@@ -242,22 +292,28 @@ class DiskStore:
         try:
             return read_segment_tokens(self._dir_fd, name, self.compat_digest, self.limits)
         except (SegmentError, UnusableEntry) as e:
-            self._reject(key, e.reason, str(e), delete=isinstance(e, SegmentError))
+            corrupt = isinstance(e, SegmentError)  # our file, damaged: delete it; else not a file: move it
+            self._reject(key, e.reason, str(e), delete=corrupt, set_aside=not corrupt)
         except FileNotFoundError:
             self._reject(key, "missing", name, delete=False)
         except OSError as e:
             self._reject(key, "read_failed", str(e), delete=False)
         return None
 
-    def _reject(self, key: bytes, reason: str, detail: str, delete: bool) -> None:
-        """Count a bad or vanished file, drop it from the index, and delete it when it is ours."""
+    def _reject(self, key: bytes, reason: str, detail: str, delete: bool, set_aside: bool = False) -> None:
+        """Count a bad or vanished file, drop it from the index, and delete it (or move it aside) when it
+        is ours; a read-only store remembers it so that a rescan does not index it again."""
         self._fault(reason, detail)
+        name = segment_file_name(key)
         with self._lock:
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._used_bytes -= entry.size_bytes
+        self._remember_rejected(name)
         if delete and not self.readonly:
-            unlink_ours(self._dir_fd, segment_file_name(key))
+            unlink_ours(self._dir_fd, name)
+        elif set_aside:
+            self._set_aside(name)
         self._notify([key] if entry is not None else [])
 
     def _touch(self, key: bytes) -> None:

@@ -88,14 +88,19 @@ class DiskTier:
     def persist(self, path: list[Node], kv_pages: callable, snapshot_of: callable) -> int:
         """Write every node of `path` (root to node, in order) that has no disk copy; returns segments written.
 
-        kv_pages(node) -> (k, v) tensors of the node's pages; snapshot_of(node) -> (conv, recurrent, logits)
-        or None. Stops at the first failed write (a later node would be unreachable without it).
+        kv_pages(node) -> (k, v) tensors of the node's pages, or None when they cannot be read (a bad
+        segment, which the store then reports); snapshot_of(node) -> (conv, recurrent, logits) or None.
+        Stops at the first failed write (a later node would be unreachable without it).
         """
         written = 0
         for node, parent_key in self._prefix_keys(path):
             if node.disk is not None and (node.snapshot is None or node.snapshot.handle.disk is not None):
                 continue
-            segment = self._segment(node, parent_key, kv_pages(node), snapshot_of(node))
+            kv = kv_pages(node)
+            if kv is None:
+                self.counters["write_unreadable"] += 1
+                return written
+            segment = self._segment(node, parent_key, kv, snapshot_of(node))
             if not self.store.put(segment):
                 self.counters["write_failed"] += 1
                 return written

@@ -36,7 +36,8 @@ def placement_options(opts: CacheOptions, page_size: int) -> PlacementOptions:
 
 
 def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv: KVPool,
-                states: StatePool) -> PrefixCache:
+                states: StatePool, model_name: str | None = None) -> PrefixCache:
+    """Raises DiskStoreError (a one-line message) when the disk cache directory cannot be used."""
     if not opts.prefix_cache or not cfg.linear_layers:
         return NullCache()
     device = states.conv.device
@@ -49,7 +50,8 @@ def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv
     if opts.disk_cache:
         digest = compat_digest(weights_digest(model), cfg, kv.k.dtype, kv.page_size)
         store = DiskStore(opts.disk_cache, digest, opts.disk_cache_bytes,
-                          compression=None if opts.disk_compression == "none" else opts.disk_compression)
+                          compression=None if opts.disk_compression == "none" else opts.disk_compression,
+                          create_parents=opts.disk_cache_create_parents, model_name=model_name)
         disk = DiskTier(store, kv.page_size, opts.disk_write_through)
         log.info("disk cache: %s/%s (%.1f GiB budget%s)", opts.disk_cache, digest[:16], opts.disk_cache_gib,
                  ", read-only: another server manages it" if store.readonly else "")

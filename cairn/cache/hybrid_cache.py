@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cairn.cache.base import PrefixCache
+from cairn.cache.disk_index import DiskIndex
 from cairn.cache.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.planner import Candidate, Plan, plan
 from cairn.cache.radix_types import LockHandle, MatchResult, Node, SnapshotEntry, page_indices
@@ -40,6 +41,7 @@ from cairn.memory.state_pool import StatePool
 from cairn.sequence import Sequence
 
 log = logging.getLogger(__name__)
+MAX_PLANS = 16  # plans per admission; each failed one marks at least one disk segment bad
 
 
 @dataclass
@@ -66,10 +68,15 @@ class HybridPrefixCache(PrefixCache):
         self.taken_by_source: Counter[str] = Counter()
         self.restored_by_tier: Counter[str] = Counter()
         self.dropped_by_reason: Counter[str] = Counter()
-        self._stale_disk_keys: list[bytes] = []
+        self.disk: DiskIndex | None = None
         if tiers.disk is not None:
-            tiers.disk.store.on_evict = self._stale_disk_keys.append
-            self._index_disk()
+            self.disk = DiskIndex(self.tree, tiers.disk, tiers.device.snapshot_bytes,
+                                  lambda has_logits, key: TieredSnapshot(has_logits, disk=key))
+            found = self.disk.index()
+            log.info("disk cache: indexed %d segments, %d snapshots", len(tiers.disk.store), found)
+            if tiers.disk.store.readonly:
+                log.info("disk cache is read-only here: segments its writer adds are picked up by a rescan "
+                         "when a prompt misses, at most every %g s", self.disk.rescan_interval_s)
 
     # ---- admission --------------------------------------------------------------------------------
 
@@ -80,8 +87,8 @@ class HybridPrefixCache(PrefixCache):
             seq.cache.miss_reason = "opted_out"
             return True
         state = _RequestState(places={})
-        for _ in range(3):  # a disk copy found corrupt while loading is dropped, then we plan again
-            match = self.tree.match(seq.token_ids)
+        for _ in range(MAX_PLANS):  # a copy found unreadable is marked bad (never planned again): plan again
+            match = self._match(seq)
             chosen = self._plan(match, seq.num_tokens)
             if chosen.position == 0:
                 break
@@ -102,26 +109,41 @@ class HybridPrefixCache(PrefixCache):
         seq.cache_state = state
         return True
 
+    def _match(self, seq: Sequence) -> MatchResult:
+        """The tree's match, after a rescan of a read-only disk store when the prompt is not all cached."""
+        match = self.tree.match(seq.token_ids)
+        if self.disk is not None and match.match_len < seq.num_tokens and self.disk.rescan():
+            match = self.tree.match(seq.token_ids)
+        return match
+
     def _plan(self, match: MatchResult, prompt_len: int) -> Plan:
-        """The planner's choice among the usable snapshots on the matched path."""
+        """The planner's choice among the usable snapshots on the matched path (a copy in a disk segment
+        marked bad is not usable; KV only there ends the usable path)."""
         candidates, load = [], {"device": 0, "host": 0, "disk": 0}
         page_bytes = self.kv.bytes_per_page
         for node in match.path:
-            if node.end > match.match_len:
+            kv_tiers = self._usable_tiers(node.kv_tiers(), node.disk.key if node.disk else None)
+            if node.end > match.match_len or not kv_tiers:
                 break
-            tier = node.kv_tiers()[0]
-            if tier != "device":
-                load[tier] += page_bytes * len(page_indices(node.start, node.end, self.page_size))
+            if kv_tiers[0] != "device":
+                load[kv_tiers[0]] += page_bytes * len(page_indices(node.start, node.end, self.page_size))
             entry = node.snapshot
             if entry is None or (node.end == prompt_len and not entry.has_logits):
                 continue
             handle: TieredSnapshot = entry.handle
-            snap_tier = handle.tiers()[0]
+            snap_tiers = self._usable_tiers(handle.tiers(), handle.disk)
+            if not snap_tiers:
+                continue
             cost = dict(load)
-            cost[snap_tier] += entry.nbytes
-            candidates.append(Candidate(node.end, snap_tier, cost, entry.source))
+            cost[snap_tiers[0]] += entry.nbytes
+            candidates.append(Candidate(node.end, snap_tiers[0], cost, entry.source))
         unusable = {match.match_len: match.miss_reason} if match.miss_reason else {}
         return plan(candidates, prompt_len, self.speeds.snapshot(), unusable)
+
+    def _usable_tiers(self, tiers: tuple[str, ...], disk_key: bytes | None) -> tuple[str, ...]:
+        if "disk" in tiers and not self.disk.usable(disk_key):
+            return tuple(t for t in tiers if t != "disk")
+        return tiers
 
     @staticmethod
     def _miss_reason(match: MatchResult, chosen: Plan) -> str | None:
@@ -133,25 +155,25 @@ class HybridPrefixCache(PrefixCache):
         return match.miss_reason if match.match_len > chosen.position else None
 
     def _resume(self, seq: Sequence, match: MatchResult, chosen: Plan, state: _RequestState) -> str:
-        """Load KV [0, p) and the snapshot at p into seq. "ok", "wait" (no pages now) or "corrupt"."""
+        """Load KV [0, p) and the snapshot at p into seq. "ok", "wait" (no pages now) or "corrupt" (a disk
+        copy was unreadable: it is marked bad). On any outcome but "ok", or an exception, seq holds nothing."""
         p = chosen.position
         started = time.perf_counter()
         lock = self.tree.lock(match)
         table, copies = self._page_plan(match, p)
-        if not self._alloc_copies(table, copies):
+        try:
+            if not self._alloc_copies(table, copies):
+                self.tree.unlock(lock)
+                return "wait"
+        except BaseException:
             self.tree.unlock(lock)
-            return "wait"
-        segments: dict = {}
-        for index, (node, i) in copies:
-            if node.pages is not None:
-                self.kv.copy_page(node.pages[i], table[index])
-                continue
-            page = self.tiers.page_copy(node, i, segments)
-            if page is None:
-                return self._abandon(table, lock)
-            self.kv.k[:, table[index]], self.kv.v[:, table[index]] = page
-        resume = next(n for n in match.path if n.end == p)
-        logits = self.tiers.restore_snapshot(resume.snapshot.handle, chosen.snapshot_tier, self.states, seq.state_slot)
+            raise
+        try:
+            resume = next(n for n in match.path if n.end == p)
+            logits = self._load(seq, table, copies, resume.snapshot.handle, chosen.snapshot_tier)
+        except BaseException:
+            self._abandon(table, lock)
+            raise
         if logits is False:
             return self._abandon(table, lock)
         state.lock = lock
@@ -161,6 +183,24 @@ class HybridPrefixCache(PrefixCache):
             seq.ready_logits = logits
         self._report_resume(seq, p, chosen, resume.snapshot.source, time.perf_counter() - started)
         return "ok"
+
+    def _load(self, seq: Sequence, table: list[int], copies: list, handle: TieredSnapshot, tier: str):
+        """Copy the pages listed in `copies` and the snapshot into seq's pages and slot; returns the
+        snapshot's logits (or None), or False when a disk segment was unreadable (marked bad)."""
+        segments: dict = {}
+        for index, (node, i) in copies:
+            if node.pages is not None:
+                self.kv.copy_page(node.pages[i], table[index])
+                continue
+            page = self.tiers.page_copy(node, i, segments)
+            if page is None:
+                self.disk.mark_bad(node.disk.key)
+                return False
+            self.kv.k[:, table[index]], self.kv.v[:, table[index]] = page
+        logits = self.tiers.restore_snapshot(handle, tier, self.states, seq.state_slot)
+        if logits is False:
+            self.disk.mark_bad(handle.disk)
+        return logits
 
     def _page_plan(self, match: MatchResult, p: int) -> tuple[list[int | None], list[tuple[int, tuple[Node, int]]]]:
         """The request's page table for [0, p): shared device pages, and None where a copy is needed."""
@@ -279,21 +319,26 @@ class HybridPrefixCache(PrefixCache):
     # ---- release and eviction ---------------------------------------------------------------------
 
     def release(self, seq: Sequence, finished: bool) -> None:
+        """Snapshot the end of a finished request and write it through to disk; whatever fails on the way,
+        the request's captures and lock are let go and seq.cache_state is cleared."""
         state: _RequestState | None = seq.cache_state
         if state is None:
             return
-        for handle in state.captures.values():  # reserved for a step that never completed
-            self.tiers.release(handle)
-        if finished and seq.num_computed > 0 and request_end_allowed(seq.num_computed, self.placement):
-            self._take(seq, state, "request_end", None)
-        if finished and self.tiers.disk is not None and self.tiers.disk.write_through and state.taken:
-            tokens = seq.token_ids[: max(state.taken)]
-            node = self.tree.insert(tokens, seq.page_table)
-            self.tiers.persist_path(node)
-        if state.lock is not None:
-            self.tree.unlock(state.lock)
-        seq.cache_state = None
-        self._forget_stale_disk_keys()
+        try:
+            for handle in state.captures.values():  # reserved for a step that never completed
+                self.tiers.release(handle)
+            state.captures.clear()
+            if finished and seq.num_computed > 0 and request_end_allowed(seq.num_computed, self.placement):
+                self._take(seq, state, "request_end", None)
+            if finished and self.tiers.disk is not None and self.tiers.disk.write_through and state.taken:
+                tokens = seq.token_ids[: max(state.taken)]
+                node = self.tree.insert(tokens, seq.page_table)
+                self.tiers.persist_path(node)
+        finally:
+            seq.cache_state = None
+            if state.lock is not None:
+                self.tree.unlock(state.lock)
+            self._forget_stale_disk_keys()
 
     def evict_pages(self, num_pages: int) -> int:
         freed = self.tiers.free_device_pages(num_pages)
@@ -309,34 +354,18 @@ class HybridPrefixCache(PrefixCache):
 
     # ---- disk -------------------------------------------------------------------------------------
 
-    def _index_disk(self) -> None:
-        """Rebuild the tree from the disk store's segments (start-up): KV and snapshots on disk only."""
-        disk, found = self.tiers.disk, 0
-        for path, start, ref, has_snapshot, has_logits in disk.stored_paths():
-            node = self.tree.insert_from_disk(path, start, ref)
-            if has_snapshot:
-                handle = TieredSnapshot(has_logits, disk=ref.key)
-                nbytes = self.tiers.device.snapshot_bytes(has_logits)
-                self.tree.put_snapshot(node, SnapshotEntry(nbytes, "disk", has_logits, handle))
-                found += 1
-        log.info("disk cache: indexed %d segments, %d snapshots", len(disk.store), found)
-
     def _forget_stale_disk_keys(self) -> None:
-        """Drop the tree's references to disk segments the store evicted or found corrupt."""
-        while self._stale_disk_keys:
-            key = self._stale_disk_keys.pop()
-            for node in self.tree.nodes_on_disk(key):
-                if node.snapshot is not None and node.snapshot.handle.disk == key:
-                    node.snapshot.handle.disk = None
-                    if not node.snapshot.handle.tiers() and node.snapshot.lock_count == 0:
-                        self.tree.remove_snapshot(node, "disk_evicted")
-                if node.lock_count == 0 and node.parent is not None:
-                    self.tree.drop_kv(node, "disk")
+        """Drop the tree's references to disk segments the store evicted or that were found bad."""
+        if self.disk is not None:
+            self.disk.forget()
 
     # ---- reporting --------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()
+        for position, entry, _ in self.tree.iter_snapshots():
+            if not entry.handle.tiers():
+                raise AssertionError(f"the snapshot at {position} has no copy on any tier")
         for tier in (self.tiers.device, self.tiers.host):
             if tier is None:
                 continue
@@ -375,4 +404,5 @@ class HybridPrefixCache(PrefixCache):
             out["disk_used_bytes"] = store.used_bytes
             out["num_disk_segments"] = len(store)
             out["disk_faults{reason}"] = dict(store.faults)
+            out["disk_segments_forgotten{reason}"] = dict(self.disk.forgotten)
         return out

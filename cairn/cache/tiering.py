@@ -113,13 +113,12 @@ class TierSet:
 
     def restore_snapshot(self, handle: TieredSnapshot, tier: str, states: StatePool, slot: int):
         """Copy the snapshot's `tier` copy into states[slot]; returns its logits (or None), or False when
-        the disk copy turned out unreadable (then the handle no longer claims it)."""
+        the disk copy turned out unreadable (the caller marks the segment bad)."""
         if tier in ("device", "host"):
             return getattr(self, tier).restore(getattr(handle, tier), states, slot)
         segment = self.disk.read(handle.disk)
         snap = None if segment is None else self.disk.snapshot_of(segment)
         if snap is None:
-            handle.disk = None
             return False
         states.conv[:, slot] = snap.conv.to(states.conv.device, states.conv.dtype)
         states.recurrent[:, slot] = snap.recurrent.to(states.recurrent.device)
@@ -186,15 +185,16 @@ class TierSet:
         if self.disk is not None and node is not self.tree.root:
             self._persist(node)
 
-    def _node_kv(self, node: Node) -> tuple[torch.Tensor, torch.Tensor]:
+    def _node_kv(self, node: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k, v) of node's pages from its fastest copy; None when that is a disk segment found unreadable."""
         if node.pages is not None:
             index = torch.tensor(node.pages, device=self.kv.k.device)
             return self.kv.k[:, index], self.kv.v[:, index]
         if node.host_pages is not None:
             index = torch.tensor(node.host_pages)
             return self.host_kv.k[:, index], self.host_kv.v[:, index]
-        segment = self.disk.read(node.disk.key)
-        return self.disk.kv_of(segment)  # pragma: no cover (a node on disk is not rewritten)
+        segment = self.disk.read(node.disk.key)  # rewriting a segment to add the snapshot it lacks
+        return None if segment is None else self.disk.kv_of(segment)
 
     def _node_snapshot(self, node: Node):
         if node.snapshot is None:

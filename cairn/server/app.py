@@ -3,7 +3,7 @@
     POST /v1/chat/completions   chat, whole or streamed (SSE)
     POST /v1/completions        text or token-id prompt, whole or streamed (SSE)
     GET  /v1/models             the served model; GET /v1/models/{name} one model or 404
-    GET  /health                200 while the engine thread is alive, else 503
+    GET  /health                200 while the engine can make progress, else 503 (bridge.unhealthy)
     GET  /metrics               Prometheus text (this app's own registry; see `metrics`)
 
 `create_app(engine, options)` takes an already built Engine and starts no thread itself: the
@@ -103,9 +103,10 @@ def add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if ctx.bridge.alive:
+        reason = ctx.bridge.unhealthy()
+        if reason is None:
             return JSONResponse({"status": "ok"})
-        return error_response(APIError(503, "The engine thread is not running.", "server_error", code="unhealthy"))
+        return error_response(APIError(503, reason, "server_error", code="unhealthy"))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -9,8 +9,9 @@ The engine thread blocks on the command queue while the engine has nothing to do
 and between steps runs every queued command (add, abort, stats...). A request's outputs arrive on
 its `RequestStream` in order; the stream ends after the finished output, or raises EngineFailure
 (engine.step() raised while the request was running) or ServerShuttingDown (aborted by a drain or
-stop). An exception in step() fails the requests the engine was running (all in-flight ones if none
-was running yet, so a failure always makes progress) and the thread keeps serving.
+stop). An exception in step() fails the requests that step touched (StepFailed names them; the engine
+has freed their memory) and the thread keeps serving. `unhealthy()` says why the engine cannot make
+progress (thread dead, steps failing in a row, every slot held while nothing runs): /health's 503.
 
 What this is not: it knows nothing of HTTP, JSON or metrics.
 """
@@ -29,13 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from cairn.engine import Engine
+from cairn.engine import Engine, StepFailed
 from cairn.outputs import RequestOutput
 from cairn.sampling import SamplingParams
 from cairn.server.errors import EngineFailure, ServerShuttingDown
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+UNHEALTHY_AFTER_FAILED_STEPS = 3  # /health says 503 after this many engine steps failed in a row
 Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
 
@@ -104,6 +106,8 @@ class EngineBridge:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.num_step_failures = 0  # engine.step() exceptions survived
+        self.num_failed_steps_in_row = 0  # since the last step that succeeded
+        self.stalled: str | None = None  # engine.stalled() as of the last step or command
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="cairn-engine", daemon=True)
         # The fields below are touched only by the engine thread.
@@ -120,6 +124,17 @@ class EngineBridge:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def unhealthy(self) -> str | None:
+        """Why the engine cannot make progress (None when it can): its thread is dead, its last steps all
+        failed, or every working slot is held while nothing runs. Clears as soon as it can again."""
+        if not self.alive:
+            return "The engine thread is not running."
+        if self.num_failed_steps_in_row >= UNHEALTHY_AFTER_FAILED_STEPS:
+            return f"The last {self.num_failed_steps_in_row} engine steps failed."
+        if self.stalled is not None:
+            return f"The engine cannot admit requests: {self.stalled}."
+        return None
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new requests from now on (ServerShuttingDown); abort those still running after timeout_s."""
@@ -199,6 +214,7 @@ class EngineBridge:
             while not self._stopping:
                 self._run_commands(block=not self.engine.has_unfinished())
                 self._abort_if_past_deadline()
+                self.stalled = self.engine.stalled()
                 if self._stopping or not self.engine.has_unfinished():
                     continue
                 self._step()
@@ -237,12 +253,19 @@ class EngineBridge:
             outputs = self.engine.step()
         except Exception as e:
             self.num_step_failures += 1
+            self.num_failed_steps_in_row += 1
             log.exception("engine.step() failed; failing the requests it was running and continuing")
             self._fail_after_step_error(e)
             return
+        self.num_failed_steps_in_row = 0
         self._deliver(outputs)
 
     def _fail_after_step_error(self, e: Exception) -> None:
+        if isinstance(e, StepFailed):  # the engine freed the requests the step touched: fail those alone
+            failure = EngineFailure(f"The engine failed while running this request: {e}")
+            for request_id in e.request_ids:
+                self._abort(request_id, failure)
+            return
         failure = EngineFailure(f"The engine failed while running this request: {type(e).__name__}: {e}")
         request_ids = self.engine.running_request_ids() or list(self._sinks)
         for request_id in request_ids:

@@ -1,0 +1,115 @@
+"""DiskIndex: the radix tree's record of the disk store's segments, kept in step with the store.
+
+    index()        hang every stored segment whose prefix chain is complete on the tree (start-up, and
+                   after a rescan): nodes whose KV is on disk, snapshots whose copy is on disk
+    mark_bad(key)  the cache found this segment unreadable (missing, truncated, bit-flipped, a link...)
+    forget()       drop the tree's references to segments that left the store (budget eviction, a bad
+                   file the store found, a key marked bad); a node or snapshot still locked by a running
+                   request keeps its record until a later forget(), and `usable` says not to resume
+                   through it meanwhile
+    rescan()       a read-only store (another server writes the namespace) is rescanned when a prompt
+                   misses, at most every `rescan_interval_s`, so segments the writer adds later are
+                   resumable here too
+
+Every segment forgotten is counted by reason in `forgotten` (exported as a metric). What this is not:
+the store (disk_store.py), the segment format, or the tier moves (tiering.py); it moves no bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from cairn.cache.disk_tier import DiskTier
+from cairn.cache.radix_types import Node, SnapshotEntry
+from cairn.cache.tiered_tree import TieredRadixTree
+
+log = logging.getLogger(__name__)
+
+EVICTED = "disk_evicted"  # the store let the segment go (budget, or a bad file it found itself)
+UNREADABLE = "disk_unreadable"  # the cache could not read a segment it planned to resume from
+RESCAN_INTERVAL_S = 2.0  # a read-only store rescans its directory at most this often, on a miss
+
+
+class DiskIndex:
+    def __init__(self, tree: TieredRadixTree, disk: DiskTier, snapshot_bytes: Callable[[bool], int],
+                 make_handle: Callable[[bool, bytes], object], rescan_interval_s: float = RESCAN_INTERVAL_S):
+        self.tree, self.disk = tree, disk
+        self._snapshot_bytes, self._make_handle = snapshot_bytes, make_handle
+        self.rescan_interval_s = rescan_interval_s
+        self.forgotten: Counter[str] = Counter()  # segments whose references were dropped, by reason
+        self._gone: dict[bytes, str] = {}  # key -> reason: references to drop at the next forget()
+        self._last_scan_s = time.monotonic()
+        disk.store.on_evict = lambda key: self._gone.setdefault(key, EVICTED)
+
+    # ---- start-up and rescans -------------------------------------------------------------------
+
+    def index(self) -> int:
+        """Hang the store's segments on the tree (idempotent); returns the snapshots newly hung."""
+        found = 0
+        for path, start, ref, has_snapshot, has_logits in self.disk.stored_paths():
+            node = self.tree.insert_from_disk(path, start, ref)
+            if has_snapshot:
+                found += self._hang_snapshot(node, ref.key, has_logits)
+        return found
+
+    def _hang_snapshot(self, node: Node, key: bytes, has_logits: bool) -> int:
+        if node.snapshot is not None:  # already held (on the device, say): record the disk copy too
+            if node.snapshot.handle.disk is None and node.snapshot.has_logits == has_logits:
+                node.snapshot.handle.disk = key
+            return 0
+        entry = SnapshotEntry(self._snapshot_bytes(has_logits), "disk", has_logits,
+                              self._make_handle(has_logits, key))
+        return int(self.tree.put_snapshot(node, entry))
+
+    def rescan(self) -> bool:
+        """Re-read a read-only store's directory if the interval has passed; True when it hung new snapshots
+        or segments on the tree (then match again)."""
+        store = self.disk.store
+        if not store.readonly or time.monotonic() - self._last_scan_s < self.rescan_interval_s:
+            return False
+        self._last_scan_s = time.monotonic()
+        before = set(store.keys())
+        store.scan()
+        self.forget()
+        if set(store.keys()) <= before:
+            return False
+        found = self.index()
+        log.info("disk cache: rescan found %d new segments, %d new snapshots", len(set(store.keys()) - before), found)
+        return True
+
+    # ---- bad and evicted segments ---------------------------------------------------------------
+
+    def mark_bad(self, key: bytes) -> None:
+        self._gone[key] = UNREADABLE
+
+    def usable(self, key: bytes | None) -> bool:
+        """The segment may be read (it is not waiting to be forgotten)."""
+        return key is not None and key not in self._gone
+
+    def forget(self) -> None:
+        """Drop the tree's references to the segments that left the store, except what is locked."""
+        if not self._gone:
+            return
+        gone, self._gone = self._gone, {}
+        for _, entry, node in list(self.tree.iter_snapshots()):
+            key = entry.handle.disk
+            if key not in gone:
+                continue
+            if entry.handle.tiers() != ("disk",):
+                entry.handle.disk = None  # faster copies remain
+            elif entry.lock_count == 0:
+                entry.handle.disk = None
+                self.tree.remove_snapshot(node, gone[key])
+            else:
+                self._gone[key] = gone[key]  # a running request holds it: forget later
+        for node in [n for n in self.tree.iter_nodes() if n.disk is not None and n.disk.key in gone]:
+            if node.parent is None:  # left the tree with an ancestor above
+                continue
+            if node.lock_count:
+                self._gone[node.disk.key] = gone[node.disk.key]
+                continue
+            self.tree.drop_kv(node, "disk")
+        self.forgotten.update(reason for key, reason in gone.items() if key not in self._gone)

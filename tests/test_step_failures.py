@@ -1,0 +1,166 @@
+"""A failure inside an engine step fails only the requests it touched, and every slot, KV page and cache
+lock they held is free again (DESIGN invariant 7); the server's health says when the engine cannot make
+progress. Failures are injected into the real engine on the demo model, with the prefix cache on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cairn.cache import hybrid_cache
+from cairn.engine import LLM, Engine, StepFailed
+from cairn.sampling import SamplingParams
+from cairn.server.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = [(5 * j + 1) % 250 for j in range(40)]
+OTHER = [(3 * j + 7) % 250 for j in range(30)]
+
+
+class Injected(RuntimeError):
+    """The failure the tests inject."""
+
+
+def make_engine() -> Engine:
+    return LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+               snapshot_interval=16).engine
+
+
+def run(engine: Engine, prompt: list[int]) -> list[int]:
+    request_id = engine.add_request(prompt, GREEDY)
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out.token_ids
+
+
+def assert_idle(engine: Engine) -> None:
+    """Nothing queued or running, every working slot free, pages and cache bookkeeping consistent."""
+    assert not engine.has_unfinished()
+    assert engine.states.num_free == engine.states.num_slots
+    engine.check_integrity()
+    assert engine.kv.allocator.num_free + len(engine.cache.page_refs()) == engine.kv.num_pages
+
+
+def fail_once(obj, name: str) -> None:
+    """Make obj.name raise Injected on its next call only."""
+    original = getattr(obj, name)
+
+    def failing(*args, **kwargs):
+        setattr(obj, name, original)
+        raise Injected(name)
+    setattr(obj, name, failing)
+
+
+@pytest.mark.parametrize("where", ["runner.run", "cache.after_step"])
+def test_failed_step_frees_every_resource_of_its_requests(where):
+    engine = make_engine()
+    expected = run(engine, PROMPT)
+    engine.cache.speeds.prefill_tokens_per_s = 1e-3  # so the planner never finds a cold prefill faster
+    first = engine.add_request(PROMPT + [9, 9], GREEDY)  # resumes from the cache: holds a lock on its path
+    second = engine.add_request(OTHER, GREEDY)
+    owner, name = where.split(".")
+    fail_once(getattr(engine, owner), name)
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert isinstance(failed.value.__cause__, Injected)
+    assert sorted(failed.value.request_ids) == sorted([first, second])
+    assert_idle(engine)
+    assert run(engine, PROMPT) == expected  # and it keeps serving, from its cache too
+
+
+def test_failed_admission_fails_only_that_request():
+    engine = make_engine()
+    run(engine, PROMPT)
+    alone = run(engine, OTHER)
+    bystander = engine.add_request(OTHER, GREEDY)
+    engine.step()  # the bystander is admitted and running
+    victim = engine.add_request(PROMPT + [4, 4], GREEDY)  # will resume from a snapshot: make that fail
+    engine.cache.speeds.prefill_tokens_per_s = 1e-3  # so the planner never finds a cold prefill faster
+    fail_once(engine.cache.tiers, "restore_snapshot")
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert failed.value.request_ids == [victim]
+    assert engine.running_request_ids() == [bystander]
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished[bystander].token_ids == alone
+    assert_idle(engine)
+
+
+def test_failure_caching_a_finished_request_still_returns_it_and_frees_it(monkeypatch):
+    engine = make_engine()
+    expected = run(engine, OTHER)
+
+    def failing(*args):
+        raise Injected("request_end_allowed")
+    monkeypatch.setattr(hybrid_cache, "request_end_allowed", failing)  # caching the request's end raises
+    assert run(engine, PROMPT[:20]) == run(make_engine(), PROMPT[:20])
+    assert_idle(engine)
+    monkeypatch.undo()
+    assert run(engine, OTHER) == expected
+
+
+def test_aborting_a_queued_request_frees_it():
+    engine = make_engine()
+    request_id = engine.add_request(PROMPT, GREEDY)
+    engine.abort(request_id)
+    assert_idle(engine)
+
+
+# ---- health -----------------------------------------------------------------------------------------
+
+def wait_for(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+async def _complete(bridge: EngineBridge, request_id: str, prompt: list[int]) -> str:
+    """'ok' when the request finished, else the name of the error its stream raised."""
+    stream = await bridge.submit(Submission(request_id, GREEDY, prompt=prompt))
+    try:
+        async for _ in stream:
+            pass
+    except Exception as e:
+        return type(e).__name__
+    return "ok"
+
+
+def test_health_is_503_after_failed_steps_in_a_row_and_200_once_a_step_succeeds():
+    engine = make_engine()
+    original = engine.runner.run
+    engine.runner.run = lambda batch: (_ for _ in ()).throw(Injected("run"))
+    bridge = EngineBridge(engine)
+    bridge.start()
+    try:
+        for i in range(UNHEALTHY_AFTER_FAILED_STEPS):
+            assert bridge.unhealthy() is None
+            assert asyncio.run(_complete(bridge, f"r{i}", PROMPT)) == "EngineFailure"
+        assert "steps failed" in bridge.unhealthy()
+        engine.runner.run = original
+        assert asyncio.run(_complete(bridge, "ok", PROMPT)) == "ok"
+        assert bridge.unhealthy() is None
+        assert asyncio.run(bridge.call(lambda e: assert_idle(e))) is None
+    finally:
+        bridge.stop(timeout_s=10)
+    assert bridge.unhealthy() == "The engine thread is not running."
+
+
+def test_health_is_503_while_every_slot_is_held_and_nothing_runs():
+    engine = make_engine()
+    bridge = EngineBridge(engine)
+    bridge.start()
+    try:
+        held = asyncio.run(bridge.call(lambda e: [e.states.alloc() for _ in range(e.states.num_free)]))
+        asyncio.run(bridge.call(lambda e: None))  # one more loop: the bridge re-reads the engine's state
+        wait_for(lambda: bridge.unhealthy() is not None)
+        assert "slot" in bridge.unhealthy()
+        asyncio.run(bridge.call(lambda e: [e.states.free(s) for s in held]))
+        wait_for(lambda: bridge.unhealthy() is None)
+    finally:
+        bridge.stop(timeout_s=10)
