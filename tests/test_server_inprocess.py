@@ -6,6 +6,7 @@ dead engine thread, and filling max_tokens up to the context.
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -110,3 +111,28 @@ def test_served_model_name_replaces_the_engine_name(engine):
     with TestClient(create_app(engine, ServerOptions(served_model_name="my-model"))) as c:
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["my-model"]
         assert c.post("/v1/chat/completions", json={**CHAT, "model": "my-model"}).json()["model"] == "my-model"
+
+
+def test_engine_thread_never_renders_or_tokenizes_a_server_request(client, engine, monkeypatch):
+    """Templating and tokenizing happen once per request, in a worker thread: a huge prompt cannot
+    stall the streams the engine thread is running."""
+    calls: list[tuple[str, str]] = []
+    tok = engine.tokenizer
+    for name in ("render_chat", "encode_with_offsets"):
+        real = getattr(tok, name)
+        monkeypatch.setattr(tok, name, lambda *a, _n=name, _f=real, **kw: calls.append(
+            (_n, threading.current_thread().name)) or _f(*a, **kw))
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert [n for n, _ in calls] == ["render_chat", "encode_with_offsets"]  # once, not twice
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 200 and len(calls) == 3
+    assert all(thread.startswith("cairn-tokenize") for _, thread in calls), calls
+
+
+def test_chat_without_max_tokens_fills_the_context_from_one_tokenization(client, engine, monkeypatch):
+    renders = []
+    real = engine.tokenizer.render_chat
+    monkeypatch.setattr(engine.tokenizer, "render_chat", lambda *a, **kw: renders.append(1) or real(*a, **kw))
+    r = client.post("/v1/chat/completions", json={k: v for k, v in CHAT.items() if k != "max_tokens"})
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == MAX_MODEL_LEN
+    assert len(renders) == 1

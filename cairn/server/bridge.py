@@ -2,8 +2,12 @@
 
 The engine is single-threaded, so exactly one thread (started here) makes every engine call:
 
+    asyncio handlers ──(tokenize_prompt in a worker thread)──> TokenizedPrompt
     asyncio handlers ──(commands: thread-safe queue.Queue)──> engine thread: run commands, step()
     asyncio handlers <──(loop.call_soon_threadsafe: per-request asyncio.Queue)── outputs of each step
+
+Nothing but the model runs long on the engine thread: a request's chat template and tokenizer run
+once, in a small pool of worker threads, before the engine thread sees the request.
 
 The engine thread blocks on the command queue while the engine has nothing to do (no busy wait),
 and between steps runs every queued command (add, abort, stats...). A request's outputs arrive on
@@ -20,22 +24,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cairn.engine import Engine
 from cairn.outputs import RequestOutput
+from cairn.prompt import TokenizedPrompt, tokenize_prompt
 from cairn.sampling import SamplingParams
 from cairn.server.errors import EngineFailure, ServerShuttingDown
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+NUM_TOKENIZER_THREADS = 2  # worker threads rendering and tokenizing prompts
 Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
 
@@ -47,6 +55,7 @@ class Submission:
     params: SamplingParams
     prompt: str | list[int] | None = None  # text or token ids
     messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the engine's chat template
+    template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     fit_max_tokens: bool = False  # params.max_tokens is a placeholder: use all the context the prompt leaves
 
 
@@ -106,6 +115,7 @@ class EngineBridge:
         self.num_step_failures = 0  # engine.step() exceptions survived
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="cairn-engine", daemon=True)
+        self._tokenizers = ThreadPoolExecutor(NUM_TOKENIZER_THREADS, thread_name_prefix="cairn-tokenize")
         # The fields below are touched only by the engine thread.
         self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
         self._draining = False  # refuse new requests
@@ -133,6 +143,7 @@ class EngineBridge:
         def end() -> None:
             self._draining = self._stopping = True
         self._commands.put(end)
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
         if self.alive:
             self._thread.join(timeout_s)
 
@@ -156,16 +167,28 @@ class EngineBridge:
         return await fut
 
     async def submit(self, sub: Submission) -> RequestStream:
-        """Add the request to the engine. Raises what add_request raises (RequestTooLarge, QueueFull,
-        SamplingError, ChatTemplateError, ValueError), or ServerShuttingDown while draining."""
+        """Tokenize the request in a worker thread, then add it to the engine. Raises what tokenizing and
+        add_request raise (RequestTooLarge, QueueFull, SamplingError, ChatTemplateError, ValueError),
+        or ServerShuttingDown while draining."""
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        prompt = await self.tokenize(sub)
         try:
-            await self.call(lambda engine: self._add(engine, sub, (loop, outputs)))
+            await self.call(lambda engine: self._add(engine, sub, prompt, (loop, outputs)))
         except asyncio.CancelledError:
             self.abort(sub.request_id)  # the add may still run after our caller went away
             raise
         return RequestStream(self, sub.request_id, outputs)
+
+    async def tokenize(self, sub: Submission) -> TokenizedPrompt:
+        """The request's prompt rendered and tokenized in a worker thread (never the engine thread)."""
+        work = functools.partial(tokenize_prompt, self.engine.tokenizer, sub.prompt, sub.messages, sub.template_kwargs)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizers, work)
+        except RuntimeError as e:  # the pool was shut down: the server is stopping
+            if "shutdown" not in str(e):
+                raise
+            raise ServerShuttingDown("The server is shutting down and takes no new requests.") from None
 
     def abort(self, request_id: str) -> None:
         """Abort a request and free its memory, unless it already finished (then nothing happens)."""
@@ -173,26 +196,14 @@ class EngineBridge:
 
     # ---- the engine thread ------------------------------------------------------------------------
 
-    def _add(self, engine: Engine, sub: Submission, sink: Sink) -> None:
+    def _add(self, engine: Engine, sub: Submission, prompt: TokenizedPrompt, sink: Sink) -> None:
         if self._draining:
             raise ServerShuttingDown("The server is shutting down and takes no new requests.")
-        prompt, params = sub.prompt, sub.params
-        if sub.fit_max_tokens:
-            prompt, params = self._fit_max_tokens(engine, sub)
-        engine.add_request(prompt, params, request_id=sub.request_id, messages=sub.messages)
+        params = sub.params
+        if sub.fit_max_tokens:  # max_tokens = the context the prompt leaves (at least 1: too long is refused)
+            params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
+        engine.add_request(prompt, params, request_id=sub.request_id)
         self._sinks[sub.request_id] = sink
-
-    @staticmethod
-    def _fit_max_tokens(engine: Engine, sub: Submission) -> tuple[str | list[int] | None, SamplingParams]:
-        """max_tokens = the context the prompt leaves (at least 1, so a too-long prompt is refused as such)."""
-        prompt = sub.prompt
-        if sub.messages is not None:
-            num_prompt_tokens = len(engine.tokenizer.encode(engine.tokenizer.render_chat(sub.messages)))
-        else:
-            prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
-            num_prompt_tokens = len(prompt)
-        max_tokens = max(1, engine.max_model_len - num_prompt_tokens)
-        return prompt, dataclasses.replace(sub.params, max_tokens=max_tokens)
 
     def _run(self) -> None:
         try:
