@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 import types
@@ -134,6 +135,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     from cairn.server.main import serve
     from cairn.server.options import ServerOptions
 
+    if ns.api_key is None and os.environ.get("CAIRN_API_KEY"):
+        ns.api_key = os.environ["CAIRN_API_KEY"]
     return serve(config_from_args(ns), build_group(ServerOptions, ns))
 
 

@@ -132,10 +132,12 @@ class EngineBridge:
         return self._thread.is_alive()
 
     def drain(self, timeout_s: float) -> None:
-        """Refuse new requests from now on (ServerShuttingDown); abort those still running after timeout_s."""
+        """Refuse new requests from now on (ServerShuttingDown); abort those still running after timeout_s
+        (or at an earlier deadline an earlier call set)."""
         def begin() -> None:
             self._draining = True
-            self._drain_deadline_s = time.monotonic() + timeout_s
+            deadline = time.monotonic() + timeout_s
+            self._drain_deadline_s = min(deadline, self._drain_deadline_s or deadline)
         self._commands.put(begin)
 
     def stop(self, timeout_s: float) -> None:
