@@ -71,7 +71,7 @@ def start(repo: Path) -> tuple[subprocess.Popen, str]:
 
 
 def stream_times(url: str, times: list[float], stop: threading.Event) -> None:
-    body = {"prompt": "a story", "max_tokens": 100000, "stream": True, "ignore_eos": True}
+    body = {"prompt": "a story", "max_tokens": 20000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -92,7 +92,10 @@ def one_round(url: str, body: bytes, kind: str, warmup_tokens: int) -> Round:
     stop = threading.Event()
     thread = threading.Thread(target=stream_times, args=(url, times, stop), daemon=True)
     thread.start()
+    deadline = time.monotonic() + 120
     while len(times) < warmup_tokens:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the stream did not start")
         time.sleep(0.01)
     before = list(times)
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
@@ -123,6 +126,7 @@ def main() -> int:
         for _ in range(ns.rounds):
             for repo, (_, url) in servers.items():
                 results[repo].append(one_round(url, body, ns.big_kind, ns.warmup_tokens))
+                print(f"{repo}: {results[repo][-1]}", file=sys.stderr, flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()

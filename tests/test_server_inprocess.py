@@ -5,6 +5,7 @@ dead engine thread, and filling max_tokens up to the context.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 
@@ -136,3 +137,24 @@ def test_chat_without_max_tokens_fills_the_context_from_one_tokenization(client,
     r = client.post("/v1/chat/completions", json={k: v for k, v in CHAT.items() if k != "max_tokens"})
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == MAX_MODEL_LEN
     assert len(renders) == 1
+
+
+def test_refusal_while_draining_logs_one_line_without_a_traceback(client, app, caplog):
+    app.state.ctx.bridge.drain(timeout_s=30)
+    with caplog.at_level(logging.INFO, logger="cairn.server.app"):
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 503
+    records = [r for r in caplog.records if r.name == "cairn.server.app"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING and records[0].exc_info is None
+
+
+def test_metrics_public_serves_metrics_without_the_key_and_nothing_else(engine):
+    with TestClient(create_app(engine, ServerOptions(api_key="k", metrics_public=True))) as c:
+        assert c.get("/metrics").status_code == 200
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_no_cors_headers_unless_origins_are_allowed(client):
+    r = client.options("/v1/chat/completions", headers={"Origin": "https://a.example",
+                                                         "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in r.headers
