@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cairn.scheduler import RequestTooLarge
 from cairn.tokenizer import Tokenizer
 
 
@@ -26,14 +27,28 @@ class TokenizedPrompt:
 
 
 def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | None = None,
-                    messages: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> TokenizedPrompt:
+                    messages: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                    max_model_len: int | None = None) -> TokenizedPrompt:
     """A text prompt, token ids, or chat messages (rendered with the template, `template_kwargs` passed
-    to it) as a TokenizedPrompt. Raises ChatTemplateError for messages the template refuses."""
+    to it) as a TokenizedPrompt. Raises ChatTemplateError for messages the template refuses, and,
+    given `max_model_len`, RequestTooLarge without encoding a text too long to fit in any case."""
     if messages is None:
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
-        return TokenizedPrompt(ids)
-    ids, starts = tokenizer.encode_chat(messages, **(template_kwargs or {}))
+        if isinstance(prompt, str):
+            _refuse_if_surely_too_long(tokenizer, prompt, max_model_len)
+            return TokenizedPrompt(tokenizer.encode(prompt))
+        return TokenizedPrompt(list(prompt or []))
+    text, char_starts = tokenizer.render_chat_with_starts(messages, **(template_kwargs or {}))
+    _refuse_if_surely_too_long(tokenizer, text, max_model_len)
+    ids, starts = tokenizer.encode_rendered(text, char_starts)
     # starts[k - 1] is where messages[k] starts (and the last one where the generation prompt starts)
     user_starts = [p for p, m in zip(starts, messages[1:], strict=False) if m.get("role") == "user"]
     return TokenizedPrompt(ids, sorted({p for p in starts if 0 < p < len(ids)}), user_starts)
+
+
+def _refuse_if_surely_too_long(tokenizer: Tokenizer, text: str, max_model_len: int | None) -> None:
+    """Encoding megabytes that cannot fit costs seconds and gigabytes of token and offset lists:
+    refuse a text with more characters than max_model_len tokens can cover."""
+    per_token = tokenizer.max_chars_per_token
+    if max_model_len is not None and per_token is not None and len(text) > max_model_len * per_token:
+        raise RequestTooLarge(f"prompt has more than {len(text) // per_token} tokens ({len(text)} characters); "
+                              f"this model's context is {max_model_len} tokens")

@@ -97,6 +97,7 @@ class Tokenizer:
 
     eos_token_ids: tuple[int, ...] = ()
     special_tokens: dict[str, int] = {}
+    max_chars_per_token: int | None = None  # no token covers more characters of input text (None: unknown)
 
     def __init__(self, template: str | None, bos_token: str | None = None, eos_token: str | None = None):
         self._template = compile_template(template) if template else None
@@ -129,9 +130,20 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], **extra) -> tuple[list[int], list[int]]:
         """Token ids of the rendered conversation (with generation prompt) and, for i = 1 .. len(messages),
-        the position of the first token at or after the character where the template starts rendering
-        messages[i] (for i = len(messages): where its loop over the messages ends, i.e. where the
-        generation prompt starts). One render, whatever the number of messages.
+        where messages[i] starts in them (for i = len(messages): where the generation prompt starts):
+        the first token at or after the character render_chat_with_starts gives."""
+        return self.encode_rendered(*self.render_chat_with_starts(messages, **extra))
+
+    def encode_rendered(self, text: str, char_starts: list[int]) -> tuple[list[int], list[int]]:
+        """Token ids of `text` and, for each character position, the first token at or after it."""
+        ids, offsets = self.encode_with_offsets(text)
+        return ids, [_token_at_or_after(offsets, c, len(ids)) for c in char_starts]
+
+    def render_chat_with_starts(self, messages: list[dict[str, Any]], **extra) -> tuple[str, list[int]]:
+        """The rendered conversation (with generation prompt) and, for i = 1 .. len(messages), the
+        character where the template starts rendering messages[i] (for i = len(messages): where its
+        loop over the messages ends, i.e. where the generation prompt starts). One render, whatever
+        the number of messages.
 
         Where the render of messages[:i] is a prefix of the whole one (ChatML and most templates) this
         is where it ends. Templates that render a message differently when it is the last one give the
@@ -140,22 +152,17 @@ class Tokenizer:
         marker = f"\x00{secrets.token_hex(8)}\x00"  # unguessable: no message can forge one
         parts = self.render_chat(messages, add_generation_prompt=True, **extra, **{MARK_VAR: marker}).split(marker)
         if len(parts) != len(messages) + 2:  # no loop over `messages` found, or it skipped some
-            return self._encode_chat_by_prefix_renders(messages, **extra)
-        full = "".join(parts)
-        ids, offsets = self.encode_with_offsets(full)
+            return self._render_chat_by_prefix_renders(messages, **extra)
         marks = list(itertools.accumulate(len(p) for p in parts))  # marks[i]: where message i starts
-        return ids, [_token_at_or_after(offsets, c, len(ids)) for c in marks[1:len(messages) + 1]]
+        return "".join(parts), marks[1:len(messages) + 1]
 
-    def _encode_chat_by_prefix_renders(self, messages: list[dict[str, Any]], **extra) -> tuple[list[int], list[int]]:
-        """encode_chat for templates the marker cannot instrument: one render per message (quadratic)."""
+    def _render_chat_by_prefix_renders(self, messages: list[dict[str, Any]], **extra) -> tuple[str, list[int]]:
+        """render_chat_with_starts for templates the marker cannot instrument: where the render of
+        messages[:i] stops agreeing with the whole one, one render per message (quadratic)."""
         log.debug("chat template has no loop over `messages`: rendering each prefix for the message starts")
         full = self.render_chat(messages, add_generation_prompt=True, **extra)
-        ids, offsets = self.encode_with_offsets(full)
-        starts = []
-        for k in range(1, len(messages) + 1):
-            prefix = self.render_chat(messages[:k], add_generation_prompt=False, **extra)
-            starts.append(_token_at_or_after(offsets, _common_prefix_len(prefix, full), len(ids)))
-        return ids, starts
+        return full, [_common_prefix_len(self.render_chat(messages[:k], add_generation_prompt=False, **extra), full)
+                      for k in range(1, len(messages) + 1)]
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -207,6 +214,7 @@ class ByteTokenizer(Tokenizer):
     def __init__(self):
         super().__init__(CHATML_TEMPLATE, eos_token="<|im_end|>")
         self.special_tokens = {tok: 256 + i for i, tok in enumerate(self.SPECIALS)}
+        self.max_chars_per_token = max(len(t) for t in self.SPECIALS)
         self.eos_token_ids = (self.special_tokens["<|im_end|>"], self.special_tokens["<|endoftext|>"])
 
     @property
@@ -260,6 +268,7 @@ class HFTokenizer(Tokenizer):
         if eos and self._tok.token_to_id(eos) is not None:
             eos_ids.add(self._tok.token_to_id(eos))
         self.eos_token_ids = tuple(sorted(eos_ids))
+        self.max_chars_per_token = _max_chars_per_token(self._tok)
 
     @property
     def vocab_size(self) -> int:
@@ -272,6 +281,20 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+
+UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})  # these merge at most ~3 characters into one
+
+
+def _max_chars_per_token(tok) -> int | None:
+    """A bound on the input characters one token covers: its longest vocabulary string (a byte-level
+    BPE spells each byte as one character), times 4 for what Unicode normalization may merge. None
+    when another normalizer (which might delete text) runs first."""
+    normalizer = tok.normalizer
+    if normalizer is not None and type(normalizer).__name__ not in UNICODE_NORMALIZERS:
+        return None
+    longest = max(len(t) for t in tok.get_vocab(with_added_tokens=True))
+    return 4 * longest if normalizer is not None else longest
 
 
 def _token_text(value) -> str | None:

@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+from cairn.prompt import tokenize_prompt
+from cairn.scheduler import RequestTooLarge
 from cairn.tokenizer import ByteTokenizer, Tokenizer, _common_prefix_len, _token_at_or_after
 
 # The shape of Qwen3's template: a system/tools header, a backwards scan for the last user query
@@ -167,3 +169,30 @@ def test_byte_tokenizer_fast_encoder_equals_the_per_character_one(seed, monkeypa
     tok = ByteTokenizer()
     assert tok.encode_with_offsets(text) == reference_byte_encode(tok, text)
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_text_too_long_for_any_context_is_refused_before_encoding(monkeypatch):
+    tok = ByteTokenizer()
+    monkeypatch.setattr(tok, "encode_with_offsets", lambda text: pytest.fail("encoded a text that cannot fit"))
+    too_long = "a" * (100 * tok.max_chars_per_token + 1)
+    for kwargs in ({"prompt": too_long}, {"messages": [{"role": "user", "content": too_long}]}):
+        with pytest.raises(RequestTooLarge, match="context is 100 tokens"):
+            tokenize_prompt(tok, max_model_len=100, **kwargs)
+
+
+def test_a_prompt_that_may_fit_is_encoded_and_checked_by_the_engine():
+    tok = ByteTokenizer()
+    text = "<|im_end|>" * 100  # 100 tokens: exactly at the character bound for 100 tokens of 10 characters
+    assert len(tokenize_prompt(tok, text, max_model_len=77).token_ids) == 100
+
+
+def test_checkpoint_tokenizer_chars_per_token_bound_holds(tmp_path):
+    from cairn.tokenizer import HFTokenizer
+    from tests.checkpoints import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path)
+    rng = random.Random(0)
+    for _ in range(20):
+        text = "".join(rng.choice(["a", "é", "😀", " ", "<|im_start|>", "<|im_end|>"]) for _ in range(50))
+        assert len(text) <= len(tok.encode(text)) * tok.max_chars_per_token

@@ -184,7 +184,8 @@ class EngineBridge:
 
     async def tokenize(self, sub: Submission) -> TokenizedPrompt:
         """The request's prompt rendered and tokenized in a worker thread (never the engine thread)."""
-        work = functools.partial(tokenize_prompt, self.engine.tokenizer, sub.prompt, sub.messages, sub.template_kwargs)
+        work = functools.partial(tokenize_prompt, self.engine.tokenizer, sub.prompt, sub.messages, sub.template_kwargs,
+                                 self.engine.max_model_len)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizers, work)
         except RuntimeError as e:  # the pool was shut down: the server is stopping
