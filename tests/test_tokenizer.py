@@ -182,7 +182,7 @@ def test_text_too_long_for_any_context_is_refused_before_encoding(monkeypatch):
 
 def test_a_prompt_that_may_fit_is_encoded_and_checked_by_the_engine():
     tok = ByteTokenizer()
-    text = "<|im_end|>" * 100  # 100 tokens: exactly at the character bound for 100 tokens of 10 characters
+    text = "<|im_end|>" * 100  # 1000 characters, within 77 tokens * 13: encoded (100 tokens)
     assert len(tokenize_prompt(tok, text, max_model_len=77).token_ids) == 100
 
 
