@@ -23,7 +23,7 @@ from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
 from cairn.model.loader import load_checkpoint
 from cairn.outputs import Detokenizer, RequestOutput
-from cairn.prompt import TokenizedPrompt, tokenize_prompt
+from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
 from cairn.sampling import SamplingParams, sample
 from cairn.scheduler import RequestTooLarge, Scheduler
@@ -113,7 +113,10 @@ class Engine:
         """Queue a request: a text prompt, token ids, chat messages, or a prompt already tokenized by
         `tokenize_prompt` (then no tokenizer work happens here). Raises on input that can never run."""
         if not isinstance(prompt, TokenizedPrompt):
-            prompt = tokenize_prompt(self.tokenizer, prompt, messages, template_kwargs)
+            try:
+                prompt = tokenize_prompt(self.tokenizer, prompt, messages, template_kwargs, self.max_model_len)
+            except PromptTooLong as e:
+                raise RequestTooLarge(str(e)) from None
         ids = prompt.token_ids
         if not ids:
             raise RequestTooLarge("the prompt is empty")

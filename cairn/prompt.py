@@ -14,8 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cairn.scheduler import RequestTooLarge
 from cairn.tokenizer import Tokenizer
+
+
+class PromptTooLong(ValueError):
+    """The prompt's text has more characters than the context's tokens could cover (found before
+    encoding it). The engine reports it as RequestTooLarge."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,8 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | None = None,
                     max_model_len: int | None = None) -> TokenizedPrompt:
     """A text prompt, token ids, or chat messages (rendered with the template, `template_kwargs` passed
     to it) as a TokenizedPrompt. Raises ChatTemplateError for messages the template refuses, and,
-    given `max_model_len`, RequestTooLarge without encoding a text too long to fit in any case."""
+    given `max_model_len`, PromptTooLong without encoding a text too long to fit in any case.
+    Imports no torch: it also runs in the server's tokenizer worker processes."""
     if messages is None:
         if isinstance(prompt, str):
             _refuse_if_surely_too_long(tokenizer, prompt, max_model_len)
@@ -50,5 +55,5 @@ def _refuse_if_surely_too_long(tokenizer: Tokenizer, text: str, max_model_len: i
     refuse a text with more characters than max_model_len tokens can cover."""
     per_token = tokenizer.max_chars_per_token
     if max_model_len is not None and per_token is not None and len(text) > max_model_len * per_token:
-        raise RequestTooLarge(f"prompt has more than {len(text) // per_token} tokens ({len(text)} characters); "
+        raise PromptTooLong(f"prompt has more than {len(text) // per_token} tokens ({len(text)} characters); "
                               f"this model's context is {max_model_len} tokens")

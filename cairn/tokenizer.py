@@ -211,6 +211,9 @@ class ByteTokenizer(Tokenizer):
 
     SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
+    def __reduce__(self):  # (pickled into the server's tokenizer worker processes)
+        return ByteTokenizer, ()
+
     def __init__(self):
         super().__init__(CHATML_TEMPLATE, eos_token="<|im_end|>")
         self.special_tokens = {tok: 256 + i for i, tok in enumerate(self.SPECIALS)}
@@ -253,6 +256,7 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: str | Path, extra_eos_ids: tuple[int, ...] = ()):
         from tokenizers import Tokenizer as FastTokenizer
 
+        self._init_args = (path, extra_eos_ids)
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path}: no tokenizer.json")
@@ -269,6 +273,9 @@ class HFTokenizer(Tokenizer):
             eos_ids.add(self._tok.token_to_id(eos))
         self.eos_token_ids = tuple(sorted(eos_ids))
         self.max_chars_per_token = _max_chars_per_token(self._tok)
+
+    def __reduce__(self):  # (pickled into the server's tokenizer worker processes)
+        return HFTokenizer, self._init_args
 
     @property
     def vocab_size(self) -> int:

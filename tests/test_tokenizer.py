@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from cairn.prompt import tokenize_prompt
-from cairn.scheduler import RequestTooLarge
+from cairn.prompt import PromptTooLong, tokenize_prompt
 from cairn.tokenizer import ByteTokenizer, Tokenizer, _common_prefix_len, _token_at_or_after
 
 # The shape of Qwen3's template: a system/tools header, a backwards scan for the last user query
@@ -176,7 +175,7 @@ def test_text_too_long_for_any_context_is_refused_before_encoding(monkeypatch):
     monkeypatch.setattr(tok, "encode_with_offsets", lambda text: pytest.fail("encoded a text that cannot fit"))
     too_long = "a" * (100 * tok.max_chars_per_token + 1)
     for kwargs in ({"prompt": too_long}, {"messages": [{"role": "user", "content": too_long}]}):
-        with pytest.raises(RequestTooLarge, match="context is 100 tokens"):
+        with pytest.raises(PromptTooLong, match="context is 100 tokens"):
             tokenize_prompt(tok, max_model_len=100, **kwargs)
 
 

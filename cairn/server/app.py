@@ -22,10 +22,12 @@ import logging
 import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
@@ -37,10 +39,12 @@ from cairn.server.errors import APIError, from_exception, from_validation_errors
 from cairn.server.generate import ServingContext
 from cairn.server.metrics import EngineStats, ServerMetrics
 from cairn.server.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, RequestId, current_request_id
+from cairn.server.offload import Offload
 from cairn.server.options import ServerOptions
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread to end
 STATS_TIMEOUT_S = 5.0  # how long /metrics waits for the engine thread between two steps
@@ -92,13 +96,33 @@ def model_card(ctx: ServingContext, created_s: int) -> dict:
             "max_model_len": ctx.max_model_len}
 
 
+async def read_body(request: Request, model: type[M], offload: Offload) -> M:
+    """The JSON body validated as `model`, raising what FastAPI would (RequestValidationError). Parsed
+    here rather than by FastAPI so that a large body is parsed by an offload worker process, not on the
+    event loop holding the interpreter lock the engine thread needs."""
+    try:
+        data = await offload.parse_json(await request.body())
+    except ValueError as e:  # json.JSONDecodeError, or a body that is not UTF-8
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)),
+                                       "msg": "JSON decode error", "ctx": {"error": getattr(e, "msg", str(e))}}]
+                                     ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
+
+
 def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    offload = ctx.bridge.offload
+
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest, offload)
         return await guarded(generate.chat_completions(ctx, body, request), "messages")
 
     @app.post("/v1/completions")
-    async def complete(body: CompletionRequest, request: Request) -> Response:
+    async def complete(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest, offload)
         return await guarded(generate.completions(ctx, body, request), "prompt")
 
 
@@ -136,7 +160,7 @@ def add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     """The app serving `engine`; its engine thread runs from lifespan startup to shutdown."""
-    bridge = EngineBridge(engine)
+    bridge = EngineBridge(engine, Offload(engine.tokenizer, engine.max_model_len))
     metrics = ServerMetrics()
     ctx = ServingContext(bridge, metrics, engine.tokenizer, options.served_model_name or engine.model_name,
                          frozenset({engine.model_name}), engine.max_model_len)

@@ -2,12 +2,12 @@
 
 The engine is single-threaded, so exactly one thread (started here) makes every engine call:
 
-    asyncio handlers ──(tokenize_prompt in a worker thread)──> TokenizedPrompt
+    asyncio handlers ──(Offload.tokenize: a worker thread or process)──> TokenizedPrompt
     asyncio handlers ──(commands: thread-safe queue.Queue)──> engine thread: run commands, step()
     asyncio handlers <──(loop.call_soon_threadsafe: per-request asyncio.Queue)── outputs of each step
 
 Nothing but the model runs long on the engine thread: a request's chat template and tokenizer run
-once, in a small pool of worker threads, before the engine thread sees the request.
+once, in a worker (see `offload`), before the engine thread sees the request.
 
 The engine thread blocks on the command queue while the engine has nothing to do (no busy wait),
 and between steps runs every queued command (add, abort, stats...). A request's outputs arrive on
@@ -24,26 +24,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cairn.engine import Engine
 from cairn.outputs import RequestOutput
-from cairn.prompt import TokenizedPrompt, tokenize_prompt
+from cairn.prompt import PromptTooLong, TokenizedPrompt
 from cairn.sampling import SamplingParams
+from cairn.scheduler import RequestTooLarge
 from cairn.server.errors import EngineFailure, ServerShuttingDown
+from cairn.server.offload import Offload
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-NUM_TOKENIZER_THREADS = 2  # worker threads rendering and tokenizing prompts
 Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
 
@@ -110,12 +109,12 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
 class EngineBridge:
     """Owns the engine thread. Every method may be called from any thread unless it says otherwise."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, offload: Offload | None = None):
         self.engine = engine
+        self.offload = offload  # where prompts are tokenized (required by submit)
         self.num_step_failures = 0  # engine.step() exceptions survived
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="cairn-engine", daemon=True)
-        self._tokenizers = ThreadPoolExecutor(NUM_TOKENIZER_THREADS, thread_name_prefix="cairn-tokenize")
         # The fields below are touched only by the engine thread.
         self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
         self._draining = False  # refuse new requests
@@ -145,7 +144,8 @@ class EngineBridge:
         def end() -> None:
             self._draining = self._stopping = True
         self._commands.put(end)
-        self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        if self.offload is not None:
+            self.offload.close()
         if self.alive:
             self._thread.join(timeout_s)
 
@@ -183,11 +183,11 @@ class EngineBridge:
         return RequestStream(self, sub.request_id, outputs)
 
     async def tokenize(self, sub: Submission) -> TokenizedPrompt:
-        """The request's prompt rendered and tokenized in a worker thread (never the engine thread)."""
-        work = functools.partial(tokenize_prompt, self.engine.tokenizer, sub.prompt, sub.messages, sub.template_kwargs,
-                                 self.engine.max_model_len)
+        """The request's prompt rendered and tokenized by the offload workers (never the engine thread)."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._tokenizers, work)
+            return await self.offload.tokenize(sub.prompt, sub.messages, sub.template_kwargs)
+        except PromptTooLong as e:
+            raise RequestTooLarge(str(e)) from None
         except RuntimeError as e:  # the pool was shut down: the server is stopping
             if "shutdown" not in str(e):
                 raise
