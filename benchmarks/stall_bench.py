@@ -16,7 +16,6 @@ round by round, so that a noisy machine affects each the same way. Asserts nothi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -80,14 +79,24 @@ def stream_times(url: str, times: list[float], stop: threading.Event) -> None:
                 return
 
 
-def big_body(mib: int, kind: str) -> bytes:
-    text = "word " * ((mib << 20) // 5)
-    if kind == "chat":
-        return json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
-    return json.dumps({"prompt": text, "max_tokens": 1}).encode()
+SEND_BIG = """
+import json, sys, time, httpx
+url, mib, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+text = "word " * ((mib << 20) // 5)
+if kind == "chat":
+    path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+else:
+    path, body = "/v1/completions", {"prompt": text, "max_tokens": 1}
+data = json.dumps(body).encode()
+t0 = time.monotonic()
+r = httpx.post(url + path, content=data, headers={"content-type": "application/json"}, timeout=600)
+print(r.status_code, time.monotonic() - t0)
+"""
 
 
-def one_round(url: str, body: bytes, kind: str, warmup_tokens: int) -> Round:
+def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
+    """The big request is sent by another process, so that building and sending it does not slow
+    down this process's reading of the stream."""
     times: list[float] = []
     stop = threading.Event()
     thread = threading.Thread(target=stream_times, args=(url, times, stop), daemon=True)
@@ -97,17 +106,18 @@ def one_round(url: str, body: bytes, kind: str, warmup_tokens: int) -> Round:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the stream did not start")
         time.sleep(0.01)
-    before = list(times)
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     t0 = time.monotonic()
-    r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=300)
+    done = subprocess.run([sys.executable, "-c", SEND_BIG, url, str(mib), kind], capture_output=True, text=True,
+                          check=True)
     t1 = time.monotonic()
+    status, big_s = done.stdout.split()
     time.sleep(0.2)  # a few more tokens: a gap that ends after the answer counts too
     stop.set()
     thread.join(30)
+    before = [t for t in times if t < t0]
     gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b >= t0 and a <= t1 + 0.1]
     normal = statistics.median(b - a for a, b in zip(before[5:], before[6:], strict=False))
-    return Round(normal, max(gaps), t1 - t0, r.status_code)
+    return Round(normal, max(gaps), float(big_s), int(status))
 
 
 def main() -> int:
@@ -119,13 +129,12 @@ def main() -> int:
     p.add_argument("--warmup-tokens", type=int, default=40)
     ns = p.parse_args()
     repos = ns.repo or [REPO_ROOT]
-    body = big_body(ns.big_mib, ns.big_kind)
     servers = {repo: start(repo) for repo in repos}
     results: dict[Path, list[Round]] = {repo: [] for repo in repos}
     try:
         for _ in range(ns.rounds):
             for repo, (_, url) in servers.items():
-                results[repo].append(one_round(url, body, ns.big_kind, ns.warmup_tokens))
+                results[repo].append(one_round(url, ns.big_mib, ns.big_kind, ns.warmup_tokens))
                 print(f"{repo}: {results[repo][-1]}", file=sys.stderr, flush=True)
     finally:
         for proc, _ in servers.values():
