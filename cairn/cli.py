@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import types
@@ -164,6 +165,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def run_serve(ns: argparse.Namespace) -> int:
     from cairn.server.options import ServerOptions
 
+    if ns.api_key is None and os.environ.get("CAIRN_API_KEY"):
+        ns.api_key = os.environ["CAIRN_API_KEY"]
     options = build_group(ServerOptions, ns)
     check_port(options.host, options.port)
     check_model(ns.model)

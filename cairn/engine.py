@@ -24,6 +24,7 @@ from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
 from cairn.model.loader import load_checkpoint
 from cairn.outputs import Detokenizer, RequestOutput
+from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
 from cairn.sampling import SamplingParams, sample
 from cairn.scheduler import RequestTooLarge, ScheduledBatch, Scheduler, SequenceFailed
@@ -116,32 +117,32 @@ class Engine:
         return f"req-{next(self._ids)}"
 
     def tokenize_chat(self, messages: list[dict[str, Any]], **template_kwargs) -> tuple[list[int], list[int]]:
+        """Token ids of the rendered chat and where each message starts (see Tokenizer.encode_chat)."""
         return self.tokenizer.encode_chat(messages, **template_kwargs)
 
-    def add_request(self, prompt: str | list[int] | None, params: SamplingParams, *, request_id: str | None = None,
-                    messages: list[dict[str, Any]] | None = None, template_kwargs: dict | None = None) -> str:
-        """Queue a request: a text prompt, token ids, or chat messages. Raises on input that can never run."""
-        message_starts: list[int] = []
-        user_starts: list[int] = []
-        if messages is not None:
-            ids, starts = self.tokenize_chat(messages, **(template_kwargs or {}))
-            message_starts = sorted({p for p in starts if 0 < p < len(ids)})
-            user_starts = [p for p, m in zip(starts, messages[1:], strict=False) if m.get("role") == "user"]
-        elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt or [])
+    def add_request(self, prompt: str | list[int] | TokenizedPrompt | None, params: SamplingParams, *,
+                    request_id: str | None = None, messages: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """Queue a request: a text prompt, token ids, chat messages, or a prompt already tokenized by
+        `tokenize_prompt` (then no tokenizer work happens here). Raises on input that can never run."""
+        if not isinstance(prompt, TokenizedPrompt):
+            try:
+                prompt = tokenize_prompt(self.tokenizer, prompt, messages, template_kwargs, self.max_model_len)
+            except PromptTooLong as e:
+                raise RequestTooLarge(str(e)) from None
+        ids = prompt.token_ids
         if not ids:
             raise RequestTooLarge("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise RequestTooLarge(f"prompt token ids must be in [0, {vocab})")
         request_id = request_id or self.new_request_id()
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seq = Sequence(request_id, ids, params, eos_token_ids=eos + params.stop_token_ids,
-                       message_starts=message_starts, user_message_starts=user_starts)
+                       message_starts=list(prompt.message_starts), user_message_starts=list(prompt.user_message_starts))
+        self.scheduler.check_fits(seq)  # before looking at every id: a huge prompt is refused at once
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestTooLarge(f"prompt token ids must be in [0, {vocab})")
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)

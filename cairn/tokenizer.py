@@ -5,18 +5,32 @@ template (tokenizer_config.json's `chat_template` or a chat_template.jinja file)
 the demo model's: one token per byte plus the ChatML special tokens. Both render chat messages with
 the template in a sandboxed Jinja environment, and both can say where each message starts in the
 token sequence (`message_starts`), which the prefix cache uses to place snapshots.
+
+Message starts cost one render: the template's loop over `messages` is instrumented (in its Jinja
+syntax tree) to print a marker variable at the start of each iteration and after the loop; a plain
+render leaves the variable undefined, which prints nothing. Everything here is safe to call from
+any thread (the server tokenizes off the engine thread), and encoding is linear in the text.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
+import operator
+import re
+import secrets
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = logging.getLogger(__name__)
+MARK_VAR = "cairn_message_mark"  # printed where each message's render starts (see encode_chat)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -43,7 +57,40 @@ def compile_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    ast = env.parse(source)
+    _mark_messages_loop(ast)
+    return env.from_string(ast)
+
+
+def _mark_messages_loop(ast: nodes.Template) -> bool:
+    """Print MARK_VAR at the start of each iteration of the first output-level `for ... in messages`
+    loop and right after it. Returns False (template unchanged) when there is no such loop."""
+    found = _find_messages_loop(ast.body)
+    if found is None:
+        return False
+    parent, i = found
+    loop = parent[i]
+    parent.insert(i + 1, nodes.Output([nodes.Name(MARK_VAR, "load", lineno=loop.lineno)], lineno=loop.lineno))
+    loop.body.insert(0, nodes.Output([nodes.Name(MARK_VAR, "load", lineno=loop.lineno)], lineno=loop.lineno))
+    return True
+
+
+def _find_messages_loop(body: list[nodes.Node]) -> tuple[list[nodes.Node], int] | None:
+    """(list holding the loop, its index), searching only statements whose output is the template's
+    own (not macros, call or filter blocks, or `{% set %}` blocks, which capture their output)."""
+    for i, node in enumerate(body):
+        if isinstance(node, nodes.For) and isinstance(node.iter, nodes.Name) and node.iter.name == "messages":
+            return body, i
+        children: list[list[nodes.Node]] = []
+        if isinstance(node, nodes.If):
+            children = [node.body, *(e.body for e in node.elif_), node.else_]
+        elif isinstance(node, (nodes.For, nodes.Scope, nodes.With, nodes.ScopedEvalContextModifier)):
+            children = [node.body, *([node.else_] if isinstance(node, nodes.For) else [])]
+        for child in children:
+            found = _find_messages_loop(child)
+            if found is not None:
+                return found
+    return None
 
 
 class Tokenizer:
@@ -51,6 +98,7 @@ class Tokenizer:
 
     eos_token_ids: tuple[int, ...] = ()
     special_tokens: dict[str, int] = {}
+    max_chars_per_token: int | None = None  # no token covers more characters of input text (None: unknown)
 
     def __init__(self, template: str | None, bos_token: str | None = None, eos_token: str | None = None):
         self._template = compile_template(template) if template else None
@@ -83,27 +131,54 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], **extra) -> tuple[list[int], list[int]]:
         """Token ids of the rendered conversation (with generation prompt) and, for i = 1 .. len(messages),
-        the token position where the render of messages[:i] stops agreeing with the whole one: where
-        messages[i] starts, and for i = len(messages) where the generation prompt starts.
+        where messages[i] starts in them (for i = len(messages): where the generation prompt starts):
+        the first token at or after the character render_chat_with_starts gives."""
+        return self.encode_rendered(*self.render_chat_with_starts(messages, **extra))
 
-        Templates that rewrite history (e.g. drop old reasoning) still give positions that a later
-        request with the same history shares.
+    def encode_rendered(self, text: str, char_starts: list[int]) -> tuple[list[int], list[int]]:
+        """Token ids of `text` and, for each character position, the first token at or after it."""
+        ids, offsets = self.encode_with_offsets(text)
+        return ids, [_token_at_or_after(offsets, c, len(ids)) for c in char_starts]
+
+    def render_chat_with_starts(self, messages: list[dict[str, Any]], **extra) -> tuple[str, list[int]]:
+        """The rendered conversation (with generation prompt) and, for i = 1 .. len(messages), the
+        character where the template starts rendering messages[i] (for i = len(messages): where its
+        loop over the messages ends, i.e. where the generation prompt starts). One render, whatever
+        the number of messages.
+
+        Where the render of messages[:i] is a prefix of the whole one (ChatML and most templates) this
+        is where it ends. Templates that render a message differently when it is the last one give the
+        start in the whole render, which a later request extending the conversation shares.
         """
+        marker = f"\x00{secrets.token_hex(8)}\x00"  # unguessable: no message can forge one
+        parts = self.render_chat(messages, add_generation_prompt=True, **extra, **{MARK_VAR: marker}).split(marker)
+        if len(parts) != len(messages) + 2:  # no loop over `messages` found, or it skipped some
+            return self._render_chat_by_prefix_renders(messages, **extra)
+        marks = list(itertools.accumulate(len(p) for p in parts))  # marks[i]: where message i starts
+        return "".join(parts), marks[1:len(messages) + 1]
+
+    def _render_chat_by_prefix_renders(self, messages: list[dict[str, Any]], **extra) -> tuple[str, list[int]]:
+        """render_chat_with_starts for templates the marker cannot instrument: where the render of
+        messages[:i] stops agreeing with the whole one, one render per message (quadratic)."""
+        log.debug("chat template has no loop over `messages`: rendering each prefix for the message starts")
         full = self.render_chat(messages, add_generation_prompt=True, **extra)
-        ids, offsets = self.encode_with_offsets(full)
-        starts = []
-        for k in range(1, len(messages) + 1):
-            prefix = self.render_chat(messages[:k], add_generation_prompt=False, **extra)
-            starts.append(_token_at_or_after(offsets, _common_prefix_len(prefix, full), len(ids)))
-        return ids, starts
+        return full, [_common_prefix_len(self.render_chat(messages[:k], add_generation_prompt=False, **extra), full)
+                      for k in range(1, len(messages) + 1)]
 
 
 def _common_prefix_len(a: str, b: str) -> int:
+    """Length of the common prefix, by bisection over slice comparisons (which run in C)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _token_at_or_after(offsets: list[int], char: int, num_tokens: int) -> int:
@@ -118,14 +193,32 @@ def _token_at_or_after(offsets: list[int], char: int, num_tokens: int) -> int:
     return lo
 
 
+_SPECIAL_RE = re.compile("<\\|(?:endoftext|im_start|im_end)\\|>")
+_CHAR_START = bytes(0 if 0x80 <= b < 0xC0 else 1 for b in range(256))  # 0 for UTF-8 continuation bytes
+ENCODE_CHUNK_CHARS = 1 << 16  # bytes are encoded this many characters at a time, so no call holds the GIL long
+
+
+def _encode_bytes(text: str, start: int, end: int, ids: list[int], offsets: list[int]) -> None:
+    """Append the UTF-8 bytes of text[start:end] to ids and, for each, the index of its character."""
+    for lo in range(start, end, ENCODE_CHUNK_CHARS):
+        data = text[lo:min(end, lo + ENCODE_CHUNK_CHARS)].encode("utf-8")
+        ids.extend(data)
+        # character index of byte j = lo - 1 + (number of character-start bytes in data[:j + 1])
+        offsets.extend(map(operator.add, itertools.accumulate(data.translate(_CHAR_START)), itertools.repeat(lo - 1)))
+
+
 class ByteTokenizer(Tokenizer):
     """The demo tokenizer: ids 0..255 are bytes, then the ChatML special tokens. Text is UTF-8."""
 
     SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
+    def __reduce__(self):  # (pickled into the server's tokenizer worker processes)
+        return ByteTokenizer, ()
+
     def __init__(self):
         super().__init__(CHATML_TEMPLATE, eos_token="<|im_end|>")
         self.special_tokens = {tok: 256 + i for i, tok in enumerate(self.SPECIALS)}
+        self.max_chars_per_token = max(len(t) for t in self.SPECIALS)
         self.eos_token_ids = (self.special_tokens["<|im_end|>"], self.special_tokens["<|endoftext|>"])
 
     @property
@@ -133,19 +226,15 @@ class ByteTokenizer(Tokenizer):
         return 256 + len(self.SPECIALS)
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        ids, offsets = [], []
-        i = 0
-        while i < len(text):
-            special = next((s for s in self.SPECIALS if text.startswith(s, i)), None)
-            if special:
-                ids.append(self.special_tokens[special])
-                offsets.append(i)
-                i += len(special)
-                continue
-            for b in text[i].encode("utf-8"):
-                ids.append(b)
-                offsets.append(i)
-            i += 1
+        ids: list[int] = []
+        offsets: list[int] = []
+        pos = 0
+        for m in _SPECIAL_RE.finditer(text):
+            _encode_bytes(text, pos, m.start(), ids, offsets)
+            ids.append(self.special_tokens[m.group()])
+            offsets.append(m.start())
+            pos = m.end()
+        _encode_bytes(text, pos, len(text), ids, offsets)
         return ids, offsets
 
     def decode(self, ids: list[int]) -> str:
@@ -168,6 +257,7 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: str | Path, extra_eos_ids: tuple[int, ...] = ()):
         from tokenizers import Tokenizer as FastTokenizer
 
+        self._init_args = (path, extra_eos_ids)
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path}: no tokenizer.json")
@@ -183,13 +273,18 @@ class HFTokenizer(Tokenizer):
         if eos and self._tok.token_to_id(eos) is not None:
             eos_ids.add(self._tok.token_to_id(eos))
         self.eos_token_ids = tuple(sorted(eos_ids))
+        self.max_chars_per_token = _max_chars_per_token(self._tok)
+
+    def __reduce__(self):  # (pickled into the server's tokenizer worker processes)
+        return HFTokenizer, self._init_args
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        enc = self._tok.encode(text, add_special_tokens=False)
+        # encode_batch releases the GIL while it works (encode does not): other threads keep running
+        enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
         return list(enc.ids), [start for start, _ in enc.offsets]
 
     def decode(self, ids: list[int]) -> str:
@@ -202,6 +297,20 @@ class HFTokenizer(Tokenizer):
 
         stream = DecodeStream(skip_special_tokens=False)
         return lambda token: stream.step(self._tok, token)
+
+
+UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})  # these merge at most ~3 characters into one
+
+
+def _max_chars_per_token(tok) -> int | None:
+    """A bound on the input characters one token covers: its longest vocabulary string (a byte-level
+    BPE spells each byte as one character), times 4 for what Unicode normalization may merge. None
+    when another normalizer (which might delete text) runs first."""
+    normalizer = tok.normalizer
+    if normalizer is not None and type(normalizer).__name__ not in UNICODE_NORMALIZERS:
+        return None
+    longest = max(len(t) for t in tok.get_vocab(with_added_tokens=True))
+    return 4 * longest if normalizer is not None else longest
 
 
 def _token_text(value) -> str | None:

@@ -5,7 +5,9 @@ dead engine thread, and filling max_tokens up to the context.
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -110,3 +112,49 @@ def test_served_model_name_replaces_the_engine_name(engine):
     with TestClient(create_app(engine, ServerOptions(served_model_name="my-model"))) as c:
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["my-model"]
         assert c.post("/v1/chat/completions", json={**CHAT, "model": "my-model"}).json()["model"] == "my-model"
+
+
+def test_engine_thread_never_renders_or_tokenizes_a_server_request(client, engine, monkeypatch):
+    """Templating and tokenizing happen once per request, in a worker thread: a huge prompt cannot
+    stall the streams the engine thread is running."""
+    calls: list[tuple[str, str]] = []
+    tok = engine.tokenizer
+    for name in ("render_chat", "encode_with_offsets"):
+        real = getattr(tok, name)
+        monkeypatch.setattr(tok, name, lambda *a, _n=name, _f=real, **kw: calls.append(
+            (_n, threading.current_thread().name)) or _f(*a, **kw))
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert [n for n, _ in calls] == ["render_chat", "encode_with_offsets"]  # once, not twice
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 200 and len(calls) == 3
+    assert all(thread.startswith("cairn-tokenize") for _, thread in calls), calls
+
+
+def test_chat_without_max_tokens_fills_the_context_from_one_tokenization(client, engine, monkeypatch):
+    renders = []
+    real = engine.tokenizer.render_chat
+    monkeypatch.setattr(engine.tokenizer, "render_chat", lambda *a, **kw: renders.append(1) or real(*a, **kw))
+    r = client.post("/v1/chat/completions", json={k: v for k, v in CHAT.items() if k != "max_tokens"})
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == MAX_MODEL_LEN
+    assert len(renders) == 1
+
+
+def test_refusal_while_draining_logs_one_line_without_a_traceback(client, app, caplog):
+    app.state.ctx.bridge.drain(timeout_s=30)
+    with caplog.at_level(logging.INFO, logger="cairn.server.app"):
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 503
+    records = [r for r in caplog.records if r.name == "cairn.server.app"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING and records[0].exc_info is None
+
+
+def test_metrics_public_serves_metrics_without_the_key_and_nothing_else(engine):
+    with TestClient(create_app(engine, ServerOptions(api_key="k", metrics_public=True))) as c:
+        assert c.get("/metrics").status_code == 200
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_no_cors_headers_unless_origins_are_allowed(client):
+    r = client.options("/v1/chat/completions", headers={"Origin": "https://a.example",
+                                                         "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in r.headers

@@ -66,3 +66,23 @@ def test_signal_mid_stream_aborts_it_and_exits_0_within_the_bound(sig):
         assert '"code":"shutting_down"' in events[-2]
     finally:
         srv.stop()
+
+
+def test_second_sigterm_aborts_at_once_and_exits_0_without_a_traceback():
+    srv = start_server("--shutdown-timeout-s", "60", "--log-level", "INFO")
+    try:
+        events: list[str] = []
+        first_event = threading.Event()
+        thread = stream_in_background(srv.base_url, events, first_event)
+        assert first_event.wait(30), srv.log()
+        srv.signal(signal.SIGTERM)
+        assert stops_accepting_within(srv.base_url, 10)
+        srv.signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log()  # far less than the 60 s the first signal allowed
+        thread.join(5)
+        assert events[-1] == "data: [DONE]" and '"code":"shutting_down"' in events[-2], events[-3:]
+        log = srv.log()
+        assert "Traceback" not in log and "CancelledError" not in log, log
+        assert "engine thread stopped" in log  # the engine (and its disk cache) was closed, not abandoned
+    finally:
+        srv.stop()

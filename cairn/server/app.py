@@ -3,8 +3,12 @@
     POST /v1/chat/completions   chat, whole or streamed (SSE)
     POST /v1/completions        text or token-id prompt, whole or streamed (SSE)
     GET  /v1/models             the served model; GET /v1/models/{name} one model or 404
-    GET  /health                200 while the engine can make progress, else 503 (bridge.unhealthy)
+    GET  /health                200 while the engine can make progress, else 503 (never needs the API key)
     GET  /metrics               Prometheus text (this app's own registry; see `metrics`)
+
+With --api-key every route but /health (and /metrics with --metrics-public) needs `Authorization:
+Bearer <key>`; --allowed-origins turns CORS on; a client's X-Request-Id is echoed and shows in the
+request's id (`chatcmpl-<X-Request-Id>-<random>`) and log lines.
 
 `create_app(engine, options)` takes an already built Engine and starts no thread itself: the
 lifespan starts the engine thread and stops it (aborting what is left) at shutdown. Every error is
@@ -18,11 +22,14 @@ import logging
 import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from cairn.engine import Engine
@@ -31,11 +38,13 @@ from cairn.server.bridge import EngineBridge
 from cairn.server.errors import APIError, from_exception, from_validation_errors
 from cairn.server.generate import ServingContext
 from cairn.server.metrics import EngineStats, ServerMetrics
-from cairn.server.middleware import BodySizeLimit, RequestCounter
+from cairn.server.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, RequestId, current_request_id
+from cairn.server.offload import Offload
 from cairn.server.options import ServerOptions
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread to end
 STATS_TIMEOUT_S = 5.0  # how long /metrics waits for the engine thread between two steps
@@ -46,14 +55,25 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 async def guarded(handler: Awaitable[Response], prompt_param: str) -> Response:
-    """Await a handler; any exception becomes an OpenAI-shaped error response (5xx are logged)."""
+    """Await a handler; any exception becomes an OpenAI-shaped error response (see log_error)."""
     try:
         return await handler
     except Exception as e:
         error = from_exception(e, prompt_param)
-        if error.status >= 500:
-            log.exception("request failed: %s", error.message)
+        log_error(error, e)
         return error_response(error)
+
+
+def log_error(error: APIError, e: Exception) -> None:
+    """One line for a client gone (499) or a refusal while shutting down (503); a traceback for any
+    other 5xx (a bug or an engine failure); nothing for the other 4xx (the client's mistake)."""
+    who = f"request {current_request_id()}" if current_request_id() else "request"
+    if error.status == 499:
+        log.info("%s: the client closed the connection before the response; the request was aborted", who)
+    elif error.code == "shutting_down":
+        log.warning("%s refused: %s", who, error.message)
+    elif error.status >= 500:
+        log.error("%s failed: %s", who, error.message, exc_info=e)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -76,13 +96,33 @@ def model_card(ctx: ServingContext, created_s: int) -> dict:
             "max_model_len": ctx.max_model_len}
 
 
+async def read_body(request: Request, model: type[M], offload: Offload) -> M:
+    """The JSON body validated as `model`, raising what FastAPI would (RequestValidationError). Parsed
+    here rather than by FastAPI so that a large body is parsed by an offload worker process, not on the
+    event loop holding the interpreter lock the engine thread needs."""
+    try:
+        data = await offload.parse_json(await request.body())
+    except ValueError as e:  # json.JSONDecodeError, or a body that is not UTF-8
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)),
+                                       "msg": "JSON decode error", "ctx": {"error": getattr(e, "msg", str(e))}}]
+                                     ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
+
+
 def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    offload = ctx.bridge.offload
+
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest, offload)
         return await guarded(generate.chat_completions(ctx, body, request), "messages")
 
     @app.post("/v1/completions")
-    async def complete(body: CompletionRequest, request: Request) -> Response:
+    async def complete(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest, offload)
         return await guarded(generate.completions(ctx, body, request), "prompt")
 
 
@@ -121,7 +161,7 @@ def add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     """The app serving `engine`; its engine thread runs from lifespan startup to shutdown."""
-    bridge = EngineBridge(engine)
+    bridge = EngineBridge(engine, Offload(engine.tokenizer, engine.max_model_len))
     metrics = ServerMetrics()
     ctx = ServingContext(bridge, metrics, engine.tokenizer, options.served_model_name or engine.model_name,
                          frozenset({engine.model_name}), engine.max_model_len)
@@ -137,6 +177,20 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     install_error_handlers(app)
     add_generation_routes(app, ctx)
     add_info_routes(app, ctx)
-    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
-    app.add_middleware(RequestCounter, counter=metrics.requests, endpoints=ENDPOINTS)  # outermost: counts 413s
+    add_middlewares(app, options, metrics)
     return app
+
+
+def add_middlewares(app: FastAPI, options: ServerOptions, metrics: ServerMetrics) -> None:
+    """From the outside in: request counter (counts every answer, 401s and 413s included), CORS (answers
+    preflights), X-Request-Id, API key, body limits (so an unauthorized body is never read), the app."""
+    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes, timeout_s=options.body_timeout_s)
+    if options.api_key:
+        public = ("/health", "/metrics") if options.metrics_public else ("/health",)
+        app.add_middleware(APIKeyAuth, api_key=options.api_key, public_paths=public)
+    app.add_middleware(RequestId)
+    if options.origins:
+        app.add_middleware(CORSMiddleware, allow_origins=options.origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestCounter, counter=metrics.requests, endpoints=ENDPOINTS)

@@ -2,8 +2,12 @@
 
 The engine is single-threaded, so exactly one thread (started here) makes every engine call:
 
+    asyncio handlers ──(Offload.tokenize: a worker thread or process)──> TokenizedPrompt
     asyncio handlers ──(commands: thread-safe queue.Queue)──> engine thread: run commands, step()
     asyncio handlers <──(loop.call_soon_threadsafe: per-request asyncio.Queue)── outputs of each step
+
+Nothing but the model runs long on the engine thread: a request's chat template and tokenizer run
+once, in a worker (see `offload`), before the engine thread sees the request.
 
 The engine thread blocks on the command queue while the engine has nothing to do (no busy wait),
 and between steps runs every queued command (add, abort, stats...). A request's outputs arrive on
@@ -32,8 +36,11 @@ from typing import Any, TypeVar
 
 from cairn.engine import Engine, StepFailed
 from cairn.outputs import RequestOutput
+from cairn.prompt import PromptTooLong, TokenizedPrompt
 from cairn.sampling import SamplingParams
+from cairn.scheduler import RequestTooLarge
 from cairn.server.errors import EngineFailure, ServerShuttingDown
+from cairn.server.offload import Offload
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,6 +56,7 @@ class Submission:
     params: SamplingParams
     prompt: str | list[int] | None = None  # text or token ids
     messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the engine's chat template
+    template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     fit_max_tokens: bool = False  # params.max_tokens is a placeholder: use all the context the prompt leaves
 
 
@@ -103,8 +111,9 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
 class EngineBridge:
     """Owns the engine thread. Every method may be called from any thread unless it says otherwise."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, offload: Offload | None = None):
         self.engine = engine
+        self.offload = offload  # where prompts are tokenized (required by submit)
         self.num_step_failures = 0  # engine.step() exceptions survived
         self.num_failed_steps_in_row = 0  # since the last step that succeeded
         self.stalled: str | None = None  # engine.stalled() as of the last step or command
@@ -137,10 +146,12 @@ class EngineBridge:
         return None
 
     def drain(self, timeout_s: float) -> None:
-        """Refuse new requests from now on (ServerShuttingDown); abort those still running after timeout_s."""
+        """Refuse new requests from now on (ServerShuttingDown); abort those still running after timeout_s
+        (or at an earlier deadline an earlier call set)."""
         def begin() -> None:
             self._draining = True
-            self._drain_deadline_s = time.monotonic() + timeout_s
+            deadline = time.monotonic() + timeout_s
+            self._drain_deadline_s = min(deadline, self._drain_deadline_s or deadline)
         self._commands.put(begin)
 
     def stop(self, timeout_s: float) -> None:
@@ -148,6 +159,8 @@ class EngineBridge:
         def end() -> None:
             self._draining = self._stopping = True
         self._commands.put(end)
+        if self.offload is not None:
+            self.offload.close()
         if self.alive:
             self._thread.join(timeout_s)
 
@@ -171,16 +184,29 @@ class EngineBridge:
         return await fut
 
     async def submit(self, sub: Submission) -> RequestStream:
-        """Add the request to the engine. Raises what add_request raises (RequestTooLarge, QueueFull,
-        SamplingError, ChatTemplateError, ValueError), or ServerShuttingDown while draining."""
+        """Tokenize the request in a worker thread, then add it to the engine. Raises what tokenizing and
+        add_request raise (RequestTooLarge, QueueFull, SamplingError, ChatTemplateError, ValueError),
+        or ServerShuttingDown while draining."""
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        prompt = await self.tokenize(sub)
         try:
-            await self.call(lambda engine: self._add(engine, sub, (loop, outputs)))
+            await self.call(lambda engine: self._add(engine, sub, prompt, (loop, outputs)))
         except asyncio.CancelledError:
             self.abort(sub.request_id)  # the add may still run after our caller went away
             raise
         return RequestStream(self, sub.request_id, outputs)
+
+    async def tokenize(self, sub: Submission) -> TokenizedPrompt:
+        """The request's prompt rendered and tokenized by the offload workers (never the engine thread)."""
+        try:
+            return await self.offload.tokenize(sub.prompt, sub.messages, sub.template_kwargs)
+        except PromptTooLong as e:
+            raise RequestTooLarge(str(e)) from None
+        except RuntimeError as e:  # the pool was shut down: the server is stopping
+            if "shutdown" not in str(e):
+                raise
+            raise ServerShuttingDown("The server is shutting down and takes no new requests.") from None
 
     def abort(self, request_id: str) -> None:
         """Abort a request and free its memory, unless it already finished (then nothing happens)."""
@@ -188,26 +214,14 @@ class EngineBridge:
 
     # ---- the engine thread ------------------------------------------------------------------------
 
-    def _add(self, engine: Engine, sub: Submission, sink: Sink) -> None:
+    def _add(self, engine: Engine, sub: Submission, prompt: TokenizedPrompt, sink: Sink) -> None:
         if self._draining:
             raise ServerShuttingDown("The server is shutting down and takes no new requests.")
-        prompt, params = sub.prompt, sub.params
-        if sub.fit_max_tokens:
-            prompt, params = self._fit_max_tokens(engine, sub)
-        engine.add_request(prompt, params, request_id=sub.request_id, messages=sub.messages)
+        params = sub.params
+        if sub.fit_max_tokens:  # max_tokens = the context the prompt leaves (at least 1: too long is refused)
+            params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
+        engine.add_request(prompt, params, request_id=sub.request_id)
         self._sinks[sub.request_id] = sink
-
-    @staticmethod
-    def _fit_max_tokens(engine: Engine, sub: Submission) -> tuple[str | list[int] | None, SamplingParams]:
-        """max_tokens = the context the prompt leaves (at least 1, so a too-long prompt is refused as such)."""
-        prompt = sub.prompt
-        if sub.messages is not None:
-            num_prompt_tokens = len(engine.tokenizer.encode(engine.tokenizer.render_chat(sub.messages)))
-        else:
-            prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
-            num_prompt_tokens = len(prompt)
-        max_tokens = max(1, engine.max_model_len - num_prompt_tokens)
-        return prompt, dataclasses.replace(sub.params, max_tokens=max_tokens)
 
     def _run(self) -> None:
         try:

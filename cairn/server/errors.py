@@ -15,12 +15,15 @@ not know about requests in flight.
 | an unsupported option (n > 1, echo, ...)     | 400    | invalid_request_error | unsupported_value       |
 | RequestTooLarge: prompt over the context     | 400    | invalid_request_error | context_length_exceeded |
 | RequestTooLarge: other (empty prompt, ...)   | 400    | invalid_request_error | invalid_value           |
+| no or a wrong API key (--api-key)            | 401    | invalid_request_error | invalid_api_key         |
 | unknown model                                | 404    | invalid_request_error | model_not_found         |
+| head or body slower than --*-timeout-s       | 408    | invalid_request_error | request_timeout         |
 | body over --max-request-bytes                | 413    | invalid_request_error | request_too_large       |
 | QueueFull                                    | 429    | rate_limit_error      | queue_full              |
 | client closed the connection (not sent)      | 499    | invalid_request_error | client_closed           |
 | EngineFailure, any other exception           | 500    | server_error          | internal_error          |
 | ServerShuttingDown                           | 503    | server_error          | shutting_down           |
+| a connection over --max-connections          | 503    | server_error          | too_many_connections    |
 """
 
 from __future__ import annotations

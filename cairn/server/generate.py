@@ -27,6 +27,7 @@ from cairn.outputs import RequestOutput
 from cairn.server.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception, model_not_found
 from cairn.server.metrics import ServerMetrics
+from cairn.server.middleware import current_request_id
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.responses import (
     DONE_EVENT,
@@ -124,10 +125,11 @@ class Generation:
             await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not gather.done():
+            client_left = not gather.done()  # (a cancel takes effect later: test before cancelling)
+            if client_left:
                 gather.cancel()
                 self.close()
-        if gather.cancelled():
+        if client_left:
             raise APIError(499, "The client closed the connection.", code="client_closed")
         return gather.result()
 
@@ -156,7 +158,9 @@ async def _start(ctx: ServingContext, sub: Submission, start_s: float) -> Genera
 
 
 def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A unique request id; it holds the client's X-Request-Id when one was sent, for the logs."""
+    client_id = current_request_id()
+    return f"{prefix}-{client_id}-{uuid.uuid4().hex[:8]}" if client_id else f"{prefix}-{uuid.uuid4().hex}"
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------

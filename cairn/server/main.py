@@ -6,11 +6,17 @@ Shutdown, on the first SIGTERM or SIGINT:
    (a stream gets a last error event and `[DONE]`, a waiting non-streamed request a 503);
 3. uvicorn cancels any task still running `SHUTDOWN_GRACE_S` later, the lifespan stops the engine
    thread, and the process exits with status 0.
-A second signal skips the waiting. What this is not: the routes (`app`) or the engine thread (`bridge`).
+A second signal skips the waiting: the bridge aborts every request at once, and the steps above run
+without delay (the engine thread is still stopped and the disk cache closed). A task uvicorn has to
+cancel logs one line, not a CancelledError traceback.
+
+Connections are served by `connections.GuardedH11Protocol` (request-head deadline, connection cap).
+What this is not: the routes (`app`) or the engine thread (`bridge`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -20,6 +26,7 @@ from cairn.config import EngineConfig
 from cairn.engine import Engine
 from cairn.server.access_log import AccessLog
 from cairn.server.app import create_app
+from cairn.server.connections import guarded_protocol
 from cairn.server.options import ServerOptions
 
 log = logging.getLogger(__name__)
@@ -29,22 +36,40 @@ SHUTDOWN_GRACE_S = 2.0  # after the bridge's abort deadline, how long streams ge
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server that drains the engine at shutdown and exits 0 after a signal.
 
-    (uvicorn itself re-raises the signal once it has shut down, ending the process with -SIGTERM.)
+    (uvicorn itself re-raises the signal once it has shut down, ending the process with -SIGTERM, and
+    on a second SIGINT skips the app's shutdown, leaving the engine thread running.)
     """
 
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, drain: Callable[[float], None], drain_timeout_s: float):
         super().__init__(config)
-        self._on_shutdown = on_shutdown
+        self._drain = drain
+        self._drain_timeout_s = drain_timeout_s
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit:
-            self.force_exit = True
+            log.info("signal %d again: aborting every request now", sig)
+            self._drain(0.0)
+            return
         self.should_exit = True
         log.info("signal %d: shutting down", sig)
 
     async def shutdown(self, sockets=None) -> None:
-        self._on_shutdown()
+        self._drain(self._drain_timeout_s)
         await super().shutdown(sockets)
+
+
+class QuietCancellation:
+    """Outermost ASGI wrapper: a request task uvicorn cancels at shutdown ends with one log line
+    instead of uvicorn's 'Exception in ASGI application' CancelledError traceback."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            log.warning("%s %s cancelled at shutdown", scope.get("method", ""), scope.get("path", ""))
 
 
 def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
@@ -52,10 +77,11 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     engine = Engine(engine_config)
     app = create_app(engine, options)
     bridge = app.state.ctx.bridge
-    config = uvicorn.Config(AccessLog(app) if options.access_log else app, host=options.host, port=options.port,
-                            log_config=None, access_log=False, lifespan="on",
+    config = uvicorn.Config(QuietCancellation(AccessLog(app) if options.access_log else app), host=options.host,
+                            port=options.port, log_config=None, access_log=False, lifespan="on",
+                            http=guarded_protocol(options.header_timeout_s, options.max_connections),
                             timeout_graceful_shutdown=options.shutdown_timeout_s + SHUTDOWN_GRACE_S)
-    server = GracefulServer(config, lambda: bridge.drain(options.shutdown_timeout_s))
+    server = GracefulServer(config, bridge.drain, options.shutdown_timeout_s)
     log.info("serving %s (context %d tokens) on http://%s:%d", app.state.ctx.served_model, engine.max_model_len,
              options.host, options.port)
     server.run()

@@ -1,8 +1,14 @@
-"""Two pure ASGI middlewares: the request-body size limit (413) and the per-route request counter.
+"""Pure ASGI middlewares: body limits (413, 408), the API key (401), X-Request-Id, the request counter.
 
 `BodySizeLimit` refuses a body over `max_bytes` before the app sees it: from Content-Length when the
-client sends one, else by counting while reading (chunked bodies). It buffers the accepted body and
-replays it to the app, then hands later `receive` calls (the disconnect) through untouched.
+client sends one, else by counting while reading (chunked bodies); a body that takes longer than
+`timeout_s` to arrive gets a 408. It buffers the accepted body and replays it to the app, then hands
+later `receive` calls (the disconnect) through untouched.
+
+`APIKeyAuth` answers 401 to a request without `Authorization: Bearer <key>`, except on public paths.
+
+`RequestId` echoes a client's `X-Request-Id` header on the response and exposes it, while the request
+is handled, through `current_request_id()` (a context variable), for ids and log lines.
 
 `RequestCounter` counts every HTTP response by route and status code into a prometheus Counter,
 413s and 404s included; paths outside the known routes count as endpoint "other" so that the label
@@ -11,6 +17,10 @@ set stays bounded.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import hmac
+import re
 from collections.abc import Awaitable, Callable, Collection
 
 from prometheus_client import Counter
@@ -22,12 +32,21 @@ Message = dict
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("cairn_request_id", default=None)
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
+MAX_REQUEST_ID_CHARS = 64  # of a client's X-Request-Id, as used in ids and logs
+
+
+def current_request_id() -> str | None:
+    """The client's X-Request-Id for the request being handled (made safe for ids and logs), or None."""
+    return _REQUEST_ID.get()
 
 
 async def send_error(send: Send, error: APIError) -> None:
     body = error.body_bytes()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]
+               (b"connection", b"close"),
+               *((k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items())]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -37,10 +56,15 @@ def _too_large(max_bytes: int) -> APIError:
                     code="request_too_large")
 
 
+def _too_slow(timeout_s: float) -> APIError:
+    return APIError(408, f"The request body did not arrive within {timeout_s:g}s.", code="request_timeout")
+
+
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 0.0):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s  # 0: no deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -48,7 +72,11 @@ class BodySizeLimit:
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await send_error(send, _too_large(self.max_bytes))
-        body = await self._read_body(receive)
+        try:
+            async with asyncio.timeout(self.timeout_s or None):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            return await send_error(send, _too_slow(self.timeout_s))
         if body is None:
             return await send_error(send, _too_large(self.max_bytes))
         replayed = False
@@ -97,3 +125,43 @@ class RequestCounter:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+class APIKeyAuth:
+    def __init__(self, app: ASGIApp, api_key: str, public_paths: Collection[str]):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.public_paths = frozenset(public_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.public_paths:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", [])).get(b"authorization", b"")
+        scheme, _, key = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(b"Bearer " + key.strip(), self.expected):
+            return await self.app(scope, receive, send)
+        await send_error(send, APIError(401, "A valid API key is required: send the header 'Authorization: "
+                                             "Bearer <key>'.", code="invalid_api_key",
+                                        headers={"WWW-Authenticate": "Bearer"}))
+
+
+class RequestId:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = dict(scope.get("headers", [])).get(b"x-request-id") if scope["type"] == "http" else None
+        if not given:
+            return await self.app(scope, receive, send)
+        safe = _UNSAFE_ID_CHARS.sub("_", given.decode("latin-1"))[:MAX_REQUEST_ID_CHARS]
+
+        async def echoing_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", given)]}
+            await send(message)
+
+        token = _REQUEST_ID.set(safe)
+        try:
+            await self.app(scope, receive, echoing_send)
+        finally:
+            _REQUEST_ID.reset(token)

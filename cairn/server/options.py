@@ -26,6 +26,16 @@ class ServerOptions:
                                          "aborted; the process then exits 0")
     access_log: bool = _f(True, "log one line per HTTP request when its response ends: client, method, path, "
                                 "status, duration (/health and /metrics at DEBUG)")
+    header_timeout_s: float = _f(10.0, "seconds a client may take to send a request's line and headers; then 408 "
+                                       "and the connection is closed (0: no limit)")
+    body_timeout_s: float = _f(60.0, "seconds a client may take to send a request body; then 408 (0: no limit)")
+    max_connections: int = _f(1024, "open connections allowed at once; one more gets 503 and is closed (0: no cap)")
+    api_key: str | None = field(default=None, repr=False, metadata={  # (a secret: kept out of repr)
+        "help": "require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise); the "
+                "CAIRN_API_KEY environment variable sets it too, and keeps it out of the process list"})
+    metrics_public: bool = _f(False, "serve /metrics without the API key")
+    allowed_origins: str | None = _f(None, "comma-separated origins browsers may call the API from (CORS), or '*'; "
+                                           "default: none")
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -34,3 +44,14 @@ class ServerOptions:
             raise ValueError("max_request_bytes must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
+        if self.header_timeout_s < 0 or self.body_timeout_s < 0:
+            raise ValueError("header_timeout_s and body_timeout_s must be >= 0")
+        if self.max_connections < 0:
+            raise ValueError("max_connections must be >= 0")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+
+    @property
+    def origins(self) -> list[str]:
+        """The allowed CORS origins, parsed from allowed_origins."""
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]

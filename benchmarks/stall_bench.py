@@ -1,0 +1,156 @@
+"""Does a huge request stall the other streams? Inter-token latency of a running stream while a
+20 MiB request arrives, on a real `cairn serve` (demo model).
+
+    python benchmarks/stall_bench.py                          # this checkout, 3 rounds
+    python benchmarks/stall_bench.py --repo /tmp/cairn-before  # also an older checkout, alternating
+
+For each round: start one streamed /v1/completions request (ignore_eos, many tokens), let it run
+`--warmup-tokens` tokens, then send one `--big-mib` MiB request (a chat whose one message holds
+that much text, or with `--big-kind completion` a text prompt) and wait for its answer (a 400: it
+is over the context; what matters is what the engine thread does meanwhile). Reports the stream's
+median inter-token gap before the big request, the largest gap while it was in flight, and their
+ratio (the target: at most 2). With several --repo values the servers are measured alternately,
+round by round, so that a noisy machine affects each the same way. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ("--kv-cache-gib", "0.05", "--state-cache-gib", "0.05", "--max-request-bytes", str(64 << 20),
+         "--log-level", "WARNING")
+
+
+@dataclass
+class Round:
+    normal_gap_s: float  # median inter-token gap before the big request
+    max_gap_s: float  # largest gap between two tokens while the big request was in flight
+    big_s: float  # the big request's response time
+    big_status: int
+
+    @property
+    def ratio(self) -> float:
+        return self.max_gap_s / self.normal_gap_s
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(repo: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="stall-bench-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "cairn.cli", "serve", "--port", str(port), *FLAGS],
+                            cwd=repo, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server in {repo} did not start; see {log.name}")
+
+
+def stream_times(url: str, times: list[float], stop: threading.Event) -> None:
+    body = {"prompt": "a story", "max_tokens": 20000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+            if stop.is_set():
+                return
+
+
+SEND_BIG = """
+import json, sys, time, httpx
+url, mib, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+text = "word " * ((mib << 20) // 5)
+if kind == "chat":
+    path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+else:
+    path, body = "/v1/completions", {"prompt": text, "max_tokens": 1}
+data = json.dumps(body).encode()
+t0 = time.monotonic()
+r = httpx.post(url + path, content=data, headers={"content-type": "application/json"}, timeout=600)
+print(r.status_code, time.monotonic() - t0)
+"""
+
+
+def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
+    """The big request is sent by another process, so that building and sending it does not slow
+    down this process's reading of the stream."""
+    times: list[float] = []
+    stop = threading.Event()
+    thread = threading.Thread(target=stream_times, args=(url, times, stop), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while len(times) < warmup_tokens:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the stream did not start")
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", SEND_BIG, url, str(mib), kind], capture_output=True, text=True,
+                          check=True)
+    t1 = time.monotonic()
+    status, big_s = done.stdout.split()
+    time.sleep(0.2)  # a few more tokens: a gap that ends after the answer counts too
+    stop.set()
+    thread.join(30)
+    before = [t for t in times if t < t0]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b >= t0 and a <= t1 + 0.1]
+    normal = statistics.median(b - a for a, b in zip(before[5:], before[6:], strict=False))
+    return Round(normal, max(gaps), float(big_s), int(status))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repo", action="append", type=Path, help="checkout(s) to serve from (default: this one)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--big-mib", type=int, default=20)
+    p.add_argument("--big-kind", choices=("chat", "completion"), default="chat")
+    p.add_argument("--warmup-tokens", type=int, default=40)
+    ns = p.parse_args()
+    repos = ns.repo or [REPO_ROOT]
+    servers = {repo: start(repo) for repo in repos}
+    results: dict[Path, list[Round]] = {repo: [] for repo in repos}
+    try:
+        for _ in range(ns.rounds):
+            for repo, (_, url) in servers.items():
+                results[repo].append(one_round(url, ns.big_mib, ns.big_kind, ns.warmup_tokens))
+                print(f"{repo}: {results[repo][-1]}", file=sys.stderr, flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+    print(f"| checkout | normal gap (ms) | largest gap while a {ns.big_mib} MiB {ns.big_kind} request is in flight "
+          "(ms) | ratio | big request (s, status) |")
+    print("|---|---|---|---|---|")
+    for repo, rounds in results.items():
+        for r in rounds:
+            print(f"| {repo.name} | {r.normal_gap_s * 1e3:.1f} | {r.max_gap_s * 1e3:.1f} | {r.ratio:.1f} | "
+                  f"{r.big_s:.2f}, {r.big_status} |")
+    print(f"\nCPU: {os.cpu_count()} cores; command: python benchmarks/stall_bench.py "
+          + " ".join(sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
