@@ -80,7 +80,7 @@ class CacheOptions:
                                       "0: no host tier")
     disk_cache: str | None = _f(None, "directory of the durable disk tier (survives restarts); none by default")
     disk_cache_create_parents: bool = _f(False, "create the missing parent directories of --disk-cache too "
-                                         "(by default only its last component is created)")
+                                         "(otherwise only its last component is created)")
     disk_cache_gib: float = _f(16.0, "disk bytes for the disk tier, in GiB")
     disk_write_through: bool = _f(True, "write each finished request's new snapshots and KV to disk at once "
                                   "(durable across restarts); otherwise only what the host tier evicts")
