@@ -120,31 +120,33 @@ def ssd_chunk_scan(
     with a = dt * A (log decay) and xdt = dt * x.
     """
     seq_len, heads, head_dim = x.shape
+    groups = B.shape[1]
     wanted = _capture_positions(capture_at, seq_len, chunk_size)
     steps = step_sizes(dt, dt_bias, dt_limit)  # [T, H]
-    xdt = _chunked(x.float() * steps.unsqueeze(-1), chunk_size)  # [H, n, L, P]
-    a = _chunked(steps * A.float(), chunk_size)  # [H, n, L]
-    Bh, Ch = (_chunked(_expand_groups(t, heads), chunk_size) for t in (B, C))  # [H, n, L, N]
+    # heads as [G, R]: the R heads of a group share its B and C, which are not copied per head
+    xdt = _chunked(x.float() * steps.unsqueeze(-1), chunk_size).unflatten(0, (groups, -1))  # [G, R, n, L, P]
+    a = _chunked(steps * A.float(), chunk_size).unflatten(0, (groups, -1))  # [G, R, n, L]
+    Bg, Cg = (_chunked(t.float(), chunk_size).unsqueeze(1) for t in (B, C))  # [G, 1, n, L, N]
 
-    decay = _segment_sums(a).exp()  # [H, n, L, L], decay[l, s] from token s to token l
-    from_start = a.cumsum(-1).exp()  # [H, n, L], decay from the chunk's start through token l
-    intra = ((Ch @ Bh.transpose(-1, -2)) * decay) @ xdt  # [H, n, L, P]
-    chunk_inputs = (xdt * decay[..., -1, :, None]).transpose(-1, -2) @ Bh  # [H, n, P, N]
+    decay = _segment_sums(a).exp()  # [G, R, n, L, L], decay[l, s] from token s to token l
+    from_start = a.cumsum(-1).exp()  # [G, R, n, L], decay from the chunk's start through token l
+    intra = ((Cg @ Bg.transpose(-1, -2)) * decay) @ xdt  # [G, R, n, L, P]
+    chunk_inputs = (xdt * decay[..., -1, :, None]).transpose(-1, -2) @ Bg  # [G, R, n, P, N]
 
-    state = initial_state.float().clone()
+    state = initial_state.float().reshape(groups, -1, head_dim, B.shape[-1])  # a copy is made below
     starts = torch.empty_like(chunk_inputs)
-    for i in range(a.shape[1]):
-        starts[:, i] = state
+    for i in range(a.shape[2]):
+        starts[:, :, i] = state
         for t, dst in wanted.get(i, ()):  # the state after token t of this chunk: its update, cut at t
-            torch.mul(state, from_start[:, i, t, None, None], out=dst)
-            weighted = xdt[:, i, : t + 1] * decay[:, i, t, : t + 1, None]
-            dst.baddbmm_(weighted.transpose(-1, -2), Bh[:, i, : t + 1])
-        state = state * from_start[:, i, -1, None, None] + chunk_inputs[:, i]
+            weighted = xdt[:, :, i, : t + 1] * decay[:, :, i, t, : t + 1, None]
+            inputs = weighted.transpose(-1, -2) @ Bg[:, :, i, : t + 1]
+            dst.copy_(torch.addcmul(inputs, state, from_start[:, :, i, t, None, None]).flatten(0, 1))
+        state = torch.addcmul(chunk_inputs[:, :, i], state, from_start[:, :, i, -1, None, None])
 
-    inter = (Ch @ starts.transpose(-1, -2)) * from_start.unsqueeze(-1)  # [H, n, L, P]
+    inter = (Cg @ starts.transpose(-1, -2)) * from_start.unsqueeze(-1)  # [G, R, n, L, P]
     y = (intra + inter).reshape(heads, -1, head_dim)[:, :seq_len].transpose(0, 1)
     y = y + D.float()[:, None] * x.float()
-    return y.to(x.dtype), state
+    return y.to(x.dtype), state.flatten(0, 1)
 
 
 def _capture_positions(
