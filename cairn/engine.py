@@ -106,9 +106,11 @@ class Engine:
         return self.tokenizer.encode_chat(messages, **template_kwargs)
 
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams, *, request_id: str | None = None,
-                    messages: list[dict[str, Any]] | None = None, template_kwargs: dict | None = None) -> str:
-        """Queue a request: a text prompt, token ids, or chat messages. Raises on input that can never run."""
-        message_starts: list[int] = []
+                    messages: list[dict[str, Any]] | None = None, template_kwargs: dict | None = None,
+                    message_starts: list[int] | None = None) -> str:
+        """Queue a request: a text prompt, token ids, or chat messages. Raises on input that can never run.
+        `message_starts`: with token ids, where chat messages start in them (the cache snapshots there)."""
+        message_starts = list(message_starts or [])
         user_starts: list[int] = []
         if messages is not None:
             ids, starts = self.tokenize_chat(messages, **(template_kwargs or {}))
@@ -120,6 +122,7 @@ class Engine:
             ids = list(prompt or [])
         if not ids:
             raise RequestTooLarge("the prompt is empty")
+        message_starts = sorted({p for p in message_starts if 0 < p < len(ids)})
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise RequestTooLarge(f"prompt token ids must be in [0, {vocab})")
@@ -220,7 +223,8 @@ class Engine:
             request_id=seq.request_id, text=detok.text[: detok.sent] if not finished else detok.text,
             delta_text=delta, token_ids=seq.output_ids, delta_token_ids=delta_ids, finished=finished,
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft)
+            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft,
+            prompt_token_ids=seq.prompt_ids if finished else None)
 
     def _log_prefill(self, seq: Sequence) -> None:
         """One line per request whose prefill just finished: what it computed and what the cache gave."""

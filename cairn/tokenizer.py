@@ -24,6 +24,45 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# The demo model's template: ChatML (plain conversations render exactly as CHATML_TEMPLATE) that also
+# renders tools, assistant reasoning and tool calls the way Qwen3.5's template does (XML-style calls),
+# and opens (`enable_thinking: true`) or closes (`false`) the reasoning when asked.
+DEMO_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools>\n\nTo call a function reply:\n<tool_call>\n<function=NAME>\n<parameter=NAME>\nVALUE\n"
+    "</parameter>\n</function>\n</tool_call>' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- '\n\n' + messages[0]['content'] }}{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' }}"
+    "{%- if message.get('reasoning_content') %}"
+    "{{- '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' }}"
+    "{%- endif %}"
+    "{{- message['content'] }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- ('\n' if message['content'] or not loop.first else '') + '<tool_call>\n<function='"
+    " + call['function']['name'] + '>\n' }}"
+    "{%- for name, value in call['function']['arguments'].items() %}"
+    "{{- '<parameter=' + name + '>\n' + (value if value is string else value | tojson) + '\n</parameter>\n' }}"
+    "{%- endfor %}"
+    "{{- '</function>\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined %}{{- '<think>\n' if enable_thinking else '<think>\n\n</think>\n\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template."""
@@ -53,6 +92,7 @@ class Tokenizer:
 
     def __init__(self, template: str | None, bos_token: str | None = None, eos_token: str | None = None):
         self._template = compile_template(template) if template else None
+        self.template_source = template or ""  # the chat template's text (parsers read its call format)
         self._template_vars = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
 
     @property
@@ -80,19 +120,27 @@ class Tokenizer:
         except Exception as e:  # a template error is the request's fault, not the server's
             raise ChatTemplateError(f"chat template failed on these messages: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], **extra) -> tuple[list[int], list[int]]:
+    def encode_chat(self, messages: list[dict[str, Any]], generation_prefix: str = "",
+                    **extra) -> tuple[list[int], list[int]]:
         """Token ids of the rendered conversation (with generation prompt) and, for i = 1 .. len(messages),
         the token position where the render of messages[:i] stops agreeing with the whole one: where
         messages[i] starts, and for i = len(messages) where the generation prompt starts.
 
         Templates that rewrite history (e.g. drop old reasoning) still give positions that a later
-        request with the same history shares.
+        request with the same history shares. Where the template refuses to render a prefix (Qwen3.5's
+        raises before the first user message), that message gets the previous message's start.
+        `extra` (tools, chat_template_kwargs such as enable_thinking) goes to every render;
+        `generation_prefix` is appended after the generation prompt (text forced as the answer's start).
         """
-        full = self.render_chat(messages, add_generation_prompt=True, **extra)
+        full = self.render_chat(messages, add_generation_prompt=True, **extra) + generation_prefix
         ids, offsets = self.encode_with_offsets(full)
         starts = []
         for k in range(1, len(messages) + 1):
-            prefix = self.render_chat(messages[:k], add_generation_prompt=False, **extra)
+            try:
+                prefix = self.render_chat(messages[:k], add_generation_prompt=False, **extra)
+            except ChatTemplateError:  # the template refuses this prefix (e.g. no user message yet)
+                starts.append(starts[-1] if starts else 0)
+                continue
             starts.append(_token_at_or_after(offsets, _common_prefix_len(prefix, full), len(ids)))
         return ids, starts
 
@@ -123,7 +171,7 @@ class ByteTokenizer(Tokenizer):
     SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
     def __init__(self):
-        super().__init__(CHATML_TEMPLATE, eos_token="<|im_end|>")
+        super().__init__(DEMO_CHAT_TEMPLATE, eos_token="<|im_end|>")
         self.special_tokens = {tok: 256 + i for i, tok in enumerate(self.SPECIALS)}
         self.eos_token_ids = (self.special_tokens["<|im_end|>"], self.special_tokens["<|endoftext|>"])
 

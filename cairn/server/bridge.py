@@ -47,6 +47,8 @@ class Submission:
     params: SamplingParams
     prompt: str | list[int] | None = None  # text or token ids
     messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the engine's chat template
+    template_kwargs: dict[str, Any] | None = None  # with messages: tools, chat_template_kwargs, generation_prefix
+    message_starts: list[int] | None = None  # with token ids: where chat messages start in them
     fit_max_tokens: bool = False  # params.max_tokens is a placeholder: use all the context the prompt leaves
 
 
@@ -179,7 +181,8 @@ class EngineBridge:
         prompt, params = sub.prompt, sub.params
         if sub.fit_max_tokens:
             prompt, params = self._fit_max_tokens(engine, sub)
-        engine.add_request(prompt, params, request_id=sub.request_id, messages=sub.messages)
+        engine.add_request(prompt, params, request_id=sub.request_id, messages=sub.messages,
+                           template_kwargs=sub.template_kwargs, message_starts=sub.message_starts)
         self._sinks[sub.request_id] = sink
 
     @staticmethod
@@ -187,7 +190,7 @@ class EngineBridge:
         """max_tokens = the context the prompt leaves (at least 1, so a too-long prompt is refused as such)."""
         prompt = sub.prompt
         if sub.messages is not None:
-            num_prompt_tokens = len(engine.tokenizer.encode(engine.tokenizer.render_chat(sub.messages)))
+            num_prompt_tokens = len(engine.tokenizer.encode_chat(sub.messages, **(sub.template_kwargs or {}))[0])
         else:
             prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
             num_prompt_tokens = len(prompt)

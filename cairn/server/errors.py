@@ -11,6 +11,7 @@ not know about requests in flight.
 |----------------------------------------------|--------|-----------------------|-------------------------|
 | malformed JSON                               | 400    | invalid_request_error | invalid_json            |
 | a missing field / a wrong type or value      | 400    | invalid_request_error | missing_field / invalid_value |
+| a field the server does not know             | 400    | invalid_request_error | unknown_field           |
 | SamplingError, ChatTemplateError, ValueError | 400    | invalid_request_error | invalid_value           |
 | an unsupported option (n > 1, echo, ...)     | 400    | invalid_request_error | unsupported_value       |
 | RequestTooLarge: prompt over the context     | 400    | invalid_request_error | context_length_exceeded |
@@ -101,6 +102,8 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     param = ".".join(loc) or None
     code = "missing_field" if first.get("type") == "missing" else "invalid_value"
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if first.get("type") == "extra_forbidden":
+        code, message = "unknown_field", f"unknown field `{param}`: this server does not implement it"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return APIError(400, message, param=param, code=code)

@@ -25,6 +25,11 @@ class ServerOptions:
     shutdown_timeout_s: float = _f(10.0, "on SIGTERM/SIGINT, seconds in-flight requests may run before they are "
                                          "aborted; the process then exits 0")
     access_log: bool = _f(False, "log one line per HTTP request")
+    reasoning_parser: str = _f("qwen3", "how chat answers are split into reasoning and content: qwen3 (<think> text "
+                                        "becomes reasoning_content) or none (all content)", choices=("qwen3", "none"))
+    tool_call_parser: str = _f("qwen3", "how tool calls are read from chat answers: qwen3 (<tool_call> blocks, Qwen3.5 "
+                                        "XML or JSON style, become tool_calls) or none (all content)",
+                               choices=("qwen3", "none"))
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
