@@ -141,7 +141,8 @@ class Tokenizer:
             except ChatTemplateError:  # the template refuses this prefix (e.g. no user message yet)
                 starts.append(starts[-1] if starts else 0)
                 continue
-            starts.append(_token_at_or_after(offsets, _common_prefix_len(prefix, full), len(ids)))
+            common = _common_prefix_len(prefix, full)
+            starts.append(len(ids) if common >= len(full) else _token_holding(offsets, common, len(ids)))
         return ids, starts
 
 
@@ -150,6 +151,15 @@ def _common_prefix_len(a: str, b: str) -> int:
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
+    return i
+
+
+def _token_holding(offsets: list[int], char: int, num_tokens: int) -> int:
+    """Index of the token that holds character `char` (the first one starting at or after it when it
+    starts a token): tokens before it hold only characters before `char`."""
+    i = _token_at_or_after(offsets, char, num_tokens)
+    if i > 0 and (i == num_tokens or offsets[i] > char) and offsets[i - 1] < char:
+        return i - 1
     return i
 
 
