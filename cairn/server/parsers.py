@@ -172,7 +172,10 @@ class ToolCallParser:
                 start = self._buf.find(CALL_START)
                 if start < 0:
                     keep = _partial_tag_len(self._buf, CALL_START)
-                    content.append(self._buf[: len(self._buf) - keep])
+                    sure = self._buf[: len(self._buf) - keep]
+                    if self.num_calls and not sure.strip():  # whitespace between calls: wait for what follows
+                        break
+                    content.append(sure)
                     self._buf = self._buf[len(self._buf) - keep:]
                     break
                 before = self._buf[:start]
