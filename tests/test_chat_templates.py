@@ -160,7 +160,8 @@ def test_message_starts_stop_where_the_template_rewrites_history(tokenizers):
 
 def test_demo_template_renders_plain_chats_as_chatml_and_tools_in_qwen35_style():
     tok = ByteTokenizer()
-    plain = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    plain = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+             {"role": "assistant", "content": "A"}]
     assert tok.render_chat(plain) == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
                                       "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>assistant\n")
     messages, kwargs = server_view(CONVERSATIONS["system_and_tool_result"], TOOLS)
