@@ -12,7 +12,8 @@ as content blocks (`thinking`, `text`, `tool_use`), whole or as Anthropic's SSE 
 usage: `input_tokens` counts the prompt tokens computed, `cache_read_input_tokens` those resumed from
 cairn's prefix cache (the same figure as OpenAI's cached_tokens); cairn has no separate cache write
 (`cache_creation_input_tokens` is 0), `cache_control` marks are accepted and change nothing. The
-thinking `budget_tokens` is accepted but not enforced (max_tokens bounds the whole answer).
+thinking `budget_tokens` is accepted but not enforced (max_tokens bounds the whole answer). The
+sampling fields older clients send (temperature, top_p, top_k) are honoured.
 Errors have Anthropic's shape {"type": "error", "error": {"type", "message"}}.
 """
 
@@ -94,8 +95,9 @@ class ToolChoice(Strict):
 
 
 class ThinkingConfig(Strict):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "adaptive", "disabled"]  # enabled / adaptive: the template's enable_thinking
     budget_tokens: int | None = None  # accepted, not enforced
+    display: Literal["summarized"] | None = None  # thinking is returned as generated
 
 
 class MessagesRequest(Strict):
@@ -112,6 +114,7 @@ class MessagesRequest(Strict):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None  # user_id; stored nowhere
+    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
 
     @model_validator(mode="before")
     @classmethod
@@ -136,7 +139,7 @@ class MessagesRequest(Strict):
             chat["tool_choice"] = _tool_choice(self.tool_choice)
             chat["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use
         if self.thinking is not None:
-            chat["chat_template_kwargs"] = {"enable_thinking": self.thinking.type == "enabled"}
+            chat["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
 
 
