@@ -187,6 +187,9 @@ async def start_chat(ctx: ServingContext, body: ChatCompletionRequest, start_s: 
     body.check_tools()
     params = body.to_sampling_params(context_fill_tokens=ctx.max_model_len)
     kwargs = body.template_kwargs()
+    if ctx.tool_call_parser == "none" and body.forced_function() is not None:
+        raise APIError(400, "tool_choice naming a function needs a tool-call parser (this server runs with "
+                            "--tool-call-parser none)", param="tool_choice", code="unsupported_value")
     tools = ({t.function.name: t.function.parameters or {} for t in body.tools}
              if body.tools and body.tool_choice != "none" else None)
     plan = plan_chat(ctx.tokenizer, ctx.reasoning_parser, ctx.tool_call_parser, kwargs, tools,
