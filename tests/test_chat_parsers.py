@@ -133,3 +133,11 @@ def test_reasoning_parser_holds_back_only_a_possible_tag():
     t = ToolCallParser(TOOLS)
     assert t.feed("x <tool_") == ("x ", [])
     assert t.finish() == ("<tool_", [])
+
+
+def test_odd_tool_schemas_never_break_parsing():
+    """Schemas come from the request: whatever their shape, a call parses or stays content, never raises."""
+    odd = {"f": {"properties": ["not", "a", "dict"]}, "g": {"properties": {"x": "not a schema"}}, "h": None}
+    for name in odd:
+        call = parse_call(f"<function={name}>\n<parameter=x>\n1\n</parameter>\n</function>", odd, True)
+        assert json.loads(call.arguments) == {"x": 1}

@@ -106,9 +106,9 @@ class ParsedToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
-def _convert_value(raw: str, schema: dict[str, Any] | None) -> Any:
+def _convert_value(raw: str, schema: Any) -> Any:
     """An XML parameter value: kept as text when the schema says string, else read as JSON if it parses."""
-    kind = (schema or {}).get("type")
+    kind = schema.get("type") if isinstance(schema, dict) else None
     if kind == "string" or (isinstance(kind, list) and "string" in kind):
         return raw
     try:
@@ -131,7 +131,9 @@ def parse_call(block: str, tools: dict[str, dict], complete: bool) -> ParsedTool
         if not m or (complete and "</function>" not in text):
             return None
         name, body = m.group(1).strip(), m.group(2)
-        properties = (tools.get(name) or {}).get("properties") or {}
+        schema = tools.get(name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        properties = properties if isinstance(properties, dict) else {}
         args = {p.strip(): _convert_value(v, properties.get(p.strip())) for p, v in _PARAMETER.findall(body)}
     elif text.startswith("{"):
         try:
