@@ -73,7 +73,7 @@ TokenIds = list[Annotated[int, Field(strict=True)]]
 
 class StreamOptions(Strict):
     include_usage: bool = False  # send a last chunk with empty choices and the usage
-    continuous_usage_stats: bool = False  # vLLM extension; accepted, cairn sends usage only at the end
+    continuous_usage_stats: Literal[False] = False  # vLLM extension: cairn sends the usage only at the end
 
 
 # ---- tools --------------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ class FunctionDef(Strict):
     name: str = Field(min_length=1, max_length=256, pattern=r"^[^\s<>]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema of the arguments
-    strict: bool | None = None  # OpenAI's flag; arguments are not constrained to the schema here
+    strict: Literal[False] | None = None  # true (arguments constrained to the schema) needs a grammar engine
 
 
 class Tool(Strict):
