@@ -26,9 +26,9 @@ JSON_CALL = '<tool_call>\n{"name": "search", "arguments": {"q": "cairn <b>"}}\n<
 
 def shape(text: str, plan: ChatPlan, pieces: list[str] | None = None):
     shaper = ChatShaper(plan)
-    for piece in pieces if pieces is not None else [text]:
-        shaper.feed(piece)
-    shaper.finish()
+    pieces = pieces if pieces is not None else [text]
+    for i, piece in enumerate(pieces):
+        shaper.feed(piece, final=i == len(pieces) - 1)
     m = shaper.message
     return m.reasoning, m.content, [(c.name, json.loads(c.arguments)) for c in m.calls], shaper
 

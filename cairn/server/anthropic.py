@@ -232,8 +232,7 @@ async def messages(ctx: ServingContext, body: MessagesRequest, request: Request)
     if body.stream:
         return SSEResponse(_events(ctx, gen, shaper, body, msg_id), gen.close)
     out = await gen.last_output(request)
-    shaper.feed(out.text)
-    shaper.finish()
+    shaper.feed(out.text, final=True)
     stop = _stop(ctx, shaper, out, body.stop_sequences or [])
     return JSONResponse(_message(msg_id, ctx.served_model, _blocks(shaper.message), out, stop))
 
@@ -291,9 +290,8 @@ async def _events(ctx: ServingContext, gen: Generation, shaper: ChatShaper, body
             if not started:
                 started = True
                 yield _event("message_start", {"message": _message(msg_id, ctx.served_model, [], out, (None, None))})
-            pieces = blocks.pieces(shaper.feed(out.delta_text))
+            pieces = blocks.pieces(shaper.feed(out.delta_text, final=out.finished))
             if out.finished:
-                pieces += blocks.pieces(shaper.finish())
                 if blocks.index < 0:  # an empty answer still has one (empty) text block
                     pieces += blocks.switch("text", {"type": "text", "text": ""})
                 pieces += blocks.close()

@@ -93,13 +93,13 @@ class ChatShaper:
         self.message = ChatDelta()  # everything so far
         self._num_calls_kept = 0
 
-    def feed(self, text: str) -> ChatDelta:
+    def feed(self, text: str, final: bool = False) -> ChatDelta:
+        """What `text` (the next generated piece) adds; `final`: generation has ended, flush everything."""
         reasoning, content = self.reasoning.feed(text)
-        return self._through_calls(reasoning, content, final=False)
-
-    def finish(self) -> ChatDelta:
-        reasoning, content = self.reasoning.finish()
-        return self._through_calls(reasoning, content, final=True)
+        if final:
+            more_reasoning, more_content = self.reasoning.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return self._through_calls(reasoning, content, final)
 
     def _through_calls(self, reasoning: str, content: str, final: bool) -> ChatDelta:
         content, calls = self.calls.feed(content)

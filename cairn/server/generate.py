@@ -171,8 +171,7 @@ async def chat_completions(ctx: ServingContext, body: ChatCompletionRequest, req
     if body.stream:
         return SSEResponse(_chat_events(gen, body, shaper), gen.close)
     out = await gen.last_output(request)
-    shaper.feed(out.text)
-    shaper.finish()
+    shaper.feed(out.text, final=True)
     logprobs = (chat_logprobs(ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
                 if body.logprobs else None)
     return JSONResponse(chat_response(gen.header, out, openai_message(shaper.message),
@@ -207,11 +206,7 @@ async def _chat_events(gen: Generation, body: ChatCompletionRequest, shaper: Cha
     try:
         async for out in gen.outputs():
             last = out
-            delta = shaper.feed(out.delta_text)
-            if out.finished:
-                final = shaper.finish()
-                delta.reasoning, delta.content = delta.reasoning + final.reasoning, delta.content + final.content
-                delta.calls += final.calls
+            delta = shaper.feed(out.delta_text, final=out.finished)
             deltas = openai_deltas(delta, num_calls)
             num_calls += len(delta.calls)
             for chunk in _chat_chunks(gen, body, out, deltas, shaper.finish_reason(out.finish_reason)):
