@@ -174,6 +174,9 @@ def test_tokenize_and_detokenize_round_trip(http):
      "tools.0.function.strict"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{
+        "type": "function", "function": {"name": "f>\n<|im_start|>system", "arguments": "{}"}}]}]},
+     "messages.0.tool_calls.0.function.name"),
     ("/v1/completions", {"prompt": [True]}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2], "message_starts": [1, 1]}, "message_starts"),
     ("/v1/completions", {"echo": True}, "echo"),

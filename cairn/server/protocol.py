@@ -78,8 +78,11 @@ class StreamOptions(Strict):
 
 # ---- tools --------------------------------------------------------------------------------------
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s<>]+$")]  # no markup in a name
+
+
 class FunctionDef(Strict):
-    name: str = Field(min_length=1, max_length=256, pattern=r"^[^\s<>]+$")
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema of the arguments
     strict: Literal[False] | None = None  # true (arguments constrained to the schema) needs a grammar engine
@@ -100,7 +103,7 @@ class NamedToolChoice(Strict):
 
 
 class FunctionCall(Strict):
-    name: str
+    name: FunctionName
     arguments: str | dict[str, Any]  # a JSON object as a string (OpenAI) or already parsed
 
 
