@@ -122,12 +122,14 @@ class Engine:
 
     def add_request(self, prompt: str | list[int] | TokenizedPrompt | None, params: SamplingParams, *,
                     request_id: str | None = None, messages: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict | None = None) -> str:
+                    template_kwargs: dict | None = None, message_starts: list[int] | None = None) -> str:
         """Queue a request: a text prompt, token ids, chat messages, or a prompt already tokenized by
-        `tokenize_prompt` (then no tokenizer work happens here). Raises on input that can never run."""
+        `tokenize_prompt` (then no tokenizer work happens here). Raises on input that can never run.
+        `message_starts`: with token ids, where chat messages start in them (the cache snapshots there)."""
         if not isinstance(prompt, TokenizedPrompt):
             try:
-                prompt = tokenize_prompt(self.tokenizer, prompt, messages, template_kwargs, self.max_model_len)
+                prompt = tokenize_prompt(self.tokenizer, prompt, messages, template_kwargs, self.max_model_len,
+                                         message_starts)
             except PromptTooLong as e:
                 raise RequestTooLarge(str(e)) from None
         ids = prompt.token_ids
@@ -272,7 +274,8 @@ class Engine:
             request_id=seq.request_id, text=detok.text[: detok.sent] if not finished else detok.text,
             delta_text=delta, token_ids=seq.output_ids, delta_token_ids=delta_ids, finished=finished,
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft)
+            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft,
+            prompt_token_ids=seq.prompt_ids if finished else None)
 
     def _log_finished(self, seq: Sequence) -> None:
         if self.config.logging.log_requests:

@@ -31,6 +31,7 @@ class RequestOutput:
     cache: CacheReport = field(default_factory=CacheReport)
     ttft_s: float | None = None  # arrival to first token
     error: str | None = None  # set when the request failed inside the engine
+    prompt_token_ids: list[int] | None = None  # the prompt's token ids, on the finished output only
 
 
 class WindowDecoder:

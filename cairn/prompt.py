@@ -32,17 +32,22 @@ class TokenizedPrompt:
 
 def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | None = None,
                     messages: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
-                    max_model_len: int | None = None) -> TokenizedPrompt:
+                    max_model_len: int | None = None, message_starts: list[int] | None = None) -> TokenizedPrompt:
     """A text prompt, token ids, or chat messages (rendered with the template, `template_kwargs` passed
-    to it) as a TokenizedPrompt. Raises ChatTemplateError for messages the template refuses, and,
+    to it; its `generation_prefix`, if any, is appended to the render) as a TokenizedPrompt; token ids
+    keep the `message_starts` given with them. Raises ChatTemplateError for messages the template refuses, and,
     given `max_model_len`, PromptTooLong without encoding a text too long to fit in any case.
     Imports no torch: it also runs in the server's tokenizer worker processes."""
     if messages is None:
         if isinstance(prompt, str):
             _refuse_if_surely_too_long(tokenizer, prompt, max_model_len)
             return TokenizedPrompt(tokenizer.encode(prompt))
-        return TokenizedPrompt(list(prompt or []))
-    text, char_starts = tokenizer.render_chat_with_starts(messages, **(template_kwargs or {}))
+        ids = list(prompt or [])
+        return TokenizedPrompt(ids, sorted({p for p in message_starts or () if 0 < p < len(ids)}))
+    kwargs = dict(template_kwargs or {})
+    generation_prefix = kwargs.pop("generation_prefix", "")  # forced start of the answer (a tool call's)
+    text, char_starts = tokenizer.render_chat_with_starts(messages, **kwargs)
+    text += generation_prefix
     _refuse_if_surely_too_long(tokenizer, text, max_model_len)
     ids, starts = tokenizer.encode_rendered(text, char_starts)
     # starts[k - 1] is where messages[k] starts (and the last one where the generation prompt starts)

@@ -39,6 +39,45 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# The demo model's template: ChatML (plain conversations render exactly as CHATML_TEMPLATE) that also
+# renders tools, assistant reasoning and tool calls the way Qwen3.5's template does (XML-style calls),
+# and opens (`enable_thinking: true`) or closes (`false`) the reasoning when asked.
+DEMO_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools>\n\nTo call a function reply:\n<tool_call>\n<function=NAME>\n<parameter=NAME>\nVALUE\n"
+    "</parameter>\n</function>\n</tool_call>' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- '\n\n' + messages[0]['content'] }}{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' }}"
+    "{%- if message.get('reasoning_content') %}"
+    "{{- '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' }}"
+    "{%- endif %}"
+    "{{- message['content'] }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- ('\n' if message['content'] or not loop.first else '') + '<tool_call>\n<function='"
+    " + call['function']['name'] + '>\n' }}"
+    "{%- for name, value in call['function']['arguments'].items() %}"
+    "{{- '<parameter=' + name + '>\n' + (value if value is string else value | tojson) + '\n</parameter>\n' }}"
+    "{%- endfor %}"
+    "{{- '</function>\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined %}{{- '<think>\n' if enable_thinking else '<think>\n\n</think>\n\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template."""
@@ -102,6 +141,7 @@ class Tokenizer:
 
     def __init__(self, template: str | None, bos_token: str | None = None, eos_token: str | None = None):
         self._template = compile_template(template) if template else None
+        self.template_source = template or ""  # the chat template's text (parsers read its call format)
         self._template_vars = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
 
     @property
@@ -129,16 +169,21 @@ class Tokenizer:
         except Exception as e:  # a template error is the request's fault, not the server's
             raise ChatTemplateError(f"chat template failed on these messages: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], **extra) -> tuple[list[int], list[int]]:
+    def encode_chat(self, messages: list[dict[str, Any]], generation_prefix: str = "",
+                    **extra) -> tuple[list[int], list[int]]:
         """Token ids of the rendered conversation (with generation prompt) and, for i = 1 .. len(messages),
         where messages[i] starts in them (for i = len(messages): where the generation prompt starts):
-        the first token at or after the character render_chat_with_starts gives."""
-        return self.encode_rendered(*self.render_chat_with_starts(messages, **extra))
+        the token holding the character render_chat_with_starts gives. `extra` (tools,
+        chat_template_kwargs such as enable_thinking) goes to the template; `generation_prefix` is
+        appended after the generation prompt (text forced as the answer's start)."""
+        text, char_starts = self.render_chat_with_starts(messages, **extra)
+        return self.encode_rendered(text + generation_prefix, char_starts)
 
     def encode_rendered(self, text: str, char_starts: list[int]) -> tuple[list[int], list[int]]:
-        """Token ids of `text` and, for each character position, the first token at or after it."""
+        """Token ids of `text` and, for each character position, the token holding it (tokens before it
+        hold only characters before it; len(ids) for the end of the text)."""
         ids, offsets = self.encode_with_offsets(text)
-        return ids, [_token_at_or_after(offsets, c, len(ids)) for c in char_starts]
+        return ids, [len(ids) if c >= len(text) else _token_holding(offsets, c, len(ids)) for c in char_starts]
 
     def render_chat_with_starts(self, messages: list[dict[str, Any]], **extra) -> tuple[str, list[int]]:
         """The rendered conversation (with generation prompt) and, for i = 1 .. len(messages), the
@@ -162,8 +207,15 @@ class Tokenizer:
         messages[:i] stops agreeing with the whole one, one render per message (quadratic)."""
         log.debug("chat template has no loop over `messages`: rendering each prefix for the message starts")
         full = self.render_chat(messages, add_generation_prompt=True, **extra)
-        return full, [_common_prefix_len(self.render_chat(messages[:k], add_generation_prompt=False, **extra), full)
-                      for k in range(1, len(messages) + 1)]
+        starts: list[int] = []
+        for k in range(1, len(messages) + 1):
+            try:
+                prefix = self.render_chat(messages[:k], add_generation_prompt=False, **extra)
+            except ChatTemplateError:  # the template refuses this prefix (e.g. no user message yet)
+                starts.append(starts[-1] if starts else 0)
+                continue
+            starts.append(_common_prefix_len(prefix, full))
+        return full, starts
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -179,6 +231,15 @@ def _common_prefix_len(a: str, b: str) -> int:
         else:
             hi = mid
     return lo
+
+
+def _token_holding(offsets: list[int], char: int, num_tokens: int) -> int:
+    """Index of the token that holds character `char` (the first one starting at or after it when it
+    starts a token): tokens before it hold only characters before `char`."""
+    i = _token_at_or_after(offsets, char, num_tokens)
+    if i > 0 and (i == num_tokens or offsets[i] > char) and offsets[i - 1] < char:
+        return i - 1
+    return i
 
 
 def _token_at_or_after(offsets: list[int], char: int, num_tokens: int) -> int:
@@ -216,7 +277,7 @@ class ByteTokenizer(Tokenizer):
         return ByteTokenizer, ()
 
     def __init__(self):
-        super().__init__(CHATML_TEMPLATE, eos_token="<|im_end|>")
+        super().__init__(DEMO_CHAT_TEMPLATE, eos_token="<|im_end|>")
         self.special_tokens = {tok: 256 + i for i, tok in enumerate(self.SPECIALS)}
         self.max_chars_per_token = max(len(t) for t in self.SPECIALS)
         self.eos_token_ids = (self.special_tokens["<|im_end|>"], self.special_tokens["<|endoftext|>"])

@@ -4,7 +4,8 @@ What it is: (b) `agentic` and (f) `restart`, in the generator protocol of `workl
 sends the whole history; the model's reply goes back into it the way a client that strips
 reasoning keeps it (`client_keeps`), followed by a tool result:
 
-    turn t prompt:   system | task | (assistant kept_0 | tool result_0) ... (assistant kept_t-1 | tool result_t-1)
+    turn t prompt:   system | task | (assistant kept_0 + call_0 | tool result_0) ... (assistant kept_t-1 + ...)
+    each assistant message carries a real tool call, answered by the tool message.
     every fifth turn the user also adds a message after the tool result.
 
     (b) at turn floor(2 N / 3) the client compacts: it sends the history cut at the message boundary
@@ -38,11 +39,22 @@ def _opening(sizes: WorkloadSizes, text: TextSource) -> list[dict]:
             message("user", "Task: " + text.words(text.jittered(sizes.message_tokens)))]
 
 
+def tool_call_turn(turn: int, kept_reply: str, command: str, result: str) -> list[dict]:
+    """An assistant message that calls a tool (id, function name, arguments as the chat template takes
+    them: a dict; the server also accepts OpenAI's JSON string), then that tool's result."""
+    call_id = f"call_{turn}"
+    call = {"id": call_id, "type": "function",
+            "function": {"name": "run_command", "arguments": {"command": command}}}
+    return [{"role": "assistant", "content": kept_reply, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call_id, "content": result}]
+
+
 def _after_turn(turn: int, messages: list[dict], reply_text: str, sizes: WorkloadSizes,
                 text: TextSource) -> list[dict]:
-    """The history after a turn: the kept reply, a tool result, and every fifth turn a user message."""
-    grown = messages + [message("assistant", client_keeps(reply_text)),
-                        message("tool", text.words(text.jittered(sizes.tool_result_tokens)))]
+    """The history after a turn: the kept reply with its tool call, the tool's result, and every fifth
+    turn a user message."""
+    grown = messages + tool_call_turn(turn, client_keeps(reply_text), text.words(8),
+                                      text.words(text.jittered(sizes.tool_result_tokens)))
     if turn % 5 == 4:
         grown.append(message("user", text.words(text.jittered(sizes.message_tokens // 2))))
     return grown

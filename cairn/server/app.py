@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions   chat, whole or streamed (SSE)
     POST /v1/completions        text or token-id prompt, whole or streamed (SSE)
+    POST /v1/messages           Anthropic Messages API, whole or streamed (see `anthropic`)
+    POST /tokenize, /detokenize text or chat messages to token ids and back (see `tokenize`)
     GET  /v1/models             the served model; GET /v1/models/{name} one model or 404
     GET  /health                200 while the engine can make progress, else 503 (never needs the API key)
     GET  /metrics               Prometheus text (this app's own registry; see `metrics`)
@@ -33,7 +35,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from cairn.engine import Engine
-from cairn.server import generate
+from cairn.server import anthropic, generate, tokenize
 from cairn.server.bridge import EngineBridge
 from cairn.server.errors import APIError, from_exception, from_validation_errors
 from cairn.server.generate import ServingContext
@@ -41,11 +43,12 @@ from cairn.server.metrics import EngineStats, ServerMetrics
 from cairn.server.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, RequestId, current_request_id
 from cairn.server.offload import Offload
 from cairn.server.options import ServerOptions
-from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize", "/detokenize", "/v1/models",
+             "/health", "/metrics")
 ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread to end
 STATS_TIMEOUT_S = 5.0  # how long /metrics waits for the engine thread between two steps
 
@@ -64,6 +67,11 @@ async def guarded(handler: Awaitable[Response], prompt_param: str) -> Response:
         return error_response(error)
 
 
+def shaped_error(request: Request, e: APIError) -> JSONResponse:
+    """The error in the shape of the API the request was for (Anthropic's on /v1/messages)."""
+    return anthropic.error_response(e) if request.url.path == "/v1/messages" else error_response(e)
+
+
 def log_error(error: APIError, e: Exception) -> None:
     """One line for a client gone (499) or a refusal while shutting down (503); a traceback for any
     other 5xx (a bug or an engine failure); nothing for the other 4xx (the client's mistake)."""
@@ -78,8 +86,8 @@ def log_error(error: APIError, e: Exception) -> None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(from_validation_errors(list(exc.errors())))
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return shaped_error(request, from_validation_errors(list(exc.errors())))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -87,8 +95,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return shaped_error(request, exc)
 
 
 def model_card(ctx: ServingContext, created_s: int) -> dict:
@@ -124,6 +132,22 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def complete(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, offload)
         return await guarded(generate.completions(ctx, body, request), "prompt")
+
+    @app.post("/v1/messages")
+    async def messages(body: anthropic.MessagesRequest, request: Request) -> Response:
+        return await anthropic.guarded(anthropic.messages(ctx, body, request))
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> Response:
+        return await guarded(_json(tokenize.tokenize(ctx, body)), "messages")
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> Response:
+        return await guarded(_json(tokenize.detokenize(ctx, body)), "tokens")
+
+
+async def _json(result: Awaitable[dict]) -> Response:
+    return JSONResponse(await result)
 
 
 def add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -164,7 +188,8 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     bridge = EngineBridge(engine, Offload(engine.tokenizer, engine.max_model_len))
     metrics = ServerMetrics()
     ctx = ServingContext(bridge, metrics, engine.tokenizer, options.served_model_name or engine.model_name,
-                         frozenset({engine.model_name}), engine.max_model_len)
+                         frozenset({engine.model_name}), engine.max_model_len, engine.model_config.vocab_size,
+                         options.reasoning_parser, options.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

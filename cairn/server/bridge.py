@@ -56,7 +56,8 @@ class Submission:
     params: SamplingParams
     prompt: str | list[int] | None = None  # text or token ids
     messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the engine's chat template
-    template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    template_kwargs: dict[str, Any] | None = None  # with messages: tools, chat_template_kwargs, generation_prefix
+    message_starts: list[int] | None = None  # with token ids: where chat messages start in them
     fit_max_tokens: bool = False  # params.max_tokens is a placeholder: use all the context the prompt leaves
 
 
@@ -200,7 +201,7 @@ class EngineBridge:
     async def tokenize(self, sub: Submission) -> TokenizedPrompt:
         """The request's prompt rendered and tokenized by the offload workers (never the engine thread)."""
         try:
-            return await self.offload.tokenize(sub.prompt, sub.messages, sub.template_kwargs)
+            return await self.offload.tokenize(sub.prompt, sub.messages, sub.template_kwargs, sub.message_starts)
         except PromptTooLong as e:
             raise RequestTooLarge(str(e)) from None
         except RuntimeError as e:  # the pool was shut down: the server is stopping

@@ -11,6 +11,7 @@ not know about requests in flight.
 |----------------------------------------------|--------|-----------------------|-------------------------|
 | malformed JSON                               | 400    | invalid_request_error | invalid_json            |
 | a missing field / a wrong type or value      | 400    | invalid_request_error | missing_field / invalid_value |
+| a field the server does not know             | 400    | invalid_request_error | unknown_field           |
 | SamplingError, ChatTemplateError, ValueError | 400    | invalid_request_error | invalid_value           |
 | an unsupported option (n > 1, echo, ...)     | 400    | invalid_request_error | unsupported_value       |
 | RequestTooLarge: prompt over the context     | 400    | invalid_request_error | context_length_exceeded |
@@ -100,10 +101,18 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"The request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(loc) or None
     code = "missing_field" if first.get("type") == "missing" else "invalid_value"
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if first.get("type") == "extra_forbidden":
+        code, message = "unknown_field", f"unknown field `{param}`: this server does not implement it"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return APIError(400, message, param=param, code=code)
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the member of a union it tried (`str`, `list[int]`, `function-after[...]`) in the
+    error location; the field's own path is what the client needs."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "dict", "list", "none"} or "[" in part)

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cairn.outputs import RequestOutput
 from cairn.server.bridge import EngineBridge, RequestStream, Submission
+from cairn.server.chat_output import ChatShaper, openai_deltas, openai_message, plan_chat
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception, model_not_found
 from cairn.server.metrics import ServerMetrics
 from cairn.server.middleware import current_request_id
@@ -53,6 +54,9 @@ class ServingContext:
     served_model: str  # the name clients send and responses carry
     model_aliases: frozenset[str]  # other names accepted for the same model
     max_model_len: int
+    vocab_size: int = 1 << 62  # token ids in requests must be below this
+    reasoning_parser: str = "qwen3"  # "qwen3": <think> text becomes reasoning_content; "none": all content
+    tool_call_parser: str = "qwen3"  # "qwen3": <tool_call> blocks become tool_calls; "none": all content
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model and name not in self.model_aliases:
@@ -167,31 +171,50 @@ def _new_id(prefix: str) -> str:
 
 async def chat_completions(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
     start_s = time.monotonic()
-    ctx.check_model(body.model)
-    params = body.to_sampling_params(context_fill_tokens=ctx.max_model_len)
-    sub = Submission(_new_id("chatcmpl"), params, messages=body.template_messages(),
-                     fit_max_tokens=body.requested_max_tokens is None)
-    gen = await _start(ctx, sub, start_s)
+    gen, shaper = await start_chat(ctx, body, start_s, "chatcmpl")
     if body.stream:
-        return SSEResponse(_chat_events(gen, body), gen.close)
+        return SSEResponse(_chat_events(gen, body, shaper), gen.close)
     out = await gen.last_output(request)
+    shaper.feed(out.text, final=True)
     logprobs = (chat_logprobs(ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
                 if body.logprobs else None)
-    return JSONResponse(chat_response(gen.header, out, logprobs))
+    return JSONResponse(chat_response(gen.header, out, openai_message(shaper.message),
+                                      shaper.finish_reason(out.finish_reason), logprobs, body.return_token_ids))
 
 
-async def _chat_events(gen: Generation, body: ChatCompletionRequest) -> AsyncIterator[str]:
+async def start_chat(ctx: ServingContext, body: ChatCompletionRequest, start_s: float,
+                     id_prefix: str) -> tuple[Generation, ChatShaper]:
+    """Validate a chat request, submit it, and return its generation and the shaper of its output."""
+    ctx.check_model(body.model)
+    body.token_ids_in_vocab(ctx.vocab_size)
+    body.check_tools()
+    params = body.to_sampling_params(context_fill_tokens=ctx.max_model_len)
+    kwargs = body.template_kwargs()
+    if ctx.tool_call_parser == "none" and body.forced_function() is not None:
+        raise APIError(400, "tool_choice naming a function needs a tool-call parser (this server runs with "
+                            "--tool-call-parser none)", param="tool_choice", code="unsupported_value")
+    tools = ({t.function.name: t.function.parameters or {} for t in body.tools}
+             if body.tools and body.tool_choice != "none" else None)
+    plan = plan_chat(ctx.tokenizer, ctx.reasoning_parser, ctx.tool_call_parser, kwargs, tools,
+                     body.forced_function(), body.parallel_tool_calls)
+    if plan.generation_prefix:
+        kwargs = {**kwargs, "generation_prefix": plan.generation_prefix}
+    sub = Submission(_new_id(id_prefix), params, messages=body.template_messages(), template_kwargs=kwargs,
+                     fit_max_tokens=body.requested_max_tokens is None)
+    return await _start(ctx, sub, start_s), ChatShaper(plan)
+
+
+async def _chat_events(gen: Generation, body: ChatCompletionRequest, shaper: ChatShaper) -> AsyncIterator[str]:
     yield sse(chat_chunk(gen.header, {"role": "assistant", "content": ""}))
-    last = None
+    last, num_calls = None, 0
     try:
         async for out in gen.outputs():
             last = out
-            span = _delta_slice(out)
-            logprobs = (chat_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.logprobs[span],
-                                      out.top_logprobs[span]) if body.logprobs and out.delta_token_ids else None)
-            if out.delta_text or logprobs or out.finished:
-                delta = {"content": out.delta_text} if out.delta_text else {}
-                yield sse(chat_chunk(gen.header, delta, out.finish_reason if out.finished else None, logprobs))
+            delta = shaper.feed(out.delta_text, final=out.finished)
+            deltas = openai_deltas(delta, num_calls)
+            num_calls += len(delta.calls)
+            for chunk in _chat_chunks(gen, body, out, deltas, shaper.finish_reason(out.finish_reason)):
+                yield sse(chunk)
     except Exception as e:
         yield sse(from_exception(e).body())
     else:
@@ -200,19 +223,40 @@ async def _chat_events(gen: Generation, body: ChatCompletionRequest) -> AsyncIte
     yield DONE_EVENT
 
 
+def _chat_chunks(gen: Generation, body: ChatCompletionRequest, out: RequestOutput, deltas: list[dict],
+                 finish_reason: str | None) -> list[dict]:
+    """The chunks for one engine output: its deltas, the first carrying the logprobs and token ids of
+    the output's tokens (in an empty delta if the text is held back), then the finish chunk."""
+    span = _delta_slice(out)
+    logprobs = (chat_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.logprobs[span], out.top_logprobs[span])
+                if body.logprobs and out.delta_token_ids else None)
+    extra = {"token_ids": out.delta_token_ids} if body.return_token_ids and out.delta_token_ids else {}
+    if (logprobs or extra) and not deltas:
+        deltas = [{}]
+    chunks = [chat_chunk(gen.header, d, None, logprobs if i == 0 else None, **(extra if i == 0 else {}))
+              for i, d in enumerate(deltas)]
+    if out.finished:
+        finish_extra = {"prompt_token_ids": out.prompt_token_ids} if body.return_token_ids else {}
+        chunks.append(chat_chunk(gen.header, {}, finish_reason, None, **finish_extra))
+    return chunks
+
+
 # ---- /v1/completions ----------------------------------------------------------------------------
 
 async def completions(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
     start_s = time.monotonic()
     ctx.check_model(body.model)
+    body.token_ids_in_vocab(ctx.vocab_size)
     params = body.to_sampling_params()
-    gen = await _start(ctx, Submission(_new_id("cmpl"), params, prompt=body.engine_prompt()), start_s)
+    prompt = body.engine_prompt()
+    sub = Submission(_new_id("cmpl"), params, prompt=prompt, message_starts=body.checked_message_starts(prompt))
+    gen = await _start(ctx, sub, start_s)
     if body.stream:
         return SSEResponse(_completion_events(gen, body), gen.close)
     out = await gen.last_output(request)
     logprobs = (completion_logprobs(ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, 0)
                 if body.logprobs is not None else None)
-    return JSONResponse(completion_response(gen.header, out, logprobs))
+    return JSONResponse(completion_response(gen.header, out, logprobs, body.return_token_ids))
 
 
 async def _completion_events(gen: Generation, body: CompletionRequest) -> AsyncIterator[str]:
@@ -226,9 +270,12 @@ async def _completion_events(gen: Generation, body: CompletionRequest) -> AsyncI
                 logprobs = completion_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.logprobs[span],
                                                out.top_logprobs[span], offset_chars)
                 offset_chars += sum(len(t) for t in logprobs["tokens"])
-            if out.delta_text or logprobs or out.finished:
+            extra = {"token_ids": out.delta_token_ids} if body.return_token_ids and out.delta_token_ids else {}
+            if out.finished and body.return_token_ids:
+                extra["prompt_token_ids"] = out.prompt_token_ids
+            if out.delta_text or logprobs or out.finished or extra:
                 yield sse(completion_chunk(gen.header, out.delta_text, out.finish_reason if out.finished else None,
-                                           logprobs))
+                                           logprobs, **extra))
     except Exception as e:
         yield sse(from_exception(e).body())
     else:

@@ -70,9 +70,10 @@ class Offload:
         return await self._run(self._processes, json.loads, body)
 
     async def tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
-                       template_kwargs: dict[str, Any] | None) -> TokenizedPrompt:
+                       template_kwargs: dict[str, Any] | None,
+                       message_starts: list[int] | None = None) -> TokenizedPrompt:
         """tokenize_prompt (see `prompt`), refusing what cannot fit in max_model_len before encoding it."""
-        args = (prompt, messages, template_kwargs, self.max_model_len)
+        args = (prompt, messages, template_kwargs, self.max_model_len, message_starts)
         if _input_chars(prompt, messages) < LARGE_INPUT_BYTES:
             return await self._run(self._threads, tokenize_prompt, self.tokenizer, *args)
         return await self._run(self._processes, _tokenize_in_worker, *args)

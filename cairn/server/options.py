@@ -36,6 +36,11 @@ class ServerOptions:
     metrics_public: bool = _f(False, "serve /metrics without the API key")
     allowed_origins: str | None = _f(None, "comma-separated origins browsers may call the API from (CORS), or '*'; "
                                            "default: none")
+    reasoning_parser: str = _f("qwen3", "how chat answers are split into reasoning and content: qwen3 (<think> text "
+                                        "becomes reasoning_content) or none (all content)", choices=("qwen3", "none"))
+    tool_call_parser: str = _f("qwen3", "how tool calls are read from chat answers: qwen3 (<tool_call> blocks, Qwen3.5 "
+                                        "XML or JSON style, become tool_calls) or none (all content)",
+                               choices=("qwen3", "none"))
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

@@ -1,42 +1,187 @@
-"""Request bodies of the OpenAI API as pydantic models, and their conversion to engine inputs.
+"""Request bodies of the OpenAI API as strict pydantic models, and their conversion to engine inputs.
 
-Only the fields cairn honours are declared; unknown fields are ignored (clients send many). Fields
-that would change the output in a way cairn cannot do (n > 1, echo, penalties, a batch of prompts,
-non-text content) are refused with a 400 rather than silently ignored. Range checks of the sampling
-fields are SamplingParams' own (its SamplingError becomes a 400), so there is one source of truth.
+Every field a request may carry is declared here, with a strict type: `"stream": "yes"`,
+`"max_tokens": true` or `"prompt": [true]` are refused rather than coerced. A field that is not
+declared is refused with a 400 naming it (`extra="forbid"`). Fields that cairn knows but does not
+implement yet are listed once, in `UNIMPLEMENTED_FIELDS`, with the value that changes nothing: a
+request may send that value (clients often send `presence_penalty: 0`), any other value is refused
+with a 400 naming the field. Range checks of the sampling fields are SamplingParams' own (its
+SamplingError becomes a 400), so there is one source of truth; token ids are checked against the
+vocabulary by the endpoints, which know it.
 
-What this module is not: response shapes (see `responses`) or anything that touches the engine.
+What this module is not: response shapes (see `responses`, `chat_output`) or anything that touches
+the engine.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cairn.sampling import SamplingParams
 from cairn.server.errors import APIError
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ROLES = ("system", "user", "assistant", "tool")  # the roles the supported chat templates know
+
+# Known request fields cairn does not implement, each with its neutral value (the one that changes
+# nothing, accepted). Implementing a field = declaring it on the request model and removing it here.
+UNIMPLEMENTED_FIELDS: dict[str, Any] = {
+    "n": 1, "best_of": 1, "echo": False, "suffix": None,
+    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {}, "min_tokens": 0,
+    "include_stop_str_in_output": False,
+    "response_format": {"type": "text"}, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
+    "functions": None, "function_call": None, "reasoning_effort": None, "prompt_logprobs": None,
+    "logprobs_mode": None, "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
+}
 
 
-class StreamOptions(BaseModel):
+def refuse_unimplemented(data: Any, where: str = "") -> Any:
+    """Drop known-but-unimplemented fields that carry their neutral value; refuse any other value."""
+    if not isinstance(data, dict):
+        return data
+    for name in [k for k in data if k in UNIMPLEMENTED_FIELDS]:
+        if _is_neutral(data[name], UNIMPLEMENTED_FIELDS[name]):
+            del data[name]
+            continue
+        raise APIError(400, f"{where}{name}={json.dumps(data[name])[:80]} is not supported by this server",
+                       param=f"{where}{name}", code="unsupported_value")
+    return data
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
+
+
+class Strict(BaseModel):
+    """Strict types, unknown fields refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+StrictInt = Annotated[int, Field(strict=True)]
+TokenIds = list[Annotated[int, Field(strict=True)]]
+
+
+class StreamOptions(Strict):
     include_usage: bool = False  # send a last chunk with empty choices and the usage
+    continuous_usage_stats: Literal[False] = False  # vLLM extension: cairn sends the usage only at the end
 
 
-class ChatMessage(BaseModel):
-    """One message; extra keys (name, tool_calls, reasoning_content, ...) pass through to the template."""
+# ---- tools --------------------------------------------------------------------------------------
 
-    model_config = ConfigDict(extra="allow")
-    role: str
+FunctionName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s<>]+$")]  # no markup in a name
+
+
+class FunctionDef(Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON schema of the arguments
+    strict: Literal[False] | None = None  # true (arguments constrained to the schema) needs a grammar engine
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(Strict):
+    name: FunctionName
+    arguments: str | dict[str, Any]  # a JSON object as a string (OpenAI) or already parsed
+
+
+class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# ---- messages -----------------------------------------------------------------------------------
+
+class ChatMessage(Strict):
+    """One message. Keys the openai client echoes back from a response (refusal, annotations, audio,
+    function_call) are accepted when null."""
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: its thinking (vLLM's name)
+    reasoning: str | None = None  # the same, under vLLM's newer name
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
 
 
-class SamplingFields(BaseModel):
+def template_message(index: int, m: ChatMessage) -> dict[str, Any]:
+    """The message as chat templates want it: content a string, tool-call arguments a dict (as
+    transformers' apply_chat_template is given them), reasoning under `reasoning_content`."""
+    out: dict[str, Any] = {"role": m.role, "content": text_content(index, m.content)}
+    if m.name is not None:
+        out["name"] = m.name
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [_template_tool_call(index, j, c) for j, c in enumerate(m.tool_calls)]
+    return out
+
+
+def _template_tool_call(index: int, j: int, c: ToolCall) -> dict[str, Any]:
+    args = c.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            args = None
+        if not isinstance(args, dict):
+            raise APIError(400, "tool call arguments must be a JSON object",
+                           param=f"messages.{index}.tool_calls.{j}.function.arguments", code="invalid_value")
+    call = {"type": "function", "function": {"name": c.function.name, "arguments": args}}
+    if c.id is not None:
+        call["id"] = c.id
+    return call
+
+
+def text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"content part of type {kind!r} is not supported: only text parts",
+                           param=f"messages.{index}.content.{j}", code="unsupported_value")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# ---- the requests -------------------------------------------------------------------------------
+
+class SamplingFields(Strict):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None  # None: the served model
     max_tokens: int | None = None
     temperature: float | None = None
@@ -45,27 +190,31 @@ class SamplingFields(BaseModel):
     min_p: float | None = None  # cairn / vLLM extension
     seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: TokenIds | None = None  # extension
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
     user: str | None = None
+    metadata: dict[str, str] | None = None  # stored nowhere; accepted as OpenAI does without `store`
+    store: Literal[False] | None = None
     ignore_eos: bool = False  # extension: keep generating past end-of-sequence tokens
     cache_prompt: bool = True  # extension: False neither reads nor writes the prefix cache
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    return_token_ids: bool = False  # extension (vLLM): the prompt and output token ids in the response
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unimplemented(cls, data: Any) -> Any:
+        return refuse_unimplemented(data)
 
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def check_supported(self) -> None:
-        """Raise a 400 for options that would change the output in ways cairn does not implement."""
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: only n=1", param="n", code="unsupported_value")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
+    def token_ids_in_vocab(self, vocab_size: int) -> None:
+        """Raise a 400 if a stop token id is outside [0, vocab_size)."""
+        bad = [t for t in self.stop_token_ids or () if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab_size}), got {bad[0]}",
+                           param="stop_token_ids", code="invalid_value")
 
     def sampling_params(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         """SamplingParams for this request (raises SamplingError on out-of-range values)."""
@@ -83,6 +232,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # takes precedence over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: at most one call is returned
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -91,7 +244,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def to_sampling_params(self, context_fill_tokens: int) -> SamplingParams:
         """`context_fill_tokens` stands in for max_tokens when none was given (the bridge then fits it)."""
-        self.check_supported()
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
         max_tokens = self.requested_max_tokens
@@ -99,23 +251,49 @@ class ChatCompletionRequest(SamplingFields):
                                     self.logprobs, self.top_logprobs or 0)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template wants them: content a string (text parts joined by newlines)."""
-        return [_template_message(i, m) for i, m in enumerate(self.messages)]
+        """Messages as the chat template wants them (see `template_message`)."""
+        return [template_message(i, m) for i, m in enumerate(self.messages)]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Variables for the chat template beside the messages: the tools and chat_template_kwargs."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "tools", "generation_prefix"):
+            if reserved in kwargs:
+                raise APIError(400, f"chat_template_kwargs may not set {reserved!r}",
+                               param=f"chat_template_kwargs.{reserved}", code="invalid_value")
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        return kwargs
+
+    def forced_function(self) -> str | None:
+        """The function a call must be made to (named tool_choice, or `required` with one tool), else None."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        if choice == "required" and self.tools and len(self.tools) == 1:
+            return self.tools[0].function.name
+        return None
+
+    def check_tools(self) -> None:
+        """tool_choice must name a given tool; `required` with several tools cannot be enforced."""
+        names = {t.function.name for t in self.tools or ()}
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise APIError(400, "tool_choice requires tools", param="tool_choice", code="invalid_value")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
+                           param="tool_choice", code="invalid_value")
+        if self.tool_choice == "required" and len(names) > 1:
+            raise APIError(400, "tool_choice=required with several tools is not supported (it needs constrained "
+                                "decoding): name the function, or send one tool", param="tool_choice",
+                           code="unsupported_value")
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token plus this many alternatives
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    message_starts: TokenIds | None = None  # extension: where chat messages start in a token-id prompt
 
     def to_sampling_params(self) -> SamplingParams:
-        self.check_supported()
-        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix), ("best_of", self.best_of not in
-                                                                                (None, 1))):
-            if unsupported:
-                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         return self.sampling_params(max_tokens, self.logprobs is not None, self.logprobs or 0)
 
@@ -129,27 +307,43 @@ class CompletionRequest(SamplingFields):
                            param="prompt", code="unsupported_value")
         return p[0]
 
+    def checked_message_starts(self, prompt: str | list[int]) -> list[int]:
+        """message_starts, valid only with a token-id prompt: increasing positions inside it."""
+        starts = self.message_starts or []
+        if starts and isinstance(prompt, str):
+            raise APIError(400, "message_starts needs a token-id prompt", param="message_starts",
+                           code="invalid_value")
+        increasing = all(a < b for a, b in zip(starts, starts[1:], strict=False))
+        if not increasing or any(not 0 <= s < len(prompt) for s in starts):
+            raise APIError(400, f"message_starts must be increasing positions in [0, {len(prompt)})",
+                           param="message_starts", code="invalid_value")
+        return starts
+
+
+class TokenizeRequest(Strict):
+    """POST /tokenize: text (`prompt`) or chat `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # accepted for vLLM clients; cairn's tokenizers add none
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: TokenIds
+
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
-
-
-def _template_message(index: int, m: ChatMessage) -> dict[str, Any]:
-    out = m.model_dump(exclude_none=True)
-    out["content"] = _text_content(index, m.content)
-    return out
-
-
-def _text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"content part of type {kind!r} is not supported: only text parts",
-                           param=f"messages.{index}.content.{j}", code="unsupported_value")
-        texts.append(part["text"])
-    return "\n".join(texts)

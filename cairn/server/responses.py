@@ -103,27 +103,37 @@ class ResponseHeader:
         return {"id": self.id, "created": self.created, "model": self.model}
 
 
-def chat_response(h: ResponseHeader, out: RequestOutput, logprobs: dict | None) -> dict[str, Any]:
-    choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-              "finish_reason": out.finish_reason}
-    return {**h.model_dump(), "object": "chat.completion", "choices": [choice],
-            "usage": usage_of(out).model_dump()}
+def chat_response(h: ResponseHeader, out: RequestOutput, message: dict[str, Any], finish_reason: str | None,
+                  logprobs: dict | None, token_ids: bool = False) -> dict[str, Any]:
+    """A whole chat.completion; `token_ids`: add the output's (choice) and the prompt's token ids."""
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    body = {**h.model_dump(), "object": "chat.completion", "choices": [choice], "usage": usage_of(out).model_dump()}
+    if token_ids:
+        choice["token_ids"] = list(out.token_ids)
+        body["prompt_token_ids"] = out.prompt_token_ids
+    return body
 
 
-def completion_response(h: ResponseHeader, out: RequestOutput, logprobs: dict | None) -> dict[str, Any]:
+def completion_response(h: ResponseHeader, out: RequestOutput, logprobs: dict | None,
+                        token_ids: bool = False) -> dict[str, Any]:
     choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-    return {**h.model_dump(), "object": "text_completion", "choices": [choice], "usage": usage_of(out).model_dump()}
+    body = {**h.model_dump(), "object": "text_completion", "choices": [choice], "usage": usage_of(out).model_dump()}
+    if token_ids:
+        choice["token_ids"] = list(out.token_ids)
+        body["prompt_token_ids"] = out.prompt_token_ids
+    return body
 
 
 def chat_chunk(h: ResponseHeader, delta: dict[str, Any], finish_reason: str | None = None,
-               logprobs: dict | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+               logprobs: dict | None = None, **choice_extra) -> dict[str, Any]:
+    """One chat.completion.chunk; `choice_extra` (token_ids) goes into the choice."""
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **choice_extra}
     return {**h.model_dump(), "object": "chat.completion.chunk", "choices": [choice]}
 
 
 def completion_chunk(h: ResponseHeader, text: str, finish_reason: str | None = None,
-                     logprobs: dict | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                     logprobs: dict | None = None, **choice_extra) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **choice_extra}
     return {**h.model_dump(), "object": "text_completion", "choices": [choice]}
 
 

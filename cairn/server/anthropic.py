@@ -1,0 +1,326 @@
+"""POST /v1/messages: the Anthropic Messages API, so Anthropic-API coding agents can point at cairn.
+
+A request is turned into the equivalent chat request (system, user / assistant turns, `tool_use` ->
+assistant tool_calls, `tool_result` -> tool messages, `thinking` -> reasoning_content, `thinking`
+config -> the template's enable_thinking, `stop_sequences` -> stop) and runs the chat path
+(`generate.start_chat`): the same template, parsers, prefix cache and snapshots. The answer comes back
+as content blocks (`thinking`, `text`, `tool_use`), whole or as Anthropic's SSE events:
+
+    message_start, then per block: content_block_start, content_block_delta..., content_block_stop,
+    then message_delta (stop_reason, usage) and message_stop.
+
+usage: `input_tokens` counts the prompt tokens computed, `cache_read_input_tokens` those resumed from
+cairn's prefix cache (the same figure as OpenAI's cached_tokens); cairn has no separate cache write
+(`cache_creation_input_tokens` is 0), `cache_control` marks are accepted and change nothing. The
+thinking `budget_tokens` is accepted but not enforced (max_tokens bounds the whole answer). The
+sampling fields older clients send (temperature, top_p, top_k) are honoured.
+Errors have Anthropic's shape {"type": "error", "error": {"type", "message"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from cairn.outputs import RequestOutput
+from cairn.server.chat_output import ChatDelta, ChatShaper, tool_arguments
+from cairn.server.errors import APIError, from_exception
+from cairn.server.generate import Generation, ServingContext, SSEResponse, start_chat
+from cairn.server.protocol import ChatCompletionRequest, Strict, refuse_unimplemented
+
+log = logging.getLogger(__name__)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+# ---- the request --------------------------------------------------------------------------------
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None
+    citations: None = None
+
+
+class ThinkingBlock(Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class ToolUseBlock(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class AnthropicTool(Strict):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(Strict):
+    type: Literal["enabled", "adaptive", "disabled"]  # enabled / adaptive: the template's enable_thinking
+    budget_tokens: int | None = None  # accepted, not enforced
+    display: Literal["summarized"] | None = None  # thinking is returned as generated
+
+
+class MessagesRequest(Strict):
+    model: str
+    max_tokens: int
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    metadata: dict[str, Any] | None = None  # user_id; stored nowhere
+    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unimplemented(cls, data: Any) -> Any:
+        return refuse_unimplemented(data)
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The equivalent chat request."""
+        messages: list[dict[str, Any]] = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
+            messages.append({"role": "system", "content": system})
+        for m in self.messages:
+            messages += _chat_messages(m)
+        chat: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
+                                "stop": self.stop_sequences, "temperature": self.temperature, "top_p": self.top_p,
+                                "top_k": self.top_k}
+        if self.tools:
+            chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                               "parameters": t.input_schema}} for t in self.tools]
+        if self.tool_choice is not None:
+            chat["tool_choice"] = _tool_choice(self.tool_choice)
+            chat["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use
+        if self.thinking is not None:
+            chat["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+
+
+def _tool_choice(choice: ToolChoice) -> Any:
+    if choice.type == "tool":
+        if not choice.name:
+            raise APIError(400, "tool_choice type tool needs a name", param="tool_choice.name", code="invalid_value")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _chat_messages(m: Message) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: a user turn's tool results become tool messages."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    texts = [b.text for b in m.content if isinstance(b, TextBlock)]
+    if m.role == "assistant":
+        out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        thinking = [b.thinking for b in m.content if isinstance(b, ThinkingBlock)]
+        if thinking:
+            out["reasoning_content"] = "".join(thinking)
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                 for b in m.content if isinstance(b, ToolUseBlock)]
+        if calls:
+            out["tool_calls"] = calls
+        return [out]
+    if any(isinstance(b, ToolUseBlock | ThinkingBlock) for b in m.content):
+        raise APIError(400, "a user message cannot carry tool_use or thinking blocks", param="messages",
+                       code="invalid_value")
+    out_messages = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)}
+                    for b in m.content if isinstance(b, ToolResultBlock)]
+    if texts or not out_messages:
+        out_messages.append({"role": "user", "content": "\n".join(texts)})
+    return out_messages
+
+
+def _result_text(b: ToolResultBlock) -> str:
+    text = b.content if isinstance(b.content, str) else "\n".join(t.text for t in b.content or ())
+    return f"Error: {text}" if b.is_error else text
+
+
+# ---- the answer ---------------------------------------------------------------------------------
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    cached = out.cache.cached_tokens
+    return {"input_tokens": out.num_prompt_tokens - cached, "output_tokens": len(out.token_ids),
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def _stop(ctx: ServingContext, shaper: ChatShaper, out: RequestOutput, stops: list[str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished answer."""
+    if shaper.message.calls and out.finish_reason in ("stop", "length"):
+        return "tool_use", None
+    if out.finish_reason == "length":
+        return "max_tokens", None
+    if stops:
+        text = ctx.tokenizer.decode(out.token_ids)
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            return "stop_sequence", min(hits)[1]
+    return "end_turn", None
+
+
+def _blocks(message: ChatDelta) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if message.reasoning:
+        blocks.append({"type": "thinking", "thinking": message.reasoning, "signature": ""})
+    if message.content or not (message.reasoning or message.calls):
+        blocks.append({"type": "text", "text": message.content})
+    blocks += [{"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": tool_arguments(c)}
+               for c in message.calls]
+    return blocks
+
+
+def _tool_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _message(msg_id: str, model: str, content: list, out: RequestOutput | None,
+             stop: tuple[str | None, str | None]) -> dict[str, Any]:
+    usage = _usage(out) if out is not None else {"input_tokens": 0, "output_tokens": 0}
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+
+async def messages(ctx: ServingContext, body: MessagesRequest, request: Request) -> Response:
+    start_s = time.monotonic()
+    gen, shaper = await start_chat(ctx, body.to_chat(), start_s, "msg")
+    msg_id = "msg_" + uuid.uuid4().hex[:24]
+    if body.stream:
+        return SSEResponse(_events(ctx, gen, shaper, body, msg_id), gen.close)
+    out = await gen.last_output(request)
+    shaper.feed(out.text, final=True)
+    stop = _stop(ctx, shaper, out, body.stop_sequences or [])
+    return JSONResponse(_message(msg_id, ctx.served_model, _blocks(shaper.message), out, stop))
+
+
+def _event(kind: str, payload: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, separators=(',', ':'))}\n\n"
+
+
+class _BlockStream:
+    """Opens, feeds and closes content blocks as the kind of text changes."""
+
+    def __init__(self):
+        self.index, self.kind = -1, None
+
+    def switch(self, kind: str, start: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.index, self.kind = self.index + 1, kind
+        events.append(_event("content_block_start", {"index": self.index, "content_block": start}))
+        return events
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        events = []
+        if self.kind == "thinking":
+            events.append(self.delta({"type": "signature_delta", "signature": ""}))
+        self.kind = None
+        return [*events, _event("content_block_stop", {"index": self.index})]
+
+    def delta(self, delta: dict[str, Any]) -> str:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def pieces(self, d: ChatDelta) -> list[str]:
+        events: list[str] = []
+        if d.reasoning:
+            if self.kind != "thinking":
+                events += self.switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self.delta({"type": "thinking_delta", "thinking": d.reasoning}))
+        if d.content:
+            if self.kind != "text":
+                events += self.switch("text", {"type": "text", "text": ""})
+            events.append(self.delta({"type": "text_delta", "text": d.content}))
+        for c in d.calls:
+            events += self.switch("tool_use", {"type": "tool_use", "id": _tool_id(c.id), "name": c.name,
+                                               "input": {}})
+            events.append(self.delta({"type": "input_json_delta", "partial_json": c.arguments}))
+        return events
+
+
+async def _events(ctx: ServingContext, gen: Generation, shaper: ChatShaper, body: MessagesRequest,
+                  msg_id: str) -> AsyncIterator[str]:
+    blocks, started = _BlockStream(), False
+    try:
+        async for out in gen.outputs():
+            if not started:
+                started = True
+                yield _event("message_start", {"message": _message(msg_id, ctx.served_model, [], out, (None, None))})
+            pieces = blocks.pieces(shaper.feed(out.delta_text, final=out.finished))
+            if out.finished:
+                if blocks.index < 0:  # an empty answer still has one (empty) text block
+                    pieces += blocks.switch("text", {"type": "text", "text": ""})
+                pieces += blocks.close()
+                stop_reason, stop_sequence = _stop(ctx, shaper, out, body.stop_sequences or [])
+                pieces.append(_event("message_delta", {"delta": {"stop_reason": stop_reason,
+                                                                 "stop_sequence": stop_sequence},
+                                                       "usage": _usage(out)}))
+                pieces.append(_event("message_stop", {}))
+            for piece in pieces:
+                yield piece
+    except Exception as e:
+        yield _event("error", {"error": error_body(from_exception(e))["error"]})
+
+
+def error_body(e: APIError) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(e.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
+
+
+async def guarded(handler: Awaitable[Response]) -> Response:
+    """Await a handler; any exception becomes an Anthropic-shaped error response (5xx are logged)."""
+    try:
+        return await handler
+    except Exception as e:
+        error = from_exception(e, "messages")
+        if error.status >= 500:
+            log.exception("request failed: %s", error.message)
+        return error_response(error)

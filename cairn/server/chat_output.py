@@ -1,0 +1,158 @@
+"""Chat output shaping: generated text -> reasoning, content and tool calls, for one chat request.
+
+`ChatPlan` is decided once per request from the request and the server's flags: which parsers run,
+and the text forced at the start of the answer (`tool_choice` naming a function appends the start of
+that call to the prompt, so the model can only continue the call). `ChatShaper` then runs the text
+through the reasoning parser, its content through the tool-call parser, and yields `ChatDelta`s;
+the OpenAI (`openai_*`) and Anthropic (`anthropic`) shapes are built from those.
+
+    generated text ─> ReasoningParser ─┬─ reasoning ────────────────> reasoning_content / thinking
+                                       └─ content ─> ToolCallParser ─┬─ content ─> content / text
+                                                                     └─ calls ───> tool_calls / tool_use
+
+What this is not: it does not talk to the engine, and it does not decide errors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from cairn.server.parsers import (
+    THINK_END,
+    THINK_START,
+    NoReasoningParser,
+    NoToolCallParser,
+    ParsedToolCall,
+    ReasoningParser,
+    ToolCallParser,
+    forced_call_prefix,
+)
+from cairn.tokenizer import ChatTemplateError, Tokenizer
+
+PROBE = [{"role": "user", "content": "probe"}]  # rendered to see how the generation prompt ends
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """How one chat request's output is parsed."""
+
+    reasoning_parser: str  # "qwen3" or "none"
+    starts_in_reasoning: bool  # the prompt ends inside <think> (the template opened it)
+    tools: dict[str, dict] | None  # function name -> parameters schema; None: no tool-call parsing
+    generation_prefix: str = ""  # text appended to the prompt, which the answer continues
+    call_prefix: str = ""  # the part of generation_prefix the tool-call parser must see first
+    parallel_tool_calls: bool = True
+
+
+def opens_reasoning(tokenizer: Tokenizer, template_kwargs: dict[str, Any]) -> bool:
+    """Whether this template, with these kwargs, ends the generation prompt inside <think>."""
+    kwargs = {k: v for k, v in template_kwargs.items() if k != "tools"}
+    try:
+        rendered = tokenizer.render_chat(PROBE, add_generation_prompt=True, **kwargs)
+    except ChatTemplateError:
+        return False
+    tail = rendered.rstrip()
+    return tail.endswith(THINK_START) and THINK_END not in tail[-len(THINK_START) - 2:]
+
+
+def plan_chat(tokenizer: Tokenizer, reasoning_parser: str, tool_call_parser: str, template_kwargs: dict[str, Any],
+              tools: dict[str, dict] | None, forced_function: str | None, parallel_tool_calls: bool) -> ChatPlan:
+    """The plan for a request; `tools` is None when calls are not parsed (no tools, tool_choice none)."""
+    in_reasoning = reasoning_parser != "none" and opens_reasoning(tokenizer, template_kwargs)
+    if tool_call_parser == "none":
+        tools = None
+    prefix = call_prefix = ""
+    if forced_function is not None:
+        call_prefix = forced_call_prefix(tokenizer.template_source, forced_function)
+        # A forced call skips the reasoning: close the block the template opened.
+        prefix = ("\n" + THINK_END + "\n\n" if in_reasoning else "") + call_prefix
+        in_reasoning = False
+    return ChatPlan(reasoning_parser, in_reasoning, tools, prefix, call_prefix, parallel_tool_calls)
+
+
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+
+class ChatShaper:
+    """Feeds generated text through the parsers of a ChatPlan; keeps what the whole message needs."""
+
+    def __init__(self, plan: ChatPlan):
+        self.plan = plan
+        self.reasoning = ReasoningParser(plan.starts_in_reasoning) if plan.reasoning_parser != "none" \
+            else NoReasoningParser()
+        self.calls = ToolCallParser(plan.tools, plan.call_prefix) if plan.tools is not None else NoToolCallParser()
+        self.message = ChatDelta()  # everything so far
+        self._num_calls_kept = 0
+
+    def feed(self, text: str, final: bool = False) -> ChatDelta:
+        """What `text` (the next generated piece) adds; `final`: generation has ended, flush everything."""
+        reasoning, content = self.reasoning.feed(text)
+        if final:
+            more_reasoning, more_content = self.reasoning.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return self._through_calls(reasoning, content, final)
+
+    def _through_calls(self, reasoning: str, content: str, final: bool) -> ChatDelta:
+        content, calls = self.calls.feed(content)
+        if final:
+            more_content, more_calls = self.calls.finish()
+            content, calls = content + more_content, calls + more_calls
+        if not self.plan.parallel_tool_calls:
+            calls = calls[: max(0, 1 - self._num_calls_kept)]
+        self._num_calls_kept += len(calls)
+        delta = ChatDelta(reasoning, content, calls)
+        self.message.reasoning += reasoning
+        self.message.content += content
+        self.message.calls += calls
+        return delta
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """"tool_calls" when the answer made calls (unless aborted), else the engine's reason."""
+        if self.message.calls and engine_reason in ("stop", "length"):
+            return "tool_calls"
+        return engine_reason
+
+
+# ---- OpenAI shapes ------------------------------------------------------------------------------
+
+def openai_tool_call(call: ParsedToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def openai_message(message: ChatDelta) -> dict[str, Any]:
+    """The assistant message of a whole chat.completion."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.content if message.content or not message.calls
+                           else None}
+    if message.reasoning:
+        out["reasoning_content"] = message.reasoning
+    if message.calls:
+        out["tool_calls"] = [openai_tool_call(c) for c in message.calls]
+    return out
+
+
+def openai_deltas(delta: ChatDelta, first_call_index: int) -> list[dict[str, Any]]:
+    """The `delta` objects of stream chunks for this piece: reasoning, content, then each call as two
+    fragments (id and name, then the arguments), the way the openai client reassembles them."""
+    out: list[dict[str, Any]] = []
+    if delta.reasoning:
+        out.append({"reasoning_content": delta.reasoning})
+    if delta.content:
+        out.append({"content": delta.content})
+    for i, call in enumerate(delta.calls, start=first_call_index):
+        out.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                    "function": {"name": call.name, "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+    return out
+
+
+def tool_arguments(call: ParsedToolCall) -> dict[str, Any]:
+    return json.loads(call.arguments)

@@ -1,0 +1,43 @@
+"""POST /tokenize and /detokenize: text or chat messages to token ids (with the message starts), and back.
+
+    /tokenize    {"prompt": str} or {"messages": [...], "tools", "chat_template_kwargs", "add_generation_prompt"}
+                 -> {"count", "max_model_len", "tokens", "message_starts"}
+    /detokenize  {"tokens": [int]} -> {"prompt": str}
+
+`message_starts` are the positions where each chat message starts, the list /v1/completions accepts
+with a token-id prompt (so a client working in token ids gets the same message-start snapshots as
+one sending messages). Tokenizing runs on a worker thread, not on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from cairn.server.errors import APIError
+from cairn.server.generate import ServingContext
+from cairn.server.protocol import DetokenizeRequest, TokenizeRequest, template_message
+
+
+async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict:
+    ctx.check_model(body.model)
+    if body.prompt is not None:
+        ids, starts = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt), []
+    else:
+        messages = [template_message(i, m) for i, m in enumerate(body.messages)]
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        ids, ends = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages, **kwargs)
+        starts = [0, *ends[:-1]]
+        if not body.add_generation_prompt:
+            ids = ids[: ends[-1]]
+    return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "message_starts": starts}
+
+
+async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> dict:
+    ctx.check_model(body.model)
+    bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise APIError(400, f"tokens must be in [0, {ctx.vocab_size}), got {bad[0]}", param="tokens",
+                       code="invalid_value")
+    return {"prompt": await asyncio.to_thread(ctx.tokenizer.decode, body.tokens)}

@@ -1,0 +1,62 @@
+"""The agentic API on tiny random checkpoints carrying the real Qwen3.5 and Qwen3 / Qwen3-Next chat
+templates (in-process app, real Engine and engine thread): the prompt the server builds for a tool
+conversation is transformers' own rendering, token for token; Qwen3.5's template opens `<think>`, so
+the answer comes back as reasoning_content; a named tool_choice yields a call in the template's format.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cairn.cli import config_with_overrides
+from cairn.config import EngineConfig
+from cairn.engine import Engine
+from cairn.server.app import create_app
+from cairn.server.options import ServerOptions
+from tests.checkpoints import write_checkpoint
+from tests.test_chat_templates import CONVERSATIONS, FIXTURES, TOOLS, hf_ids, server_view, write_checkpoint_tokenizer
+
+FORCE = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_xml_tools.jinja", "qwen3_json_tools.jinja"])
+def served(request, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint("qwen3_5_text", path)
+    write_checkpoint_tokenizer(path, (FIXTURES / request.param).read_text())
+    engine = Engine(config_with_overrides(EngineConfig(), model=str(path), kv_cache_gib=0.01, state_cache_gib=0.01,
+                                          max_model_len=2048, max_num_seqs=2), show_progress=False)
+    with TestClient(create_app(engine, ServerOptions(served_model_name="tiny"))) as client:
+        yield request.param, client, AutoTokenizer.from_pretrained(str(path))
+
+
+def chat(client, **body) -> dict:
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 6, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_tool_conversation_prompt_is_transformers_rendering(served):
+    _, client, hf = served
+    messages = CONVERSATIONS["multi_turn_parallel_calls_with_reasoning"]
+    body = chat(client, messages=messages, tools=TOOLS, return_token_ids=True)
+    view, kwargs = server_view(messages, TOOLS)
+    assert body["prompt_token_ids"] == hf_ids(hf, view, tools=kwargs["tools"])
+
+
+def test_qwen35_template_opens_reasoning_and_forced_calls_follow_the_template(served):
+    name, client, _ = served
+    answer = chat(client, messages=CONVERSATIONS["one_turn"])["choices"][0]["message"]
+    forced = chat(client, messages=CONVERSATIONS["one_turn"], tools=TOOLS, tool_choice=FORCE, return_token_ids=True)
+    prompt_text = client.post("/detokenize", json={"tokens": forced["prompt_token_ids"]}).json()["prompt"]
+    if name.startswith("qwen3_5"):
+        assert answer["reasoning_content"] and not answer["content"]  # the template ended the prompt in <think>
+        assert prompt_text.endswith("<think>\n\n</think>\n\n<tool_call>\n<function=get_weather>\n")
+        assert forced["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert forced["choices"][0]["finish_reason"] == "tool_calls"
+    else:
+        assert "reasoning_content" not in answer
+        assert prompt_text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')

@@ -1,0 +1,49 @@
+"""An Anthropic Messages request becomes the equivalent chat request (what the template then renders)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cairn.server.anthropic import MessagesRequest
+from cairn.server.errors import APIError
+
+
+def test_blocks_become_chat_messages_with_reasoning_tool_calls_and_tool_results():
+    body = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}], "stop_sequences": ["END"],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "use the tool", "signature": "sig"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "rain"}]},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "boom", "is_error": True},
+                {"type": "text", "text": "Thanks", "cache_control": {"type": "ephemeral"}}]},
+        ]})
+    chat = body.to_chat()
+    assert chat.template_messages() == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "use the tool",
+         "tool_calls": [{"type": "function", "id": "toolu_1",
+                         "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "rain", "tool_call_id": "toolu_1"},
+        {"role": "tool", "content": "Error: boom", "tool_call_id": "toolu_2"},
+        {"role": "user", "content": "Thanks"},
+    ]
+    assert chat.template_kwargs()["enable_thinking"] is True and chat.stop == ["END"]
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert chat.forced_function() == "get_weather"  # `any` with one tool: the call is forced
+
+
+def test_unimplemented_and_unknown_fields_are_refused():
+    base = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(APIError, match="n=2"):
+        MessagesRequest.model_validate({**base, "n": 2})
+    with pytest.raises(ValueError, match="service_tier"):
+        MessagesRequest.model_validate({**base, "service_tier": "auto"})

@@ -1,0 +1,143 @@
+"""Reasoning and tool-call parsing of generated text, fed whole and split at every character.
+
+Known generated texts (what Qwen3.5 / Qwen3-Next emit) are injected at the parser level, since the
+demo model's random weights never write them: the split into reasoning, content and tool calls must
+not depend on how the text arrives in pieces, and a malformed call must come back as content.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cairn.server.chat_output import ChatPlan, ChatShaper, openai_deltas, openai_message, plan_chat
+from cairn.server.parsers import ReasoningParser, ToolCallParser, forced_call_prefix, parse_call
+from cairn.tokenizer import ByteTokenizer
+
+TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                          "units": {"type": "object"}}},
+         "search": {"type": "object", "properties": {"q": {"type": "string"}}}}
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=units>\n{\"t\": \"C\"}\n</parameter>\n</function>\n"
+            "</tool_call>")
+JSON_CALL = '<tool_call>\n{"name": "search", "arguments": {"q": "cairn <b>"}}\n</tool_call>'
+
+
+def shape(text: str, plan: ChatPlan, pieces: list[str] | None = None):
+    shaper = ChatShaper(plan)
+    pieces = pieces if pieces is not None else [text]
+    for i, piece in enumerate(pieces):
+        shaper.feed(piece, final=i == len(pieces) - 1)
+    m = shaper.message
+    return m.reasoning, m.content, [(c.name, json.loads(c.arguments)) for c in m.calls], shaper
+
+
+def every_split(text: str):
+    yield [text]
+    yield list(text)
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+
+
+PLAN = ChatPlan("qwen3", True, TOOLS)
+CASES = {
+    "reasoning_then_xml_call": (
+        "I should look it up.\n</think>\n\nChecking.\n\n" + XML_CALL,
+        ("I should look it up.\n", "Checking.\n\n",
+         [("get_weather", {"city": "New York", "days": 3, "units": {"t": "C"}})])),
+    "two_calls_json_and_xml": (
+        "ok</think>\n\n" + JSON_CALL + "\n\n" + XML_CALL,
+        ("ok", "", [("search", {"q": "cairn <b>"}),
+                    ("get_weather", {"city": "New York", "days": 3, "units": {"t": "C"}})])),
+    "malformed_call_is_content": (
+        "hm</think>\nText <tool_call>\n{not json}\n</tool_call> end",
+        ("hm", "Text <tool_call>\n{not json}\n</tool_call> end", [])),
+    "unknown_function_is_content": (
+        "</think>" + '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+        ("", '<tool_call>{"name": "rm", "arguments": {}}</tool_call>', [])),
+    "unfinished_reasoning_is_all_reasoning": ("still thinking </thi", ("still thinking </thi", "", [])),
+    "tag_like_text_is_content": ("x</think>a <tool b <tool_cal", ("x", "a <tool b <tool_cal", [])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reasoning_content_and_calls_do_not_depend_on_how_the_text_is_split(name):
+    text, (reasoning, content, calls) = CASES[name]
+    for pieces in every_split(text):
+        got = shape(text, PLAN, pieces)[:3]
+        assert got == (reasoning, content, calls), pieces
+
+
+def test_think_tag_at_the_start_opens_reasoning_when_the_prompt_did_not():
+    plan = ChatPlan("qwen3", False, None)
+    for pieces in every_split("\n<think>\nplan</think>\n\nanswer <think> kept"):
+        assert shape("", plan, pieces)[:2] == ("\nplan", "answer <think> kept")
+
+
+def test_reasoning_parser_none_keeps_everything_in_content():
+    text = "a</think>b" + XML_CALL
+    reasoning, content, calls, _ = shape(text, ChatPlan("none", False, None))
+    assert (reasoning, content, calls) == ("", text, [])
+
+
+def test_unterminated_forced_call_is_parsed_from_its_prefix():
+    """tool_choice naming a function puts the call's start in the prompt; generation may then stop
+    (length) before the closing tags: the call still comes back, with its complete parameters."""
+    prefix = forced_call_prefix(ByteTokenizer().template_source, "get_weather")
+    plan = ChatPlan("qwen3", False, TOOLS, prefix, prefix)
+    _, content, calls, shaper = shape("", plan, ["<parameter=city>\nOslo\n</parameter>\n<parameter=da"])
+    assert calls == [("get_weather", {"city": "Oslo"})] and content == ""
+    assert shaper.finish_reason("length") == "tool_calls" and shaper.finish_reason("abort") == "abort"
+
+
+def test_forced_call_prefix_follows_the_template_format():
+    assert forced_call_prefix("... <function=example> ...", "f") == "<tool_call>\n<function=f>\n"
+    assert forced_call_prefix('{"name": <function-name>}', "f") == '<tool_call>\n{"name": "f", "arguments": '
+
+
+def test_plan_closes_the_reasoning_the_template_opened_before_a_forced_call():
+    tok = ByteTokenizer()
+    plan = plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": True}, TOOLS, "search", True)
+    assert plan.generation_prefix == "\n</think>\n\n<tool_call>\n<function=search>\n" and not plan.starts_in_reasoning
+    assert plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": True}, None, None, True).starts_in_reasoning
+    assert not plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": False}, None, None, True).starts_in_reasoning
+    assert plan_chat(tok, "qwen3", "none", {}, TOOLS, None, True).tools is None
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    plan = ChatPlan("qwen3", False, TOOLS, parallel_tool_calls=False)
+    assert [c[0] for c in shape(JSON_CALL + XML_CALL, plan)[2]] == ["search"]
+
+
+def test_xml_values_follow_the_schema_types():
+    call = parse_call("<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\nsoon\n"
+                      "</parameter>\n</function>", TOOLS, True)
+    assert json.loads(call.arguments) == {"city": "42", "days": "soon"}
+
+
+def test_openai_shapes_of_a_message_with_calls():
+    _, _, _, shaper = shape("", PLAN, ["r</think>", "hi " + JSON_CALL])
+    message = openai_message(shaper.message)
+    assert message["content"] == "hi " and message["reasoning_content"] == "r"
+    assert message["tool_calls"][0]["function"] == {"name": "search", "arguments": '{"q": "cairn <b>"}'}
+    deltas = openai_deltas(shaper.message, 0)
+    assert deltas[2]["tool_calls"][0]["function"] == {"name": "search", "arguments": ""}
+    assert deltas[3]["tool_calls"][0] == {"index": 0, "function": {"arguments": '{"q": "cairn <b>"}'}}
+
+
+def test_reasoning_parser_holds_back_only_a_possible_tag():
+    p = ReasoningParser(in_reasoning=True)
+    assert p.feed("abc</th") == ("abc", "")
+    assert p.feed("inking") == ("</thinking", "")
+    t = ToolCallParser(TOOLS)
+    assert t.feed("x <tool_") == ("x ", [])
+    assert t.finish() == ("<tool_", [])
+
+
+def test_odd_tool_schemas_never_break_parsing():
+    """Schemas come from the request: whatever their shape, a call parses or stays content, never raises."""
+    odd = {"f": {"properties": ["not", "a", "dict"]}, "g": {"properties": {"x": "not a schema"}}, "h": None}
+    for name in odd:
+        call = parse_call(f"<function={name}>\n<parameter=x>\n1\n</parameter>\n</function>", odd, True)
+        assert json.loads(call.arguments) == {"x": 1}
