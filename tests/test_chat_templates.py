@@ -145,17 +145,26 @@ def test_message_starts_land_on_message_boundaries_with_reasoning_and_tool_calls
             assert ids[pos] == im_start, (k, cairn_tok.decode(ids[pos - 5:pos + 5]))
 
 
-def test_message_starts_stop_where_the_template_rewrites_history(tokenizers):
-    """After a new user query the templates drop earlier reasoning: the start of a message after that
-    rewritten assistant turn is where the renders diverge (inside it), which a later request shares."""
+def test_message_starts_after_a_rewritten_turn_are_shared_by_the_next_turn(tokenizers):
+    """After a new user query the templates drop earlier reasoning, so the render of a prefix of the
+    conversation differs from the whole one inside that turn. Message starts are positions in the whole
+    render, which the next turn's prompt (this conversation + an answer + a new query) renders the same
+    way, so a snapshot taken at such a message start is a resume point for the next turn."""
     cairn_tok, _ = tokenizers
     messages, kwargs = server_view(CONVERSATIONS["multi_turn_parallel_calls_with_reasoning"], TOOLS)
     ids, starts = cairn_tok.encode_chat(messages, **kwargs)
     full = cairn_tok.render_chat(messages, **kwargs)
     assert "Two cities" not in full  # the earlier turn's reasoning is dropped from the whole render
-    for k, pos in enumerate(starts[1:-1], start=2):
-        prefix_ids = cairn_tok.encode(cairn_tok.render_chat(messages[:k], add_generation_prompt=False, **kwargs))
-        assert ids[:pos] == prefix_ids[:pos]
+    later = messages + [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks!"}]
+    later_ids, later_starts = cairn_tok.encode_chat(later, **kwargs)
+    # Up to the last user query: after it the template renders turns differently once a newer query
+    # exists (their reasoning blocks go), which no placement can share; prompt-end snapshots cover that.
+    last_query = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    shared = starts[:last_query]  # starts[k - 1]: where messages[k] starts, k = 1 .. last_query
+    assert "Paris is sunny" in cairn_tok.decode(ids[:shared[-1]])  # past the rewritten turn
+    for pos in shared:
+        assert later_ids[:pos] == ids[:pos]
+    assert later_starts[:last_query] == shared
 
 
 def test_demo_template_renders_plain_chats_as_chatml_and_tools_in_qwen35_style():
