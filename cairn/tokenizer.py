@@ -194,6 +194,10 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what grammar engines build their vocabulary from)."""
+        return self._tok.to_str()
+
 
 def _token_text(value) -> str | None:
     if isinstance(value, dict):

@@ -123,7 +123,7 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     bridge = EngineBridge(engine)
     metrics = ServerMetrics()
     ctx = ServingContext(bridge, metrics, engine.tokenizer, options.served_model_name or engine.model_name,
-                         frozenset({engine.model_name}), engine.max_model_len)
+                         frozenset({engine.model_name}), engine.max_model_len, engine.sampling_defaults)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -18,7 +18,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -52,6 +52,7 @@ class ServingContext:
     served_model: str  # the name clients send and responses carry
     model_aliases: frozenset[str]  # other names accepted for the same model
     max_model_len: int
+    sampling_defaults: dict = field(default_factory=dict)  # generation_config.json values for omitted fields
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model and name not in self.model_aliases:
@@ -116,9 +117,10 @@ class Generation:
             self.ctx.metrics.finished.labels("abort").inc()
         self.stream.close()
 
-    async def last_output(self, request: Request) -> RequestOutput:
-        """The finished output; if the client disconnects first, abort and raise a 499."""
-        gather = asyncio.ensure_future(_last(self.outputs()))
+    async def final_outputs(self, request: Request) -> list[RequestOutput]:
+        """The finished output of every choice, by index; if the client disconnects first, abort and
+        raise a 499."""
+        gather = asyncio.ensure_future(_finals(self.outputs()))
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -132,16 +134,38 @@ class Generation:
         return gather.result()
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
+async def _finals(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
     async for out in outputs:
-        last = out
-    return last
+        if out.finished:
+            finals[out.index] = out
+    return [finals[i] for i in sorted(finals)]
 
 
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _with_choices(bodies: list[dict], outs: list[RequestOutput]) -> dict:
+    """One response holding every choice of an n > 1 request: each body's choice with its index, the
+    usage counting every choice's tokens (the prompt once)."""
+    body = bodies[0]
+    body["choices"] = [{**b["choices"][0], "index": out.index} for b, out in zip(bodies, outs, strict=True)]
+    if body.get("usage"):
+        _count_all_choices(body["usage"], outs)
+    return body
+
+
+def _count_all_choices(usage: dict, outs: list[RequestOutput]) -> None:
+    usage["completion_tokens"] = sum(len(o.token_ids) for o in outs)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def _indexed(chunk: dict, index: int) -> dict:
+    """A one-choice stream chunk for choice `index` of the request."""
+    chunk["choices"][0]["index"] = index
+    return chunk
 
 
 def _delta_slice(out: RequestOutput) -> slice:
@@ -164,36 +188,46 @@ def _new_id(prefix: str) -> str:
 async def chat_completions(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
     start_s = time.monotonic()
     ctx.check_model(body.model)
-    params = body.to_sampling_params(context_fill_tokens=ctx.max_model_len)
+    params = body.to_sampling_params(context_fill_tokens=ctx.max_model_len, defaults=ctx.sampling_defaults)
     sub = Submission(_new_id("chatcmpl"), params, messages=body.template_messages(),
                      fit_max_tokens=body.requested_max_tokens is None)
     gen = await _start(ctx, sub, start_s)
     if body.stream:
-        return SSEResponse(_chat_events(gen, body), gen.close)
-    out = await gen.last_output(request)
-    logprobs = (chat_logprobs(ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
-                if body.logprobs else None)
-    return JSONResponse(chat_response(gen.header, out, logprobs))
+        return SSEResponse(_chat_events(gen, body, params.n), gen.close)
+    outs = await gen.final_outputs(request)
+    bodies = [chat_response(gen.header, out, chat_logprobs(ctx.tokenizer, out.token_ids, out.logprobs,
+                                                          out.top_logprobs) if body.logprobs else None)
+              for out in outs]
+    return JSONResponse(_with_choices(bodies, outs))
 
 
-async def _chat_events(gen: Generation, body: ChatCompletionRequest) -> AsyncIterator[str]:
-    yield sse(chat_chunk(gen.header, {"role": "assistant", "content": ""}))
-    last = None
+async def _chat_events(gen: Generation, body: ChatCompletionRequest, n: int) -> AsyncIterator[str]:
+    for index in range(n):
+        yield sse(_indexed(chat_chunk(gen.header, {"role": "assistant", "content": ""}), index))
+    finals: dict[int, RequestOutput] = {}
     try:
         async for out in gen.outputs():
-            last = out
             span = _delta_slice(out)
             logprobs = (chat_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.logprobs[span],
                                       out.top_logprobs[span]) if body.logprobs and out.delta_token_ids else None)
             if out.delta_text or logprobs or out.finished:
                 delta = {"content": out.delta_text} if out.delta_text else {}
-                yield sse(chat_chunk(gen.header, delta, out.finish_reason if out.finished else None, logprobs))
+                chunk = chat_chunk(gen.header, delta, out.finish_reason if out.finished else None, logprobs)
+                yield sse(_indexed(chunk, out.index))
+            if out.finished:
+                finals[out.index] = out
     except Exception as e:
         yield sse(from_exception(e).body())
     else:
-        if body.include_usage and last is not None:
-            yield sse(usage_chunk(gen.header, "chat.completion.chunk", last))
+        if body.include_usage and finals:
+            yield sse(_usage_chunk(gen.header, "chat.completion.chunk", list(finals.values())))
     yield DONE_EVENT
+
+
+def _usage_chunk(header: ResponseHeader, obj: str, finals: list[RequestOutput]) -> dict:
+    chunk = usage_chunk(header, obj, finals[0])
+    _count_all_choices(chunk["usage"], finals)
+    return chunk
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
@@ -201,33 +235,37 @@ async def _chat_events(gen: Generation, body: ChatCompletionRequest) -> AsyncIte
 async def completions(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
     start_s = time.monotonic()
     ctx.check_model(body.model)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(defaults=ctx.sampling_defaults)
     gen = await _start(ctx, Submission(_new_id("cmpl"), params, prompt=body.engine_prompt()), start_s)
     if body.stream:
         return SSEResponse(_completion_events(gen, body), gen.close)
-    out = await gen.last_output(request)
-    logprobs = (completion_logprobs(ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, 0)
-                if body.logprobs is not None else None)
-    return JSONResponse(completion_response(gen.header, out, logprobs))
+    outs = await gen.final_outputs(request)
+    bodies = [completion_response(gen.header, out, completion_logprobs(
+        ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, 0) if body.logprobs is not None else None)
+        for out in outs]
+    return JSONResponse(_with_choices(bodies, outs))
 
 
 async def _completion_events(gen: Generation, body: CompletionRequest) -> AsyncIterator[str]:
-    last, offset_chars = None, 0
+    finals: dict[int, RequestOutput] = {}
+    offset_chars: dict[int, int] = {}  # per choice
     try:
         async for out in gen.outputs():
-            last = out
             logprobs = None
             if body.logprobs is not None and out.delta_token_ids:
                 span = _delta_slice(out)
                 logprobs = completion_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.logprobs[span],
-                                               out.top_logprobs[span], offset_chars)
-                offset_chars += sum(len(t) for t in logprobs["tokens"])
+                                               out.top_logprobs[span], offset_chars.get(out.index, 0))
+                offset_chars[out.index] = offset_chars.get(out.index, 0) + sum(len(t) for t in logprobs["tokens"])
             if out.delta_text or logprobs or out.finished:
-                yield sse(completion_chunk(gen.header, out.delta_text, out.finish_reason if out.finished else None,
-                                           logprobs))
+                chunk = completion_chunk(gen.header, out.delta_text, out.finish_reason if out.finished else None,
+                                         logprobs)
+                yield sse(_indexed(chunk, out.index))
+            if out.finished:
+                finals[out.index] = out
     except Exception as e:
         yield sse(from_exception(e).body())
     else:
-        if body.include_usage and last is not None:
-            yield sse(usage_chunk(gen.header, "text_completion", last))
+        if body.include_usage and finals:
+            yield sse(_usage_chunk(gen.header, "text_completion", list(finals.values())))
     yield DONE_EVENT
