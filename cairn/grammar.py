@@ -9,9 +9,10 @@ row per request, built from llguidance's 32-bit packed bitmask), the sampler set
 `done` and the request finishes with "stop"; when max_tokens cuts it first, it finishes with
 "length" and the text is the unfinished JSON.
 
-Whitespace between JSON tokens is allowed but bounded (WHITESPACE: at most 16 characters per gap),
-so that a schema with bounded strings, arrays and numbers bounds the output length, even for a model
-with random weights. No whitespace comes before or after the value.
+Between JSON tokens at most one space or newline is allowed (WHITESPACE, Outlines' choice), so that
+a schema with bounded strings, arrays and numbers bounds the output length even for a model with
+random weights, and a model cannot spend its max_tokens on indentation. No whitespace comes before
+or after the value.
 
 What this is not: the sampler (`cairn.sampling`) or the processors that apply the mask (`cairn.logits`).
 """
@@ -25,7 +26,7 @@ import torch
 from cairn.sampling import SamplingError, StructuredOutput
 from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"  # what may separate JSON tokens
+WHITESPACE = r"[\x20\x0A]?"  # what may separate JSON tokens
 ANY_OBJECT = {"type": "object"}  # response_format json_object
 
 
