@@ -10,7 +10,7 @@ Two measurements, each alternating its variants run after run so that machine no
    and without one row carrying an allowed-token mask and a repetition penalty; the mask is a random
    one (llguidance needs the real tokenizer to build it), so this is the sampler's side of the cost.
 
-    python benchmarks/structured_bench.py --runs 5
+    PYTHONPATH=. python benchmarks/structured_bench.py --runs 5
 
 This is a benchmark, not a test: it asserts nothing and prints a markdown table.
 """

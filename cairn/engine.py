@@ -250,10 +250,25 @@ class Engine:
                 contexts[i] = RowContext(seq.token_ids, seq.num_prompt_tokens, banned)
         constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if constrained:
-            masks = allowed_masks([seqs[i].grammar for i in constrained], self.model_config.vocab_size)
+            masks = self._grammar_masks([seqs[i].grammar for i in constrained])
             for i, mask in zip(constrained, masks, strict=True):
                 contexts[i].allowed = mask
         return contexts if any(c is not None for c in contexts) else None
+
+    def _grammar_masks(self, grammars: list) -> list[torch.Tensor]:
+        """Each grammar's allowed tokens; a grammar that fails allows nothing, so its request alone fails."""
+        vocab = self.model_config.vocab_size
+        try:
+            return list(allowed_masks(grammars, vocab))
+        except Exception:
+            log.exception("computing the grammar masks of the batch failed; computing them one by one")
+        masks = []
+        for g in grammars:
+            try:
+                masks.append(allowed_masks([g], vocab)[0])
+            except Exception:
+                masks.append(torch.zeros(vocab, dtype=torch.bool))
+        return masks
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """Finish seq's whole request with finish_reason "error" (the rest of the batch is untouched)."""

@@ -38,7 +38,10 @@ class Grammar:
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False when the grammar does not allow it (the matcher is then in error)."""
-        return bool(self._matcher.consume_token(token))
+        try:
+            return bool(self._matcher.consume_token(token))
+        except Exception:  # misuse at the API level (a token out of range): the request fails, not the batch
+            return False
 
     @property
     def done(self) -> bool:
