@@ -10,8 +10,9 @@ Applied by `sample` to the rows that carry a RowContext, in this order (vLLM's s
     banned              -inf (end-of-sequence and stop tokens before min_tokens)
     allowed             -inf outside the grammar's mask (structured output)
 
-Penalties and bias are computed for all the processed rows at once (token counts by scatter-add
-over padded token tensors). Rows without a context are neither copied nor touched. A +inf made by
+Penalties and bias touch only the token ids concerned (the distinct ids of the prompt and output,
+the biased ids), row by row: cheaper than dense [rows, vocab] count tensors at a 150k vocabulary.
+Rows without a context are neither copied nor touched. A +inf made by
 a penalty is clamped to the largest float, so a row never holds inf - inf.
 
 What this is not: it does not choose tokens (`cairn.sampling`) or build grammar masks (`cairn.grammar`).
@@ -38,33 +39,19 @@ class RowContext:
     allowed: torch.Tensor | None = None  # bool [vocab]: the grammar's mask (None: unconstrained)
 
 
-def _counts(rows: list[list[int]], vocab: int) -> torch.Tensor:
-    """[len(rows), vocab] occurrence counts of each row's token ids (ids >= vocab are ignored)."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long).clamp_(0, vocab)
-    counts = torch.zeros((len(rows), vocab + 1), dtype=torch.float32)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab]
-
-
-def _penalize(x: torch.Tensor, params: list[SamplingParams], contexts: list[RowContext]) -> None:
-    """Repetition, frequency and presence penalties, in place, on the rows that use them."""
-    vocab = x.shape[-1]
-    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if rep:
-        seen = _counts([contexts[i].token_ids for i in rep], vocab) > 0
-        penalty = torch.tensor([params[i].repetition_penalty for i in rep]).unsqueeze(-1)
-        rows = x[rep]
-        x[rep] = torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows)
-    additive = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
-    if additive:
-        counts = _counts([contexts[i].token_ids[contexts[i].num_prompt_tokens:] for i in additive], vocab)
-        freq = torch.tensor([params[i].frequency_penalty for i in additive]).unsqueeze(-1)
-        presence = torch.tensor([params[i].presence_penalty for i in additive]).unsqueeze(-1)
-        x[additive] -= freq * counts + presence * (counts > 0)
+def _penalize(row: torch.Tensor, p: SamplingParams, ctx: RowContext) -> None:
+    """Repetition, frequency and presence penalties on one row, in place. Only the ids that occur are
+    touched (a few hundred, not the whole vocabulary)."""
+    vocab = row.shape[-1]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(ctx.token_ids, dtype=torch.long).unique()
+        seen = seen[(seen >= 0) & (seen < vocab)]
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        output = torch.tensor(ctx.token_ids[ctx.num_prompt_tokens:], dtype=torch.long)
+        ids, counts = output[(output >= 0) & (output < vocab)].unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 
 def process_rows(logits: torch.Tensor, params: list[SamplingParams],
@@ -77,9 +64,9 @@ def process_rows(logits: torch.Tensor, params: list[SamplingParams],
     x = logits[rows]  # a copy
     sub_params = [params[i] for i in rows]
     sub_ctx = [contexts[i] for i in rows]
-    _penalize(x, sub_params, sub_ctx)
     vocab = x.shape[-1]
     for j, p in enumerate(sub_params):
+        _penalize(x[j], p, sub_ctx[j])
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
             bias = torch.tensor([b for t, b in p.logit_bias if 0 <= t < vocab], dtype=x.dtype)

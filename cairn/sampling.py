@@ -195,7 +195,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list
 
 def _rows(logits: torch.Tensor, ids: list[int], processed: dict[int, torch.Tensor]) -> torch.Tensor:
     """logits[ids] with the processed rows in place of the raw ones (a copy unless it is all of `logits`)."""
-    if len(ids) == logits.shape[0] and not processed:
+    if len(ids) == logits.shape[0] and not any(i in processed for i in ids):
         return logits
     out = logits[ids]
     for k, i in enumerate(ids):
@@ -212,10 +212,15 @@ def _choose(logits: torch.Tensor, processed: dict[int, torch.Tensor], params: li
     errors: list[str | None] = [None] * n
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        best = _rows(logits, greedy, processed).max(dim=-1)
-        for i, value, token in zip(greedy, best.values.tolist(), best.indices.tolist(), strict=True):
-            tokens[i] = token
-            if value != value or value == float("-inf"):
+        raw = logits if len(greedy) == n else logits[greedy]  # the processed rows are taken from `processed`
+        best = raw.max(dim=-1)
+        values, indices = best.values.tolist(), best.indices.tolist()
+        for k, i in enumerate(greedy):
+            if i in processed:
+                value, token = processed[i].max(dim=-1)
+                values[k], indices[k] = float(value), int(token)
+            tokens[i] = indices[k]
+            if values[k] != values[k] or values[k] == float("-inf"):
                 errors[i] = "no token can be sampled: every token is masked or the logits are not finite"
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
