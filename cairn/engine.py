@@ -3,6 +3,15 @@
 The engine is single-threaded: one caller drives `step()` (the offline `LLM` below, or the server's
 engine thread). Each step schedules a batch, runs it, samples, and returns a RequestOutput for every
 request that produced text or finished.
+
+A request with n > 1 is n sequences (choices) of one request id. The first computes the prompt; the
+others are queued once its prefill is done and resume from the prompt-end snapshot it left in the
+prefix cache (KV pages shared, state and logits copied), so the prompt is computed once. With the
+prefix cache off (or `cache_prompt: false`) the n choices are queued together and each computes it.
+
+Sampling problems stay with their request: a row that cannot be sampled, or a token its grammar
+refuses, finishes that request with finish_reason "error" (RequestOutput.error says why); the rest
+of the batch continues.
 """
 
 from __future__ import annotations
@@ -15,10 +24,12 @@ from typing import Any
 import torch
 
 from cairn.activity import ActivityLog
-from cairn.cache.base import PrefixCache
+from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
 from cairn.config import EngineConfig
 from cairn.demo import DEMO_NAME, build_demo
+from cairn.grammar import GrammarCompiler, allowed_masks
+from cairn.logits import RowContext
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
@@ -26,7 +37,7 @@ from cairn.model.loader import load_checkpoint
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
-from cairn.sampling import SamplingParams, sample
+from cairn.sampling import Sampled, SamplingError, SamplingParams, generation_defaults, sample_isolated
 from cairn.scheduler import RequestTooLarge, ScheduledBatch, Scheduler, SequenceFailed
 from cairn.sequence import Sequence, Status
 from cairn.sizing import resolve_sizes
@@ -64,10 +75,16 @@ class Engine:
             dtype = torch.float32 if opts.dtype == "auto" else getattr(torch, opts.dtype)
             self.model, self.model_config, self.tokenizer = build_demo(dtype, self.device, opts.demo_seed)
             self.model_name = DEMO_NAME
+            self.sampling_defaults: dict = {}
         else:
             self.model, self.model_config = load_checkpoint(opts.model, opts.dtype, self.device, show_progress)
             self.tokenizer = HFTokenizer(opts.model, self.model_config.eos_token_ids)
             self.model_name = opts.model
+            self.sampling_defaults = generation_defaults(opts.model)
+        if self.sampling_defaults:
+            log.info("sampling defaults from generation_config.json (for fields a request leaves out): %s",
+                     ", ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())))
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.dtype = self.model.embed.weight.dtype
         self.config = config = resolve_sizes(config, self.device, is_demo=opts.model is None)
         self.kv, self.states = self._allocate_pools(self.model_config)
@@ -81,7 +98,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.cache)
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, Sequence] = {}  # by sequence id: every unfinished choice
+        self._groups: dict[str, list[Sequence]] = {}  # request id -> its choices, until all have finished
+        self._held: dict[str, list[Sequence]] = {}  # request id -> choices queued once the first has prefilled
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -135,29 +154,63 @@ class Engine:
         ids = prompt.token_ids
         if not ids:
             raise RequestTooLarge("the prompt is empty")
+        self._check_token_ids(params)
         request_id = request_id or self.new_request_id()
-        if request_id in self._seqs:
+        if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
-        seq = Sequence(request_id, ids, params, eos_token_ids=eos + params.stop_token_ids,
-                       message_starts=list(prompt.message_starts), user_message_starts=list(prompt.user_message_starts))
-        self.scheduler.check_fits(seq)  # before looking at every id: a huge prompt is refused at once
+        seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", ids if i == 0 else list(ids), params,
+                         eos_token_ids=eos + params.stop_token_ids, message_starts=list(prompt.message_starts),
+                         user_message_starts=list(prompt.user_message_starts), group_id=request_id, index=i,
+                         grammar=grammar if i == 0 or grammar is None else grammar.fork())
+                 for i in range(params.n)]
+        self.scheduler.check_fits(seqs[0])  # before looking at every id: a huge prompt is refused at once
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestTooLarge(f"prompt token ids must be in [0, {vocab})")
-        self.scheduler.add(seq)
-        self._seqs[request_id] = seq
-        self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(seqs[0])
+        if self._shares_prompt(params):
+            self._held[request_id] = seqs[1:]
+        else:
+            for seq in seqs[1:]:
+                self.scheduler.add(seq)
+        for seq in seqs:
+            self._seqs[seq.request_id] = seq
+            self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self._groups[request_id] = seqs
         return request_id
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise SamplingError(f"logit_bias token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise SamplingError(f"stop_token_ids must be in [0, {vocab})")
+
+    def _shares_prompt(self, params: SamplingParams) -> bool:
+        """The other choices of an n > 1 request can wait for the first and resume from the cache."""
+        return params.n > 1 and params.cache_prompt and not isinstance(self.cache, NullCache)
+
+    def _release_held(self, request_id: str) -> None:
+        """The first choice has computed the prompt: queue the others next (they resume from the cache)."""
+        held = self._held.pop(request_id, [])
+        if held:
+            self.scheduler.add_next(held)
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return None
-        self.scheduler.abort(request_id)
-        seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        self._log_finished(seq)
-        return self._output(seq, "", [])
+        """Abort every unfinished choice of the request; the output of the first one aborted (None: unknown)."""
+        self._held.pop(request_id, None)
+        first = None
+        for seq in list(self._groups.get(request_id, [])):
+            if seq.is_finished:
+                continue
+            self.scheduler.abort(seq.request_id)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            self._log_finished(seq)
+            out = self._output(seq, "", [])
+            first = first or out
+        return first
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -179,7 +232,7 @@ class Engine:
 
     def running_request_ids(self) -> list[str]:
         """Ids of the requests in the running batch (the ones a failed step may have left half-done)."""
-        return [seq.request_id for seq in self.scheduler.running]
+        return list(dict.fromkeys(seq.group_id for seq in self.scheduler.running))
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -203,8 +256,15 @@ class Engine:
             raise self._fail(batch.seqs + batch.ready, e) from e
 
     def _fail(self, seqs: list[Sequence], cause: BaseException) -> StepFailed:
-        """Abort seqs after a failed step, freeing their slots, pages and cache locks."""
-        for seq in seqs:
+        """Abort seqs after a failed step, with the other choices of their requests, freeing their slots,
+        pages and cache locks. The StepFailed names the requests (group ids)."""
+        group_ids = list(dict.fromkeys(seq.group_id for seq in seqs))
+        queued = {id(s) for s in [*self.scheduler.waiting, *self.scheduler.running]}
+        doomed = list(seqs)
+        for gid in group_ids:
+            self._held.pop(gid, None)  # choices waiting for the first: never scheduled, hold nothing
+            doomed += [s for s in self._groups.pop(gid, []) if all(s is not d for d in doomed) and id(s) in queued]
+        for seq in doomed:
             try:
                 self.scheduler.drop(seq)
             except Exception:
@@ -212,7 +272,7 @@ class Engine:
             seq.finish_reason = "error"
             self._seqs.pop(seq.request_id, None)
             self._detok.pop(seq.request_id, None)
-        return StepFailed(cause, [seq.request_id for seq in seqs])
+        return StepFailed(cause, group_ids)
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         started = time.perf_counter()
@@ -231,17 +291,71 @@ class Engine:
             to_sample = to_sample + batch.ready
             for seq in batch.ready:
                 seq.ready_logits = None
-        sampled = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
+        contexts = self._contexts(to_sample)
+        sampled = sample_isolated(logits, [s.params for s in to_sample], [s.generator for s in to_sample], contexts)
         outputs = [self._append(seq, s) for seq, s in zip(to_sample, sampled, strict=True)]
         self.activity.maybe_stats(self.pool_use, self.num_running, self.num_waiting)
-        return outputs
+        return [out for out in outputs if out is not None]
 
-    def _append(self, seq: Sequence, s) -> RequestOutput:
+    def _contexts(self, seqs: list[Sequence]) -> list[RowContext | None] | None:
+        """Per row, what its logits processors need; None for the rows that need none (most)."""
+        contexts: list[RowContext | None] = [None] * len(seqs)
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            banned = seq.eos_token_ids if seq.num_output_tokens < p.min_tokens else ()
+            if p.penalized or banned or seq.grammar is not None:
+                contexts[i] = RowContext(seq.token_ids, seq.num_prompt_tokens, banned)
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if constrained:
+            masks = self._grammar_masks([seqs[i].grammar for i in constrained])
+            for i, mask in zip(constrained, masks, strict=True):
+                contexts[i].allowed = mask
+        return contexts if any(c is not None for c in contexts) else None
+
+    def _grammar_masks(self, grammars: list) -> list[torch.Tensor]:
+        """Each grammar's allowed tokens; a grammar that fails allows nothing, so its request alone fails."""
+        vocab = self.model_config.vocab_size
+        try:
+            return list(allowed_masks(grammars, vocab))
+        except Exception:
+            log.exception("computing the grammar masks of the batch failed; computing them one by one")
+        masks = []
+        for g in grammars:
+            try:
+                masks.append(allowed_masks([g], vocab)[0])
+            except Exception:
+                masks.append(torch.zeros(vocab, dtype=torch.bool))
+        return masks
+
+    def _fail_request(self, seq: Sequence, error: str) -> RequestOutput:
+        """Finish seq's whole request with finish_reason "error" (the rest of the batch is untouched)."""
+        log.warning("request %s failed in sampling: %s", seq.group_id, error)
+        self._held.pop(seq.group_id, None)
+        for other in self._groups.get(seq.group_id, []):
+            if other is not seq and not other.is_finished:
+                self.scheduler.abort(other.request_id)
+                other.status, other.finish_reason = Status.FINISHED, "abort"
+                self._output(other, "", [])
+        self.scheduler.finish(seq, "error")
+        self._log_finished(seq)
+        out = self._output(seq, "", [])
+        out.error = error
+        return out
+
+    def _append(self, seq: Sequence, s: Sampled) -> RequestOutput | None:
+        if seq.is_finished:  # a choice failed earlier in this step and took its siblings with it
+            return None
+        if s.error is not None:
+            return self._fail_request(seq, s.error)
+        if seq.grammar is not None and s.token not in seq.eos_token_ids and not seq.grammar.accept(s.token):
+            return self._fail_request(seq, f"the grammar refused token {s.token}: {seq.grammar.error}")
         now = time.monotonic()
         if seq.first_token_s is None:
             seq.first_token_s = now
             self._log_prefill(seq)
             self.activity.first_token(seq)
+            if seq.index == 0:
+                self._release_held(seq.group_id)
         seq.last_token_s = now
         self.activity.token()
         seq.token_ids.append(s.token)
@@ -251,11 +365,12 @@ class Engine:
             seq.top_logprobs.append(s.top_logprobs)
         reason = None
         is_stop_token = s.token in seq.eos_token_ids
-        if is_stop_token:
+        if is_stop_token or (seq.grammar is not None and seq.grammar.done):
             reason = "stop"
         elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        delta, hit = self._detok[seq.request_id].add(None if is_stop_token else s.token, final=reason is not None)
+        delta, hit = self._detok[seq.request_id].add(None if is_stop_token else s.token, final=reason is not None,
+                                                     check_stop=seq.num_output_tokens >= seq.params.min_tokens)
         if hit:
             reason = "stop"
         if reason:
@@ -266,16 +381,22 @@ class Engine:
     def _output(self, seq: Sequence, delta: str, delta_ids: list[int]) -> RequestOutput:
         detok = self._detok[seq.request_id]
         finished = seq.status == Status.FINISHED
+        request_finished = finished
         if finished:
             self._seqs.pop(seq.request_id, None)
             self._detok.pop(seq.request_id, None)
+            group = self._groups.get(seq.group_id, [seq])
+            request_finished = all(s.is_finished for s in group) and seq.group_id not in self._held
+            if request_finished:
+                self._groups.pop(seq.group_id, None)
         ttft = None if seq.first_token_s is None else seq.first_token_s - seq.arrival_s
         return RequestOutput(
-            request_id=seq.request_id, text=detok.text[: detok.sent] if not finished else detok.text,
+            request_id=seq.group_id, text=detok.text[: detok.sent] if not finished else detok.text,
             delta_text=delta, token_ids=seq.output_ids, delta_token_ids=delta_ids, finished=finished,
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft,
-            prompt_token_ids=seq.prompt_ids if finished else None)
+            prompt_token_ids=seq.prompt_ids if finished else None, index=seq.index,
+            request_finished=request_finished)
 
     def _log_finished(self, seq: Sequence) -> None:
         if self.config.logging.log_requests:
@@ -306,7 +427,7 @@ class Engine:
     def close(self) -> None:
         """Abort what is running and release the cache's files and locks (call once, at shutdown)."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            self.abort(seq.request_id)
+            self.abort(seq.group_id)
         self.cache.close()
 
     def check_integrity(self) -> None:
@@ -336,7 +457,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | list, params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Outputs in prompt order. `prompts`: one prompt or a list of strings / token-id lists."""
+        """Outputs in prompt order (with n > 1, the n choices of each prompt in index order).
+        `prompts`: one prompt or a list of strings / token-id lists."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [self.engine.add_request(p, params or SamplingParams()) for p in prompts]
@@ -359,9 +481,13 @@ class LLM:
         self.close()
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
+        """The finished outputs of these requests: in request order, each request's choices by index."""
+        done: dict[tuple[str, int], RequestOutput] = {}
+        remaining = set(ids)
+        while remaining:
             for out in self.engine.step():
                 if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+                    done[(out.request_id, out.index)] = out
+                if out.request_finished:
+                    remaining.discard(out.request_id)
+        return [out for key, out in sorted(done.items(), key=lambda kv: (ids.index(kv[0][0]), kv[0][1]))]

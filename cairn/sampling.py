@@ -1,35 +1,76 @@
-"""SamplingParams and the sampler.
+"""SamplingParams and the batched sampler.
 
-Order of operations on a row of logits (fp32): temperature, then top-k, top-p and min-p filtering,
-then a draw from the request's own generator (seeded per request when `seed` is set). Temperature 0
-is greedy. Log-probabilities reported for the chosen token (and the top alternatives) are those of
-the model's unmodified distribution.
+Order of operations on the logits of one step [N, vocab] (fp32):
+
+1. logits processors, only on the rows that ask for them (`cairn.logits`): repetition, frequency
+   and presence penalties, logit_bias, the tokens banned this step (end-of-sequence before
+   `min_tokens`) and the grammar mask of structured output. Other rows are not touched or copied;
+2. greedy rows (temperature below GREEDY_TEMPERATURE) take the argmax;
+3. the other rows, as one batch: temperature, then top-k, min-p and top-p filtering, then a draw,
+   from the request's own generator when it has a seed.
+
+Numerically safe for every value SamplingParams accepts: a temperature under 1e-5 is greedy (as
+vLLM does), logits are shifted by their row maximum before the temperature divides them, top-p and
+min-p always keep the most likely token, and infinities made by penalties are clamped. A row that
+still cannot be sampled (every token masked, or non-finite logits from the model) fails alone: its
+Sampled carries `error` and the other rows are sampled as usual.
+
+Log-probabilities reported for the chosen token (and the top alternatives) are those of the
+model's unmodified distribution.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from cairn.logits import RowContext, process_rows
+
+log = logging.getLogger(__name__)
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+MAX_N = 16  # most choices per request
+# generation_config.json keys that give a default for a request field the client left out
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 
 class SamplingError(ValueError):
-    """A sampling parameter is out of range."""
+    """A sampling parameter is out of range (the message starts with the parameter's name)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow: `kind` "json_object" (any JSON object) or "json_schema"."""
+
+    kind: str
+    schema: str | None = None  # the JSON schema as a JSON string (json_schema only)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256  # most tokens to generate
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below 1e-5) = greedy
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = all
     min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or output (divides / multiplies)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
+    min_tokens: int = 0  # no end-of-sequence, stop token or stop string before this many tokens
+    n: int = 1  # independent choices generated from one prompt (the prompt is computed once)
     seed: int | None = None  # per-request seed: the same seed and prompt give the same tokens
     stop: tuple[str, ...] = ()  # stop strings; the output ends before the first occurrence
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the output in the text
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens, beside the model's end-of-sequence tokens
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
     logprobs: bool = False  # report the chosen token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives
+    structured: StructuredOutput | None = None  # constrain the output to a grammar (response_format)
     cache_prompt: bool = True  # read and write the prefix cache for this request
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # free-form per-request tags
 
@@ -38,6 +79,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         self.validate()
 
     def validate(self) -> None:
@@ -47,6 +90,13 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= -1, "top_k must be -1, 0 or positive"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
+            (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
+            (len(self.logit_bias) <= 1024, "logit_bias may hold at most 1024 tokens"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
             (len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
              "stop must be at most 16 non-empty strings"),
@@ -57,7 +107,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """The logits need the repetition / frequency / presence penalties or a bias."""
+        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
+                    or self.logit_bias)
 
 
 @dataclass
@@ -65,45 +121,158 @@ class Sampled:
     token: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None  # this row could not be sampled (token is then meaningless)
 
+
+def generation_defaults(checkpoint: str | Path) -> dict[str, float | int]:
+    """The sampling defaults of a checkpoint's generation_config.json (GENERATION_DEFAULT_KEYS found
+    there, in range), used for the fields a request leaves out. {} when there is no such file."""
+    path = Path(checkpoint) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("%s unreadable (%s): no sampling defaults from it", path, e)
+        return {}
+    found = {k: raw[k] for k in GENERATION_DEFAULT_KEYS if isinstance(raw.get(k), int | float)}
+    try:
+        SamplingParams(**found)
+    except SamplingError as e:
+        log.warning("%s: %s; its sampling defaults are ignored", path, e)
+        return {}
+    return found
+
+
+# ---- the sampler --------------------------------------------------------------------------------
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.min_p > 0.0:
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each token
-        drop = torch.zeros_like(probs, dtype=torch.bool)
-        drop[order] = before >= p.top_p
-        probs = probs.masked_fill(drop, 0.0)
-    return probs
+    """Probabilities of one row [vocab] after temperature and the top-k / min-p / top-p filters."""
+    probs, ok = _filter_rows(logits.unsqueeze(0), [p])
+    if not bool(ok[0]):
+        raise SamplingError("no token can be sampled from these logits")
+    return probs[0]
+
+
+def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities [k, vocab] after temperature, top-k, min-p and top-p, and which rows are usable."""
+    vocab = logits.shape[-1]
+    x = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
+    row_max = x.max(dim=-1, keepdim=True).values
+    ok = torch.isfinite(row_max).squeeze(-1)
+    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype).unsqueeze(-1)
+    x = (x - torch.where(torch.isfinite(row_max), row_max, 0.0)) / temps  # <= 0, the maximum is exactly 0
+    if not any(0 < p.top_k < vocab or p.min_p > 0 or p.top_p < 1 for p in params):
+        return torch.softmax(x, dim=-1), ok
+    ranked, order = x.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).unsqueeze(-1)
+    ranked = ranked.masked_fill(rank >= top_k, float("-inf"))
+    probs = torch.softmax(ranked, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype).unsqueeze(-1)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(ranked.masked_fill(probs < min_p * probs[:, :1], float("-inf")), dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype).unsqueeze(-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each token
+    drop = (before >= top_p) & (rank > 0) & (top_p < 1.0)  # the most likely token always stays
+    probs = probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, probs), ok
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row; rows without a generator share one multinomial call."""
+    tokens = [0] * len(generators)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        drawn = torch.multinomial(probs[shared], 1).squeeze(-1).tolist()
+        for i, t in zip(shared, drawn, strict=True):
+            tokens[i] = t
+    for i, g in enumerate(generators):
+        if g is not None:
+            tokens[i] = int(torch.multinomial(probs[i], 1, generator=g).item())
+    return tokens
+
+
+def _rows(logits: torch.Tensor, ids: list[int], processed: dict[int, torch.Tensor]) -> torch.Tensor:
+    """logits[ids] with the processed rows in place of the raw ones (a copy unless it is all of `logits`)."""
+    if len(ids) == logits.shape[0] and not any(i in processed for i in ids):
+        return logits
+    out = logits[ids]
+    for k, i in enumerate(ids):
+        if i in processed:
+            out[k] = processed[i]
+    return out
+
+
+def _choose(logits: torch.Tensor, processed: dict[int, torch.Tensor], params: list[SamplingParams],
+            generators: list[torch.Generator | None]) -> tuple[list[int], list[str | None]]:
+    """The token of every row (greedy or drawn) and, per row, why it could not be sampled."""
+    n = len(params)
+    tokens: list[int] = [0] * n
+    errors: list[str | None] = [None] * n
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        raw = logits if len(greedy) == n else logits[greedy]  # the processed rows are taken from `processed`
+        best = raw.max(dim=-1)
+        values, indices = best.values.tolist(), best.indices.tolist()
+        for k, i in enumerate(greedy):
+            if i in processed:
+                value, token = processed[i].max(dim=-1)
+                values[k], indices[k] = float(value), int(token)
+            tokens[i] = indices[k]
+            if values[k] != values[k] or values[k] == float("-inf"):
+                errors[i] = "no token can be sampled: every token is masked or the logits are not finite"
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        probs, ok = _filter_rows(_rows(logits, drawn, processed), [params[i] for i in drawn])
+        good = [j for j, usable in enumerate(ok.tolist()) if usable]
+        for j, usable in enumerate(ok.tolist()):
+            if not usable:
+                errors[drawn[j]] = "no token can be sampled: every token is masked or the logits are not finite"
+        if good:
+            picked = _draw(probs[good], [generators[drawn[j]] for j in good])
+            for j, token in zip(good, picked, strict=True):
+                tokens[drawn[j]] = token
+    return tokens, errors
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    contexts: list[RowContext | None] | None = None,
 ) -> list[Sampled]:
-    """One token per row of `logits` [N, vocab] (fp32)."""
-    greedy_tokens = logits.argmax(dim=-1).tolist()
+    """One token per row of `logits` [N, vocab] (fp32). `contexts[i]` (optional) carries what row i's
+    processors need (its tokens so far, banned tokens, grammar mask); None rows skip processing."""
+    processed = process_rows(logits, params, contexts) if contexts is not None else {}
+    tokens, errors = _choose(logits, processed, params, generators)
     want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     out = []
     for i, p in enumerate(params):
-        if p.greedy:
-            token = greedy_tokens[i]
-        else:
-            probs = _filter(logits[i], p)
-            token = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-        s = Sampled(token)
-        if logprobs is not None and (p.logprobs or p.top_logprobs):
-            s.logprob = float(logprobs[i, token])
+        s = Sampled(tokens[i], error=errors[i])
+        if logprobs is not None and (p.logprobs or p.top_logprobs) and s.error is None:
+            s.logprob = float(logprobs[i, s.token])
             if p.top_logprobs:
                 values, ids = torch.topk(logprobs[i], p.top_logprobs)
                 s.top_logprobs = list(zip(ids.tolist(), values.tolist(), strict=True))
         out.append(s)
+    return out
+
+
+def sample_isolated(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    contexts: list[RowContext | None] | None = None,
+) -> list[Sampled]:
+    """`sample`, but an exception raised by one row's parameters fails that row alone: the batch is
+    sampled again row by row and the rows that raise come back with `error` set."""
+    try:
+        return sample(logits, params, generators, contexts)
+    except Exception:
+        log.exception("sampling the batch failed; sampling its %d rows one by one", len(params))
+    out = []
+    for i, p in enumerate(params):
+        ctx = None if contexts is None else [contexts[i]]
+        try:
+            out.extend(sample(logits[i:i + 1], [p], [generators[i]], ctx))
+        except Exception as e:
+            out.append(Sampled(0, error=f"sampling failed: {type(e).__name__}: {e}"))
     return out

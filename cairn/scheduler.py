@@ -95,6 +95,10 @@ class Scheduler:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
         self.waiting.append(seq)
 
+    def add_next(self, seqs: list[Sequence]) -> None:
+        """Queue seqs ahead of the other waiting requests (the other choices of a running request)."""
+        self.waiting.extendleft(reversed(seqs))
+
     def abort(self, request_id: str) -> Sequence | None:
         for seq in [*self.waiting, *self.running]:
             if seq.request_id == request_id:

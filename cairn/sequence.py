@@ -69,12 +69,18 @@ class Sequence:
     last_token_s: float | None = None
     cache_state: object | None = None  # the prefix cache's private bookkeeping for this request
     ready_logits: torch.Tensor | None = None  # next-token logits restored from the cache (nothing to compute)
+    group_id: str = ""  # the request this sequence is one choice of ("": its own request_id)
+    index: int = 0  # its choice index in that request (n > 1)
+    grammar: object | None = None  # cairn.grammar.Grammar when the output is constrained (structured output)
 
     def __post_init__(self):
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if not self.group_id:
+            self.group_id = self.request_id
+        if self.params.seed is not None:  # choice i of an n > 1 request draws with seed + i, as in vLLM
+            seed = self.params.seed if self.index == 0 else (self.params.seed + self.index) % 2**64
+            self.generator = torch.Generator().manual_seed(seed)
 
     @property
     def num_tokens(self) -> int:

@@ -360,6 +360,11 @@ class HFTokenizer(Tokenizer):
         return lambda token: stream.step(self._tok, token)
 
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what grammar engines build their vocabulary from)."""
+        return self._tok.to_str()
+
+
 UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})  # these merge at most ~3 characters into one
 
 

@@ -1,16 +1,23 @@
-"""Sampling parameters: greedy, temperature, top-k / top-p / min-p, seeds, stops, max_tokens, logprobs."""
+"""Sampling parameters: greedy, temperature, top-k / top-p / min-p, seeds, stops, max_tokens, logprobs,
+penalties, logit_bias, min_tokens, include_stop_str_in_output, generation_config.json defaults, and the
+sampler's numerical safety over every accepted value (hypothesis)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cairn.engine import LLM
-from cairn.sampling import SamplingError, SamplingParams, _filter, sample
+from cairn.logits import RowContext, process_rows
+from cairn.sampling import SamplingError, SamplingParams, _filter, generation_defaults, sample
 
 PROMPT = list(range(30, 60))
+VOCAB = 64
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +88,183 @@ def test_stop_string_truncates_the_text(llm):
 
 
 @pytest.mark.parametrize("kw", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
-                                dict(top_k=-2), dict(min_p=2), dict(stop=("",))])
+                                dict(top_k=-2), dict(min_p=2), dict(stop=("",)), dict(n=0), dict(n=17),
+                                dict(presence_penalty=-2.1), dict(frequency_penalty=2.1),
+                                dict(repetition_penalty=0.0), dict(repetition_penalty=2.5),
+                                dict(logit_bias={1: 100.5}), dict(min_tokens=300), dict(min_tokens=-1)])
 def test_out_of_range_parameters_are_refused(kw):
     with pytest.raises(SamplingError):
         SamplingParams(**kw)
+
+
+# ---- numerical safety (issue 9 point 2) ----------------------------------------------------------
+
+NORMAL = {"allow_subnormal": False}  # conftest (as the engine) flushes subnormal floats to zero
+EXTREME_FLOATS = st.sampled_from([0.0, 1e-300, 1e-45, 1e-38, 1e-6, 1e-5, 0.5, 1.0])
+
+
+@st.composite
+def accepted_params(draw) -> SamplingParams:
+    """Any SamplingParams the API accepts, biased to the edges of every range."""
+    unit = lambda: st.one_of(EXTREME_FLOATS, st.floats(0.0, 1.0, **NORMAL))
+    return SamplingParams(
+        temperature=draw(st.one_of(EXTREME_FLOATS, st.floats(0.0, 100.0, **NORMAL), st.just(100.0))),
+        top_p=max(draw(unit()), 1e-300),  # (0, 1]
+        top_k=draw(st.integers(-1, 400)),
+        min_p=draw(unit()),
+        presence_penalty=draw(st.floats(-2.0, 2.0, **NORMAL)),
+        frequency_penalty=draw(st.floats(-2.0, 2.0, **NORMAL)),
+        repetition_penalty=max(draw(st.one_of(EXTREME_FLOATS, st.floats(0.0, 2.0, **NORMAL))), 1e-300),  # (0, 2]
+        logit_bias=tuple(draw(st.lists(st.tuples(st.integers(0, VOCAB - 1), st.floats(-100.0, 100.0, **NORMAL)),
+                                       max_size=4))),
+        seed=draw(st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1))),
+        logprobs=draw(st.booleans()), top_logprobs=draw(st.integers(0, 20)))
+
+
+@st.composite
+def logit_rows(draw) -> torch.Tensor:
+    """A row of fp32 logits as a model can make them: finite, possibly huge, some tokens at -inf."""
+    scale = draw(st.sampled_from([1e-30, 1.0, 30.0, 1e4, 1e30, 1e37]))
+    row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**31)))) * scale
+    masked = draw(st.lists(st.integers(0, VOCAB - 1), max_size=VOCAB // 2))
+    row[masked] = float("-inf")
+    row[draw(st.integers(0, VOCAB - 1))] = draw(st.sampled_from([0.0, 3e38, -3e38, 1.0]))
+    return row
+
+
+@st.composite
+def contexts(draw) -> RowContext | None:
+    if draw(st.booleans()):
+        return None
+    ids = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
+    banned = tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=8)))
+    allowed = None
+    if draw(st.booleans()):
+        allowed = torch.zeros(VOCAB, dtype=torch.bool)
+        allowed[draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))] = True
+    return RowContext(ids, draw(st.integers(0, len(ids))), banned, allowed)
+
+
+def _allowed(logits: torch.Tensor, ctx: RowContext | None) -> torch.Tensor:
+    ok = logits > float("-inf")
+    if ctx is not None:
+        ok[list(ctx.banned)] = False
+        if ctx.allowed is not None:
+            ok &= ctx.allowed
+    return ok
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(accepted_params(), logit_rows(), contexts()), min_size=1, max_size=4))
+def test_sampler_never_raises_for_any_accepted_parameters(rows):
+    params = [p for p, _, _ in rows]
+    logits = torch.stack([r for _, r, _ in rows])
+    ctxs = [c for _, _, c in rows]
+    gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+    out = sample(logits, params, gens, ctxs)
+    for i, s in enumerate(out):
+        ok = _allowed(logits[i], ctxs[i])
+        if not ok.any():
+            assert s.error is not None  # nothing may be chosen: this row fails, alone
+            continue
+        assert s.error is None and 0 <= s.token < VOCAB and bool(ok[s.token])
+        if params[i].logprobs:
+            assert s.logprob is not None and not math.isnan(s.logprob)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1e-45), dict(temperature=1e-300), dict(temperature=1e-6),
+                                dict(temperature=1.0, top_p=1e-300), dict(temperature=100.0, min_p=1.0),
+                                dict(temperature=1.0, top_p=1e-45, top_k=1)])
+def test_tiny_temperature_or_top_p_samples_the_most_likely_token(kw):
+    logits = torch.tensor([[1.0, 4.0, 2.0, 3.9]])
+    out = sample(logits, [SamplingParams(**kw)], [torch.Generator().manual_seed(0)])
+    assert out[0].error is None and out[0].token == 1
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [5.0, 1.0, 0.0], [float("nan")] * 3])
+    nothing = torch.zeros(3, dtype=torch.bool)
+    ctxs = [None, RowContext([0], 1, allowed=nothing), None]
+    out = sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams()],
+                 [None] * 3, ctxs)
+    assert out[0].error is None and out[0].token == 2
+    assert out[1].error and out[2].error
+
+
+# ---- penalties, bias, min_tokens, stop strings ----------------------------------------------------
+
+def test_penalties_follow_vllm_definitions():
+    """repetition over prompt + output (divide positive, multiply negative); frequency and presence over
+    the output only."""
+    logits = torch.tensor([[2.0, -2.0, 1.0, 3.0, 0.5]])
+    ctx = RowContext(token_ids=[0, 1, 2, 2, 3], num_prompt_tokens=2)  # prompt [0, 1], output [2, 2, 3]
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5,
+                       logit_bias=((4, 1.5),))
+    got = process_rows(logits, [p], [ctx])[0]
+    expected = torch.tensor([2.0 / 2, -2.0 * 2, 1.0 / 2 - 0.25 * 2 - 0.5, 3.0 / 2 - 0.25 - 0.5, 0.5 + 1.5])
+    assert torch.allclose(got, expected)
+
+
+def test_rows_without_context_are_not_processed():
+    logits = torch.tensor([[2.0, 1.0], [0.0, 1.0]])
+    got = process_rows(logits, [SamplingParams(), SamplingParams(logit_bias=((0, 5.0),))],
+                       [None, RowContext([1], 1)])
+    assert set(got) == {1} and got[1].tolist() == [5.0, 1.0] and logits[1].tolist() == [0.0, 1.0]
+
+
+def test_logit_bias_can_force_a_token(llm):
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.8, seed=1, logit_bias={65: 100.0},
+                                              ignore_eos=True))[0]
+    assert out.token_ids == [65] * 4 and out.text == "AAAA"
+
+
+def test_presence_penalty_changes_greedy_output_away_from_repeats(llm):
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    penalized = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                    presence_penalty=2.0, frequency_penalty=2.0,
+                                                    repetition_penalty=2.0))[0].token_ids
+    assert plain != penalized
+    assert len(set(penalized)) >= len(set(plain))
+
+
+def test_min_tokens_holds_back_end_of_sequence(llm):
+    eos = llm.tokenizer.eos_token_ids[0]
+    forced = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0})
+    assert llm.generate(PROMPT, forced)[0].token_ids == [eos]
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0},
+                                              min_tokens=5))[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
+    assert out.finish_reason == "stop"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(llm):
+    prompt = llm.tokenizer.encode("The quick brown fox says")
+    free = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    stop = free.text[3:5]
+    kept = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,),
+                                               include_stop_str_in_output=True))[0]
+    cut = free.text.index(stop)
+    assert kept.text == free.text[: cut + len(stop)] and kept.finish_reason == "stop"
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    prompt = llm.tokenizer.encode("The quick brown fox says")
+    free = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    stop = free.text[1:2]
+    early = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,)))[0]
+    late = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,),
+                                               min_tokens=12))[0]
+    assert len(late.token_ids) >= 12 > len(early.token_ids)
+
+
+# ---- generation_config.json defaults -------------------------------------------------------------
+
+def test_generation_config_defaults_are_read_and_out_of_range_ones_ignored(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True,
+         "max_new_tokens": 99}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                             "repetition_penalty": 1.05}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 7}))
+    assert generation_defaults(tmp_path) == {}
+    assert generation_defaults(tmp_path / "missing") == {}

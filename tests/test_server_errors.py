@@ -103,14 +103,25 @@ def test_negative_zero_or_absurd_max_tokens_is_400(http, max_tokens):
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("temperature", 1000.0), ("top_p", 0.0),
-                                         ("top_p", 1.5), ("top_k", -2), ("min_p", -0.1), ("min_p", 1.5)])
+                                         ("top_p", 1.5), ("top_k", -2), ("min_p", -0.1), ("min_p", 1.5),
+                                         ("n", 0), ("n", 17), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+                                         ("repetition_penalty", 0.0), ("min_tokens", 99)])
 def test_out_of_range_sampling_value_is_400_naming_it(http, field, value):
     assert_error(chat(http, **{field: value}), 400, "invalid_value", field)
     assert_still_serving(http)
 
 
-def test_n_greater_than_one_is_400(http):
-    assert_error(chat(http, n=2), 400, "unsupported_value", "n")
+def test_logit_bias_outside_the_vocabulary_or_range_is_400(http):
+    assert_error(chat(http, logit_bias={"100000": 1}), 400, "invalid_value", "logit_bias")
+    assert_error(chat(http, logit_bias={"65": 101}), 400, "invalid_value", "logit_bias")
+    assert_error(chat(http, logit_bias={"A": 1}), 400, "invalid_value", "logit_bias")
+    assert_still_serving(http)
+
+
+def test_unusable_response_format_schema_is_400(http):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    assert_error(chat(http, response_format=bad), 400, "invalid_value", "response_format")
+    assert_error(chat(http, response_format={"type": "yaml"}), 400, "invalid_value", "response_format.type")
     assert_still_serving(http)
 
 

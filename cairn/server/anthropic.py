@@ -231,7 +231,7 @@ async def messages(ctx: ServingContext, body: MessagesRequest, request: Request)
     msg_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         return SSEResponse(_events(ctx, gen, shaper, body, msg_id), gen.close)
-    out = await gen.last_output(request)
+    (out,) = await gen.final_outputs(request)  # one choice: the Messages API has no n
     shaper.feed(out.text, final=True)
     stop = _stop(ctx, shaper, out, body.stop_sequences or [])
     return JSONResponse(_message(msg_id, ctx.served_model, _blocks(shaper.message), out, stop))

@@ -189,7 +189,7 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     metrics = ServerMetrics()
     ctx = ServingContext(bridge, metrics, engine.tokenizer, options.served_model_name or engine.model_name,
                          frozenset({engine.model_name}), engine.max_model_len, engine.model_config.vocab_size,
-                         options.reasoning_parser, options.tool_call_parser)
+                         options.reasoning_parser, options.tool_call_parser, engine.sampling_defaults)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -11,11 +11,12 @@ once, in a worker (see `offload`), before the engine thread sees the request.
 
 The engine thread blocks on the command queue while the engine has nothing to do (no busy wait),
 and between steps runs every queued command (add, abort, stats...). A request's outputs arrive on
-its `RequestStream` in order; the stream ends after the finished output, or raises EngineFailure
-(engine.step() raised while the request was running) or ServerShuttingDown (aborted by a drain or
-stop). An exception in step() fails the requests that step touched (StepFailed names them; the engine
-has freed their memory) and the thread keeps serving. `unhealthy()` says why the engine cannot make
-progress (thread dead, steps failing in a row, every slot held while nothing runs): /health's 503.
+its `RequestStream` in order; the stream ends after the output that finishes the request (its last
+choice when n > 1), or raises EngineFailure (engine.step() raised while the request was running, or
+the engine failed this request alone: an output carrying `error`) or ServerShuttingDown (aborted by
+a drain or stop). An exception in step() fails the requests that step touched (StepFailed names them;
+the engine has freed their memory) and the thread keeps serving. `unhealthy()` says why the engine
+cannot make progress (thread dead, steps failing in a row, every slot held while nothing runs): /health's 503.
 
 What this is not: it knows nothing of HTTP, JSON or metrics.
 """
@@ -80,7 +81,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.done = True
             raise item
-        self.done = item.finished
+        self.done = item.request_finished
         return item
 
     def close(self) -> None:
@@ -289,9 +290,11 @@ class EngineBridge:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
         for out in outputs:
-            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            done = out.request_finished or out.error is not None
+            sink = self._sinks.pop(out.request_id, None) if done else self._sinks.get(out.request_id)
             if sink is not None:
-                by_loop[sink[0]].append((sink[1], out))
+                item = EngineFailure(f"The engine failed this request: {out.error}") if out.error else out
+                by_loop[sink[0]].append((sink[1], item))
         for loop, items in by_loop.items():
             _post(loop, _put_all, items)
 

@@ -18,7 +18,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -57,6 +57,7 @@ class ServingContext:
     vocab_size: int = 1 << 62  # token ids in requests must be below this
     reasoning_parser: str = "qwen3"  # "qwen3": <think> text becomes reasoning_content; "none": all content
     tool_call_parser: str = "qwen3"  # "qwen3": <tool_call> blocks become tool_calls; "none": all content
+    sampling_defaults: dict = field(default_factory=dict)  # generation_config.json values for omitted fields
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model and name not in self.model_aliases:
@@ -86,8 +87,10 @@ class SSEResponse(StreamingResponse):
 class Generation:
     """One submitted request: its stream, timing and metrics."""
 
-    def __init__(self, ctx: ServingContext, stream: RequestStream, header: ResponseHeader, start_s: float):
+    def __init__(self, ctx: ServingContext, stream: RequestStream, header: ResponseHeader, start_s: float,
+                 num_choices: int = 1):
         self.ctx, self.stream, self.header, self.start_s = ctx, stream, header, start_s
+        self.num_choices = num_choices  # the request's n: its outputs carry index 0 .. n - 1
         self._last_token_s: float | None = None
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
@@ -121,9 +124,10 @@ class Generation:
             self.ctx.metrics.finished.labels("abort").inc()
         self.stream.close()
 
-    async def last_output(self, request: Request) -> RequestOutput:
-        """The finished output; if the client disconnects first, abort and raise a 499."""
-        gather = asyncio.ensure_future(_last(self.outputs()))
+    async def final_outputs(self, request: Request) -> list[RequestOutput]:
+        """The finished output of every choice, by index; if the client disconnects first, abort and
+        raise a 499."""
+        gather = asyncio.ensure_future(_finals(self.outputs()))
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -138,16 +142,38 @@ class Generation:
         return gather.result()
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
+async def _finals(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
     async for out in outputs:
-        last = out
-    return last
+        if out.finished:
+            finals[out.index] = out
+    return [finals[i] for i in sorted(finals)]
 
 
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _with_choices(bodies: list[dict], outs: list[RequestOutput]) -> dict:
+    """One response holding every choice of an n > 1 request: each body's choice with its index, the
+    usage counting every choice's tokens (the prompt once)."""
+    body = bodies[0]
+    body["choices"] = [{**b["choices"][0], "index": out.index} for b, out in zip(bodies, outs, strict=True)]
+    if body.get("usage"):
+        _count_all_choices(body["usage"], outs)
+    return body
+
+
+def _count_all_choices(usage: dict, outs: list[RequestOutput]) -> None:
+    usage["completion_tokens"] = sum(len(o.token_ids) for o in outs)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def _indexed(chunk: dict, index: int) -> dict:
+    """A one-choice stream chunk for choice `index` of the request."""
+    chunk["choices"][0]["index"] = index
+    return chunk
 
 
 def _delta_slice(out: RequestOutput) -> slice:
@@ -158,7 +184,7 @@ def _delta_slice(out: RequestOutput) -> slice:
 async def _start(ctx: ServingContext, sub: Submission, start_s: float) -> Generation:
     stream = await ctx.bridge.submit(sub)
     header = ResponseHeader(id=sub.request_id, created=int(time.time()), model=ctx.served_model)
-    return Generation(ctx, stream, header, start_s)
+    return Generation(ctx, stream, header, start_s, sub.params.n)
 
 
 def _new_id(prefix: str) -> str:
@@ -174,21 +200,27 @@ async def chat_completions(ctx: ServingContext, body: ChatCompletionRequest, req
     gen, shaper = await start_chat(ctx, body, start_s, "chatcmpl")
     if body.stream:
         return SSEResponse(_chat_events(gen, body, shaper), gen.close)
-    out = await gen.last_output(request)
+    outs = await gen.final_outputs(request)
+    return JSONResponse(_with_choices([_chat_body(gen, body, ChatShaper(shaper.plan), out) for out in outs], outs))
+
+
+def _chat_body(gen: Generation, body: ChatCompletionRequest, shaper: ChatShaper, out: RequestOutput) -> dict:
+    """The response body of one finished choice, its text split by the chat parsers."""
     shaper.feed(out.text, final=True)
-    logprobs = (chat_logprobs(ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
+    logprobs = (chat_logprobs(gen.ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
                 if body.logprobs else None)
-    return JSONResponse(chat_response(gen.header, out, openai_message(shaper.message),
-                                      shaper.finish_reason(out.finish_reason), logprobs, body.return_token_ids))
+    return chat_response(gen.header, out, openai_message(shaper.message), shaper.finish_reason(out.finish_reason),
+                         logprobs, body.return_token_ids)
 
 
 async def start_chat(ctx: ServingContext, body: ChatCompletionRequest, start_s: float,
                      id_prefix: str) -> tuple[Generation, ChatShaper]:
-    """Validate a chat request, submit it, and return its generation and the shaper of its output."""
+    """Validate a chat request, submit it, and return its generation and the shaper of its output
+    (of its first choice; `ChatShaper(shaper.plan)` makes one for each other choice)."""
     ctx.check_model(body.model)
     body.token_ids_in_vocab(ctx.vocab_size)
     body.check_tools()
-    params = body.to_sampling_params(context_fill_tokens=ctx.max_model_len)
+    params = body.to_sampling_params(context_fill_tokens=ctx.max_model_len, defaults=ctx.sampling_defaults)
     kwargs = body.template_kwargs()
     if ctx.tool_call_parser == "none" and body.forced_function() is not None:
         raise APIError(400, "tool_choice naming a function needs a tool-call parser (this server runs with "
@@ -205,21 +237,27 @@ async def start_chat(ctx: ServingContext, body: ChatCompletionRequest, start_s: 
 
 
 async def _chat_events(gen: Generation, body: ChatCompletionRequest, shaper: ChatShaper) -> AsyncIterator[str]:
-    yield sse(chat_chunk(gen.header, {"role": "assistant", "content": ""}))
-    last, num_calls = None, 0
+    n = gen.num_choices
+    shapers = [shaper] + [ChatShaper(shaper.plan) for _ in range(n - 1)]
+    for index in range(n):
+        yield sse(_indexed(chat_chunk(gen.header, {"role": "assistant", "content": ""}), index))
+    finals: dict[int, RequestOutput] = {}
+    num_calls = [0] * n
     try:
         async for out in gen.outputs():
-            last = out
-            delta = shaper.feed(out.delta_text, final=out.finished)
-            deltas = openai_deltas(delta, num_calls)
-            num_calls += len(delta.calls)
-            for chunk in _chat_chunks(gen, body, out, deltas, shaper.finish_reason(out.finish_reason)):
-                yield sse(chunk)
+            choice = shapers[out.index]
+            delta = choice.feed(out.delta_text, final=out.finished)
+            deltas = openai_deltas(delta, num_calls[out.index])
+            num_calls[out.index] += len(delta.calls)
+            for chunk in _chat_chunks(gen, body, out, deltas, choice.finish_reason(out.finish_reason)):
+                yield sse(_indexed(chunk, out.index))
+            if out.finished:
+                finals[out.index] = out
     except Exception as e:
         yield sse(from_exception(e).body())
     else:
-        if body.include_usage and last is not None:
-            yield sse(usage_chunk(gen.header, "chat.completion.chunk", last))
+        if body.include_usage and finals:
+            yield sse(_usage_chunk(gen.header, "chat.completion.chunk", list(finals.values())))
     yield DONE_EVENT
 
 
@@ -241,44 +279,54 @@ def _chat_chunks(gen: Generation, body: ChatCompletionRequest, out: RequestOutpu
     return chunks
 
 
+def _usage_chunk(header: ResponseHeader, obj: str, finals: list[RequestOutput]) -> dict:
+    chunk = usage_chunk(header, obj, finals[0])
+    _count_all_choices(chunk["usage"], finals)
+    return chunk
+
+
 # ---- /v1/completions ----------------------------------------------------------------------------
 
 async def completions(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
     start_s = time.monotonic()
     ctx.check_model(body.model)
     body.token_ids_in_vocab(ctx.vocab_size)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(defaults=ctx.sampling_defaults)
     prompt = body.engine_prompt()
     sub = Submission(_new_id("cmpl"), params, prompt=prompt, message_starts=body.checked_message_starts(prompt))
     gen = await _start(ctx, sub, start_s)
     if body.stream:
         return SSEResponse(_completion_events(gen, body), gen.close)
-    out = await gen.last_output(request)
-    logprobs = (completion_logprobs(ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, 0)
-                if body.logprobs is not None else None)
-    return JSONResponse(completion_response(gen.header, out, logprobs, body.return_token_ids))
+    outs = await gen.final_outputs(request)
+    bodies = [completion_response(gen.header, out, completion_logprobs(
+        ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, 0) if body.logprobs is not None else None,
+        body.return_token_ids) for out in outs]
+    return JSONResponse(_with_choices(bodies, outs))
 
 
 async def _completion_events(gen: Generation, body: CompletionRequest) -> AsyncIterator[str]:
-    last, offset_chars = None, 0
+    finals: dict[int, RequestOutput] = {}
+    offset_chars: dict[int, int] = {}  # per choice
     try:
         async for out in gen.outputs():
-            last = out
             logprobs = None
             if body.logprobs is not None and out.delta_token_ids:
                 span = _delta_slice(out)
                 logprobs = completion_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.logprobs[span],
-                                               out.top_logprobs[span], offset_chars)
-                offset_chars += sum(len(t) for t in logprobs["tokens"])
+                                               out.top_logprobs[span], offset_chars.get(out.index, 0))
+                offset_chars[out.index] = offset_chars.get(out.index, 0) + sum(len(t) for t in logprobs["tokens"])
             extra = {"token_ids": out.delta_token_ids} if body.return_token_ids and out.delta_token_ids else {}
             if out.finished and body.return_token_ids:
                 extra["prompt_token_ids"] = out.prompt_token_ids
             if out.delta_text or logprobs or out.finished or extra:
-                yield sse(completion_chunk(gen.header, out.delta_text, out.finish_reason if out.finished else None,
-                                           logprobs, **extra))
+                chunk = completion_chunk(gen.header, out.delta_text, out.finish_reason if out.finished else None,
+                                         logprobs, **extra)
+                yield sse(_indexed(chunk, out.index))
+            if out.finished:
+                finals[out.index] = out
     except Exception as e:
         yield sse(from_exception(e).body())
     else:
-        if body.include_usage and last is not None:
-            yield sse(usage_chunk(gen.header, "text_completion", last))
+        if body.include_usage and finals:
+            yield sse(_usage_chunk(gen.header, "text_completion", list(finals.values())))
     yield DONE_EVENT

@@ -183,7 +183,7 @@ class ServerMetrics:
             if cached:
                 self.cached_tokens.labels(out.cache.resume_tier or "unknown").inc(cached)
             self.computed_prompt_tokens.inc(max(0, out.num_prompt_tokens - cached))
-        if out.finished:
+        if out.request_finished:
             self.finished.labels(out.finish_reason or "unknown").inc()
             self.duration.observe(duration_s)
 

@@ -7,7 +7,8 @@ implement yet are listed once, in `UNIMPLEMENTED_FIELDS`, with the value that ch
 request may send that value (clients often send `presence_penalty: 0`), any other value is refused
 with a 400 naming the field. Range checks of the sampling fields are SamplingParams' own (its
 SamplingError becomes a 400), so there is one source of truth; token ids are checked against the
-vocabulary by the endpoints, which know it.
+vocabulary by the endpoints, which know it. A sampling field the request leaves out takes the
+checkpoint's generation_config.json default when it has one (`defaults`), else SamplingParams' own.
 
 What this module is not: response shapes (see `responses`, `chat_output`) or anything that touches
 the engine.
@@ -20,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cairn.sampling import SamplingParams
+from cairn.sampling import SamplingParams, StructuredOutput
 from cairn.server.errors import APIError
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
@@ -30,10 +31,7 @@ ROLES = ("system", "user", "assistant", "tool")  # the roles the supported chat 
 # Known request fields cairn does not implement, each with its neutral value (the one that changes
 # nothing, accepted). Implementing a field = declaring it on the request model and removing it here.
 UNIMPLEMENTED_FIELDS: dict[str, Any] = {
-    "n": 1, "best_of": 1, "echo": False, "suffix": None,
-    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {}, "min_tokens": 0,
-    "include_stop_str_in_output": False,
-    "response_format": {"type": "text"}, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+    "best_of": 1, "echo": False, "suffix": None, "structured_outputs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
     "functions": None, "function_call": None, "reasoning_effort": None, "prompt_logprobs": None,
     "logprobs_mode": None, "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
@@ -74,6 +72,37 @@ TokenIds = list[Annotated[int, Field(strict=True)]]
 class StreamOptions(Strict):
     include_usage: bool = False  # send a last chunk with empty choices and the usage
     continuous_usage_stats: Literal[False] = False  # vLLM extension: cairn sends the usage only at the end
+
+
+# ---- response_format ----------------------------------------------------------------------------
+
+class JSONSchemaFormat(Strict):
+    """response_format.json_schema: the schema the output must validate against."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")  # JSON Schema (true: any JSON value)
+    strict: bool | None = None  # the output always follows the schema (cairn constrains decoding either way)
+
+
+class ResponseFormat(Strict):
+    """response_format: "text" (unconstrained), "json_object" (any JSON object) or "json_schema"."""
+
+    type: str
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise APIError(400, "response_format json_schema needs a json_schema object",
+                               param="response_format.json_schema", code="invalid_value")
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
+        raise APIError(400, f"response_format type {self.type!r} is not one of text, json_object, json_schema",
+                       param="response_format.type", code="invalid_value")
 
 
 # ---- tools --------------------------------------------------------------------------------------
@@ -199,6 +228,14 @@ class SamplingFields(Strict):
     ignore_eos: bool = False  # extension: keep generating past end-of-sequence tokens
     cache_prompt: bool = True  # extension: False neither reads nor writes the prefix cache
     return_token_ids: bool = False  # extension (vLLM): the prompt and output token ids in the response
+    n: StrictInt = 1  # choices to generate; they share the prompt's prefix (computed once)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
+    min_tokens: int = 0  # vLLM extension: no stop before this many tokens
+    include_stop_str_in_output: bool = False  # vLLM extension
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -216,15 +253,25 @@ class SamplingFields(Strict):
             raise APIError(400, f"stop_token_ids must be in [0, {vocab_size}), got {bad[0]}",
                            param="stop_token_ids", code="invalid_value")
 
-    def sampling_params(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
-        """SamplingParams for this request (raises SamplingError on out-of-range values)."""
-        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
-                                   ("min_p", self.min_p)) if v is not None}
+    def sampling_params(self, max_tokens: int, logprobs: bool, top_logprobs: int,
+                        defaults: dict | None = None) -> SamplingParams:
+        """SamplingParams for this request (raises SamplingError on out-of-range values). `defaults`:
+        the checkpoint's generation_config.json values, for the fields this request leaves out."""
+        given = {**(defaults or {}), **{k: v for k, v in self.model_dump(include=set(SAMPLING_FIELDS)).items()
+                                        if v is not None}}
         extra = {"user": self.user} if self.user else {}
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=_stop_tuple(self.stop),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               logprobs=logprobs, top_logprobs=top_logprobs, cache_prompt=self.cache_prompt,
+                              n=self.n, logit_bias=_logit_bias(self.logit_bias), min_tokens=self.min_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              structured=self.response_format.structured() if self.response_format else None,
                               extra=extra, **given)
+
+
+# request fields that map one to one onto SamplingParams, and may take a generation_config.json default
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -242,13 +289,13 @@ class ChatCompletionRequest(SamplingFields):
         """None: up to the rest of the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, context_fill_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, context_fill_tokens: int, defaults: dict | None = None) -> SamplingParams:
         """`context_fill_tokens` stands in for max_tokens when none was given (the bridge then fits it)."""
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
         max_tokens = self.requested_max_tokens
         return self.sampling_params(context_fill_tokens if max_tokens is None else max_tokens,
-                                    self.logprobs, self.top_logprobs or 0)
+                                    self.logprobs, self.top_logprobs or 0, defaults)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them (see `template_message`)."""
@@ -293,9 +340,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token plus this many alternatives
     message_starts: TokenIds | None = None  # extension: where chat messages start in a token-id prompt
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs is not None, self.logprobs or 0)
+        return self.sampling_params(max_tokens, self.logprobs is not None, self.logprobs or 0, defaults)
 
     def engine_prompt(self) -> str | list[int]:
         """The one prompt, as text or token ids; a batch of several prompts is refused."""
@@ -341,6 +388,18 @@ class TokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: TokenIds
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; a key that is not an integer is a 400."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            pairs.append((int(key), float(value)))
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias",
+                           code="invalid_value") from None
+    return tuple(pairs)
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -1,0 +1,99 @@
+"""Structured output (response_format) on the demo model, whose random weights make the grammar alone
+responsible for valid JSON; and the grammar built from a checkpoint's tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from cairn.engine import LLM
+from cairn.grammar import GrammarCompiler, allowed_masks
+from cairn.sampling import SamplingError, SamplingParams, StructuredOutput
+from cairn.tokenizer import HFTokenizer
+from tests.checkpoints import write_tokenizer
+
+PROMPT = list(range(40, 70))
+# schemas that bound the output's length: a small one for the model runs, a richer one for the grammar alone
+SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 9}},
+         "required": ["ok", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_seqs=4)
+
+
+def constrained(schema: dict | None, **kw) -> SamplingParams:
+    spec = StructuredOutput("json_object") if schema is None else StructuredOutput("json_schema", json.dumps(schema))
+    return SamplingParams(structured=spec, **{"max_tokens": 300, **kw})
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1)])
+def test_json_schema_output_parses_and_validates(llm, temperature, seed):
+    """Random weights: the grammar alone makes the output valid, and the schema bounds its length."""
+    out = llm.generate(PROMPT, constrained(SMALL, temperature=temperature, seed=seed))[0]
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), SMALL)
+
+
+def test_constrained_request_beside_unconstrained_ones_leaves_them_unchanged(llm):
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = llm.generate([PROMPT[:20], PROMPT[5:]], free)
+    llm.engine.add_request(PROMPT, constrained(SMALL, temperature=1.0, seed=4), request_id="json-neighbour")
+    together = llm.generate([PROMPT[:20], PROMPT[5:]], free)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+
+
+def test_json_cut_by_max_tokens_finishes_with_length(llm):
+    out = llm.generate(PROMPT, constrained(SMALL, max_tokens=6, temperature=0.0))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6 and out.text.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(out.text)
+
+
+def test_every_choice_of_n_follows_the_schema(llm):
+    outs = llm.generate(PROMPT, constrained(SMALL, temperature=1.0, seed=5, n=2))
+    assert [o.index for o in outs] == [0, 1]
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SMALL)
+
+
+def test_unusable_schema_is_refused_at_add_request(llm):
+    with pytest.raises(SamplingError):
+        llm.engine.add_request(PROMPT, constrained({"type": "no-such-type"}))
+    with pytest.raises(SamplingError):
+        llm.engine.add_request(PROMPT, SamplingParams(structured=StructuredOutput("json_schema", "{not json")))
+
+
+def test_grammar_from_a_checkpoint_tokenizer_forces_valid_json(tmp_path):
+    """The HF tokenizer path (tokenizer.json): drive the grammar with random logits, masked."""
+    write_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path)
+    vocab = 320  # the tiny checkpoints' embedding rows: more than the tokenizer's 259 tokens
+    grammar = GrammarCompiler(tok, vocab).compile(StructuredOutput("json_schema", json.dumps(SCHEMA)))
+    gen = torch.Generator().manual_seed(0)
+    ids = []
+    while not grammar.done and len(ids) < 300:
+        logits = torch.randn(vocab, generator=gen).masked_fill(~allowed_masks([grammar], vocab)[0], float("-inf"))
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        assert token < tok.vocab_size and grammar.accept(token)
+        ids.append(token)
+    assert grammar.done
+    jsonschema.validate(json.loads(tok.decode(ids)), SCHEMA)
