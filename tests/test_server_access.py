@@ -73,6 +73,6 @@ def test_x_request_id_is_echoed_and_names_the_request_in_the_logs(srv):
                    headers={**auth(), "X-Request-Id": "trace-42 x"})
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42 x"
     assert r.json()["id"].startswith("cmpl-trace-42_x-")
-    assert re.search(rf"prefill {re.escape(r.json()['id'])}:", srv.log()), srv.log()
+    assert re.search(rf"finished {re.escape(r.json()['id'])}:", srv.log()), srv.log()
     r = httpx.get(srv.base_url + "/v1/models", headers={"X-Request-Id": "refused-1"})  # on errors too
     assert r.status_code == 401 and r.headers["x-request-id"] == "refused-1"
