@@ -64,7 +64,7 @@ def warm_vs_cold(path: Path, dtype: str, block: int) -> dict:
     warm, cold = engine(path, dtype, block, True), engine(path, dtype, block, False)
     history = prompt(1500, seed=1)
     first_logits(warm, history)
-    longer = history[:1300] + prompt(400, seed=2)  # diverges at 1300, mid-block
+    longer = history + prompt(300, seed=2)  # the append pattern: resumes at the history's end without a block
     w, resume = first_logits(warm, longer)
     c, _ = first_logits(cold, longer)
     return {"block": warm.prefill_block, "resume": resume, "equal": bool(torch.equal(w, c)),

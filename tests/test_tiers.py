@@ -223,3 +223,28 @@ def test_a_move_in_flight_reserves_its_space_and_is_published_only_on_complete()
     assert bank.allocator.num_free == 0 and bank.prepare_copy_in(kv, [0]) is None
     pages = moving.complete()
     assert torch.equal(bank.k[:, pages], kv.k[:, [1, 3]])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tier", ["device", "host", "disk", "disk after a restart"])
+def test_half_precision_resume_from_each_tier_is_bit_for_bit_cold(tmp_path, tier, dtype, sampled_logits):
+    half = dict(dtype=dtype, prefill_block=64)
+    llm = tiered(tmp_path, device_slots=40, **half)
+    run(llm, CONVERSATION)
+    cache = llm.engine.cache
+    node = next(n for pos, _, n in cache.tree.iter_snapshots() if pos == 320)
+    for t in ("device", "host")[: ("device", "host", "disk").index(tier.split()[0])]:
+        cache.tiers.demote_snapshot(node, t)
+    if tier == "disk after a restart":  # a new process sees the same: nothing in memory, the disk indexed
+        llm.close()
+        llm = tiered(tmp_path, **half)
+    prompt = CONVERSATION[:330] + [1, 2]
+    sampled_logits.clear()
+    out = run(llm, prompt)
+    warm = torch.stack(sampled_logits)
+    llm.close()
+    assert out.cache.resume_position == 320 and out.cache.resume_tier == tier.split()[0]
+    sampled_logits.clear()
+    ref = LLM(**OPTS, **half, prefix_cache=False).generate(prompt, G)[0]
+    assert out.token_ids == ref.token_ids
+    assert torch.equal(warm, torch.stack(sampled_logits))
