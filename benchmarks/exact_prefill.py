@@ -60,11 +60,11 @@ def first_logits(eng, ids: list[int]) -> tuple[torch.Tensor, int]:
     return seen[-1], resume
 
 
-def warm_vs_cold(path: Path, dtype: str, block: int) -> dict:
+def warm_vs_cold(path: Path, dtype: str, block: int, history_len: int = 1500) -> dict:
     warm, cold = engine(path, dtype, block, True), engine(path, dtype, block, False)
-    history = prompt(1500, seed=1)
+    history = prompt(history_len, seed=1)
     first_logits(warm, history)
-    longer = history + prompt(300, seed=2)  # the append pattern: resumes at the history's end without a block
+    longer = history + prompt(history_len // 5, seed=2)  # the append pattern: resumes at the history's end
     w, resume = first_logits(warm, longer)
     c, _ = first_logits(cold, longer)
     return {"block": warm.prefill_block, "resume": resume, "equal": bool(torch.equal(w, c)),

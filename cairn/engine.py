@@ -88,6 +88,8 @@ class Engine:
                                    sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
                                    self.prefill_block)
         self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.cache, self.prefill_block)
+        if self.prefill_block:
+            log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
         self._detok: dict[str, Detokenizer] = {}
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()

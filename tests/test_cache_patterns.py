@@ -218,6 +218,12 @@ def regenerate(llm):
     return llm.engine.tokenize_chat(msgs)[0]
 
 
+def resend_of_whole_blocks(llm):
+    prompt = [(i * 11) % 240 + 2 for i in range(192)]  # three whole blocks: resumed with its stored logits
+    run(llm, prompt)
+    return prompt
+
+
 def interleave(llm):
     a = [(i * 5) % 240 + 3 for i in range(240)]
     ra = run(llm, a)
@@ -233,8 +239,8 @@ def shared_system_prompt(llm):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("pattern", [append, stripped_reasoning, compaction, edit, regenerate, interleave,
-                                     shared_system_prompt])
+@pytest.mark.parametrize("pattern", [append, stripped_reasoning, compaction, edit, regenerate,
+                                     resend_of_whole_blocks, interleave, shared_system_prompt])
 def test_half_precision_resume_gives_the_cold_logits_bit_for_bit(pattern, dtype, cold_half, sampled_logits):
     warm = LLM(**OPTS, dtype=dtype, device_snapshot_gib=0.1, snapshot_interval=64)
     assert warm.engine.prefill_block == 64
@@ -247,3 +253,12 @@ def test_half_precision_resume_gives_the_cold_logits_bit_for_bit(pattern, dtype,
     assert out.cache.resume_position > 0 and out.cache.resume_position % 64 == 0
     assert out.token_ids == ref.token_ids
     assert torch.equal(warm_rows, torch.stack(sampled_logits))
+
+
+def test_half_precision_prefill_batched_with_others_gives_the_alone_first_token(cold_half):
+    llm = cold_half["bfloat16"]
+    prompts = [[(i * k) % 240 + 1 for i in range(n)] for k, n in ((3, 150), (7, 90), (13, 200))]
+    alone = [run(llm, p) for p in prompts]
+    together = llm.generate(prompts, GREEDY)  # one prefill in the same steps as another's decode steps
+    for a, b in zip(alone, together, strict=True):
+        assert a.logprobs[0] == b.logprobs[0] and a.top_logprobs[0] == b.top_logprobs[0]
