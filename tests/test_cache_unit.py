@@ -40,7 +40,7 @@ def test_message_starts_and_branch_point_are_placed_and_each_source_switches_off
 
 def test_exact_resumption_places_snapshots_only_on_block_boundaries_and_no_request_end():
     got = _place(message_starts=(40, 300, 1200), match_length=700, path_has_deeper_snapshot=True, align=64)
-    assert got == {256: "grid", 512: "grid", 640: "branch", 768: "grid", 960: "prompt_end"}
+    assert got == {256: "message", 512: "grid", 640: "branch", 768: "grid", 960: "prompt_end"}  # 40 is below 64
     assert _place(align=64, prompt_len=1024)[1024] == "prompt_end"  # a whole-block prompt end keeps its logits
     assert _place(align=64, resume_position=512) == {768: "grid", 960: "prompt_end"}
     assert request_end_allowed(2000, PlacementOptions()) and not request_end_allowed(2000, PlacementOptions(align=64))
