@@ -229,13 +229,14 @@ def test_a_move_in_flight_reserves_its_space_and_is_published_only_on_complete()
 @pytest.mark.parametrize("tier", ["device", "host", "disk", "disk after a restart"])
 def test_half_precision_resume_from_each_tier_is_bit_for_bit_cold(tmp_path, tier, dtype, sampled_logits):
     half = dict(dtype=dtype, prefill_block=64)
-    llm = tiered(tmp_path, device_slots=40, **half)
+    restart = tier == "disk after a restart"
+    llm = tiered(tmp_path, device_slots=40, disk_write_through=restart, **half)
     run(llm, CONVERSATION)
     cache = llm.engine.cache
     node = next(n for pos, _, n in cache.tree.iter_snapshots() if pos == 320)
     for t in ("device", "host")[: ("device", "host", "disk").index(tier.split()[0])]:
         cache.tiers.demote_snapshot(node, t)
-    if tier == "disk after a restart":  # a new process sees the same: nothing in memory, the disk indexed
+    if restart:  # a new process sees the same: nothing in memory, the disk indexed
         llm.close()
         llm = tiered(tmp_path, **half)
     prompt = CONVERSATION[:330] + [1, 2]
