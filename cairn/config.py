@@ -59,6 +59,11 @@ class SchedulerOptions:
     max_num_batched_tokens: int = _f(2048, "token budget of one step: decode tokens plus prefill chunks")
     max_model_len: int | None = _f(None, "longest prompt + output; default: the model's and the KV pool's limit")
     max_waiting: int = _f(1024, "most requests queued before new ones are refused")
+    prefill_block: int | None = _f(
+        None, "exact resumption: prefill runs in blocks of this many tokens at absolute positions (a multiple of "
+        "64) and the prefix cache resumes only at block boundaries or a whole cached prompt, so a resumed request "
+        "computes bit for bit what a cold one does; 0: resume at any position (equal to cold within rounding); "
+        "default: 512 in bfloat16/float16, 0 in float32")
 
 
 @dataclass(frozen=True)

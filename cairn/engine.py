@@ -34,6 +34,7 @@ from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
 from cairn.model.loader import load_checkpoint
+from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
@@ -59,6 +60,25 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def prefill_block(requested: int | None, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The exact-resumption block (SchedulerOptions.prefill_block), 0 when off.
+
+    A step must fit a whole block next to a decode token of every other running request, so that no
+    block is ever split. Default: 512 (or the largest multiple of 64 that fits) in half precision, where
+    a rounding difference changes the output visibly; off in float32."""
+    room = (max_num_batched_tokens - max_num_seqs) // GDN_CHUNK * GDN_CHUNK
+    if requested is None:
+        block = min(512, room) if dtype in (torch.bfloat16, torch.float16) else 0
+        if dtype != torch.float32 and block < GDN_CHUNK:
+            log.warning("max_num_batched_tokens=%d leaves no room for a %d-token prefill block: resumed requests "
+                        "will match cold ones only within rounding", max_num_batched_tokens, GDN_CHUNK)
+        return max(block, 0)
+    if requested and (requested % GDN_CHUNK or requested > room):
+        raise ValueError(f"prefill_block={requested} must be a multiple of {GDN_CHUNK} and at most "
+                         f"max_num_batched_tokens - max_num_seqs = {max_num_batched_tokens - max_num_seqs}")
+    return requested
 
 
 class Engine:
@@ -89,13 +109,18 @@ class Engine:
         self.config = config = resolve_sizes(config, self.device, is_demo=opts.model is None)
         self.kv, self.states = self._allocate_pools(self.model_config)
         self.max_model_len = self._max_model_len()
-        self.cache = cache if cache is not None else build_cache(
-            config.cache, self.model, self.model_config, self.kv, self.states, self.model_name)
         sched = config.scheduler
-        self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache,
-                                   min(sched.max_num_seqs, self.states.num_slots), sched.max_num_batched_tokens,
-                                   self.max_model_len, sched.max_waiting)
-        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.cache)
+        max_num_seqs = min(sched.max_num_seqs, self.states.num_slots)
+        self.prefill_block = prefill_block(sched.prefill_block, self.dtype, sched.max_num_batched_tokens, max_num_seqs)
+        self.cache = cache if cache is not None else build_cache(
+            config.cache, self.model, self.model_config, self.kv, self.states, self.model_name,
+            self.prefill_block)
+        self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache, max_num_seqs,
+                                   sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
+                                   self.prefill_block)
+        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.cache, self.prefill_block)
+        if self.prefill_block:
+            log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
         self._seqs: dict[str, Sequence] = {}  # by sequence id: every unfinished choice

@@ -4,6 +4,16 @@ For sequence i scheduled with n new tokens, the step computes positions [num_com
 and writes their KV to the pages `page_table[p // page_size]`. Logits are computed only for the
 sequences whose last token is among them (prefill finished, or a decode step). The prefix cache says
 where inside each prefill segment the recurrent state is to be captured (snapshots mid-chunk).
+
+With a `prefill_block` (exact resumption) the step runs as several model calls: one for the decode
+sequences, then one per block of each prefill chunk, the blocks cut at absolute multiples of the block:
+
+    chunk [320, 1100), block 512:   [320, 512)  [512, 1024)  [1024, 1100)      three calls
+
+Every matrix product of a prefill token then has the same shape (and the token the same row in it)
+whether the request resumed from the cache or not, and whatever else is in the step, so its logits,
+KV and states are bit for bit those of a cold run: the kernels' results depend on the shapes of the
+products (a GEMM picks its blocking by size), not only on each row's values.
 """
 
 from __future__ import annotations
@@ -18,35 +28,66 @@ from cairn.model.hybrid import HybridModel
 from cairn.scheduler import ScheduledBatch
 from cairn.sequence import Sequence
 
+Item = tuple[Sequence, int, int, list[tuple[int, int]]]  # (seq, first position, new tokens, captures)
+
 
 class ModelRunner:
     def __init__(self, model: HybridModel, kv: KVPool, states: StatePool, device: torch.device,
-                 cache: PrefixCache | None = None):
+                 cache: PrefixCache | None = None, prefill_block: int = 0):
         self.model = model
         self.kv = kv
         self.states = states
         self.device = device
         self.page_size = kv.page_size
         self.cache = cache  # asked where each prefill segment wants its state captured
+        self.prefill_block = prefill_block  # 0: one call per step; else one call per block (see above)
 
     def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
-        # decode sequences in slot order, so that consecutive slots are a view of the state pool
+        """The whole step as one model call."""
+        self._order_decode(batch)
+        items, pool = [], None
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed
+            found, wanted = self.cache.captures(seq, start, start + n) if self.cache and n > 1 else (None, [])
+            items.append((seq, start, n, wanted))
+            pool = found or pool
+        return self._build(items, batch.num_decode, pool)
+
+    @staticmethod
+    def _order_decode(batch: ScheduledBatch) -> None:
+        """Decode sequences in slot order, so that consecutive slots are a view of the state pool."""
         order = sorted(range(batch.num_decode), key=lambda i: batch.seqs[i].state_slot)
         batch.seqs[: batch.num_decode] = [batch.seqs[i] for i in order]
-        ids, positions, slots, logits_rows, sampled = [], [], [], [], []
-        context_lens, tables, captures, capture_pool = [], [], [], None
-        ps = self.page_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+
+    def _calls(self, batch: ScheduledBatch) -> list[tuple[list[Item], int, StatePool | None]]:
+        """(items, num_decode, capture pool) per model call with a prefill block: the decode sequences, then
+        each block. A capture at a block's last position goes to that block (the state it ends with)."""
+        self._order_decode(batch)
+        nd, block = batch.num_decode, self.prefill_block
+        calls = [([(seq, seq.num_computed, 1, []) for seq in batch.seqs[:nd]], nd, None)] if nd else []
+        for seq, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:], strict=True):
             start, end = seq.num_computed, seq.num_computed + n
+            pool, wanted = self.cache.captures(seq, start, end) if self.cache and n > 1 else (None, [])
+            cuts = range((start // block + 1) * block, end, block)
+            for lo, hi in zip([start, *cuts], [*cuts, end], strict=True):
+                mine = [(p, slot) for p, slot in wanted if lo < p <= hi]
+                calls.append(([(seq, lo, hi - lo, mine)], 0, pool if mine else None))
+        return calls
+
+    def _build(self, items: list[Item], num_decode: int,
+               capture_pool: StatePool | None) -> tuple[ForwardBatch, list[Sequence]]:
+        """One model call computing tokens [start, start + n) of each (seq, start, n, captures), decode first."""
+        ids, positions, slots, logits_rows, sampled = [], [], [], [], []
+        context_lens, tables = [], []
+        ps = self.page_size
+        for seq, start, n, _ in items:
+            end = start + n
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.page_table
             slots.extend(table[p // ps] * ps + p % ps for p in range(start, end))
             context_lens.append(end)
             tables.append(table[: -(-end // ps)])
-            pool, wanted = self.cache.captures(seq, start, end) if self.cache and n > 1 else (None, [])
-            captures.append(wanted)
-            capture_pool = pool or capture_pool
             if end == seq.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(seq)
@@ -56,19 +97,25 @@ class ModelRunner:
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            query_lens=list(batch.num_new_tokens),
+            query_lens=[n for _, _, n, _ in items],
             context_lens=context_lens,
-            num_decode=batch.num_decode,
+            num_decode=num_decode,
             page_tables=torch.tensor(padded, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            state_slots=torch.tensor([s.state_slot for s in batch.seqs], dtype=torch.long, device=dev),
+            state_slots=torch.tensor([seq.state_slot for seq, _, _, _ in items], dtype=torch.long, device=dev),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            captures=captures, capture_pool=capture_pool,
+            captures=[wanted for _, _, _, wanted in items], capture_pool=capture_pool,
         )
         return fb, sampled
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [len(sampled), vocab] (fp32, on CPU) for the sequences that need a next token."""
-        fb, sampled = self.build(batch)
-        logits = self.model(fb, self.kv, self.states)
-        return logits.cpu(), sampled
+        if not self.prefill_block:
+            fb, sampled = self.build(batch)
+            return self.model(fb, self.kv, self.states).cpu(), sampled
+        outs, sampled = [], []
+        for items, num_decode, pool in self._calls(batch):
+            fb, wanted = self._build(items, num_decode, pool)
+            outs.append(self.model(fb, self.kv, self.states).cpu())
+            sampled += wanted
+        return torch.cat(outs), sampled

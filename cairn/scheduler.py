@@ -5,7 +5,9 @@ Each step (`schedule`) picks, in order:
    none preempts the most recently admitted running sequence (its pages and slot are released and it
    returns to the front of the queue to be recomputed);
 2. running sequences still in prefill: a chunk each, within the remaining budget, ending at the next
-   cut (a position where the prefix cache wants a snapshot) or at the end of the tokens;
+   cut (a position where the prefix cache wants a snapshot) or at the end of the tokens; with a
+   `prefill_block` (exact resumption) a chunk also ends only at a multiple of the block or at the end
+   of the tokens, never inside a block, so its blocks are the same whatever the budget left;
 3. waiting sequences, first come first served, while the budget, a working state slot and KV pages
    for the whole remaining prompt are available. The prefix cache plans each admission (where to
    resume, which snapshots to take) and may evict to make room.
@@ -65,7 +67,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pages: PageAllocator, page_size: int, states: StatePool, cache: PrefixCache,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, max_waiting: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, max_waiting: int,
+                 prefill_block: int = 0):
         self.pages = pages
         self.page_size = page_size
         self.states = states
@@ -74,6 +77,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
+        self.prefill_block = prefill_block  # 0, or chunks end only at multiples of it (or the last token)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -141,7 +145,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0:
                 break
-            n = seq.next_chunk_len(budget)
+            n = self._chunk_len(seq, budget)
             if n:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
@@ -158,12 +162,26 @@ class Scheduler:
             if seq.ready_logits is not None:
                 batch.ready.append(seq)
                 continue
-            n = seq.next_chunk_len(budget)
-            if n:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                budget -= n
+            n = self._chunk_len(seq, budget)
+            if not n:
+                break  # admitted; its first block waits for a step with room
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
         return batch
+
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        """Prefill tokens for seq this step; with a prefill block, cut down to the last block boundary.
+
+            block = 64, num_computed = 128, budget = 150, num_tokens = 400
+            128          192          256 | 278             400
+            |--- block ---|--- block ---|-+--- (budget ends) ---|     -> 128 tokens, ending at 256
+        """
+        n = seq.next_chunk_len(budget)
+        end = seq.num_computed + n
+        if self.prefill_block and end < seq.num_tokens:
+            end = end // self.prefill_block * self.prefill_block
+        return max(0, end - seq.num_computed)
 
     def _admit(self, seq: Sequence) -> bool:
         """Give `seq` a slot and pages for all its tokens, resuming from the cache where it can."""

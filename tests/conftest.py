@@ -19,3 +19,19 @@ def checkpoints(tmp_path_factory):
         path = tmp_path_factory.mktemp(family)
         made[family] = (path, write_checkpoint(family, path))
     return made
+
+
+@pytest.fixture
+def sampled_logits(monkeypatch):
+    """Every logits row the engine samples from, in order (fp32 rows; use with one request at a time)."""
+    import cairn.engine
+
+    rows: list[torch.Tensor] = []
+    real = cairn.engine.sample
+
+    def recording(logits, params, generators):
+        rows.extend(logits.clone())
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(cairn.engine, "sample", recording)
+    return rows

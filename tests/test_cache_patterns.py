@@ -9,6 +9,7 @@ logits), every request end, every branch point. Pages of 8 tokens, so resume poi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cairn.engine import LLM
 from cairn.sampling import SamplingParams
@@ -169,3 +170,95 @@ def test_opted_out_request_neither_reads_nor_writes_the_cache(warm):
     out = warm.generate(prompt + [1], params)[0]
     assert out.cache.cached_tokens == 0 and out.cache.miss_reason == "opted_out"
     assert out.cache.snapshots_taken == 0
+
+
+# ---- half precision: warm == cold bit for bit --------------------------------------------------------------
+# With a prefill block (the default in bfloat16 / float16; 64 here, the largest that fits next to the decode
+# tokens in a 96-token step) every pattern resumes on a block boundary and computes bit for bit what a cold
+# run computes: the logits of every generated token are torch.equal to the cold ones.
+
+HALF = ("bfloat16", "float16")
+
+
+@pytest.fixture(scope="module")
+def cold_half():
+    return {dtype: LLM(**OPTS, dtype=dtype, prefix_cache=False) for dtype in HALF}
+
+
+def append(llm):
+    first = [(i * 7) % 250 + 1 for i in range(190)]
+    return first + run(llm, first).token_ids + [33, 34, 35]
+
+
+def stripped_reasoning(llm):
+    msgs = conversation(2)[:-1]
+    run(llm, messages=msgs)
+    nxt = msgs + [{"role": "assistant", "content": "X final answer"}, {"role": "user", "content": "next"}]
+    return llm.engine.tokenize_chat(nxt)[0]
+
+
+def compaction(llm):
+    msgs = conversation(8)
+    run(llm, messages=msgs)
+    ids, starts = llm.engine.tokenize_chat(msgs)
+    return ids[: starts[5] + 13] + llm.tokenizer.encode("<|im_start|>user\nSummarise the above.<|im_end|>\n")
+
+
+def edit(llm):
+    msgs = conversation(6)
+    run(llm, messages=msgs)
+    edited = [dict(m) for m in msgs]
+    edited[5]["content"] = "step 2: something else entirely"
+    return llm.engine.tokenize_chat(edited)[0]
+
+
+def regenerate(llm):
+    msgs = conversation(4)[:-1]
+    run(llm, messages=msgs)
+    return llm.engine.tokenize_chat(msgs)[0]
+
+
+def resend_of_whole_blocks(llm):
+    prompt = [(i * 11) % 240 + 2 for i in range(192)]  # three whole blocks: resumed with its stored logits
+    run(llm, prompt)
+    return prompt
+
+
+def interleave(llm):
+    a = [(i * 5) % 240 + 3 for i in range(240)]
+    ra = run(llm, a)
+    run(llm, a[:150] + [(250 - i) % 200 + 1 for i in range(150)])
+    return a + ra.token_ids + [7, 8, 9]
+
+
+def shared_system_prompt(llm):
+    system = {"role": "system", "content": "Shared instructions. " + text(40, 3)}
+    for i in range(2):
+        run(llm, messages=[system, {"role": "user", "content": f"{'AB'[i]} asks: " + text(5, i)}])
+    return llm.engine.tokenize_chat([system, {"role": "user", "content": "C asks: " + text(5, 2)}])[0]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("pattern", [append, stripped_reasoning, compaction, edit, regenerate,
+                                     resend_of_whole_blocks, interleave, shared_system_prompt])
+def test_half_precision_resume_gives_the_cold_logits_bit_for_bit(pattern, dtype, cold_half, sampled_logits):
+    warm = LLM(**OPTS, dtype=dtype, device_snapshot_gib=0.1, snapshot_interval=64)
+    assert warm.engine.prefill_block == 64
+    prompt = pattern(warm)
+    sampled_logits.clear()
+    out = run(warm, prompt)
+    warm_rows = torch.stack(sampled_logits)
+    sampled_logits.clear()
+    ref = run(cold_half[dtype], prompt)
+    assert out.cache.resume_position > 0 and out.cache.resume_position % 64 == 0
+    assert out.token_ids == ref.token_ids
+    assert torch.equal(warm_rows, torch.stack(sampled_logits))
+
+
+def test_half_precision_prefill_batched_with_others_gives_the_alone_first_token(cold_half):
+    llm = cold_half["bfloat16"]
+    prompts = [[(i * k) % 240 + 1 for i in range(n)] for k, n in ((3, 150), (7, 90), (13, 200))]
+    alone = [run(llm, p) for p in prompts]
+    together = llm.generate(prompts, GREEDY)  # one prefill in the same steps as another's decode steps
+    for a, b in zip(alone, together, strict=True):
+        assert a.logprobs[0] == b.logprobs[0] and a.top_logprobs[0] == b.top_logprobs[0]

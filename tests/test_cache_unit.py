@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from cairn.cache.placement import PlacementInput, PlacementOptions, place
+from cairn.cache.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.tiers import PoolSnapshotTier
 from cairn.engine import LLM
 from cairn.memory.state_pool import StatePool
@@ -36,6 +36,28 @@ def test_message_starts_and_branch_point_are_placed_and_each_source_switches_off
     off = _place(message_starts=(40,), match_length=700, path_has_deeper_snapshot=True, interval_tokens=0,
                  at_messages=False, at_branch=False, at_prompt_end=False)
     assert off == {}
+
+
+def test_exact_resumption_places_snapshots_only_on_block_boundaries_and_no_request_end():
+    got = _place(message_starts=(40, 300, 1200), match_length=700, path_has_deeper_snapshot=True, align=64)
+    assert got == {256: "message", 512: "grid", 640: "branch", 768: "grid", 960: "prompt_end"}  # 40 is below 64
+    assert _place(align=64, prompt_len=1024)[1024] == "prompt_end"  # a whole-block prompt end keeps its logits
+    assert _place(align=64, resume_position=512) == {768: "grid", 960: "prompt_end"}
+    assert request_end_allowed(2000, PlacementOptions()) and not request_end_allowed(2000, PlacementOptions(align=64))
+
+
+def test_chunks_end_on_block_boundaries_whatever_the_budget_left():
+    llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_batched_tokens=200, max_num_seqs=4,
+              prefill_block=64, prefix_cache=False)
+    sched = llm.engine.scheduler
+    for n in (300, 100):
+        llm.engine.add_request([(i * 3) % 200 + 1 for i in range(n)], GREEDY)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [192]  # 200 would end inside a block; the second prompt's first block waits
+    seq = batch.seqs[0]
+    seq.num_computed = 192  # as if the step had run
+    assert sched._chunk_len(seq, 100) == 64 and sched._chunk_len(seq, 63) == 0
+    assert sched._chunk_len(seq, 108) == 108  # the rest of the prompt, ending in its last, partial block
 
 
 def test_device_tier_never_exceeds_its_budget_and_restore_does_not_consume():

@@ -244,3 +244,29 @@ def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes
         again = run(second, prompt)  # the KV prefix under its snapshots is gone: cold, and the same
         assert again.cache.miss_reason == "corrupt"
         same_as_cold(cold, again, prompt)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tier", ["device", "host", "disk", "disk after a restart"])
+def test_half_precision_resume_from_each_tier_is_bit_for_bit_cold(tmp_path, tier, dtype, sampled_logits):
+    half = dict(dtype=dtype, prefill_block=64)
+    restart = tier == "disk after a restart"
+    llm = tiered(tmp_path, device_slots=40, disk_write_through=restart, **half)
+    run(llm, CONVERSATION)
+    cache = llm.engine.cache
+    node = next(n for pos, _, n in cache.tree.iter_snapshots() if pos == 320)
+    for t in () if restart else ("device", "host")[: ("device", "host", "disk").index(tier)]:
+        cache.tiers.demote_snapshot(node, t)
+    if restart:  # a new process sees the same: nothing in memory, the disk indexed
+        llm.close()
+        llm = tiered(tmp_path, **half)
+    prompt = CONVERSATION[:330] + [1, 2]
+    sampled_logits.clear()
+    out = run(llm, prompt)
+    warm = torch.stack(sampled_logits)
+    llm.close()
+    assert out.cache.resume_position == 320 and out.cache.resume_tier == tier.split()[0]
+    sampled_logits.clear()
+    ref = LLM(**OPTS, **half, prefix_cache=False).generate(prompt, G)[0]
+    assert out.token_ids == ref.token_ids
+    assert torch.equal(warm, torch.stack(sampled_logits))

@@ -27,17 +27,18 @@ from cairn.model.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def placement_options(opts: CacheOptions, page_size: int) -> PlacementOptions:
+def placement_options(opts: CacheOptions, page_size: int, prefill_block: int = 0) -> PlacementOptions:
     return PlacementOptions(
         interval_tokens=opts.snapshot_interval, at_messages=opts.snapshot_at_messages,
         at_prompt_end=opts.snapshot_at_prompt_end, at_request_end=opts.snapshot_at_request_end,
         at_branch=opts.snapshot_at_branch, policy=opts.snapshot_policy, min_gap_tokens=opts.snapshot_min_gap,
-        page_size=page_size)
+        page_size=page_size, align=prefill_block)
 
 
 def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv: KVPool,
-                states: StatePool, model_name: str | None = None) -> PrefixCache:
-    """Raises DiskStoreError (a one-line message) when the disk cache directory cannot be used."""
+                states: StatePool, model_name: str | None = None, prefill_block: int = 0) -> PrefixCache:
+    """Raises DiskStoreError (a one-line message) when the disk cache directory cannot be used.
+    `prefill_block`: the engine's exact-resumption block (0: off); snapshots and resume points follow it."""
     if not opts.prefix_cache or not cfg.linear_layers:
         return NullCache()
     device = states.conv.device
@@ -48,7 +49,7 @@ def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv
         host = PoolSnapshotTier("host", states, opts.host_cache_bytes // 2, cfg.vocab_size, "cpu", pinned)
         host_kv = HostKVBank(kv, opts.host_cache_bytes // 2, pinned)
     if opts.disk_cache:
-        digest = compat_digest(weights_digest(model), cfg, kv.k.dtype, kv.page_size)
+        digest = compat_digest(weights_digest(model), cfg, kv.k.dtype, kv.page_size, prefill_block)
         store = DiskStore(opts.disk_cache, digest, opts.disk_cache_bytes,
                           compression=None if opts.disk_compression == "none" else opts.disk_compression,
                           create_parents=opts.disk_cache_create_parents, model_name=model_name)
@@ -59,7 +60,8 @@ def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv
     log.info("prefix cache: %d device snapshot slots (%.1f MiB), host %s, disk %s, snapshot every %d tokens",
              dev_tier.num_slots, opts.device_snapshot_bytes / 2**20,
              f"{opts.host_cache_gib:g} GiB" if host else "off", opts.disk_cache or "off", opts.snapshot_interval)
-    return HybridPrefixCache(kv, states, tiers, placement_options(opts, kv.page_size), _measure(states, host))
+    return HybridPrefixCache(kv, states, tiers, placement_options(opts, kv.page_size, prefill_block),
+                             _measure(states, host))
 
 
 def _measure(states: StatePool, host: PoolSnapshotTier | None) -> SpeedMeter:

@@ -130,6 +130,8 @@ class HybridPrefixCache(PrefixCache):
             entry = node.snapshot
             if entry is None or (node.end == prompt_len and not entry.has_logits):
                 continue
+            if self.placement.align and node.end % self.placement.align:
+                continue  # exact resumption restarts only on a prefill block boundary
             handle: TieredSnapshot = entry.handle
             snap_tiers = self._usable_tiers(handle.tiers(), handle.disk)
             if not snap_tiers:

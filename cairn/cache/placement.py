@@ -14,6 +14,12 @@ are returned, since the cache already holds what lies below it.
 The end of the request after generation is placed by the cache when the request finishes
 (`request_end_allowed`).
 
+With `align` (exact resumption, the engine's prefill block) every position moves down to a multiple
+of `align` and no request end is taken, so the tree holds KV and snapshots only of whole blocks computed
+by prefill: a resumed request restarts on a block boundary up to which a cold run computes the same
+blocks, never inside a block, after a prompt's last partial block (computed as a shorter product) or
+after tokens computed by decode steps. The prompt end keeps its logits only when it is a multiple.
+
 `policy` selects cairn's placement ("cairn", above) or one of the baselines other engines use, so that
 a benchmark can compare policies on the same weights and budgets:
 
@@ -43,6 +49,7 @@ class PlacementOptions:
     min_gap_tokens: int = 0  # skip a grid point (a message start for "user_messages") closer than this
     policy: str = "cairn"  # one of POLICIES
     page_size: int = 16  # KV page size, for the "last_chunk" baseline's request-end rule
+    align: int = 0  # exact resumption: snapshots only at multiples of this (and prompt ends); 0: anywhere
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,22 @@ class PlacementInput:
 
 def place(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
     """{position: source} for every snapshot to take while prefilling this prompt."""
-    if opts.policy != "cairn":
-        return _place_baseline(inp, opts)
+    chosen = _place(inp, opts) if opts.policy == "cairn" else _place_baseline(inp, opts)
+    return _aligned(chosen, inp, opts.align) if opts.align else chosen
+
+
+def _aligned(chosen: dict[int, str], inp: PlacementInput, align: int) -> dict[int, str]:
+    """Each position moved down to a multiple of `align` (the first source to land there names it)."""
+    out: dict[int, str] = {}
+    priority = ("prompt_end", "branch", "message", "grid", "request_end")  # as `place` names a shared position
+    for p, source in sorted(chosen.items(), key=lambda item: priority.index(item[1])):
+        q = p // align * align
+        if inp.resume_position < q:
+            out.setdefault(q, source)
+    return dict(sorted(out.items()))
+
+
+def _place(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
     lo, hi = inp.resume_position, inp.prompt_len
     chosen: dict[int, str] = {}
     if opts.at_prompt_end and hi > lo:
@@ -81,6 +102,8 @@ def place(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
 
 def request_end_allowed(position: int, opts: PlacementOptions) -> bool:
     """Whether a finished request leaves a snapshot at its end (`position`)."""
+    if opts.align:
+        return False  # its last tokens were computed by decode steps, not as a cold prefill computes them
     if opts.policy in ("none", "prompt_end_branch", "user_messages"):
         return False
     if opts.policy == "last_chunk":

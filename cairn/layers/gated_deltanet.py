@@ -30,14 +30,18 @@ from cairn.ops import Kernels
 MAX_PIECE = 1024
 
 
-def _pieces(length: int, captures: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """How a segment of `length` tokens is run: (start, end, [(count within the piece, capture slot)]).
+def _pieces(start: int, length: int,
+            captures: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """How a segment of `length` tokens from absolute position `start` is run: (lo, hi, [(count within the
+    piece, capture slot)]), lo and hi offsets in the segment.
 
-    Pieces of at most MAX_PIECE tokens, each continuing the state of the one before; a capture at
-    offset c (the state after c tokens of the segment) goes to the piece that computes it, and the
-    kernels return it without splitting the piece there.
+    Pieces of at most MAX_PIECE tokens, cut at absolute multiples of MAX_PIECE (so a segment that starts
+    at a multiple of 64 keeps the chunked kernel's 64-token chunks on absolute multiples of 64), each
+    continuing the state of the one before; a capture at offset c (the state after c tokens of the
+    segment) goes to the piece that computes it, and the kernels return it without splitting the piece.
     """
-    bounds = list(range(0, length, MAX_PIECE)) + [length]
+    first = (start // MAX_PIECE + 1) * MAX_PIECE - start
+    bounds = [0, *range(first, length, MAX_PIECE), length]
     return [(lo, hi, [(c - lo, dst) for c, dst in captures if lo < c <= hi]) for lo, hi in pairwise(bounds)]
 
 
@@ -75,7 +79,7 @@ class GatedDeltaNet(nn.Module):
         for i, row, new, context in batch.prefill_segments():
             slot = int(batch.state_slots[i])
             start = context - new  # absolute position of the segment's first token
-            for lo, hi, caps in _pieces(new, [(p - start, dst) for p, dst in batch.captures_of(i)]):
+            for lo, hi, caps in _pieces(start, new, [(p - start, dst) for p, dst in batch.captures_of(i)]):
                 rows, pool = slice(row + lo, row + hi), batch.capture_pool
                 mixed_p, conv_states[slot] = kernels.causal_conv1d(
                     mixed[rows], conv_states[slot], self.conv_weight,

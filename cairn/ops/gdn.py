@@ -42,7 +42,9 @@ def chunk_gated_delta_rule(
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; initial_state: [Hv, Dk, Dv] fp32.
     capture_at: (count, out) pairs, count in [1, T]: the state after that many tokens is written into
-    `out` ([Hv, Dk, Dv] fp32, e.g. a snapshot slot), so a snapshot inside the segment needs no split.
+    `out` ([Hv, Dk, Dv] fp32, e.g. a snapshot slot), so a snapshot inside the segment needs no split. A
+    count that ends a 64-token chunk (or the segment) gets exactly the state the computation carries on
+    from, so resuming there computes what continuing would have.
     Returns (o [T, Hv, Dv] in v's dtype, final_state [Hv, Dk, Dv] fp32).
     """
     out_dtype = v.dtype
@@ -84,14 +86,20 @@ def chunk_gated_delta_rule(
 
     state = initial_state.float().clone()
     out = torch.empty_like(u)
+    last = (seq_len - 1) % CHUNK_SIZE  # the segment's last token within its last chunk
     for i in range(n):
         v_new = u[:, i] - w[:, i] @ state
         out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
-        for t, dst in wanted.get(i, ()):  # the state after token t: the chunk's update, cut at t
+        after = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+        for t, dst in wanted.get(i, ()):
+            if t == CHUNK_SIZE - 1 or (i == n - 1 and t == last):
+                dst.copy_(after)  # at a chunk's end: the very state the next chunk starts from, bit for bit
+                continue
+            # inside a chunk: the chunk's update, cut at t
             k_to_t = k[:, i, : t + 1] * (cum[:, i, t, None] - cum[:, i, : t + 1]).exp().unsqueeze(-1)
             torch.mul(state, cum[:, i, t].exp()[:, None, None], out=dst)
             dst.baddbmm_(k_to_t.transpose(-1, -2), v_new[:, : t + 1])
-        state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+        state = after
     out = out.reshape(heads, total, -1)[:, :seq_len].transpose(0, 1)
     return out.to(out_dtype), state
 
