@@ -21,6 +21,7 @@ from cairn.demo import DEMO_NAME, build_demo
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
+from cairn.model.layout import apply_layout, quantize
 from cairn.model.loader import load_checkpoint
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.runner import ModelRunner
@@ -57,10 +58,13 @@ class Engine:
             self.tokenizer = HFTokenizer(opts.model, self.model_config.eos_token_ids)
             self.model_name = opts.model
         self.dtype = self.model.embed.weight.dtype
+        quantize(self.model, self.model_config, opts.quantization, self.device)  # before the cache digests it
         self.kv, self.states = self._allocate_pools(self.model_config)
         self.max_model_len = self._max_model_len()
         self.cache = cache if cache is not None else build_cache(
             config.cache, self.model, self.model_config, self.kv, self.states)
+        self.weight_layout = opts.quantization if opts.quantization != "none" else apply_layout(
+            self.model, opts.weight_layout, self.dtype, self.device)  # after: packing keeps the numbers
         sched = config.scheduler
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache,
                                    min(sched.max_num_seqs, self.states.num_slots), sched.max_num_batched_tokens,
