@@ -104,17 +104,24 @@ def recurrent_gated_delta_rule(
 
     q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv] fp32 (may be a view of
     the state pool, which is then updated where it lies). Returns (o [B, Hv, Dv] in v's dtype, state).
+
+    The state is the largest thing a decode step touches after the weights (1 MiB per head group and
+    sequence at the 0.8B shape), so it is passed over as few times as the ops allow: one read for
+    both S^T k and S^T q, then the in-place decay and rank-1 update. With S' = d S + k delta^T the
+    output needs no second read: o = S'^T q = d S^T q + (k . q) delta.
     """
     out_dtype = v.dtype
     batch, heads, dk, dv = state.shape
+    rows = batch * heads
     q, k = _expand_heads(q, k, heads)
-    q = (l2norm(q.float()) * dk ** -0.5).reshape(batch * heads, 1, dk)
-    k = l2norm(k.float()).reshape(batch * heads, 1, dk)
-    decay = g.float().exp().reshape(batch * heads, 1, 1)
-    flat = state.view(batch * heads, dk, dv)
-    # S' = decay * S + k (beta * (v - decay * S^T k))^T, reading S once for the prediction
-    predicted = torch.bmm(k, flat).mul_(decay)  # [BH, 1, Dv]
-    delta = (v.float().reshape(batch * heads, 1, dv) - predicted).mul_(beta.float().reshape(batch * heads, 1, 1))
-    flat.mul_(decay).baddbmm_(k.transpose(1, 2), delta)
-    out = torch.bmm(q, flat).reshape(batch, heads, dv)
-    return out.to(out_dtype), state
+    q = l2norm(q.float()).mul_(dk ** -0.5)
+    k = l2norm(k.float())
+    flat = state.view(rows, dk, dv)
+    read = torch.bmm(torch.stack([k, q], dim=-2).view(rows, 2, dk), flat)  # [BH, 2, Dv]: S^T k, S^T q
+    decay = g.float().exp().reshape(rows, 1, 1)
+    read.mul_(decay)
+    delta = (v.float().reshape(rows, 1, dv) - read[:, :1]).mul_(beta.float().reshape(rows, 1, 1))
+    kq = (k * q).sum(-1).view(rows, 1, 1)
+    out = torch.addcmul(read[:, 1:], kq, delta)
+    flat.mul_(decay).baddbmm_(k.view(rows, dk, 1), delta)
+    return out.view(batch, heads, dv).to(out_dtype), state
