@@ -26,7 +26,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_throughput import cairn_decode_tok_s, cairn_engine, hf_decode_tok_s, make_checkpoint
+from benchmarks.engine_throughput import (
+    cairn_decode_tok_s,
+    cairn_engine,
+    cairn_prefill_s,
+    hf_decode_tok_s,
+    make_checkpoint,
+)
 
 
 def cpu_info() -> dict:
@@ -85,6 +91,15 @@ def run_dtype(path: Path, hf, dtype: str, args, buf: torch.Tensor) -> list[dict]
     if hf is not None:
         hf_decode_tok_s(hf, 1, 2, args.prompt_len)
     rows = []
+    if args.prefill_len:  # prefill must not pay for a decode layout: side by side, best of the repeats
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(args.repeats):
+            for name, (engine, _) in engines.items():
+                times[name].append(cairn_prefill_s(engine, args.prefill_len))
+        for name in engines:
+            rows.append({"dtype": dtype, "layout": name, "prefill_len": args.prefill_len,
+                         "prefill_tok_s": args.prefill_len / min(times[name]), "prefill_runs_s": times[name]})
+            print(f"  {dtype} {name} prefill{args.prefill_len}: {rows[-1]['prefill_tok_s']:.1f} tok/s", flush=True)
     for batch in args.batches:
         runs: dict[str, list[float]] = {name: [] for name in engines}
         runs["transformers"], bandwidth = [], []
@@ -111,12 +126,44 @@ def run_dtype(path: Path, hf, dtype: str, args, buf: torch.Tensor) -> list[dict]
     return rows
 
 
+def compile_check(batches: list[int], repeats: int = 5) -> list[dict]:
+    """The recurrent step (18 layers at the 0.8B shape) eager against torch.compile, side by side."""
+    from cairn.ops.gdn import recurrent_gated_delta_rule
+
+    t0 = time.perf_counter()
+    compiled = torch.compile(recurrent_gated_delta_rule, dynamic=True)
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        states = [torch.randn(batch, 16, 128, 128, generator=gen) * 0.01 for _ in range(18)]
+        q, k, v = (torch.randn(batch, 16, 128, generator=gen).bfloat16() for _ in range(3))
+        g, beta = -torch.rand(batch, 16, generator=gen), torch.rand(batch, 16, generator=gen).bfloat16()
+        compiled(q, k, v, g, beta, states[0].clone())
+        compile_s, times = time.perf_counter() - t0, {"eager": 0.0, "compiled": 0.0}
+        for _ in range(repeats):
+            for name, fn in (("eager", recurrent_gated_delta_rule), ("compiled", compiled)):
+                t = time.perf_counter()
+                for state in states:
+                    fn(q, k, v, g, beta, state)
+                times[name] += (time.perf_counter() - t) / repeats
+        rows.append({"batch": batch, "first_call_s": compile_s, "eager_ms": 1e3 * times["eager"],
+                     "compiled_ms": 1e3 * times["compiled"]})
+        print(f"  recurrent step b{batch}: eager {1e3 * times['eager']:.1f} ms, torch.compile "
+              f"{1e3 * times['compiled']:.1f} ms per 18 layers (compiled in {compile_s:.0f} s)", flush=True)
+        t0 = time.perf_counter()
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| dtype | layout | batch | tok/s | weight MB/step | weight GB/s | memory GB/s | of limit "
              "| transformers tok/s | vs transformers | vs batch 1 |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    b1 = {(r["dtype"], r["layout"]): r["tok_s"] for r in rows if r["batch"] == 1}
+    b1 = {(r["dtype"], r["layout"]): r["tok_s"] for r in rows if r.get("batch") == 1}
     for r in rows:
+        if "prefill_len" in r:
+            lines.append(f"| {r['dtype']} | {r['layout']} | prefill {r['prefill_len']} | {r['prefill_tok_s']:.1f} "
+                         "| | | | | | | |")
+            continue
         hf = f"{r['transformers_tok_s']:.2f}" if r["transformers_tok_s"] else "-"
         vs = f"{r['vs_transformers']:.2f}x" if r["vs_transformers"] else "-"
         base = b1.get((r["dtype"], r["layout"]))
@@ -137,13 +184,23 @@ def main() -> None:
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     ap.add_argument("--new-tokens", type=int, default=16, help="decode tokens timed per request")
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--prefill-len", type=int, default=512, help="also time a cold prefill of this many tokens "
+                    "per layout (0: skip)")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per point; the best is kept")
     ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the tensor read for the bandwidth")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--compile-check", action="store_true",
+                    help="only time the recurrent step eager against torch.compile (dynamic shapes)")
     ap.add_argument("--out", default=None, help="write the rows and the machine as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
+    if args.compile_check:
+        rows = compile_check(args.batches)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"machine": cpu_info(), "compile_check": rows}, indent=2))
+        return
     buf = torch.ones(int(args.bandwidth_gib * 2**30) // 4)
     rows = []
     with tempfile.TemporaryDirectory() as d:
