@@ -29,6 +29,8 @@ class ModelOptions:
     weight_layout: str = _f("auto", "layout of the linear weights: auto (packed for bf16/fp16 on a CPU with "
                             "oneDNN support, else plain; logged at start-up), plain, or packed (oneDNN's "
                             "blocked layout for AMX / AVX512-BF16)", choices=("auto", "plain", "packed"))
+    fast_kernels: bool = _f(False, "on CUDA, use flash-linear-attention's gated delta rule where installed "
+                            "(untested on GPU so far; the reference kernels otherwise)")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
 from cairn.model.layout import apply_layout, quantize
 from cairn.model.loader import load_checkpoint
+from cairn.ops import select_kernels
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.runner import ModelRunner
 from cairn.sampling import SamplingParams, sample
@@ -59,6 +60,8 @@ class Engine:
             self.model_name = opts.model
         self.dtype = self.model.embed.weight.dtype
         quantize(self.model, self.model_config, opts.quantization, self.device)  # before the cache digests it
+        if opts.fast_kernels:
+            self.model.kernels = select_kernels(self.device, fast=True)
         self.kv, self.states = self._allocate_pools(self.model_config)
         self.max_model_len = self._max_model_len()
         self.cache = cache if cache is not None else build_cache(
