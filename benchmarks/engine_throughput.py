@@ -50,14 +50,15 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 # ---- cairn ---------------------------------------------------------------------------------------------
 
-def cairn_engine(path: Path):
+def cairn_engine(path: Path, dtype: str = "float32", max_num_seqs: int = 8, **model_options):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
     from cairn.engine import Engine
 
     # the prefix cache is off: this measures the engine itself, and a repeated prompt must be computed again
-    cfg = EngineConfig(ModelOptions(model=str(path), dtype="float32", device="cpu"),
+    cfg = EngineConfig(ModelOptions(model=str(path), dtype=dtype, device="cpu", **model_options),
                        MemoryOptions(page_size=16, kv_cache_gib=0.5, state_cache_gib=0.5),
-                       SchedulerOptions(max_num_seqs=8, max_num_batched_tokens=2048), CacheOptions(prefix_cache=False))
+                       SchedulerOptions(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+                       CacheOptions(prefix_cache=False))
     return Engine(cfg, show_progress=False)
 
 
@@ -71,12 +72,12 @@ def cairn_prefill_s(engine, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def cairn_decode_tok_s(engine, batch: int, new_tokens: int) -> float:
+def cairn_decode_tok_s(engine, batch: int, new_tokens: int, prompt_len: int = 128) -> float:
     """Aggregate decode tokens/s once every request has its first token."""
     from cairn.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
-    ids = {engine.add_request(prompt(128, seed=i), params) for i in range(batch)}
+    ids = {engine.add_request(prompt(prompt_len, seed=i), params) for i in range(batch)}
     started, t0, produced = set(), None, 0
     while engine.has_unfinished():
         outs = engine.step()
@@ -98,8 +99,8 @@ def hf_prefill_s(model, n: int) -> float:
         return time.perf_counter() - t0
 
 
-def hf_decode_tok_s(model, batch: int, new_tokens: int) -> float:
-    ids = torch.tensor([prompt(128, seed=i) for i in range(batch)])
+def hf_decode_tok_s(model, batch: int, new_tokens: int, prompt_len: int = 128) -> float:
+    ids = torch.tensor([prompt(prompt_len, seed=i) for i in range(batch)])
     mask = torch.ones_like(ids)
     kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():

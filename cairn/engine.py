@@ -33,7 +33,9 @@ from cairn.logits import RowContext
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
+from cairn.model.layout import apply_layout, quantize
 from cairn.model.loader import load_checkpoint
+from cairn.ops import select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
@@ -106,6 +108,9 @@ class Engine:
                      ", ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())))
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.dtype = self.model.embed.weight.dtype
+        quantize(self.model, self.model_config, opts.quantization, self.device)  # before the cache digests it
+        if opts.fast_kernels:
+            self.model.kernels = select_kernels(self.device, fast=True)
         self.config = config = resolve_sizes(config, self.device, is_demo=opts.model is None)
         self.kv, self.states = self._allocate_pools(self.model_config)
         self.max_model_len = self._max_model_len()
@@ -121,6 +126,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.cache, self.prefill_block)
         if self.prefill_block:
             log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
+        self.weight_layout = opts.quantization if opts.quantization != "none" else apply_layout(
+            self.model, opts.weight_layout, self.dtype, self.device)  # after the digest: packing keeps the numbers
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
         self._seqs: dict[str, Sequence] = {}  # by sequence id: every unfinished choice

@@ -37,6 +37,9 @@ class ForwardBatch:
     captures: list[list[tuple[int, int]]] = field(default_factory=list)  # per sequence: (absolute position
     # strictly inside its segment, slot of capture_pool) where every linear layer saves its state
     capture_pool: StatePool | None = None  # where captured states go (the cache's device snapshot pool)
+    # computed once per step by the first layer that asks, not once per layer
+    _decode_slots: slice | torch.Tensor | None = field(default=None, init=False, repr=False)
+    _decode_context_lens: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -49,14 +52,19 @@ class ForwardBatch:
     def decode_slots(self) -> slice | torch.Tensor:
         """The decode sequences' state slots: a slice when they are consecutive and ascending (indexing the
         pool with it gives a view, updated in place), else the index tensor (a gathered copy)."""
-        slots = self.state_slots[: self.num_decode]
-        first = int(slots[0])
-        if torch.equal(slots, torch.arange(first, first + self.num_decode, device=slots.device)):
-            return slice(first, first + self.num_decode)
-        return slots
+        if self._decode_slots is None:
+            slots = self.state_slots[: self.num_decode]
+            first = int(slots[0])
+            if torch.equal(slots, torch.arange(first, first + self.num_decode, device=slots.device)):
+                slots = slice(first, first + self.num_decode)
+            self._decode_slots = slots
+        return self._decode_slots
 
     def decode_context_lens(self) -> torch.Tensor:
-        return torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long, device=self.input_ids.device)
+        if self._decode_context_lens is None:
+            self._decode_context_lens = torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long,
+                                                     device=self.input_ids.device)
+        return self._decode_context_lens
 
     def captures_of(self, i: int) -> list[tuple[int, int]]:
         return self.captures[i] if i < len(self.captures) else []

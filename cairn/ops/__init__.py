@@ -1,9 +1,9 @@
 """Kernels behind one interface, chosen once at start-up.
 
-`select_kernels(device)` returns a `Kernels` whose fields are the pure-PyTorch references in this
-package, or a fast implementation with the same signature where one is installed for the device.
-Fast CUDA kernels are imported lazily here and only on CUDA; nothing on a CPU machine imports
-triton or flash-linear-attention.
+`select_kernels(device, fast)` returns a `Kernels` whose fields are the pure-PyTorch references in
+this package, or, when asked for (`--fast-kernels`, off by default) on CUDA, a fast implementation
+with the same signature where one is installed (cairn/ops/cuda.py). Fast kernels are imported lazily
+and only then; nothing on a CPU machine imports triton or flash-linear-attention.
 """
 
 from __future__ import annotations
@@ -35,13 +35,18 @@ class Kernels:
 REFERENCE = Kernels(name="reference")
 
 
-def select_kernels(device: torch.device | str) -> Kernels:
-    """The fastest kernel set available for `device`; the pure-PyTorch reference when none is."""
-    if torch.device(device).type != "cuda":
+def select_kernels(device: torch.device | str, fast: bool = False) -> Kernels:
+    """The reference kernels, or with `fast` on CUDA the field's kernels that import (cairn.ops.cuda),
+    the reference standing in for any that do not. Chosen once at start-up and logged."""
+    if not fast or torch.device(device).type != "cuda":
+        if fast:
+            log.info("fast kernels are CUDA-only: using the pure-PyTorch reference kernels on %s", device)
         return REFERENCE
-    try:
-        from cairn.ops import cuda  # noqa: F401  (optional fast kernels; absent in this release)
-    except ImportError:
+    from cairn.ops import cuda
+
+    chosen = cuda.kernels()
+    if chosen is None:
         log.info("no fast CUDA kernels installed: using the pure-PyTorch reference kernels")
         return REFERENCE
-    return cuda.KERNELS  # pragma: no cover
+    log.info("kernels: %s (untested on GPU; compare with --fast-kernels off)", chosen.name)
+    return chosen

@@ -104,6 +104,13 @@ def chunk_gated_delta_rule(
     return out.to(out_dtype), state
 
 
+# The decode step passes over each sequence's state several times (read for the prediction, decay,
+# rank-1 update). Taken a block of rows at a time, a block stays in the core's L2 cache between those
+# passes, so the state goes through memory about twice (read, write back) instead of five times; at
+# batch 16 of the 0.8B shape a layer's states are 16 MiB, at batch 1 one block.
+STATE_BLOCK_BYTES = 1 << 20
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor,
@@ -112,17 +119,30 @@ def recurrent_gated_delta_rule(
 
     q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv] fp32 (may be a view of
     the state pool, which is then updated where it lies). Returns (o [B, Hv, Dv] in v's dtype, state).
+
+    The state is the largest thing a decode step touches after the weights (1 MiB per sequence and
+    layer at the 0.8B shape), so it is read once for both S^T k and S^T q, then decayed and updated in
+    place; with S' = d S + k delta^T the output needs no second read: o = S'^T q = d S^T q + (k . q) delta.
     """
     out_dtype = v.dtype
     batch, heads, dk, dv = state.shape
+    rows = batch * heads
     q, k = _expand_heads(q, k, heads)
-    q = (l2norm(q.float()) * dk ** -0.5).reshape(batch * heads, 1, dk)
-    k = l2norm(k.float()).reshape(batch * heads, 1, dk)
-    decay = g.float().exp().reshape(batch * heads, 1, 1)
-    flat = state.view(batch * heads, dk, dv)
-    # S' = decay * S + k (beta * (v - decay * S^T k))^T, reading S once for the prediction
-    predicted = torch.bmm(k, flat).mul_(decay)  # [BH, 1, Dv]
-    delta = (v.float().reshape(batch * heads, 1, dv) - predicted).mul_(beta.float().reshape(batch * heads, 1, 1))
-    flat.mul_(decay).baddbmm_(k.transpose(1, 2), delta)
-    out = torch.bmm(q, flat).reshape(batch, heads, dv)
-    return out.to(out_dtype), state
+    q = l2norm(q.float()).mul_(dk ** -0.5)
+    k = l2norm(k.float())
+    qk = torch.stack([k, q], dim=-2).view(rows, 2, dk)
+    kq = (k * q).sum(-1).view(rows, 1, 1)
+    k_col = k.view(rows, dk, 1)
+    decay = g.float().exp().reshape(rows, 1, 1)
+    v = v.float().reshape(rows, 1, dv)
+    beta = beta.float().reshape(rows, 1, 1)
+    flat = state.view(rows, dk, dv)
+    out = torch.empty(rows, 1, dv, dtype=torch.float32, device=state.device)
+    block = max(1, STATE_BLOCK_BYTES // (dk * dv * state.element_size()))
+    for lo in range(0, rows, block):
+        r = slice(lo, lo + block)
+        read = torch.bmm(qk[r], flat[r]).mul_(decay[r])  # [rows, 2, Dv]: d S^T k, d S^T q
+        delta = (v[r] - read[:, :1]).mul_(beta[r])
+        torch.addcmul(read[:, 1:], kq[r], delta, out=out[r])
+        flat[r].mul_(decay[r]).baddbmm_(k_col[r], delta)
+    return out.view(batch, heads, dv).to(out_dtype), state

@@ -1,0 +1,221 @@
+"""Decode speed against the memory bandwidth, and against transformers on the same weights, in one run.
+
+Per dtype and batch size: cairn's decode tokens/s (aggregate over the batch) for each weight layout
+asked for (plain, packed, int8), the weight bytes one decode step reads, the weight-read bandwidth
+that achieves (bytes x steps/s), the machine's memory bandwidth measured in the same run (a plain
+`sum` over a large fp32 tensor, best of its runs), their ratio, and transformers' `generate` on the
+same weights in the same dtype. Models are built as in engine_throughput.py (random weights,
+Qwen3.5-0.8B dimensions with the vocabulary cut to 32k).
+
+    PYTHONPATH=. python benchmarks/decode_bench.py --out benchmarks/out/decode_bench.json
+    PYTHONPATH=. python benchmarks/decode_bench.py --dtypes bfloat16 --batches 1 --layouts packed,plain
+
+Points are measured side by side: each repeat runs every variant and transformers once, alternating,
+and the best of the repeats is kept (the CPU may be shared). A benchmark, not a test: asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine_throughput import (
+    cairn_decode_tok_s,
+    cairn_engine,
+    cairn_prefill_s,
+    hf_decode_tok_s,
+    make_checkpoint,
+)
+
+
+def cpu_info() -> dict:
+    """CPU model and the flags that matter for matmuls, from /proc/cpuinfo (Linux)."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            if key.strip() == "flags":
+                flags = value.split()
+                break
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+    return {"model": model, "flags": [f for f in wanted if f in flags], "all_flags": " ".join(flags)}
+
+
+def read_bandwidth_gbs(buf: torch.Tensor, repeats: int = 3) -> float:
+    """Bytes/s of a plain read of `buf` (a sum over it), best of `repeats`, in GB/s."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * buf.element_size() / best / 1e9
+
+
+def variants(layouts: list[str]) -> dict[str, dict]:
+    """Engine model options per layout name: plain / packed weight layouts, int8 weight-only quantization."""
+    table = {"auto": {}, "plain": {"weight_layout": "plain"}, "packed": {"weight_layout": "packed"},
+             "int8": {"quantization": "int8"}}
+    return {name: table[name] for name in layouts}
+
+
+def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) -> dict:
+    from cairn.model.layout import decode_weight_bytes
+
+    engines = {}
+    for name, options in variants(layouts).items():
+        try:
+            engine = cairn_engine(path, dtype=dtype, max_num_seqs=max_batch, **options)
+        except ValueError as e:  # a layout this machine or dtype does not support
+            print(f"  {dtype} {name}: skipped ({e})")
+            continue
+        engines[name] = (engine, decode_weight_bytes(engine.model))
+    return engines
+
+
+def run_dtype(path: Path, hf, dtype: str, args, buf: torch.Tensor) -> list[dict]:
+    engines = build_engines(path, dtype, args.layouts.split(","), max(args.batches))
+    hf = hf.to(getattr(torch, dtype)) if args.hf else None
+    for engine, _ in engines.values():  # warm-up: first calls pay page faults and oneDNN set-up
+        cairn_decode_tok_s(engine, 1, 2, args.prompt_len)
+    if hf is not None:
+        hf_decode_tok_s(hf, 1, 2, args.prompt_len)
+    rows = []
+    if args.prefill_len:  # prefill must not pay for a decode layout: side by side, best of the repeats
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(args.repeats):
+            for name, (engine, _) in engines.items():
+                times[name].append(cairn_prefill_s(engine, args.prefill_len))
+        for name in engines:
+            rows.append({"dtype": dtype, "layout": name, "prefill_len": args.prefill_len,
+                         "prefill_tok_s": args.prefill_len / min(times[name]), "prefill_runs_s": times[name]})
+            print(f"  {dtype} {name} prefill{args.prefill_len}: {rows[-1]['prefill_tok_s']:.1f} tok/s", flush=True)
+    for batch in args.batches:
+        runs: dict[str, list[float]] = {name: [] for name in engines}
+        runs["transformers"], bandwidth = [], []
+        for _ in range(args.repeats):  # every side once per repeat, alternating
+            bandwidth.append(read_bandwidth_gbs(buf))
+            for name, (engine, _) in engines.items():
+                runs[name].append(cairn_decode_tok_s(engine, batch, args.new_tokens, args.prompt_len))
+            if hf is not None:
+                runs["transformers"].append(hf_decode_tok_s(hf, batch, args.new_tokens, args.prompt_len))
+        hf_tok_s = max(runs["transformers"]) if hf is not None else None
+        for name, (_, weight_bytes) in engines.items():
+            tok_s = max(runs[name])
+            achieved = weight_bytes * tok_s / batch / 1e9  # steps/s x bytes per step
+            rows.append({"dtype": dtype, "layout": name, "batch": batch, "tok_s": tok_s, "runs": runs[name],
+                         "weight_bytes": weight_bytes, "weight_read_gbs": achieved,
+                         "memory_bandwidth_gbs": max(bandwidth), "bandwidth_runs": bandwidth,
+                         "fraction_of_bandwidth": achieved / max(bandwidth),
+                         "transformers_tok_s": hf_tok_s, "transformers_runs": runs["transformers"],
+                         "vs_transformers": tok_s / hf_tok_s if hf_tok_s else None})
+            print(f"  {dtype} {name} b{batch}: {tok_s:.2f} tok/s, {achieved:.1f} GB/s of {max(bandwidth):.1f}"
+                  + (f", transformers {hf_tok_s:.2f} tok/s" if hf_tok_s else ""), flush=True)
+    del engines
+    gc.collect()
+    return rows
+
+
+def compile_check(batches: list[int], repeats: int = 5) -> list[dict]:
+    """The recurrent step (18 layers at the 0.8B shape) eager against torch.compile, side by side."""
+    from cairn.ops.gdn import recurrent_gated_delta_rule
+
+    t0 = time.perf_counter()
+    compiled = torch.compile(recurrent_gated_delta_rule, dynamic=True)
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        states = [torch.randn(batch, 16, 128, 128, generator=gen) * 0.01 for _ in range(18)]
+        q, k, v = (torch.randn(batch, 16, 128, generator=gen).bfloat16() for _ in range(3))
+        g, beta = -torch.rand(batch, 16, generator=gen), torch.rand(batch, 16, generator=gen).bfloat16()
+        compiled(q, k, v, g, beta, states[0].clone())
+        compile_s, times = time.perf_counter() - t0, {"eager": 0.0, "compiled": 0.0}
+        for _ in range(repeats):
+            for name, fn in (("eager", recurrent_gated_delta_rule), ("compiled", compiled)):
+                t = time.perf_counter()
+                for state in states:
+                    fn(q, k, v, g, beta, state)
+                times[name] += (time.perf_counter() - t) / repeats
+        rows.append({"batch": batch, "first_call_s": compile_s, "eager_ms": 1e3 * times["eager"],
+                     "compiled_ms": 1e3 * times["compiled"]})
+        print(f"  recurrent step b{batch}: eager {1e3 * times['eager']:.1f} ms, torch.compile "
+              f"{1e3 * times['compiled']:.1f} ms per 18 layers (compiled in {compile_s:.0f} s)", flush=True)
+        t0 = time.perf_counter()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| dtype | layout | batch | tok/s | weight MB/step | weight GB/s | memory GB/s | of limit "
+             "| transformers tok/s | vs transformers | vs batch 1 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    b1 = {(r["dtype"], r["layout"]): r["tok_s"] for r in rows if r.get("batch") == 1}
+    for r in rows:
+        if "prefill_len" in r:
+            lines.append(f"| {r['dtype']} | {r['layout']} | prefill {r['prefill_len']} | {r['prefill_tok_s']:.1f} "
+                         "| | | | | | | |")
+            continue
+        hf = f"{r['transformers_tok_s']:.2f}" if r["transformers_tok_s"] else "-"
+        vs = f"{r['vs_transformers']:.2f}x" if r["vs_transformers"] else "-"
+        base = b1.get((r["dtype"], r["layout"]))
+        scale = f"{r['tok_s'] / base:.1f}x" if base else "-"
+        lines.append(f"| {r['dtype']} | {r['layout']} | {r['batch']} | {r['tok_s']:.2f} "
+                     f"| {r['weight_bytes'] / 1e6:.0f} | {r['weight_read_gbs']:.1f} | {r['memory_bandwidth_gbs']:.1f} "
+                     f"| {100 * r['fraction_of_bandwidth']:.0f}% | {hf} | {vs} | {scale} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="0.8b", help="model size from engine_throughput.py: tiny or 0.8b")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,4,16", type=lambda s: [int(b) for b in s.split(",")])
+    ap.add_argument("--layouts", default="plain,packed,int8",
+                    help="cairn variants: plain, packed, int8 (quantized) or auto; unsupported ones are skipped")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
+    ap.add_argument("--new-tokens", type=int, default=16, help="decode tokens timed per request")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--prefill-len", type=int, default=512, help="also time a cold prefill of this many tokens "
+                    "per layout (0: skip)")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs per point; the best is kept")
+    ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the tensor read for the bandwidth")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--compile-check", action="store_true",
+                    help="only time the recurrent step eager against torch.compile (dynamic shapes)")
+    ap.add_argument("--out", default=None, help="write the rows and the machine as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    if args.compile_check:
+        rows = compile_check(args.batches)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"machine": cpu_info(), "compile_check": rows}, indent=2))
+        return
+    buf = torch.ones(int(args.bandwidth_gib * 2**30) // 4)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        hf = make_checkpoint(args.size, Path(d)).eval()
+        for dtype in args.dtypes.split(","):
+            rows += run_dtype(Path(d), hf, dtype, args, buf)
+    machine = {"cpu": cpu_info(), "torch": torch.__version__, "threads": args.threads,
+               "mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+    print(f"\n{machine['cpu']['model']} ({', '.join(machine['cpu']['flags'])}), torch {torch.__version__}, "
+          f"{args.threads} threads, size {args.size}\n")
+    print(table(rows))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

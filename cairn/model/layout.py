@@ -1,0 +1,164 @@
+"""Weight layouts of the linear layers: how their weights are stored and multiplied, chosen at start-up.
+
+Decode reads every weight once per step, so its speed is the weight bytes over the memory bandwidth,
+provided the matmul kernel streams the weights at that speed. The layouts:
+
+- plain: `nn.Linear` as loaded, through `F.linear`. Right for fp32, where MKL's gemv streams the
+  weight at memory speed.
+- packed: the weight reordered once, at start-up, into oneDNN's blocked layout for the CPU's matrix
+  units (AMX / AVX512-BF16), multiplied with `torch.ops.mkldnn._linear_pointwise` (the call inductor
+  emits for frozen bf16 linears). A bf16 `F.linear` hands oneDNN the [out, in] weight as it lies and
+  oneDNN re-blocks it inside every call; packed, the call only streams it. One packed weight serves
+  every batch size (prefill included).
+- int8 (`--quantization int8`): weight-only, symmetric, one scale per output channel, multiplied
+  with `torch._weight_int8pack_mm` (half the bytes of bf16) up to `Int8Linear.DIRECT_ROWS` rows;
+  larger batches (prefill) convert the int8 weight to the activation dtype and scale the output.
+
+`auto` picks packed for bf16 / fp16 weights on a CPU whose oneDNN supports them, else plain; the
+choice is logged. Quantization changes the model's numbers, so it is applied before the prefix
+cache digests the weights (a disk cache of the float model is not resumed by the int8 one); packing
+does not, and is applied after.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cairn.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = ("auto", "plain", "packed")
+QUANTIZATIONS = ("none", "int8")
+
+
+class QuantizationError(ValueError):
+    """--quantization asks for something not implemented for this model or device."""
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T with W held in oneDNN's blocked layout (no bias: the Qwen hybrid linears have none)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # the batch-size hint only guides oneDNN's choice of blocking; the packed weight serves any batch
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        self.register_buffer("packed", packed, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, None, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8: W ~= q * scale[:, None], q in [-127, 127], one scale per output row.
+
+    The scales are kept in the activation dtype and chosen representable in it (rounded up), so the
+    only error is the rounding of q. Both are parameters, so the cache's weight digest covers them.
+    """
+
+    DIRECT_ROWS = 4  # up to this many rows, the fused int8 kernel; above, convert and multiply
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        scale_t = scale.to(weight.dtype)
+        scale_t = torch.where(scale_t.float() < scale, torch.nextafter(scale_t, torch.full_like(scale_t, 1e30)),
+                              scale_t)  # round up, so no weight is clipped
+        q = torch.round(w / scale_t.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.scales = nn.Parameter(scale_t, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= self.DIRECT_ROWS:
+            y = torch._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales)
+        else:
+            y = F.linear(rows, self.weight.to(x.dtype)) * self.scales
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, module) of every plain bias-free nn.Linear in the model."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and child.bias is None]
+
+
+def _replace(model: nn.Module, make) -> int:
+    """Replace every linear by make(weight); a tied lm_head gets its own copy, the embedding stays."""
+    found = _linears(model)
+    for parent, name, lin in found:
+        setattr(parent, name, make(lin.weight))
+    return len(found)
+
+
+def quantize(model: nn.Module, cfg: ModelConfig, method: str, device: torch.device) -> None:
+    """Apply `--quantization`; raise QuantizationError (one line) where it is not implemented."""
+    if method == "none":
+        return
+    if method not in QUANTIZATIONS:
+        raise QuantizationError(f"--quantization {method}: unknown (choose from {', '.join(QUANTIZATIONS)})")
+    if device.type != "cpu":
+        raise QuantizationError(f"--quantization {method} is implemented for CPU only, not {device.type}")
+    if cfg.moe_layers and any(cfg.moe_layers):
+        raise QuantizationError(f"--quantization {method} is not implemented for MoE models ({cfg.family})")
+    n = _replace(model, Int8Linear)
+    log.info("weights: %d linear layers quantized to int8 (weight-only, per output channel)", n)
+
+
+def choose_layout(requested: str, dtype: torch.dtype, device: torch.device) -> str:
+    """`auto` -> packed for bf16 / fp16 on a CPU whose oneDNN has them, else plain."""
+    if requested not in LAYOUTS:
+        raise ValueError(f"--weight-layout {requested}: unknown (choose from {', '.join(LAYOUTS)})")
+    supported = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+        (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()))
+    if requested == "packed" and not supported:
+        raise ValueError(f"--weight-layout packed needs bf16 / fp16 weights on a CPU with oneDNN support "
+                         f"(here {dtype} on {device.type})")
+    if requested == "auto":
+        return "packed" if supported else "plain"
+    return requested
+
+
+def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device) -> str:
+    """Lay the remaining plain linears out as chosen; returns and logs the choice."""
+    layout = choose_layout(requested, dtype, device)
+    n = _replace(model, PackedLinear) if layout == "packed" else 0
+    cpu_flags = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f") if f in _cpu_flags())
+    log.info("weight layout: %s (%s, %s%s; --weight-layout %s)%s", layout, dtype, device.type,
+             f" with {cpu_flags}" if cpu_flags else "", requested, f", {n} linear layers packed" if n else "")
+    return layout
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter and packed weight except the embedding
+    table (one row per token); a tied lm_head (named after it) still counts whole."""
+    seen, total = set(), 0
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        if id(t) in seen or name == "embed.weight":
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()

@@ -1,0 +1,84 @@
+"""Fast CUDA kernels from the field, behind the reference kernels' contracts (opt-in: --fast-kernels).
+
+flash-linear-attention (`fla`) provides the chunked and the recurrent gated delta rule; this module
+adapts them to the contracts in cairn/ops/gdn.py: token-major inputs of one sequence (prefill) or a
+batch (decode), the fp32 state updated where it lies, and states captured inside a prefill segment,
+which `fla` cannot return, obtained by splitting the segment at the capture points (each piece
+continues the state of the one before). The causal conv and the paged attention stay on the
+reference kernels here (causal-conv1d's streaming state and FlashInfer's paged decode are the next
+candidates), as does anything `fla` is not installed for.
+
+UNTESTED ON GPU: no GPU was available when this was written. The CPU tests check the adapters against
+the references with a stand-in that has `fla`'s signature; the first GPU run must compare them with
+the reference kernels (1e-3 in bf16) before anyone turns them on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from cairn.ops import gdn
+
+log = logging.getLogger(__name__)
+
+
+def make_chunk(fla_chunk: Callable) -> Callable:
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, capture_at: Sequence[tuple[int, torch.Tensor]] = ()):
+        seq_len, num_v_heads = v.shape[0], v.shape[1]
+        q, k = gdn._expand_heads(q, k, num_v_heads)  # fla takes [batch, time, heads, dim], q / k per value head
+        for count, _ in capture_at:
+            if not 1 <= count <= seq_len:
+                raise ValueError(f"capture at {count} is outside the segment's {seq_len} tokens")
+        cuts = sorted({c for c, _ in capture_at if c < seq_len}) + [seq_len]
+        state, pieces, start = initial_state.float(), [], 0
+        for end in cuts:
+            piece = slice(start, end)
+            o, state = fla_chunk(q[None, piece], k[None, piece], v[None, piece], g[None, piece].float(),
+                                 beta[None, piece], scale=q.shape[-1] ** -0.5,
+                                 initial_state=state[None].contiguous(), output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True)
+            state = state[0].float()
+            pieces.append(o[0])
+            for count, dst in capture_at:
+                if count == end:
+                    dst.copy_(state)
+            start = end
+        return torch.cat(pieces).to(v.dtype), state
+
+    return chunk_gated_delta_rule
+
+
+def make_recurrent(fla_recurrent: Callable) -> Callable:
+    def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+        q, k = gdn._expand_heads(q, k, state.shape[1])
+        o, final = fla_recurrent(q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None],
+                                 scale=q.shape[-1] ** -0.5, initial_state=state.contiguous(),
+                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
+        state.copy_(final)  # the contract: updated where it lies (a view of the state pool)
+        return o[:, 0].to(v.dtype), state
+
+    return recurrent_gated_delta_rule
+
+
+def load_fla():
+    """fla's gated delta rule module, or None when it is not installed (or fails to import)."""
+    try:
+        return importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception as e:  # ImportError, or triton failing to initialise without a GPU
+        log.info("flash-linear-attention unavailable (%s): reference gated delta rule", e)
+        return None
+
+
+def kernels():
+    """A Kernels set with every fast kernel that imports, the reference for the rest."""
+    from cairn.ops import Kernels
+
+    fla = load_fla()
+    if fla is None:
+        return None
+    return Kernels(name="cuda-fla", chunk_gated_delta_rule=make_chunk(fla.chunk_gated_delta_rule),
+                   recurrent_gated_delta_rule=make_recurrent(fla.fused_recurrent_gated_delta_rule))
