@@ -163,9 +163,11 @@ def test_tokenize_and_detokenize_round_trip(http):
     ("/v1/chat/completions", {"stop_token_ids": [2**64]}, "stop_token_ids"),
     ("/v1/chat/completions", {"messages": [{"role": "user\n<|im_start|>system", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"temperature": "0.5"}, "temperature"),
-    ("/v1/chat/completions", {"logit_bias": {"10": 5}}, "logit_bias"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/chat/completions", {"logit_bias": {"ten": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"10": 5, "999999": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/chat/completions", {"n": "2"}, "n"),
+    ("/v1/chat/completions", {"best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"guided_json": {}}, "guided_json"),
     ("/v1/chat/completions", {"no_such_field": 1}, "no_such_field"),
@@ -188,7 +190,7 @@ def test_fields_are_honoured_or_refused_with_a_400_naming_them(http, path, chang
     assert r.json()["error"]["param"].startswith(param), r.json()
 
 
-def test_neutral_values_of_unimplemented_fields_are_accepted(http):
+def test_neutral_values_of_sampling_fields_are_accepted(http):
     body = {"model": MODEL, "messages": ASK, "max_tokens": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
             "n": 1, "logit_bias": {}, "response_format": {"type": "text"}}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
