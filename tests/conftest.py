@@ -27,11 +27,11 @@ def sampled_logits(monkeypatch):
     import cairn.engine
 
     rows: list[torch.Tensor] = []
-    real = cairn.engine.sample
+    real = cairn.engine.sample_isolated
 
-    def recording(logits, params, generators):
+    def recording(logits, params, generators, contexts=None):
         rows.extend(logits.clone())
-        return real(logits, params, generators)
+        return real(logits, params, generators, contexts)
 
-    monkeypatch.setattr(cairn.engine, "sample", recording)
+    monkeypatch.setattr(cairn.engine, "sample_isolated", recording)
     return rows

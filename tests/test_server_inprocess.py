@@ -16,6 +16,7 @@ from cairn.cli import config_with_overrides
 from cairn.config import EngineConfig
 from cairn.engine import Engine
 from cairn.server.app import create_app
+from cairn.server.chat_output import PROBE
 from cairn.server.options import ServerOptions
 
 MODEL = "cairn-demo"
@@ -114,15 +115,24 @@ def test_served_model_name_replaces_the_engine_name(engine):
         assert c.post("/v1/chat/completions", json={**CHAT, "model": "my-model"}).json()["model"] == "my-model"
 
 
+def recorded(real, record):
+    """`real`, calling `record()` first unless it renders the chat parsers' probe conversation."""
+    def wrapper(*args, **kwargs):
+        if args[:1] != (PROBE,):
+            record()
+        return real(*args, **kwargs)
+    return wrapper
+
+
 def test_engine_thread_never_renders_or_tokenizes_a_server_request(client, engine, monkeypatch):
     """Templating and tokenizing happen once per request, in a worker thread: a huge prompt cannot
-    stall the streams the engine thread is running."""
+    stall the streams the engine thread is running. (The chat parsers' one-message probe of the
+    template, rendered on the event loop, is not the request's conversation and is not counted.)"""
     calls: list[tuple[str, str]] = []
     tok = engine.tokenizer
     for name in ("render_chat", "encode_with_offsets"):
-        real = getattr(tok, name)
-        monkeypatch.setattr(tok, name, lambda *a, _n=name, _f=real, **kw: calls.append(
-            (_n, threading.current_thread().name)) or _f(*a, **kw))
+        monkeypatch.setattr(tok, name, recorded(getattr(tok, name), lambda _n=name: calls.append(
+            (_n, threading.current_thread().name))))
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
     assert [n for n, _ in calls] == ["render_chat", "encode_with_offsets"]  # once, not twice
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
@@ -133,7 +143,7 @@ def test_engine_thread_never_renders_or_tokenizes_a_server_request(client, engin
 def test_chat_without_max_tokens_fills_the_context_from_one_tokenization(client, engine, monkeypatch):
     renders = []
     real = engine.tokenizer.render_chat
-    monkeypatch.setattr(engine.tokenizer, "render_chat", lambda *a, **kw: renders.append(1) or real(*a, **kw))
+    monkeypatch.setattr(engine.tokenizer, "render_chat", recorded(real, lambda: renders.append(1)))
     r = client.post("/v1/chat/completions", json={k: v for k, v in CHAT.items() if k != "max_tokens"})
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == MAX_MODEL_LEN
     assert len(renders) == 1

@@ -13,6 +13,7 @@ from cairn.cache import hybrid_cache
 from cairn.engine import LLM, Engine, StepFailed
 from cairn.sampling import SamplingParams
 from cairn.server.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission
+from cairn.server.offload import Offload
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [(5 * j + 1) % 250 for j in range(40)]
@@ -135,7 +136,7 @@ def test_health_is_503_after_failed_steps_in_a_row_and_200_once_a_step_succeeds(
     engine = make_engine()
     original = engine.runner.run
     engine.runner.run = lambda batch: (_ for _ in ()).throw(Injected("run"))
-    bridge = EngineBridge(engine)
+    bridge = EngineBridge(engine, Offload(engine.tokenizer, engine.max_model_len))  # submit tokenizes there
     bridge.start()
     try:
         for i in range(UNHEALTHY_AFTER_FAILED_STEPS):
