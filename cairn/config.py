@@ -29,9 +29,9 @@ class ModelOptions:
     quantization: str = _f("none", "weight-only quantization of the linear layers (CPU, dense models): none or "
                            "int8 (one scale per output channel; half the bytes a bf16 decode step reads)",
                            choices=("none", "int8"))
-    weight_layout: str = _f("auto", "layout of the linear weights: auto (packed for bf16/fp16 on a CPU with "
-                            "oneDNN support, else plain; logged at start-up), plain, or packed (oneDNN's "
-                            "blocked layout for AMX / AVX512-BF16)", choices=("auto", "plain", "packed"))
+    weight_layout: str = _f("auto", "layout of the linear weights: auto (plain for now: packed measured slower "
+                            "on a quiet machine; logged at start-up), plain, or packed (oneDNN's blocked "
+                            "layout for AMX / AVX512-BF16)", choices=("auto", "plain", "packed"))
     fast_kernels: bool = _f(False, "on CUDA, use flash-linear-attention's gated delta rule where installed "
                             "(untested on GPU so far; the reference kernels otherwise)")
 

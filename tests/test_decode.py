@@ -132,7 +132,7 @@ def test_packed_bf16_layout_gives_the_plain_logits(checkpoints):
 def test_auto_layout_is_chosen_per_machine_and_logged(caplog):
     cpu = torch.device("cpu")
     assert layout.choose_layout("auto", torch.float32, cpu) == "plain"
-    assert layout.choose_layout("auto", torch.bfloat16, cpu) == ("packed" if BF16_AVAILABLE else "plain")
+    assert layout.choose_layout("auto", torch.bfloat16, cpu) == "plain"  # packed measured slower when quiet
     assert layout.choose_layout("auto", torch.bfloat16, torch.device("cuda")) == "plain"
     with pytest.raises(ValueError, match="packed needs"):
         layout.choose_layout("packed", torch.float32, cpu)

@@ -14,8 +14,11 @@ provided the matmul kernel streams the weights at that speed. The layouts:
   with `torch._weight_int8pack_mm` (half the bytes of bf16) up to `Int8Linear.DIRECT_ROWS` rows;
   larger batches (prefill) convert the int8 weight to the activation dtype and scale the output.
 
-`auto` picks packed for bf16 / fp16 weights on a CPU whose oneDNN supports them, else plain; the
-choice is logged. Quantization changes the model's numbers, so it is applied before the prefix
+`auto` picks plain, and the choice is logged: on a quiet 2-core Xeon with AMX (two torch threads,
+0.8B dimensions, bf16) packed decoded slower than plain (7.1 against 9.2 tok/s at batch 1, 26.4
+against 36.9 at batch 4; BENCHMARKS.md), although it was 1.9x faster than plain in one-thread runs
+on the same machine under heavy load. Packed stays a choice (`--weight-layout packed`) until a
+start-up measurement can pick per machine. Quantization changes the model's numbers, so it is applied before the prefix
 cache digests the weights (a disk cache of the float model is not resumed by the int8 one); packing
 does not, and is applied after.
 """
@@ -117,7 +120,7 @@ def quantize(model: nn.Module, cfg: ModelConfig, method: str, device: torch.devi
 
 
 def choose_layout(requested: str, dtype: torch.dtype, device: torch.device) -> str:
-    """`auto` -> packed for bf16 / fp16 on a CPU whose oneDNN has them, else plain."""
+    """`auto` -> plain (see the module docstring); packed only when asked, on a CPU whose oneDNN has it."""
     if requested not in LAYOUTS:
         raise ValueError(f"--weight-layout {requested}: unknown (choose from {', '.join(LAYOUTS)})")
     supported = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
@@ -126,9 +129,7 @@ def choose_layout(requested: str, dtype: torch.dtype, device: torch.device) -> s
     if requested == "packed" and not supported:
         raise ValueError(f"--weight-layout packed needs bf16 / fp16 weights on a CPU with oneDNN support "
                          f"(here {dtype} on {device.type})")
-    if requested == "auto":
-        return "packed" if supported else "plain"
-    return requested
+    return "plain" if requested == "auto" else requested
 
 
 def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device) -> str:
