@@ -28,7 +28,7 @@ from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
 from cairn.config import EngineConfig
 from cairn.demo import DEMO_NAME, build_demo
-from cairn.grammar import GrammarCompiler, allowed_masks
+from cairn.grammar import GrammarCompiler, allowed_masks_isolated
 from cairn.logits import RowContext
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -233,16 +233,15 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort every unfinished choice of the request; the output of the first one aborted (None: unknown)."""
         self._held.pop(request_id, None)
-        first = None
-        for seq in list(self._groups.get(request_id, [])):
-            if seq.is_finished:
-                continue
-            self.scheduler.abort(seq.request_id)
-            seq.status, seq.finish_reason = Status.FINISHED, "abort"
-            self._log_finished(seq)
-            out = self._output(seq, "", [])
-            first = first or out
-        return first
+        outs = [self._abort_choice(seq) for seq in list(self._groups.get(request_id, [])) if not seq.is_finished]
+        return outs[0] if outs else None
+
+    def _abort_choice(self, seq: Sequence) -> RequestOutput:
+        """Take one choice out of the scheduler (freeing what it holds) and finish it as "abort"."""
+        self.scheduler.abort(seq.request_id)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self._log_finished(seq)
+        return self._output(seq, "", [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -339,25 +338,10 @@ class Engine:
                 contexts[i] = RowContext(seq.token_ids, seq.num_prompt_tokens, banned)
         constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if constrained:
-            masks = self._grammar_masks([seqs[i].grammar for i in constrained])
+            masks = allowed_masks_isolated([seqs[i].grammar for i in constrained], self.model_config.vocab_size)
             for i, mask in zip(constrained, masks, strict=True):
                 contexts[i].allowed = mask
         return contexts if any(c is not None for c in contexts) else None
-
-    def _grammar_masks(self, grammars: list) -> list[torch.Tensor]:
-        """Each grammar's allowed tokens; a grammar that fails allows nothing, so its request alone fails."""
-        vocab = self.model_config.vocab_size
-        try:
-            return list(allowed_masks(grammars, vocab))
-        except Exception:
-            log.exception("computing the grammar masks of the batch failed; computing them one by one")
-        masks = []
-        for g in grammars:
-            try:
-                masks.append(allowed_masks([g], vocab)[0])
-            except Exception:
-                masks.append(torch.zeros(vocab, dtype=torch.bool))
-        return masks
 
     def _fail_request(self, seq: Sequence, error: str) -> RequestOutput:
         """Finish seq's whole request with finish_reason "error" (the rest of the batch is untouched)."""
@@ -365,9 +349,7 @@ class Engine:
         self._held.pop(seq.group_id, None)
         for other in self._groups.get(seq.group_id, []):
             if other is not seq and not other.is_finished:
-                self.scheduler.abort(other.request_id)
-                other.status, other.finish_reason = Status.FINISHED, "abort"
-                self._output(other, "", [])
+                self._abort_choice(other)
         self.scheduler.finish(seq, "error")
         self._log_finished(seq)
         out = self._output(seq, "", [])

@@ -20,6 +20,7 @@ What this is not: the sampler (`cairn.sampling`) or the processors that apply th
 from __future__ import annotations
 
 import json
+import logging
 
 import torch
 
@@ -28,6 +29,8 @@ from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 WHITESPACE = r"[\x20\x0A]?"  # what may separate JSON tokens
 ANY_OBJECT = {"type": "object"}  # response_format json_object
+
+log = logging.getLogger(__name__)
 
 
 class Grammar:
@@ -134,3 +137,19 @@ def allowed_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
 
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_masks_isolated(grammars: list[Grammar], vocab_size: int) -> list[torch.Tensor]:
+    """`allowed_masks`, but a grammar whose mask cannot be computed allows nothing (so its request alone
+    fails in sampling) instead of failing the batch."""
+    try:
+        return list(allowed_masks(grammars, vocab_size))
+    except Exception:
+        log.exception("computing the grammar masks of the batch failed; computing them one by one")
+    masks = []
+    for g in grammars:
+        try:
+            masks.append(allowed_masks([g], vocab_size)[0])
+        except Exception:
+            masks.append(torch.zeros(vocab_size, dtype=torch.bool))
+    return masks
