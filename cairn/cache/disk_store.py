@@ -261,24 +261,11 @@ class DiskStore:
         with self._lock:
             self._check_open()
             self._counts["gets"] += 1
-            if key not in self._index:
-                return None
-        name = segment_file_name(key)
-        try:
-            segment = read_segment_file(self._dir_fd, name, self.compat_digest, self.limits)
-        except (SegmentError, UnusableEntry) as e:
-            corrupt = isinstance(e, SegmentError)  # our file, damaged: delete it; else not a file: move it
-            self._reject(key, e.reason, str(e), delete=corrupt, set_aside=not corrupt)
-            return None
-        except FileNotFoundError:
-            self._reject(key, "missing", name, delete=False)
-            return None
-        except OSError as e:
-            self._reject(key, "read_failed", str(e), delete=False)
-            return None
-        with self._lock:
-            self._counts["hits"] += 1
-            self._touch(key)
+        segment = self._read(key, read_segment_file)
+        if segment is not None:
+            with self._lock:
+                self._counts["hits"] += 1
+                self._touch(key)
         return segment
 
     def get_tokens(self, key: bytes) -> tuple[int, ...] | None:
@@ -286,11 +273,18 @@ class DiskStore:
         (a miss, or a bad file: counted, dropped from the index). Used to index the store at start-up."""
         with self._lock:
             self._check_open()
+        return self._read(key, read_segment_tokens)
+
+    def _read(self, key: bytes, reader: Callable):
+        """reader(dir_fd, name, digest, limits) on key's file, or None: not indexed, or a bad or vanished
+        file, which is rejected (counted, unindexed; ours deleted when damaged, moved aside when not a
+        regular file)."""
+        with self._lock:
             if key not in self._index:
                 return None
         name = segment_file_name(key)
         try:
-            return read_segment_tokens(self._dir_fd, name, self.compat_digest, self.limits)
+            return reader(self._dir_fd, name, self.compat_digest, self.limits)
         except (SegmentError, UnusableEntry) as e:
             corrupt = isinstance(e, SegmentError)  # our file, damaged: delete it; else not a file: move it
             self._reject(key, e.reason, str(e), delete=corrupt, set_aside=not corrupt)
