@@ -75,3 +75,10 @@ def start_server(*flags: str, timeout_s: float = 90.0) -> ServerProcess:
         time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"cairn serve did not become healthy in {timeout_s}s:\n{server.log()}")
+
+
+def openai_client(server: ServerProcess, timeout_s: float = 60.0):
+    """The official openai client on `server`, without retries (a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)

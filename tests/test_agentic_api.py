@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import start_server
+from tests.server_process import openai_client, start_server
 
 MODEL = "cairn-demo"
 WEATHER = {"type": "function", "function": {
@@ -38,7 +38,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.checkpoints import write_checkpoint
-from tests.server_process import start_server
+from tests.server_process import openai_client, start_server
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
@@ -29,7 +29,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server, 120)
 
 
 def test_generation_config_defaults_are_logged_at_start_up(server):

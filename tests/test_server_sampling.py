@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_process import start_server
+from tests.server_process import openai_client, start_server
 
 MODEL = "cairn-demo"
 CHAT = [{"role": "user", "content": "Sampling parity"}]
@@ -32,7 +32,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server, 120)
 
 
 @pytest.fixture(scope="module")
