@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cairn.ops import conv
+
 NO_DT_LIMIT = (0.0, float("inf"))
 
 
@@ -34,39 +36,15 @@ def mamba_conv1d(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     capture_at: Sequence[tuple[int, torch.Tensor]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's prefill segment.
-
-    x: [T, C]; state: [C, K-1] (the inputs before x); weight: [C, K]; bias: [C] or None; capture_at:
-    (count, out) pairs, count in [1, T]: the state after that many tokens is written into `out`
-    ([C, K-1]). Returns (silu(conv(x) + bias) [T, C], new_state [C, K-1]).
-    """
-    seq_len, kernel = x.shape[0], weight.shape[-1]
-    window = torch.cat([state.to(x.dtype).transpose(0, 1), x], dim=0)  # [K-1+T, C], time-major
-    w = weight.to(x.dtype).transpose(0, 1).contiguous()  # [K, C]
-    out = window[0:seq_len] * w[0]
-    for k in range(1, kernel):
-        out.addcmul_(window[k:k + seq_len], w[k])
-    if bias is not None:
-        out += bias.to(x.dtype)
-    for count, dst in capture_at:  # after `count` tokens the last K-1 inputs are window[count : count + K-1]
-        if not 1 <= count <= seq_len:
-            raise ValueError(f"capture at {count} is outside the segment's {seq_len} tokens")
-        dst.copy_(window[count : count + kernel - 1].transpose(0, 1))
-    return F.silu(out), window[seq_len:].transpose(0, 1).contiguous()
+    """The Mamba2 conv over x, B and C channels: cairn.ops.conv.causal_conv1d with the layer's bias."""
+    return conv.causal_conv1d(x, state, weight, capture_at, bias=bias)
 
 
 def mamba_conv1d_update(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step for a batch. x: [B, C]; state: [B, C, K-1]; weight: [C, K]; bias: [C] or None.
-
-    Returns (silu(conv + bias) [B, C], new_state [B, C, K-1]); `state` is not modified.
-    """
-    window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
-    out = (window * weight.to(x.dtype)).sum(-1)
-    if bias is not None:
-        out += bias.to(x.dtype)
-    return F.silu(out), window[..., 1:]
+    """One decode step of the Mamba2 conv: cairn.ops.conv.causal_conv1d_update with the layer's bias."""
+    return conv.causal_conv1d_update(x, state, weight, bias)
 
 
 def step_sizes(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
