@@ -74,8 +74,7 @@ def _meta(t: torch.Tensor) -> dict:
 class SnapshotTensors:
     """A snapshot read back from disk."""
 
-    conv: torch.Tensor  # [linear layers, conv_dim, kernel - 1]
-    recurrent: torch.Tensor  # [linear layers, v_heads, k_dim, v_dim] fp32
+    tensors: dict[str, torch.Tensor]  # as StatePool.read_slot names them
     logits: torch.Tensor | None
 
 
@@ -94,7 +93,7 @@ class DiskTier:
         """Write every node of `path` (root to node, in order) that has no disk copy; returns segments written.
 
         kv_pages(node) -> (k, v) tensors of the node's pages, or None when they cannot be read (a bad
-        segment, which the store then reports); snapshot_of(node) -> (conv, recurrent, logits) or None.
+        segment, which the store then reports); snapshot_of(node) -> (named state tensors, logits) or None.
         Stops at the first failed write (a later node would be unreachable without it).
         """
         written = 0
@@ -130,7 +129,8 @@ class DiskTier:
         fields = dict(key=segment_key(parent_key, node.tokens), parent_key=parent_key, start_position=node.start,
                       tokens=node.tokens, kv_bytes=_to_bytes(kv_tensor), kv_meta=_meta(kv_tensor))
         if snapshot is not None:
-            conv, recurrent, logits = snapshot
+            tensors, logits = snapshot
+            conv, recurrent = tensors["conv"], tensors["recurrent"]
             fields.update(snapshot_bytes=_to_bytes(conv) + _to_bytes(recurrent),
                           snapshot_meta={"conv": _meta(conv), "recurrent": _meta(recurrent),
                                          "conv_bytes": conv.numel() * conv.element_size()})
@@ -165,8 +165,8 @@ class DiskTier:
         meta = segment.snapshot_meta
         cut = meta["conv_bytes"]
         logits = None if segment.logits_bytes is None else _from_bytes(segment.logits_bytes, segment.logits_meta)
-        return SnapshotTensors(_from_bytes(segment.snapshot_bytes[:cut], meta["conv"]),
-                               _from_bytes(segment.snapshot_bytes[cut:], meta["recurrent"]), logits)
+        return SnapshotTensors({"conv": _from_bytes(segment.snapshot_bytes[:cut], meta["conv"]),
+                                "recurrent": _from_bytes(segment.snapshot_bytes[cut:], meta["recurrent"])}, logits)
 
     # ---- start-up -----------------------------------------------------------------------------------
 

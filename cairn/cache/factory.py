@@ -41,7 +41,7 @@ def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv
     `prefill_block`: the engine's exact-resumption block (0: off); snapshots and resume points follow it."""
     if not opts.prefix_cache or not cfg.linear_layers:
         return NullCache()
-    device = states.conv.device
+    device = states.device
     pinned = device.type == "cuda"
     dev_tier = PoolSnapshotTier("device", states, opts.device_snapshot_bytes, cfg.vocab_size, device)
     host = host_kv = disk = None
@@ -66,8 +66,12 @@ def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv
 
 def _measure(states: StatePool, host: PoolSnapshotTier | None) -> SpeedMeter:
     """Start-up bandwidths from copies of one state slot's recurrent state, device->device and host->device."""
-    src = states.recurrent[:, 0]
+    src = _largest(states.read_slot(0))
     bandwidth = {"device": measure_copy_bytes_per_s(src, torch.empty_like(src))}
     if host is not None:
-        bandwidth["host"] = measure_copy_bytes_per_s(host.pool.recurrent[:, 0], torch.empty_like(src))
+        bandwidth["host"] = measure_copy_bytes_per_s(_largest(host.pool.read_slot(0)), torch.empty_like(src))
     return SpeedMeter(bandwidth)
+
+
+def _largest(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    return max(tensors.values(), key=lambda t: t.numel() * t.element_size())

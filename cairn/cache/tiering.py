@@ -120,9 +120,8 @@ class TierSet:
         snap = None if segment is None else self.disk.snapshot_of(segment)
         if snap is None:
             return False
-        states.conv[:, slot] = snap.conv.to(states.conv.device, states.conv.dtype)
-        states.recurrent[:, slot] = snap.recurrent.to(states.recurrent.device)
-        return None if snap.logits is None else snap.logits.to(states.conv.device)
+        states.write_slot(slot, snap.tensors)
+        return None if snap.logits is None else snap.logits.to(states.device)
 
     # ---- KV ---------------------------------------------------------------------------------------
 
@@ -204,4 +203,4 @@ class TierSet:
         if copy is None:
             return None
         pool = (self.device if copy is handle.device else self.host).pool
-        return pool.conv[:, copy.slot], pool.recurrent[:, copy.slot], copy.logits
+        return pool.read_slot(copy.slot), copy.logits

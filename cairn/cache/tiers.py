@@ -89,9 +89,9 @@ class PoolSnapshotTier:
         src.copy_to(slot, self.pool, stored.slot, non_blocking=True)
         if logits is not None:
             stored.logits = torch.empty(logits.shape, dtype=torch.float32, device=self.device,
-                                        pin_memory=self.pool.conv.is_pinned())
+                                        pin_memory=self.pool.is_pinned)
             stored.logits.copy_(logits, non_blocking=True)
-        return PendingCopy(stored, _copy_event(src.conv.device))
+        return PendingCopy(stored, _copy_event(src.device))
 
     def reserve(self, with_logits: bool = False) -> StoredSnapshot | None:
         """A slot (and its bytes) set aside for a state to be written there; None when full."""
@@ -108,7 +108,7 @@ class PoolSnapshotTier:
     def restore(self, snap: StoredSnapshot, dst: StatePool, slot: int) -> torch.Tensor | None:
         """Copy the snapshot into dst[slot] (synchronously); returns a copy of its logits. It stays stored."""
         self.pool.copy_to(snap.slot, dst, slot)
-        return None if snap.logits is None else snap.logits.to(dst.conv.device, copy=True)
+        return None if snap.logits is None else snap.logits.to(dst.device, copy=True)
 
     def free(self, snap: StoredSnapshot) -> None:
         self.pool.free(snap.slot)

@@ -75,6 +75,23 @@ class StatePool:
     def is_free(self, slot: int) -> bool:
         return slot in self._free
 
+    @property
+    def device(self) -> torch.device:
+        return self.conv.device
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.conv.is_pinned()
+
+    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
+        """Slot `slot` as named tensors (views into the pool, every layer): what a snapshot stores."""
+        return {"conv": self.conv[:, slot], "recurrent": self.recurrent[:, slot]}
+
+    def write_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """self[slot] <- tensors (as read_slot names them; copied, converted to the pool's device and dtypes)."""
+        for name, dst in self.read_slot(slot).items():
+            dst.copy_(tensors[name].to(dst.device, dst.dtype))
+
     def copy_to(self, src: int, dst_pool: StatePool, dst: int, non_blocking: bool = False) -> None:
         """dst_pool[dst] <- self[src], every layer; the source is left untouched."""
         dst_pool.conv[:, dst].copy_(self.conv[:, src], non_blocking=non_blocking)
