@@ -186,7 +186,7 @@ def _lazy(module: str) -> tuple[typing.Callable, typing.Callable]:
 COMMANDS: dict[str, tuple[str, typing.Callable, typing.Callable]] = {
     "generate": ("generate text for one prompt or chat", add_generate_args, run_generate),
     "serve": ("serve the OpenAI-compatible HTTP API", add_serve_args, run_serve),
-    "cache": ("list, verify or purge a disk cache directory", *_lazy("cairn.cache.admin")),
+    "cache": ("list, verify or purge a disk cache directory", *_lazy("cairn.cache.disk.admin")),
     "bench": ("compare cache policies on divergence workloads (see BENCHMARKS.md)", *_lazy("cairn.bench.cli")),
 }
 
@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     setup_logging(ns.log_level or QUIET_COMMANDS.get(ns.command, "INFO"), ns.log_format)
-    from cairn.cache.disk_namespace import DiskStoreError
+    from cairn.cache.disk.namespace import DiskStoreError
 
     try:
         return COMMANDS[ns.command][2](ns)

@@ -14,7 +14,7 @@ Which budget comes from where (each GiB flag given explicitly always wins):
 "Available RAM" is MemAvailable when the engine starts; `--host-cache-gib 0` turns the host tier
 off. On CPU the "device" is host RAM: its memory is the machine's, and what is in use is this
 process's resident set. `resolve_sizes` returns a config whose budgets are all numbers, and logs
-where each came from. What this is not: the pools themselves (cairn.memory, cairn.cache.tiers).
+where each came from. What this is not: the pools themselves (cairn.memory, cairn.cache.tiers.pools).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from cairn.cache.placement import PlacementInput, PlacementOptions, place, request_end_allowed
-from cairn.cache.tiers import PoolSnapshotTier
+from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
+from cairn.cache.tiers.pools import PoolSnapshotTier
 from cairn.engine import LLM
 from cairn.memory.state_pool import StatePool
 from cairn.sampling import SamplingParams

@@ -17,10 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from cairn.cache import disk_namespace
-from cairn.cache.disk_namespace import TEMP_NAME
-from cairn.cache.disk_store import DiskStore, verify_store
-from cairn.cache.segment import DEFAULT_LIMITS, FORMAT_VERSION, HEADER_BYTES, SECTION_HEADER_BYTES, Segment, segment_key
+from cairn.cache.disk import namespace as disk_namespace
+from cairn.cache.disk.namespace import TEMP_NAME
+from cairn.cache.disk.segment import (
+    DEFAULT_LIMITS,
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    SECTION_HEADER_BYTES,
+    Segment,
+    segment_key,
+)
+from cairn.cache.disk.store import DiskStore, verify_store
 from tests.test_segment import reseal
 
 DIGEST = "ab" * 32

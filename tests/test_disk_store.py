@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cairn.cache import disk_store
-from cairn.cache.disk_store import (
+from cairn.cache.disk import store as disk_store
+from cairn.cache.disk.segment import Segment, segment_key
+from cairn.cache.disk.store import (
     DiskStore,
     DiskStoreError,
     StoreLockedError,
@@ -21,7 +22,6 @@ from cairn.cache.disk_store import (
     purge_namespace,
     verify_store,
 )
-from cairn.cache.segment import Segment, segment_key
 
 DIGEST = "ab" * 32
 OTHER_DIGEST = "cd" * 32

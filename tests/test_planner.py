@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cairn.cache.planner import Candidate, Speeds, plan
+from cairn.cache.policy.planner import Candidate, Speeds, plan
 
 SPEEDS = Speeds({"device": 10e9, "host": 1e9, "disk": 0.1e9}, prefill_tokens_per_s=1000.0)
 

@@ -11,8 +11,8 @@ from collections import Counter
 
 import pytest
 
-from cairn.cache.radix import RadixTree
-from cairn.cache.radix_types import SnapshotEntry
+from cairn.cache.tree.nodes import SnapshotEntry
+from cairn.cache.tree.radix import RadixTree
 from cairn.memory.pages import PageAllocator
 
 P = tuple(range(100, 112))  # a 12-token path

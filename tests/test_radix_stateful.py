@@ -42,8 +42,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cairn.cache.radix import RadixTree
-from cairn.cache.radix_types import SnapshotEntry
+from cairn.cache.tree.nodes import SnapshotEntry
+from cairn.cache.tree.radix import RadixTree
 from cairn.memory.pages import PageAllocator
 
 PAGE_SIZE = 4

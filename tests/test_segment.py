@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from cairn.cache import segment as fmt
-from cairn.cache.segment import (
+from cairn.cache.disk import segment as fmt
+from cairn.cache.disk.segment import (
     HEADER_BYTES,
     SectionHasher,
     Segment,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from cairn.cache.disk_index import RESCAN_INTERVAL_S
+from cairn.cache.disk.index import RESCAN_INTERVAL_S
 from tests.server_process import REPO_ROOT, start_server
 
 FLAGS = ("--snapshot-interval", "64", "--page-size", "8", "--max-num-seqs", "2", "--device-snapshot-gib", "0.002")
@@ -125,7 +125,7 @@ def test_segments_damaged_before_startup_resume_cold_and_are_not_met_again(tmp_p
     assert list(cache.glob("*/quarantine/*.seg"))  # the links were moved aside, not followed nor deleted
     server = start_server(*FLAGS, "--disk-cache", str(cache))
     assert server.stop() == 0
-    assert "disk cache" in server.log() and not re.search(r"WARNING cairn.cache.disk_store", server.log())
+    assert "disk cache" in server.log() and not re.search(r"WARNING cairn.cache.disk.store", server.log())
 
 
 def test_read_only_second_server_resumes_what_the_writer_adds_after_it_started(tmp_path):

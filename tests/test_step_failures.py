@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cairn.cache import hybrid_cache
+from cairn.cache import hybrid as hybrid_cache
 from cairn.engine import LLM, Engine, StepFailed
 from cairn.sampling import SamplingParams
 from cairn.server.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission

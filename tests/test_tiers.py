@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from cairn.cache.segment import Segment
+from cairn.cache.disk.segment import Segment
 from cairn.engine import LLM
 from cairn.sampling import SamplingParams
 
@@ -202,7 +202,7 @@ def test_disk_segments_hold_what_the_tree_says(tmp_path):
 
 
 def test_a_move_in_flight_reserves_its_space_and_is_published_only_on_complete():
-    from cairn.cache.tiers import HostKVBank, PoolSnapshotTier
+    from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier
     from cairn.memory.kv_pool import KVPool
     from cairn.memory.state_pool import StatePool
 

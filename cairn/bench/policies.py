@@ -28,7 +28,7 @@ value-based retention. llama.cpp's default minimum step is 8192 tokens, on conte
 benchmark's contexts are a few thousand tokens, so its default spacing (`--snapshot-min-gap`) is
 scaled down to 1024 (256 in the smoke run, `cairn bench`'s default).
 
-What it is not: the policies' implementation (cairn/cache/placement.py).
+What it is not: the policies' implementation (cairn/cache/policy/placement.py).
 """
 
 from __future__ import annotations

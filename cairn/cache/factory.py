@@ -12,13 +12,13 @@ import logging
 import torch
 
 from cairn.cache.base import NullCache, PrefixCache
-from cairn.cache.disk_store import DiskStore
-from cairn.cache.disk_tier import DiskTier, compat_digest, weights_digest
-from cairn.cache.hybrid_cache import HybridPrefixCache
-from cairn.cache.placement import PlacementOptions
-from cairn.cache.speeds import SpeedMeter, measure_copy_bytes_per_s
-from cairn.cache.tiering import TierSet
-from cairn.cache.tiers import HostKVBank, PoolSnapshotTier
+from cairn.cache.disk.store import DiskStore
+from cairn.cache.disk.tier import DiskTier, compat_digest, weights_digest
+from cairn.cache.hybrid import HybridPrefixCache
+from cairn.cache.policy.placement import PlacementOptions
+from cairn.cache.policy.speeds import SpeedMeter, measure_copy_bytes_per_s
+from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier
+from cairn.cache.tiers.tier_set import TierSet
 from cairn.config import CacheOptions
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool

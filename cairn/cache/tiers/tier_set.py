@@ -6,7 +6,7 @@ holds it; a host item that must leave goes to disk the same way; only the last t
 drop is counted with its reason. Restoring copies into the request's working slot and fresh device
 pages; the stored copies stay where they are.
 
-What this is not: it does not choose resume points (planner.py) or placement (placement.py); it
+What this is not: it does not choose resume points (policy/planner.py) or placement (policy/placement.py); it
 keeps the radix tree's location records in step with the bytes it moves.
 """
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cairn.cache.disk_tier import DiskTier
-from cairn.cache.radix_types import RELEASE_EVICTED, Node
-from cairn.cache.tiered_tree import TieredRadixTree
-from cairn.cache.tiers import HostKVBank, PoolSnapshotTier, StoredSnapshot
+from cairn.cache.disk.tier import DiskTier
+from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier, StoredSnapshot
+from cairn.cache.tree.nodes import RELEASE_EVICTED, Node
+from cairn.cache.tree.tiered import TieredRadixTree
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 

@@ -9,7 +9,7 @@ disk too, so `persist` writes the missing ancestors first.
 
 The namespace is the compatibility digest (`compat_digest`): the model weights' content digest, the
 architecture, dtypes, page size and format version. A segment of another model is never read.
-What this is not: the file format and store (segment.py, disk_store.py) or the choice of what to
+What this is not: the file format and store (segment.py, store.py) or the choice of what to
 write when (the cache decides).
 """
 
@@ -24,9 +24,9 @@ from collections.abc import Iterator
 
 import torch
 
-from cairn.cache.disk_store import DiskStore
-from cairn.cache.radix_types import DiskRef, Node
-from cairn.cache.segment import FORMAT_VERSION, ROOT_KEY, Segment, _tokens_to_bytes, segment_key
+from cairn.cache.disk.segment import FORMAT_VERSION, ROOT_KEY, Segment, _tokens_to_bytes, segment_key
+from cairn.cache.disk.store import DiskStore
+from cairn.cache.tree.nodes import DiskRef, Node
 from cairn.model.config import ModelConfig
 
 log = logging.getLogger(__name__)

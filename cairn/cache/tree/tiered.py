@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from cairn.cache.radix import RadixTree
-from cairn.cache.radix_types import (
+from cairn.cache.policy.retention import rank_snapshots
+from cairn.cache.tree.nodes import (
     RELEASE_EVICTED,
     RELEASE_KV_EVICTED,
     DiskRef,
@@ -24,7 +24,7 @@ from cairn.cache.radix_types import (
     common_prefix_len,
     page_indices,
 )
-from cairn.cache.retention import rank_snapshots
+from cairn.cache.tree.radix import RadixTree
 
 TIERS = ("device", "host", "disk")
 

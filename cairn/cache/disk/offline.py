@@ -1,7 +1,7 @@
 """The offline operations behind `cairn cache ls | verify | purge`, on a disk cache directory that a
 server may be using at the same time: they read without locking, and purge refuses a namespace whose
 lock is held. Namespaces may be named by the short id the server's start-up log prints (a prefix
-of the compatibility digest). What this is not: the live store (disk_store.py) or the CLI (admin.py).
+of the compatibility digest). What this is not: the live store (store.py) or the CLI (admin.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import stat
 from contextlib import suppress
 from typing import NamedTuple
 
-from cairn.cache.disk_namespace import (
+from cairn.cache.disk.namespace import (
     LOCK_NAME,
     MODEL_NAME,
     SEGMENT_NAME,
@@ -25,7 +25,7 @@ from cairn.cache.disk_namespace import (
     try_lock,
     unlink_ours,
 )
-from cairn.cache.segment import DEFAULT_LIMITS, SegmentError, SegmentLimits
+from cairn.cache.disk.segment import DEFAULT_LIMITS, SegmentError, SegmentLimits
 
 SHORT_ID_CHARS = 16  # the namespace id the server's start-up log prints
 

@@ -12,7 +12,7 @@
                    resumable here too
 
 Every segment forgotten is counted by reason in `forgotten` (exported as a metric). What this is not:
-the store (disk_store.py), the segment format, or the tier moves (tiering.py); it moves no bytes.
+the store (store.py), the segment format, or the tier moves (tiers/tier_set.py); it moves no bytes.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from cairn.cache.disk_tier import DiskTier
-from cairn.cache.radix_types import Node, SnapshotEntry
-from cairn.cache.tiered_tree import TieredRadixTree
+from cairn.cache.disk.tier import DiskTier
+from cairn.cache.tree.nodes import Node, SnapshotEntry
+from cairn.cache.tree.tiered import TieredRadixTree
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from cairn.cache.base import PrefixCache
-from cairn.cache.disk_index import DiskIndex
-from cairn.cache.placement import PlacementInput, PlacementOptions, place, request_end_allowed
-from cairn.cache.planner import Candidate, Plan, plan
-from cairn.cache.radix_types import LockHandle, MatchResult, Node, SnapshotEntry, page_indices
-from cairn.cache.speeds import SpeedMeter
-from cairn.cache.tiered_tree import TieredRadixTree
-from cairn.cache.tiering import TieredSnapshot, TierSet
+from cairn.cache.disk.index import DiskIndex
+from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
+from cairn.cache.policy.planner import Candidate, Plan, plan
+from cairn.cache.policy.speeds import SpeedMeter
+from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
+from cairn.cache.tree.nodes import LockHandle, MatchResult, Node, SnapshotEntry, page_indices
+from cairn.cache.tree.tiered import TieredRadixTree
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.sequence import Sequence

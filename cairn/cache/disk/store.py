@@ -3,8 +3,8 @@
 `DiskStore` puts and gets `Segment`s by key (LRU eviction, pins), writes atomically, indexes the
 namespace at start-up from headers only, verifies every checksum on `get`, turns every bad file into
 a counted miss, and counts every refusal in `faults` (each reason logged once). The on-disk layout,
-safe file primitives live in disk_namespace.py, the `cairn cache ls|verify|purge` helpers
-(`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in disk_offline.py.
+safe file primitives live in namespace.py, the `cairn cache ls|verify|purge` helpers
+(`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in offline.py.
 
 This module is NOT the file format (segment.py), the tensor conversion, nor the tier policy (what
 to demote or prefetch, when to read): it stores and returns bytes.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 
-from cairn.cache.disk_namespace import (
+from cairn.cache.disk.namespace import (
     LOCK_NAME,
     MODEL_NAME,
     QUARANTINE_NAME,
@@ -45,8 +45,8 @@ from cairn.cache.disk_namespace import (
     write_atomic,
     write_model_name,
 )
-from cairn.cache.disk_offline import NamespaceSummary, VerifyResult, list_namespaces, purge_namespace, verify_store
-from cairn.cache.segment import (
+from cairn.cache.disk.offline import NamespaceSummary, VerifyResult, list_namespaces, purge_namespace, verify_store
+from cairn.cache.disk.segment import (
     DEFAULT_LIMITS,
     Segment,
     SegmentError,

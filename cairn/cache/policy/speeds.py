@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from cairn.cache.planner import Speeds
+from cairn.cache.policy.planner import Speeds
 
 DEFAULT_BANDWIDTH = {"device": 20e9, "host": 5e9, "disk": 0.5e9}  # bytes/s, replaced as soon as measured
 

@@ -33,7 +33,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from cairn.cache.radix_types import Node, SnapshotEntry
+    from cairn.cache.tree.nodes import Node, SnapshotEntry
 
 
 class RetentionKey(NamedTuple):

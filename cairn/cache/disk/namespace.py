@@ -14,8 +14,8 @@ the lock, and the offline operations behind `cairn cache ls|verify|purge`.
 Every file is opened relative to the namespace's directory fd with O_NOFOLLOW, so no symlink is
 ever followed, and only regular files with these names are ever deleted.
 
-This module is NOT the live store (disk_store.py: index, budget, eviction, pins, fault counters),
-the offline operations behind `cairn cache` (disk_offline.py) nor the file format (segment.py).
+This module is NOT the live store (store.py: index, budget, eviction, pins, fault counters),
+the offline operations behind `cairn cache` (offline.py) nor the file format (segment.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import NamedTuple
 
-from cairn.cache.segment import (
+from cairn.cache.disk.segment import (
     END_BYTES,
     HEADER_BYTES,
     SectionHasher,

@@ -4,7 +4,7 @@ A segment is one node of the radix tree of token sequences, as bytes: its tokens
 those tokens, and optionally the recurrent-state snapshot and logits at its end. Its key chains its
 parent's key with its tokens, so equal prefixes get equal keys across requests, restarts and servers.
 
-This module is NOT the store (`disk_store.py` names, writes, indexes and evicts files) and knows
+This module is NOT the store (`store.py` names, writes, indexes and evicts files) and knows
 nothing of tensors: KV, snapshot and logits are opaque bytes whose shapes and dtypes travel in small
 JSON dicts chosen by the caller.
 

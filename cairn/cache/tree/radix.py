@@ -27,7 +27,8 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
-from cairn.cache.radix_types import (
+from cairn.cache.policy.retention import rank_snapshots
+from cairn.cache.tree.nodes import (
     RELEASE_EVICTED,
     RELEASE_KV_EVICTED,
     SNAPSHOT_SOURCES,
@@ -38,7 +39,6 @@ from cairn.cache.radix_types import (
     common_prefix_len,
     page_indices,
 )
-from cairn.cache.retention import rank_snapshots
 from cairn.memory.pages import PageAllocator
 
 
@@ -243,7 +243,7 @@ class RadixTree:
     # ---- evicting -------------------------------------------------------------------------------
 
     def evict_snapshots(self, num_entries: int) -> list[SnapshotEntry]:
-        """Evict up to num_entries unlocked snapshots in retention order (see retention.py).
+        """Evict up to num_entries unlocked snapshots in retention order (see policy/retention.py).
 
         Mutates: removes each victim from its node, marks the node's tombstone (match then reports
         "evicted") and calls on_snapshot_released(entry, "evicted"). KV and nodes stay.

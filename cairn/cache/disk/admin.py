@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 
-from cairn.cache.disk_namespace import DiskStoreError
-from cairn.cache.disk_offline import SHORT_ID_CHARS, list_namespaces, purge_namespace, resolve_namespace, verify_store
+from cairn.cache.disk.namespace import DiskStoreError
+from cairn.cache.disk.offline import SHORT_ID_CHARS, list_namespaces, purge_namespace, resolve_namespace, verify_store
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

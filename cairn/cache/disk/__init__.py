@@ -1,0 +1,1 @@
+"""The disk tier: segment format, store, namespace directory, tier, index and the offline `cairn cache` tools."""
