@@ -1,9 +1,8 @@
 """The `cairn` command line, generated from the frozen config dataclasses.
 
-Each field of an option group becomes a flag (`kv_cache_gib` -> `--kv-cache-gib`) with its type,
-default and help text; `config_from_args` builds the EngineConfig back from the parsed namespace.
-Subcommands: `generate` (one prompt or a chat, prints text and timing) and the others registered
-in COMMANDS. `--log-level` / `--log-format` go before or after the subcommand. A user's mistake
+`cairn.flags` turns each field of an option group into a flag (`kv_cache_gib` -> `--kv-cache-gib`).
+Subcommands: `generate` (one prompt or a chat, prints text and timing) and the others registered in
+COMMANDS. `--log-level` / `--log-format` go before or after the subcommand. A user's mistake
 (cairn.preflight.UserError: a missing or unsupported --model, a port in use, bad --messages) is
 checked before anything slow and printed as one line, exit status 2, without a traceback.
 """
@@ -11,87 +10,16 @@ checked before anything slow and printed as one line, exit status 2, without a t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
-import types
 import typing
 
 from cairn import __version__
-from cairn.config import EngineConfig
+from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.logs import LOG_FORMATS, setup_logging
 from cairn.preflight import UserError, check_model, check_port
-
-
-def _field_type(f: dataclasses.Field, owner: type):
-    hint = typing.get_type_hints(owner)[f.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = args[0]
-    return hint
-
-
-def _help_text(f: dataclasses.Field, default) -> str:
-    """The field's help with its default appended, unless the help already states it or there is none."""
-    text = f.metadata.get("help", "")
-    if default is None or "default:" in text or "by default" in text:
-        return text
-    shown = ("on" if default else "off") if isinstance(default, bool) else default
-    return f"{text} (default: {shown})"
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, exclude: frozenset = frozenset(),
-                       defaults: dict | None = None) -> None:
-    """One flag per field of `cls` (minus `exclude`); `defaults` replaces field defaults for this parser."""
-    group = parser.add_argument_group(title)
-    for f in dataclasses.fields(cls):
-        if f.name in exclude:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = _field_type(f, cls)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        default = (defaults or {}).get(f.name, default)
-        help_text = _help_text(f, default).replace("%", "%%")
-        if kind is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                               help=help_text)
-        else:
-            group.add_argument(flag, dest=f.name, type=kind, default=default, choices=f.metadata.get("choices"),
-                               help=help_text)
-
-
-def build_group(cls: type, ns: argparse.Namespace):
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
-
-
-def engine_group_classes() -> dict[str, type]:
-    return {name: _field_type(f, EngineConfig) for name, f in ((f.name, f) for f in dataclasses.fields(EngineConfig))}
-
-
-def add_engine_args(parser: argparse.ArgumentParser, exclude: frozenset = frozenset(),
-                    defaults: dict | None = None) -> None:
-    for name, cls in engine_group_classes().items():
-        add_dataclass_args(parser, cls, f"{name} options", exclude, defaults)
-
-
-def config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{name: build_group(cls, ns) for name, cls in engine_group_classes().items()})
-
-
-def config_with_overrides(base: EngineConfig, **overrides) -> EngineConfig:
-    """A copy of `base` with fields of any option group replaced by keyword (unknown keys are errors)."""
-    groups = {}
-    remaining = dict(overrides)
-    for name, cls in engine_group_classes().items():
-        names = {f.name for f in dataclasses.fields(cls)}
-        mine = {k: remaining.pop(k) for k in list(remaining) if k in names}
-        groups[name] = dataclasses.replace(getattr(base, name), **mine)
-    if remaining:
-        raise TypeError(f"unknown engine options: {sorted(remaining)}")
-    return dataclasses.replace(base, **groups)
-
 
 # ---- generate ---------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ after that.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 GIB = 1 << 30
@@ -128,3 +129,18 @@ class EngineConfig:
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     cache: CacheOptions = field(default_factory=CacheOptions)
     logging: LogOptions = field(default_factory=LogOptions)
+
+
+def config_with_overrides(base: EngineConfig, **overrides) -> EngineConfig:
+    """A copy of `base` with fields of any option group replaced by keyword (unknown keys are errors):
+    `config_with_overrides(EngineConfig(), kv_cache_gib=2, page_size=32)`."""
+    groups = {}
+    remaining = dict(overrides)
+    for group in dataclasses.fields(EngineConfig):
+        options = getattr(base, group.name)
+        names = {f.name for f in dataclasses.fields(options)}
+        mine = {k: remaining.pop(k) for k in list(remaining) if k in names}
+        groups[group.name] = dataclasses.replace(options, **mine)
+    if remaining:
+        raise TypeError(f"unknown engine options: {sorted(remaining)}")
+    return dataclasses.replace(base, **groups)

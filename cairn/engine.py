@@ -465,7 +465,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides):
-        from cairn.cli import config_with_overrides
+        from cairn.config import config_with_overrides
 
         self.engine = Engine(config_with_overrides(config or EngineConfig(), model=model, **overrides))
         self.tokenizer = self.engine.tokenizer

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from cairn.cli import config_with_overrides
-from cairn.config import EngineConfig
+from cairn.config import EngineConfig, config_with_overrides
 from cairn.engine import Engine
 from cairn.server.app import create_app
 from cairn.server.options import ServerOptions

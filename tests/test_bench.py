@@ -26,8 +26,8 @@ from cairn.bench.run import run_workload
 from cairn.bench.sessions import client_keeps
 from cairn.bench.text import TextSource
 from cairn.bench.workloads import Reply, WorkloadSizes, all_workloads
-from cairn.cli import build_parser, config_with_overrides
-from cairn.config import EngineConfig
+from cairn.cli import build_parser
+from cairn.config import EngineConfig, config_with_overrides
 from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
 from cairn.tokenizer import ByteTokenizer

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from cairn import sizing
-from cairn.cli import config_with_overrides
-from cairn.config import GIB, EngineConfig
+from cairn.config import GIB, EngineConfig, config_with_overrides
 from cairn.engine import LLM
 from cairn.sizing import CHECKPOINT_DEFAULTS, DEMO_DEFAULTS, default_host_gib, resolve_sizes
 

@@ -34,8 +34,8 @@ from cairn.bench.record import SCHEMA, BenchRecord, WorkloadResult, evaluate_tar
 from cairn.bench.report import report, requests_table
 from cairn.bench.run import run_workload
 from cairn.bench.workloads import PRESETS, Workload, WorkloadSizes, all_workloads
-from cairn.cli import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.config import EngineConfig
+from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.preflight import check_model
 from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
