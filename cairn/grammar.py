@@ -24,7 +24,8 @@ import logging
 
 import torch
 
-from cairn.sampling import SamplingError, StructuredOutput
+from cairn.errors import SamplingError
+from cairn.sampling import StructuredOutput
 from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 WHITESPACE = r"[\x20\x0A]?"  # what may separate JSON tokens

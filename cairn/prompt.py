@@ -14,12 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cairn.errors import PromptTooLong
 from cairn.tokenizer import Tokenizer
-
-
-class PromptTooLong(ValueError):
-    """The prompt's text has more characters than the context's tokens could cover (found before
-    encoding it). The engine reports it as RequestTooLarge."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from cairn.errors import SamplingError
 from cairn.logits import RowContext, process_rows
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,6 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SA
 MAX_N = 16  # most choices per request
 # generation_config.json keys that give a default for a request field the client left out
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-class SamplingError(ValueError):
-    """A sampling parameter is out of range (the message starts with the parameter's name)."""
 
 
 @dataclass(frozen=True)

@@ -23,19 +23,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cairn.cache.base import PrefixCache
+from cairn.errors import QueueFull, RequestTooLarge
 from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
 from cairn.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
-
-
-class RequestTooLarge(ValueError):
-    """A request that could never fit in the engine's memory or context."""
-
-
-class QueueFull(RuntimeError):
-    """Too many requests are waiting; retry later."""
 
 
 class SequenceFailed(RuntimeError):

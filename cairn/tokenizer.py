@@ -29,6 +29,8 @@ import jinja2
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from cairn.errors import ChatTemplateError
+
 log = logging.getLogger(__name__)
 MARK_VAR = "cairn_message_mark"  # printed where each message's render starts (see encode_chat)
 
@@ -77,10 +79,6 @@ DEMO_CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
-
-
-class ChatTemplateError(ValueError):
-    """The messages cannot be rendered by the model's chat template."""
 
 
 def _raise(message: str):

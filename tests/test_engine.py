@@ -7,8 +7,8 @@ import pytest
 from cairn.cache.base import NullCache
 from cairn.config import EngineConfig
 from cairn.engine import LLM, Engine
+from cairn.errors import RequestTooLarge
 from cairn.sampling import SamplingParams
-from cairn.scheduler import RequestTooLarge
 from cairn.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

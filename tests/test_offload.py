@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from cairn.prompt import PromptTooLong, tokenize_prompt
+from cairn.errors import PromptTooLong
+from cairn.prompt import tokenize_prompt
 from cairn.server.offload import Offload
 from cairn.tokenizer import ByteTokenizer
 

@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cairn.engine import LLM
+from cairn.errors import SamplingError
 from cairn.logits import RowContext, process_rows
-from cairn.sampling import SamplingError, SamplingParams, _filter, generation_defaults, sample
+from cairn.sampling import SamplingParams, _filter, generation_defaults, sample
 
 PROMPT = list(range(30, 60))
 VOCAB = 64

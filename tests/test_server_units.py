@@ -10,13 +10,11 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from cairn.sampling import SamplingError
-from cairn.scheduler import QueueFull, RequestTooLarge
+from cairn.errors import ChatTemplateError, QueueFull, RequestTooLarge, SamplingError
 from cairn.server.bridge import EngineBridge
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception
 from cairn.server.metrics import EngineStats, cache_families
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
-from cairn.tokenizer import ChatTemplateError
 
 CHAT = [{"role": "user", "content": "hi"}]
 

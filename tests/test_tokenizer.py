@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from cairn.prompt import PromptTooLong, tokenize_prompt
+from cairn.errors import PromptTooLong
+from cairn.prompt import tokenize_prompt
 from cairn.tokenizer import ByteTokenizer, Tokenizer, _common_prefix_len, _token_at_or_after
 
 # The shape of Qwen3's template: a system/tools header, a backwards scan for the last user query

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cairn.engine import Engine, StepFailed
+from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.outputs import RequestOutput
-from cairn.prompt import PromptTooLong, TokenizedPrompt
+from cairn.prompt import TokenizedPrompt
 from cairn.sampling import SamplingParams
-from cairn.scheduler import RequestTooLarge
 from cairn.server.errors import EngineFailure, ServerShuttingDown
 from cairn.server.offload import Offload
 

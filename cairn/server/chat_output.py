@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from cairn.errors import ChatTemplateError
 from cairn.server.parsers import (
     THINK_END,
     THINK_START,
@@ -29,7 +30,7 @@ from cairn.server.parsers import (
     ToolCallParser,
     forced_call_prefix,
 )
-from cairn.tokenizer import ChatTemplateError, Tokenizer
+from cairn.tokenizer import Tokenizer
 
 PROBE = [{"role": "user", "content": "probe"}]  # rendered to see how the generation prompt ends
 

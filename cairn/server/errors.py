@@ -32,9 +32,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from cairn.sampling import SamplingError
-from cairn.scheduler import QueueFull, RequestTooLarge
-from cairn.tokenizer import ChatTemplateError
+from cairn.errors import ChatTemplateError, QueueFull, RequestTooLarge, SamplingError
 
 INVALID = "invalid_request_error"
 
