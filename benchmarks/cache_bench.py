@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_throughput import make_checkpoint, prompt, spread
+from benchmarks.engine_throughput import prompt, spread
+from cairn.bench.checkpoint import make_checkpoint
 
 
 def engine(path: Path, context: int, interval: int):

@@ -31,8 +31,8 @@ from benchmarks.engine_throughput import (
     cairn_engine,
     cairn_prefill_s,
     hf_decode_tok_s,
-    make_checkpoint,
 )
+from cairn.bench.checkpoint import make_checkpoint
 
 
 def cpu_info() -> dict:

@@ -3,7 +3,8 @@
 Reports cold prefill tokens/s (512 and 2048 tokens), batch-1 decode tokens/s and batch-8 aggregate decode
 tokens/s, at two sizes: `tiny` and `0.8b` (the Qwen3.5-0.8B dimensions: hidden 1024, 24 layers = 18 Gated
 DeltaNet + 6 gated attention, 16 value heads of 128, 8 query / 2 KV heads of 256, intermediate 3584; the
-vocabulary is cut to 32k to save memory, which changes only the lm_head cost).
+vocabulary is cut to 32k to save memory, which changes only the lm_head cost). The checkpoints are
+made by cairn.bench.checkpoint.make_checkpoint, as for `cairn bench --size` and the other benchmarks.
 
     python benchmarks/engine_throughput.py --sizes tiny,0.8b --out benchmarks/out/engine_throughput.json
 
@@ -20,28 +21,7 @@ from pathlib import Path
 
 import torch
 
-SIZES = {
-    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                 linear_key_head_dim=64, linear_value_head_dim=64),
-    "0.8b": dict(vocab_size=32768, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
-                 num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-                 linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128),
-}
-
-
-def make_checkpoint(size: str, path: Path):
-    import transformers as tf
-
-    from tests.checkpoints import write_tokenizer
-
-    torch.manual_seed(0)
-    cfg = tf.Qwen3_5TextConfig(**SIZES[size], linear_conv_kernel_dim=4, initializer_range=0.02,
-                               max_position_embeddings=32768)  # room for the 8k-token published workloads
-    model = tf.Qwen3_5ForCausalLM(cfg).eval()
-    model.save_pretrained(str(path))
-    write_tokenizer(path)
-    return model
+from cairn.bench.checkpoint import make_checkpoint
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

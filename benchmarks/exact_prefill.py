@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_throughput import make_checkpoint, prompt
+from benchmarks.engine_throughput import prompt
+from cairn.bench.checkpoint import make_checkpoint
 
 
 def engine(path: Path, dtype: str, block: int, cache: bool):

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.cache_bench import ttft_s
-from benchmarks.engine_throughput import make_checkpoint, prompt
+from benchmarks.engine_throughput import prompt
+from cairn.bench.checkpoint import make_checkpoint
 
 
 def engine(path: Path, disk: str | None, context: int, prefix_cache: bool = True):

@@ -3,15 +3,17 @@
 Every family and on-disk layout cairn loads: qwen3_5 (multimodal wrapper, weights under
 model.language_model.*), qwen3_5_text (flat), qwen3_5_moe (wrapper, per-expert tensors) and qwen3_next
 (interleaved Gated DeltaNet projections, MoE and dense layers mixed). Each directory also gets a
-byte-level tokenizer.json and a ChatML chat template, so cairn's loader sees a complete checkpoint.
+byte-level tokenizer.json and a ChatML chat template (cairn.bench.checkpoint.write_tokenizer, which
+the benchmarks' named sizes use too), so cairn's loader sees a complete checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+
+from cairn.bench.checkpoint import write_tokenizer
 
 TEXT = dict(
     vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -21,11 +23,6 @@ TEXT = dict(
 )
 MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next")
 
 
@@ -43,21 +40,6 @@ def hf_model(family: str, seed: int = 0):
     if family == "qwen3_next":
         return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**TEXT, **MOE, decoder_sparse_step=1, mlp_only_layers=[1, 4]))
     raise ValueError(family)
-
-
-def write_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    byte_vocab = {tok: i for i, tok in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    byte_vocab = {tok: i for i, tok in enumerate(sorted(byte_vocab, key=lambda t: t))}
-    tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
-    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None,
-              "tokenizer_class": "PreTrainedTokenizerFast"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def write_checkpoint(family: str, path: Path, seed: int = 0, **save_kwargs):

@@ -5,8 +5,9 @@ model: a later request that shares the history up to any message start resumes e
 
 from __future__ import annotations
 
+from cairn.bench.conversation import Reply, WorkloadSizes
 from cairn.bench.text import TextSource
-from cairn.bench.workloads import Reply, WorkloadSizes, all_workloads
+from cairn.bench.workloads import all_workloads
 from cairn.engine import LLM
 from cairn.sampling import SamplingParams
 from cairn.tokenizer import ByteTokenizer

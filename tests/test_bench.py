@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
 from cairn.bench.cli import BenchOptions, bench
+from cairn.bench.conversation import Reply, WorkloadSizes
 from cairn.bench.engine_runner import EngineRunner
 from cairn.bench.http_runner import HTTPRunner
 from cairn.bench.oracle import oracle_tokens
@@ -25,7 +27,7 @@ from cairn.bench.record import BenchRecord, RequestRecord, WorkloadResult
 from cairn.bench.run import run_workload
 from cairn.bench.sessions import client_keeps
 from cairn.bench.text import TextSource
-from cairn.bench.workloads import Reply, WorkloadSizes, all_workloads
+from cairn.bench.workloads import all_workloads
 from cairn.cli import build_parser
 from cairn.config import EngineConfig, config_with_overrides
 from cairn.server.app import create_app
@@ -201,6 +203,19 @@ def test_bench_without_flags_is_the_published_smoke_run():
     assert (ns.preset, ns.size, ns.workloads, ns.policies) == ("smoke", "demo", "all", "all")
     assert (ns.threads, ns.max_num_batched_tokens, ns.snapshot_min_gap) == (1, 256, 256)
     assert "cairn bench --out benchmarks/figures/cairn-bench-demo\n" in (REPO_ROOT / "BENCHMARKS.md").read_text()
+
+
+def test_bench_size_makes_its_checkpoint_from_the_package_alone(tmp_path):
+    """--size writes random weights with cairn.bench.checkpoint and runs on them; it no longer puts the
+    source checkout on sys.path to borrow benchmarks/engine_throughput.py."""
+    path_before = list(sys.path)
+    opts = BenchOptions(size="tiny", checkpoint_dir=str(tmp_path / "tiny"), workloads="edit", policies="cairn",
+                        out=str(tmp_path / "out"), plots=False, print_requests=False)
+    record = bench(opts, CONFIG, command="pytest", sizes=SIZES)
+    assert sys.path == path_before
+    assert record.model == str(tmp_path / "tiny") and record.size == "tiny"
+    assert json.loads((tmp_path / "tiny" / "config.json").read_text())["hidden_size"] == 256
+    assert [len(r.requests) for r in record.results] == [4]  # the edit workload: original, edit, regenerate, continue
 
 
 # ---- over HTTP -------------------------------------------------------------------------------------------

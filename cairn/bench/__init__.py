@@ -7,7 +7,9 @@ cache policy, or through a running server over HTTP; an oracle (what an unlimite
 reused, computed from the token ids the engine actually saw); and a report (JSON record, markdown
 tables, PNG plots).
 
+    conversation.py              what a workload is made of: sizes, requests, replies, chat helpers
     workloads.py / sessions.py   the request streams (chat messages, replies fed back)
+    checkpoint.py                random-weight checkpoints at a named size (--size tiny / 0.8b)
     text.py                      deterministic filler text sized in tokens
     oracle.py                    the unlimited-cache oracle (longest common prefixes)
     policies.py                  baseline cache policies as engine configs

@@ -29,11 +29,13 @@ from pathlib import Path
 
 import torch
 
+from cairn.bench.checkpoint import make_checkpoint
+from cairn.bench.conversation import PRESETS, Workload, WorkloadSizes
 from cairn.bench.policies import LABELS, POLICIES, SMOKE_MIN_GAP_TOKENS, parse_names, policy_config
 from cairn.bench.record import SCHEMA, BenchRecord, WorkloadResult, evaluate_targets
 from cairn.bench.report import report, requests_table
 from cairn.bench.run import run_workload
-from cairn.bench.workloads import PRESETS, Workload, WorkloadSizes, all_workloads
+from cairn.bench.workloads import all_workloads
 from cairn.config import EngineConfig
 from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.preflight import check_model
@@ -52,7 +54,7 @@ class BenchOptions:
     policies: str = _f("all", "comma-separated cache policies, or all: " + ", ".join(POLICIES))
     preset: str = _f("smoke", "workload sizes", choices=tuple(PRESETS))
     size: str = _f("demo", "model: the demo model (or --model DIR), or random weights at these dimensions "
-                   "(0.8b = Qwen3.5-0.8B), made as benchmarks/engine_throughput.py does",
+                   "(0.8b = Qwen3.5-0.8B; cairn.bench.checkpoint makes them, as for benchmarks/)",
                    choices=("demo", "tiny", "0.8b"))
     checkpoint_dir: str | None = _f(None, "where the --size checkpoint is written and reused; default: a temp dir")
     workload_seed: int = _f(0, "seed of the workloads' text (the demo weights' seed is --demo-seed)")
@@ -187,20 +189,16 @@ def _resolve_model(opts: BenchOptions, base: EngineConfig, stack: ExitStack) -> 
         tempfile.TemporaryDirectory(prefix=f"cairn-bench-{opts.size}-")))
     if not (path / "config.json").is_file():
         path.mkdir(parents=True, exist_ok=True)
-        _make_checkpoint()(opts.size, path)
+        _make_checkpoint(opts.size, path)
     return dataclasses.replace(base, model=dataclasses.replace(base.model, model=str(path))), str(path)
 
 
-def _make_checkpoint():
-    """benchmarks.engine_throughput.make_checkpoint (random weights at a named size); needs a source checkout."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "benchmarks" / "engine_throughput.py").is_file():
-        raise SystemExit("cairn bench --size needs a source checkout (benchmarks/engine_throughput.py)")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks.engine_throughput import make_checkpoint
-
-    return make_checkpoint
+def _make_checkpoint(size: str, path: Path) -> None:
+    """Random weights at `size` (cairn.bench.checkpoint); transformers, which writes them, is the bench extra."""
+    try:
+        make_checkpoint(size, path)
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"cairn bench --size {size} needs transformers ({e}): pip install 'cairn[bench]'") from None
 
 
 def _client_tokenizer(opts: BenchOptions, base: EngineConfig) -> Tokenizer:

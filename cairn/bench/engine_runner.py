@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import time
 
+from cairn.bench.conversation import BenchRequest
 from cairn.bench.record import SnapshotPoint
 from cairn.bench.run import Served
-from cairn.bench.workloads import BenchRequest
 from cairn.config import EngineConfig
 from cairn.engine import Engine
 from cairn.outputs import RequestOutput

@@ -24,9 +24,9 @@ import time
 
 import httpx
 
+from cairn.bench.conversation import BenchRequest
 from cairn.bench.record import SnapshotPoint
 from cairn.bench.run import Served
-from cairn.bench.workloads import BenchRequest
 from cairn.sequence import CacheReport
 from cairn.tokenizer import Tokenizer
 

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from cairn.bench.conversation import BenchRequest, Reply, Workload, WorkloadSizes
 from cairn.bench.oracle import oracle_tokens
 from cairn.bench.record import RequestRecord, SnapshotPoint, WorkloadResult
 from cairn.bench.text import TextSource
-from cairn.bench.workloads import BenchRequest, Reply, Workload, WorkloadSizes
 from cairn.sequence import CacheReport
 from cairn.tokenizer import Tokenizer
 

@@ -1,6 +1,6 @@
 """The two session workloads: an agentic session with a compaction, and a session across a restart.
 
-What it is: (b) `agentic` and (f) `restart`, in the generator protocol of `workloads.py`. Each turn
+What it is: (b) `agentic` and (f) `restart`, in the generator protocol of `conversation.py`. Each turn
 sends the whole history; the model's reply goes back into it the way a client that strips
 reasoning keeps it (`client_keeps`), followed by a tool result:
 
@@ -19,8 +19,8 @@ What it is not: a model of any one client's exact prompts; the lengths come from
 
 from __future__ import annotations
 
+from cairn.bench.conversation import BenchRequest, RequestStream, WorkloadSizes, cut_index, message
 from cairn.bench.text import TextSource
-from cairn.bench.workloads import BenchRequest, RequestStream, WorkloadSizes, cut_index, message
 from cairn.tokenizer import Tokenizer
 
 

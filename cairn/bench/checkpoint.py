@@ -1,0 +1,68 @@
+"""Random-weight Hugging Face checkpoints at a named size, for `cairn bench --size`, the benchmarks
+and the tests.
+
+    make_checkpoint("0.8b", path)    Qwen3.5-0.8B's dimensions (vocabulary cut to 32k), random weights
+    write_tokenizer(path)            a byte-level tokenizer.json with a ChatML chat template
+
+The weights are written by transformers' own `save_pretrained` (transformers is the `bench` / `test`
+extra, imported only here, when called), so cairn's loader reads them exactly as it reads a real
+checkpoint. `SIZES` holds the named sizes:
+
+    tiny   hidden 256, 8 layers (6 Gated DeltaNet + 2 gated attention), vocabulary 4096
+    0.8b   hidden 1024, 24 layers (18 + 6), 16 value heads of 128, 8 query / 2 KV heads of 256,
+           intermediate 3584; the vocabulary is 32k instead of 248k, which changes only the lm_head cost
+
+What it is not: a model anyone should generate text with (the weights are random), nor the tests'
+tiny per-family checkpoints (tests/checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SIZES = {
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=64, linear_value_head_dim=64),
+    "0.8b": dict(vocab_size=32768, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                 linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128),
+}
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_checkpoint(size: str, path: Path):
+    """Write a Qwen3.5 text checkpoint of `size` (fp32, seed 0) and a byte-level tokenizer to `path`;
+    returns the transformers model."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen3_5TextConfig(**SIZES[size], linear_conv_kernel_dim=4, initializer_range=0.02,
+                               max_position_embeddings=32768)  # room for the 8k-token published workloads
+    model = tf.Qwen3_5ForCausalLM(cfg).eval()
+    model.save_pretrained(str(path))
+    write_tokenizer(path)
+    return model
+
+
+def write_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer without merges (one token per byte, then SPECIALS) and a ChatML
+    chat template, as tokenizer.json and tokenizer_config.json in `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    byte_vocab = {tok: i for i, tok in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
