@@ -8,6 +8,7 @@ and only then; nothing on a CPU machine imports triton or flash-linear-attention
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,9 +45,10 @@ def select_kernels(device: torch.device | str, fast: bool = False) -> Kernels:
         return REFERENCE
     from cairn.ops import cuda
 
-    chosen = cuda.kernels()
-    if chosen is None:
+    fast_kernels = cuda.kernels()
+    if fast_kernels is None:
         log.info("no fast CUDA kernels installed: using the pure-PyTorch reference kernels")
         return REFERENCE
+    chosen = dataclasses.replace(REFERENCE, name=cuda.NAME, **fast_kernels)
     log.info("kernels: %s (untested on GPU; compare with --fast-kernels off)", chosen.name)
     return chosen

@@ -73,12 +73,14 @@ def load_fla():
         return None
 
 
-def kernels():
-    """A Kernels set with every fast kernel that imports, the reference for the rest."""
-    from cairn.ops import Kernels
+NAME = "cuda-fla"
 
+
+def kernels() -> dict[str, Callable] | None:
+    """The fast kernels that import, by their field name in cairn.ops.Kernels (the reference stands in
+    for the others), or None when there is none."""
     fla = load_fla()
     if fla is None:
         return None
-    return Kernels(name="cuda-fla", chunk_gated_delta_rule=make_chunk(fla.chunk_gated_delta_rule),
-                   recurrent_gated_delta_rule=make_recurrent(fla.fused_recurrent_gated_delta_rule))
+    return {"chunk_gated_delta_rule": make_chunk(fla.chunk_gated_delta_rule),
+            "recurrent_gated_delta_rule": make_recurrent(fla.fused_recurrent_gated_delta_rule)}
