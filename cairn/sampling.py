@@ -143,14 +143,6 @@ def generation_defaults(checkpoint: str | Path) -> dict[str, float | int]:
 
 # ---- the sampler --------------------------------------------------------------------------------
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Probabilities of one row [vocab] after temperature and the top-k / min-p / top-p filters."""
-    probs, ok = _filter_rows(logits.unsqueeze(0), [p])
-    if not bool(ok[0]):
-        raise SamplingError("no token can be sampled from these logits")
-    return probs[0]
-
-
 def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities [k, vocab] after temperature, top-k, min-p and top-p, and which rows are usable."""
     vocab = logits.shape[-1]

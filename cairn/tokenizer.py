@@ -34,14 +34,7 @@ from cairn.errors import ChatTemplateError
 log = logging.getLogger(__name__)
 MARK_VAR = "cairn_message_mark"  # printed where each message's render starts (see encode_chat)
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-# The demo model's template: ChatML (plain conversations render exactly as CHATML_TEMPLATE) that also
+# The demo model's template: ChatML (plain conversations render as plain ChatML) that also
 # renders tools, assistant reasoning and tool calls the way Qwen3.5's template does (XML-style calls),
 # and opens (`enable_thinking: true`) or closes (`false`) the reasoning when asked.
 DEMO_CHAT_TEMPLATE = (

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from cairn.engine import LLM
 from cairn.errors import SamplingError
 from cairn.logits import RowContext, process_rows
-from cairn.sampling import SamplingParams, _filter, generation_defaults, sample
+from cairn.sampling import SamplingParams, _filter_rows, generation_defaults, sample
 
 PROMPT = list(range(30, 60))
 VOCAB = 64
@@ -47,7 +47,8 @@ def test_top_k_one_is_greedy(llm):
 
 def test_filters_keep_exactly_the_allowed_tokens():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    kept = lambda **kw: (_filter(logits, SamplingParams(temperature=1.0, **kw)) > 0).nonzero().flatten().tolist()
+    kept = lambda **kw: (_filter_rows(logits[None], [SamplingParams(temperature=1.0, **kw)])[0][0] > 0
+                         ).nonzero().flatten().tolist()
     assert kept(top_k=2) == [0, 1]
     assert kept(top_p=0.8) == [0, 1]
     assert kept(top_p=0.81) == [0, 1, 2]
