@@ -5,7 +5,8 @@ Every error the server returns has the body
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
 with the status codes below. This module decides status, type and code; it does not log and does
-not know about requests in flight.
+not know about requests in flight. The engine's errors it maps come from cairn.errors, the only part
+of cairn it imports.
 
 | raised by                                    | status | type                  | code                    |
 |----------------------------------------------|--------|-----------------------|-------------------------|
