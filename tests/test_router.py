@@ -104,6 +104,16 @@ def test_streaming_passes_through_the_router_unchanged(cluster):
     assert httpx.get(router.base_url + "/v1/models", timeout=30).json()["data"][0]["id"] == "cairn-demo"
 
 
+def test_a_bad_probe_is_an_openai_error_and_a_completion_prompt_probes_too(cluster):
+    a, _, _ = cluster
+    bad = httpx.post(a.base_url + "/v1/cache/probe", json={"model": "cairn-demo"}, timeout=30)
+    assert bad.status_code == 400 and "error" in bad.json()
+    unknown = httpx.post(a.base_url + "/v1/cache/probe", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    assert unknown.status_code == 404
+    ids = httpx.post(a.base_url + "/v1/cache/probe", json={"prompt": [5, 6, 7, 8]}, timeout=30).json()
+    assert ids["tokens"] == 4 and ids["position"] == 0 and ids["waiting"] == 0
+
+
 def test_a_killed_replicas_requests_go_to_the_other(cluster):
     a, b, router = cluster
     a.proc.send_signal(signal.SIGKILL)
