@@ -23,7 +23,6 @@ What this is not: the tier's choice of what to write or when to look up (tier.py
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -43,6 +42,7 @@ from cairn.cache.disk.segment import (
 from cairn.cache.disk.store import SegmentInfo
 from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, Breaker, connect, redacted
 from cairn.cache.remote.keys import IndexEntry, KeyNames, canonical_hasher, chain_keys, decode_entry, prefix_keys
+from cairn.cache.remote.writer import WriteBehind
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)
@@ -82,10 +82,8 @@ class RedisSegmentStore:
         self._pending: dict[bytes, Segment] = {}  # queued, not yet written
         self._pins: dict[bytes, int] = {}
         self._lock = threading.RLock()
-        self._queue: queue.Queue[_Write | None] = queue.Queue(queue_segments)
         self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="cairn-remote-writer", daemon=True)
-        self._writer.start()
+        self._writer = WriteBehind(self._write, self._write_failed, queue_segments, "cairn-remote-writer")
 
     def _fault(self, reason: str) -> None:
         with self._lock:
@@ -125,9 +123,7 @@ class RedisSegmentStore:
         if self.breaker.is_open:
             self._fault("breaker_open")
             return False
-        try:
-            self._queue.put_nowait(_Write(segment, entries))
-        except queue.Full:
+        if not self._writer.submit(_Write(segment, entries)):
             self._fault("queue_full")
             return False
         info = SegmentInfo(segment.key, segment.parent_key, segment.start_position, len(segment.tokens),
@@ -167,17 +163,9 @@ class RedisSegmentStore:
                                                entry.has_logits, 0)))
         return tuple(out)
 
-    def _write_loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                self._write(job)
-            except Exception:  # never let the writer die: log, count, forget the segment
-                log.exception("remote cache: writing a segment failed")
-                self._fault("write_failed")
-                self._drop([job.segment.key])
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
+    def _write_failed(self, job: _Write) -> None:
+        self._fault("write_failed")
+        self._drop([job.segment.key])
 
     def _write(self, job: _Write) -> None:
         try:
@@ -203,10 +191,7 @@ class RedisSegmentStore:
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued write is done; False if some are still queued after timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return not self._queue.unfinished_tasks
+        return self._writer.flush(timeout_s)
 
     # ---- reads ----------------------------------------------------------------------------------
 
@@ -355,7 +340,7 @@ class RedisSegmentStore:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._queue.qsize(),
+            return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._writer.num_queued,
                     **self._counts, "breaker_opened": self.breaker.num_opened}
 
     def pin(self, key: bytes) -> bool:
@@ -398,8 +383,7 @@ class RedisSegmentStore:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(None)
-        self._writer.join(timeout_s)
+        self._writer.close(timeout_s)
         try:
             self.client.close()
         except Exception:
