@@ -99,10 +99,14 @@ class Router:
             self._take_out(replica, f"probe: {type(e).__name__}: {e}")
             return None
         if resp.status_code != 200:
+            return None  # e.g. a replica without the probe endpoint, or a body it refuses (the request will say)
+        try:
+            data = resp.json()
+            est = data.get("est_ttft_s")
+            return Probe(int(data.get("position", 0)), None if est is None else float(est), int(data.get("waiting", 0)),
+                         int(data.get("running", 0)), int(data.get("tokens", 0)))
+        except (ValueError, TypeError, AttributeError):
             return None
-        data = resp.json()
-        return Probe(int(data.get("position", 0)), data.get("est_ttft_s"), int(data.get("waiting", 0)),
-                     int(data.get("running", 0)), int(data.get("tokens", 0)))
 
     def _take_out(self, replica: Replica, why: str) -> None:
         if replica.available():
@@ -140,7 +144,7 @@ class Router:
             raise ReplicaFailed(f"answered {resp.status_code}", answer)
         replica.num_routed += 1
         streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(_relay(first, chunks, streaming, replica), resp.status_code,
+        return StreamingResponse(_relay(first, chunks, streaming, replica, resp), resp.status_code,
                                  _response_headers(resp, replica), background=BackgroundTask(resp.aclose))
 
     async def close(self) -> None:
@@ -153,10 +157,13 @@ async def _safe(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             yield c
 
 
-async def _relay(first: bytes, chunks: AsyncIterator[bytes], streaming: bool, replica: Replica) -> AsyncIterator[bytes]:
-    if first:
-        yield first
+async def _relay(first: bytes, chunks: AsyncIterator[bytes], streaming: bool, replica: Replica,
+                 resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The replica's body; however it ends (client gone included) the replica's response is closed, so a
+    replica streaming to a client that left sees the disconnect and aborts the request."""
     try:
+        if first:
+            yield first
         async for chunk in chunks:
             yield chunk
     except httpx.HTTPError as e:  # bytes already went to the client: the request cannot move
@@ -164,6 +171,8 @@ async def _relay(first: bytes, chunks: AsyncIterator[bytes], streaming: bool, re
         if streaming:
             error = {"error": {"message": f"the replica failed mid-stream: {e}", "type": "server_error"}}
             yield f"data: {json.dumps(error)}\n\n".encode()
+    finally:
+        await resp.aclose()
 
 
 def _response_headers(resp: httpx.Response, replica: Replica) -> dict:
