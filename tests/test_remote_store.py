@@ -28,7 +28,7 @@ PAGE = 4
 def redis_server():
     server = redis_or_skip()
     yield server
-    server.kill()
+    server.stop()
 
 
 def make_store(url, **kw) -> RedisSegmentStore:
