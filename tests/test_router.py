@@ -114,6 +114,27 @@ def test_a_bad_probe_is_an_openai_error_and_a_completion_prompt_probes_too(clust
     assert ids["tokens"] == 4 and ids["position"] == 0 and ids["waiting"] == 0
 
 
+def aborted(base_url: str) -> float:
+    for line in httpx.get(base_url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith('cairn_requests_finished_total{finish_reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_leaving_a_stream_through_the_router_aborts_it_on_the_replica(cluster):
+    _, _, router = cluster
+    body = {"model": "cairn-demo", "messages": [{"role": "user", "content": text(10, 20)}], "max_tokens": 4000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        replica = resp.headers["x-cairn-replica"]
+        before = aborted(replica)
+        next(resp.iter_lines())  # the stream has started; leave
+    deadline = time.monotonic() + 60
+    while aborted(replica) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert aborted(replica) == before + 1
+
+
 def test_a_killed_replicas_requests_go_to_the_other(cluster):
     a, b, router = cluster
     a.proc.send_signal(signal.SIGKILL)
