@@ -19,6 +19,7 @@ from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.remote.tier import RemoteTier
 from cairn.cache.tree.nodes import Node, SnapshotEntry
 from tests.redis_server import redis_or_skip
+from tests.server_process import free_port
 
 NS = "ab" * 32
 PAGE = 4
@@ -157,6 +158,19 @@ def test_a_redis_that_is_down_is_a_miss_with_one_log_line_and_counted(redis_serv
     assert store.faults["unavailable"] == 1 and store.faults["breaker_open"] == 3
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
     assert store.breaker.num_opened == 1
+    store.close(timeout_s=1.0)
+
+
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+def test_a_store_whose_redis_is_not_there_starts_and_every_call_is_a_miss(scheme):
+    pytest.importorskip("redis")
+    url = f"{scheme}://127.0.0.1:{free_port()}" + ("/0" if scheme == "redis" else "")
+    store = RedisSegmentStore(url, NS, PAGE, timeout_s=0.5, cooldown_s=60.0)
+    tokens = list(range(8))
+    (seg,) = chain(tokens, [0, 8], snapshot_at={8})
+    assert store.lookup(tokens, [8]) == []
+    assert store.put(seg) is False and store.get(seg.key) is None
+    assert store.faults == {"unavailable": 1, "breaker_open": 1}
     store.close(timeout_s=1.0)
 
 

@@ -73,7 +73,8 @@ class RedisSegmentStore:
         self.url, self.compat_digest, self.page_size = url, namespace, page_size
         self.compression, self.limits, self.on_evict, self.ttl_s = compression, limits, on_evict, ttl_s
         self.names = KeyNames(namespace)
-        self.client = client if client is not None else connect(url, timeout_s)
+        self.timeout_s = timeout_s
+        self.client = client  # connected on first use (a cluster client asks for its slots then), see _call
         self.breaker = Breaker(redacted(url), cooldown_s)
         self.faults: dict[str, int] = {}  # reason -> occurrences
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0}
@@ -89,13 +90,17 @@ class RedisSegmentStore:
         with self._lock:
             self.faults[reason] = self.faults.get(reason, 0) + 1
 
-    def _call(self, fn: Callable, *args):
-        """fn(*args) against Redis, or FAILED (counted) when the breaker is open or the call fails."""
+    def _call(self, fn: Callable):
+        """fn(client) against Redis, or FAILED (counted) when the breaker is open or the call (or connecting)
+        fails."""
         if not self.breaker.allow():
             self._fault("breaker_open")
             return FAILED
         try:
-            result = fn(*args)
+            with self._lock:
+                if self.client is None:
+                    self.client = connect(self.url, self.timeout_s)
+            result = fn(self.client)
         except Exception as e:  # redis-py's errors, and OSError from a socket: all a miss
             self._fault("timeout" if "Timeout" in type(e).__name__ else "unavailable")
             self.breaker.failure(e)
@@ -167,6 +172,21 @@ class RedisSegmentStore:
         self._fault("write_failed")
         self._drop([job.segment.key])
 
+    def _pipelined(self, commands: list[tuple]) -> list | object:
+        """Run ("set", name, value) / ("get", name) / ("exists", name) commands in one round trip (a cluster
+        client splits them by node); their results, or FAILED."""
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for op, name, *value in commands:
+                if op == "set":
+                    pipe.set(name, value[0], ex=self.ttl_s)
+                elif op == "get":
+                    pipe.get(name)
+                else:
+                    pipe.exists(name)
+            return pipe.execute()
+        return self._call(run)
+
     def _write(self, job: _Write) -> None:
         try:
             value = encode_segment(job.segment, self.compat_digest, self.compression, self.limits)
@@ -174,12 +194,11 @@ class RedisSegmentStore:
             self._fault("too_large")
             self._drop([job.segment.key])
             return
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.names.segment(job.segment.key), value, ex=self.ttl_s)
+        sets = [(self.names.segment(job.segment.key), value)]
         for end_key, entry in job.entries:  # after the segment: an entry never leads to nothing
             sized = IndexEntry(entry.key, entry.bounds, entry.tail, entry.has_snapshot, entry.has_logits, len(value))
-            pipe.set(self.names.entry(end_key), sized.encode(), ex=self.ttl_s)
-        if self._call(pipe.execute) is FAILED:
+            sets.append((self.names.entry(end_key), sized.encode()))
+        if self._pipelined([("set", name, data) for name, data in sets]) is FAILED:
             self._drop([job.segment.key])
             return
         with self._lock:
@@ -203,7 +222,7 @@ class RedisSegmentStore:
                 return self._pending[key]
             if key not in self._index:
                 return None
-        value = self._call(self.client.get, self.names.segment(key))
+        value = self._call(lambda c: c.get(self.names.segment(key)))
         if value is FAILED:
             return None
         if value is None:
@@ -214,7 +233,7 @@ class RedisSegmentStore:
             if segment.key != key:
                 raise SegmentError("malformed", "the value is another segment")
         except SegmentError as e:
-            self._call(self.client.delete, self.names.segment(key))
+            self._call(lambda c: c.delete(self.names.segment(key)))
             self._reject(key, e.reason)
             return None
         with self._lock:
@@ -236,10 +255,7 @@ class RedisSegmentStore:
         if not keys:
             return []
         order = sorted(keys, reverse=True)
-        pipe = self.client.pipeline(transaction=False)
-        for p in order:
-            pipe.get(self.names.entry(keys[p]))
-        values = self._call(pipe.execute)
+        values = self._pipelined([("get", self.names.entry(keys[p])) for p in order])
         with self._lock:
             self._counts["lookups"] += 1
         if values is FAILED:
@@ -364,10 +380,7 @@ class RedisSegmentStore:
             keys = [k for k in self._index if k not in self._pending]
         if not keys:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self.names.segment(key))
-        present = self._call(pipe.execute)
+        present = self._pipelined([("exists", self.names.segment(key)) for key in keys])
         if present is not FAILED:
             self._drop([k for k, n in zip(keys, present, strict=True) if not n])
 
@@ -385,7 +398,8 @@ class RedisSegmentStore:
             self._closed = True
         self._writer.close(timeout_s)
         try:
-            self.client.close()
+            if self.client is not None:
+                self.client.close()
         except Exception:
             log.debug("closing the Redis client failed", exc_info=True)
 
