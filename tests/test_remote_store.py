@@ -82,6 +82,23 @@ def test_another_replica_finds_the_deepest_snapshot_chain_by_the_prompt_alone(re
     writer.close(), reader.close()
 
 
+@pytest.mark.parametrize("garbage", [b"not json", b'{"v": 1}', "bounds"])
+def test_a_bad_index_entry_is_counted_deleted_and_the_lookup_falls_back_to_a_shallower_chain(redis_server, garbage):
+    writer = make_store(redis_server.url)
+    tokens = list(range(50, 66))
+    put_all(writer, chain(tokens, [0, 8, 16], snapshot_at={8, 16}))
+    name = writer.names.entry(prefix_keys(tokens, [16])[16])
+    r = redis_server.client()
+    if garbage == "bounds":  # valid JSON whose chain does not lead to its key
+        garbage = r.get(name).replace(b'"bounds":[0,8,16]', b'"bounds":[0,4,16]')
+    r.set(name, garbage)
+    reader = make_store(redis_server.url)
+    infos = reader.lookup(tokens, [8, 16])
+    assert [(i.start_position, i.num_tokens) for i in infos] == [(0, 8)]
+    assert reader.faults == {"bad_entry": 1} and r.get(name) is None
+    writer.close(), reader.close()
+
+
 def test_a_child_is_refused_when_its_parent_is_unknown_here(redis_server):
     store = make_store(redis_server.url)
     tokens = list(range(12))
@@ -157,7 +174,7 @@ def test_a_redis_that_is_down_is_a_miss_with_one_log_line_and_counted(redis_serv
         assert store.get(a.key) is None
     assert store.faults["unavailable"] == 1 and store.faults["breaker_open"] == 3
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
-    assert store.breaker.num_opened == 1
+    assert store.redis.breaker.num_opened == 1
     store.close(timeout_s=1.0)
 
 

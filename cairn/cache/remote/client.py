@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 0.5  # each Redis call (connect, or one command / pipeline round trip)
 DEFAULT_COOLDOWN_S = 5.0  # how long the breaker stays open after a failure
+FAILED = object()  # what GuardedRedis returns when Redis was not reached
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -106,3 +108,56 @@ class Breaker:
                 return
             self._down, self._open_until = False, 0.0
         log.info("remote cache %s reachable again", self.name)
+
+
+class GuardedRedis:
+    """Every call to Redis through the breaker: a failure (or an open breaker) is counted through
+    `on_fault(reason)` ("unavailable", "timeout", "breaker_open") and returns FAILED, never raises. The
+    client connects on first use, inside the guard (a cluster client asks for its slot map then)."""
+
+    def __init__(self, url: str, timeout_s: float, cooldown_s: float, on_fault: Callable[[str], None], client=None):
+        self.url, self.timeout_s, self.on_fault = url, timeout_s, on_fault
+        self.client = client
+        self.breaker = Breaker(redacted(url), cooldown_s)
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable):
+        """fn(client), or FAILED."""
+        if not self.breaker.allow():
+            self.on_fault("breaker_open")
+            return FAILED
+        try:
+            with self._lock:
+                if self.client is None:
+                    self.client = connect(self.url, self.timeout_s)
+            result = fn(self.client)
+        except Exception as e:  # redis-py's errors, and OSError from a socket: all a miss
+            self.on_fault("timeout" if "Timeout" in type(e).__name__ else "unavailable")
+            self.breaker.failure(e)
+            return FAILED
+        self.breaker.success()
+        return result
+
+    def pipelined(self, commands: list[tuple], ttl_s: int | None = None):
+        """("set", name, value) / ("get" | "exists" | "delete", name) commands in one round trip (a cluster
+        client splits them by node): their results, or FAILED. `ttl_s` applies to the sets."""
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for op, name, *value in commands:
+                if op == "set":
+                    pipe.set(name, value[0], ex=ttl_s)
+                elif op == "get":
+                    pipe.get(name)
+                elif op == "delete":
+                    pipe.delete(name)
+                else:
+                    pipe.exists(name)
+            return pipe.execute()
+        return self.call(run)
+
+    def close(self) -> None:
+        try:
+            if self.client is not None:
+                self.client.close()
+        except Exception:
+            log.debug("closing the Redis client failed", exc_info=True)

@@ -94,6 +94,18 @@ def decode_entry(data: bytes) -> IndexEntry:
     return entry
 
 
+def entry_at(value: bytes | None, position: int, tokens: Sequence[int]) -> IndexEntry | None:
+    """The entry read at the canonical key of tokens[:position], when it describes a chain of this prompt
+    (its tail matches the prompt); None when absent or another branch's; ValueError when malformed."""
+    if value is None:
+        return None
+    entry = decode_entry(value)
+    end = position + len(entry.tail)
+    if entry.end != end or end > len(tokens) or tuple(tokens[position:end]) != entry.tail:
+        return None  # another branch's tail at this aligned position: not ours, not bad
+    return entry
+
+
 @dataclass(frozen=True)
 class KeyNames:
     """The Redis key names of one namespace (the compatibility digest)."""

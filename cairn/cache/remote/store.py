@@ -22,12 +22,12 @@ What this is not: the tier's choice of what to write or when to look up (tier.py
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from itertools import pairwise
 
 from cairn.cache.disk.segment import (
@@ -40,16 +40,15 @@ from cairn.cache.disk.segment import (
     encode_segment,
 )
 from cairn.cache.disk.store import SegmentInfo
-from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, Breaker, connect, redacted
-from cairn.cache.remote.keys import IndexEntry, KeyNames, canonical_hasher, chain_keys, decode_entry, prefix_keys
+from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis
+from cairn.cache.remote.keys import IndexEntry, KeyNames, canonical_hasher, chain_keys, entry_at, prefix_keys
 from cairn.cache.remote.writer import WriteBehind
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)
-FAILED = object()  # what _call returns when Redis was not reached
 
 
-@dataclass
+@dataclasses.dataclass
 class _Entry:
     info: SegmentInfo  # what this process knows of the segment
     bounds: tuple[int, ...]  # its chain: 0, each segment's start, its end
@@ -57,7 +56,7 @@ class _Entry:
     end_hash: object  # canonical_hasher() after the whole path [0, end)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Write:
     segment: Segment
     entries: tuple[tuple[bytes, IndexEntry], ...]  # (canonical key of the entry's position, entry sans size)
@@ -73,10 +72,8 @@ class RedisSegmentStore:
         self.url, self.compat_digest, self.page_size = url, namespace, page_size
         self.compression, self.limits, self.on_evict, self.ttl_s = compression, limits, on_evict, ttl_s
         self.names = KeyNames(namespace)
-        self.timeout_s = timeout_s
-        self.client = client  # connected on first use (a cluster client asks for its slots then), see _call
-        self.breaker = Breaker(redacted(url), cooldown_s)
         self.faults: dict[str, int] = {}  # reason -> occurrences
+        self.redis = GuardedRedis(url, timeout_s, cooldown_s, self._fault, client)
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0}
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._by_end: dict[bytes, bytes] = {}  # canonical key of a segment's end -> its key
@@ -89,24 +86,6 @@ class RedisSegmentStore:
     def _fault(self, reason: str) -> None:
         with self._lock:
             self.faults[reason] = self.faults.get(reason, 0) + 1
-
-    def _call(self, fn: Callable):
-        """fn(client) against Redis, or FAILED (counted) when the breaker is open or the call (or connecting)
-        fails."""
-        if not self.breaker.allow():
-            self._fault("breaker_open")
-            return FAILED
-        try:
-            with self._lock:
-                if self.client is None:
-                    self.client = connect(self.url, self.timeout_s)
-            result = fn(self.client)
-        except Exception as e:  # redis-py's errors, and OSError from a socket: all a miss
-            self._fault("timeout" if "Timeout" in type(e).__name__ else "unavailable")
-            self.breaker.failure(e)
-            return FAILED
-        self.breaker.success()
-        return result
 
     # ---- writes ---------------------------------------------------------------------------------
 
@@ -125,7 +104,7 @@ class RedisSegmentStore:
                 return False
             bounds, end_hash = chain
             entries = self._entries(segment, bounds, end_hash)
-        if self.breaker.is_open:
+        if self.redis.breaker.is_open:
             self._fault("breaker_open")
             return False
         if not self._writer.submit(_Write(segment, entries)):
@@ -172,21 +151,6 @@ class RedisSegmentStore:
         self._fault("write_failed")
         self._drop([job.segment.key])
 
-    def _pipelined(self, commands: list[tuple]) -> list | object:
-        """Run ("set", name, value) / ("get", name) / ("exists", name) commands in one round trip (a cluster
-        client splits them by node); their results, or FAILED."""
-        def run(client):
-            pipe = client.pipeline(transaction=False)
-            for op, name, *value in commands:
-                if op == "set":
-                    pipe.set(name, value[0], ex=self.ttl_s)
-                elif op == "get":
-                    pipe.get(name)
-                else:
-                    pipe.exists(name)
-            return pipe.execute()
-        return self._call(run)
-
     def _write(self, job: _Write) -> None:
         try:
             value = encode_segment(job.segment, self.compat_digest, self.compression, self.limits)
@@ -198,7 +162,7 @@ class RedisSegmentStore:
         for end_key, entry in job.entries:  # after the segment: an entry never leads to nothing
             sized = IndexEntry(entry.key, entry.bounds, entry.tail, entry.has_snapshot, entry.has_logits, len(value))
             sets.append((self.names.entry(end_key), sized.encode()))
-        if self._pipelined([("set", name, data) for name, data in sets]) is FAILED:
+        if self.redis.pipelined([("set", name, data) for name, data in sets], self.ttl_s) is FAILED:
             self._drop([job.segment.key])
             return
         with self._lock:
@@ -206,7 +170,7 @@ class RedisSegmentStore:
             self._counts["written"] += 1
             entry = self._index.get(job.segment.key)
             if entry is not None:
-                entry.info = _with_size(entry.info, len(value))
+                entry.info = dataclasses.replace(entry.info, size_bytes=len(value))
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued write is done; False if some are still queued after timeout_s."""
@@ -222,7 +186,7 @@ class RedisSegmentStore:
                 return self._pending[key]
             if key not in self._index:
                 return None
-        value = self._call(lambda c: c.get(self.names.segment(key)))
+        value = self.redis.call(lambda c: c.get(self.names.segment(key)))
         if value is FAILED:
             return None
         if value is None:
@@ -233,7 +197,7 @@ class RedisSegmentStore:
             if segment.key != key:
                 raise SegmentError("malformed", "the value is another segment")
         except SegmentError as e:
-            self._call(lambda c: c.delete(self.names.segment(key)))
+            self.redis.call(lambda c: c.delete(self.names.segment(key)))
             self._reject(key, e.reason)
             return None
         with self._lock:
@@ -255,37 +219,39 @@ class RedisSegmentStore:
         if not keys:
             return []
         order = sorted(keys, reverse=True)
-        values = self._pipelined([("get", self.names.entry(keys[p])) for p in order])
+        values = self.redis.pipelined([("get", self.names.entry(keys[p])) for p in order])
         with self._lock:
             self._counts["lookups"] += 1
         if values is FAILED:
             return []
-        found = {}
+        found: dict[int, tuple[IndexEntry, str]] = {}  # end -> (entry, its Redis name), deepest probe first
+        bad = []
         for p, value in zip(order, values, strict=True):
-            entry = self._valid_entry(value, p, tokens)
+            try:
+                entry = entry_at(value, p, tokens)
+            except ValueError:
+                entry = None
+                bad.append(self.names.entry(keys[p]))
             if entry is not None:
-                found.setdefault(entry.end, entry)
-        deepest = next((found[end] for end in sorted(found, reverse=True) if found[end].has_snapshot), None)
-        if deepest is None:
-            return []
-        chain = chain_keys(tokens, deepest.bounds)
-        if chain[-1] != deepest.key:
-            self._fault("bad_entry")
-            return []
-        return self._register_chain(tokens, deepest.bounds, chain, found)
+                found.setdefault(entry.end, (entry, self.names.entry(keys[p])))
+        infos = []
+        for end in sorted(found, reverse=True):
+            entry, name = found[end]
+            if entry.has_snapshot:
+                chain = chain_keys(tokens, entry.bounds)
+                if chain[-1] == entry.key:
+                    infos = self._register_chain(tokens, entry.bounds, chain, {e: f[0] for e, f in found.items()})
+                    break
+                bad.append(name)  # bounds that do not lead to its key: garbage
+        if bad:
+            self._forget_entries(bad)
+        return infos
 
-    def _valid_entry(self, value: bytes | None, position: int, tokens: Sequence[int]) -> IndexEntry | None:
-        if value is None:
-            return None
-        try:
-            entry = decode_entry(value)
-        except ValueError:
+    def _forget_entries(self, names: list[str]) -> None:
+        """Count bad index entries and delete them from Redis (they are hints: nothing else refers to them)."""
+        for _ in names:
             self._fault("bad_entry")
-            return None
-        end = position + len(entry.tail)
-        if entry.end != end or end > len(tokens) or tuple(tokens[position:end]) != entry.tail:
-            return None  # another branch's tail at this aligned position, or garbage: not ours
-        return entry
+        self.redis.pipelined([("delete", name) for name in names])
 
     def _register_chain(self, tokens: Sequence[int], bounds: tuple[int, ...], chain: list[bytes],
                         found: dict[int, IndexEntry]) -> list[SegmentInfo]:
@@ -357,7 +323,7 @@ class RedisSegmentStore:
     def stats(self) -> dict:
         with self._lock:
             return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._writer.num_queued,
-                    **self._counts, "breaker_opened": self.breaker.num_opened}
+                    **self._counts, "breaker_opened": self.redis.breaker.num_opened}
 
     def pin(self, key: bytes) -> bool:
         with self._lock:
@@ -380,7 +346,7 @@ class RedisSegmentStore:
             keys = [k for k in self._index if k not in self._pending]
         if not keys:
             return
-        present = self._pipelined([("exists", self.names.segment(key)) for key in keys])
+        present = self.redis.pipelined([("exists", self.names.segment(key)) for key in keys])
         if present is not FAILED:
             self._drop([k for k, n in zip(keys, present, strict=True) if not n])
 
@@ -397,11 +363,7 @@ class RedisSegmentStore:
                 return
             self._closed = True
         self._writer.close(timeout_s)
-        try:
-            if self.client is not None:
-                self.client.close()
-        except Exception:
-            log.debug("closing the Redis client failed", exc_info=True)
+        self.redis.close()
 
 
 def _covers(info: SegmentInfo, segment: Segment) -> bool:
@@ -411,8 +373,3 @@ def _covers(info: SegmentInfo, segment: Segment) -> bool:
 def _raw_bytes(segment: Segment) -> int:
     return sum(len(b) for b in (segment.kv_bytes, segment.snapshot_bytes or b"", segment.logits_bytes or b"")) \
         + 4 * len(segment.tokens)
-
-
-def _with_size(info: SegmentInfo, size_bytes: int) -> SegmentInfo:
-    return SegmentInfo(info.key, info.parent_key, info.start_position, info.num_tokens, info.has_snapshot,
-                       info.has_logits, size_bytes, info.last_used)
