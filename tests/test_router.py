@@ -171,3 +171,13 @@ def test_the_deeper_resume_wins_among_close_estimates_and_the_queue_outweighs_it
 def test_replicas_that_did_not_answer_the_probe_come_last():
     ranker, (r0, r1) = Ranker(queue_cost_s=0.5), replicas(2)
     assert ranker.rank([r0, r1], {r0.url: None, r1.url: Probe(0, 5.0, 10, 2)}) == [r1, r0]
+
+
+@pytest.mark.parametrize("argv,message", [(["router"], "at least one --replica"),
+                                          (["router", "--replica", "127.0.0.1:8000"], "http:// or https://")])
+def test_router_flags_mistakes_are_one_line_errors(argv, message, capsys):
+    from cairn.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
