@@ -252,6 +252,8 @@ def test_remote_tier_persists_a_path_and_another_replica_resumes_its_snapshot(re
     found = reader.lookup(tokens + [1, 2], message_starts=[9])
     assert [(len(p), start, snap, logits) for p, start, _, snap, logits in found] == [(9, 0, True, False),
                                                                                        (22, 9, True, True)]
+    assert [(p, start, snap) for p, start, _, snap, _ in reader.stored_paths()] == \
+        [(p, start, snap) for p, start, _, snap, _ in found]  # what the tree would be given, as the disk tier's
     segment = reader.read(found[1][2].key)
     snap = reader.snapshot_of(segment)
     assert torch.equal(snap.tensors["conv"], state["conv"]) and torch.equal(snap.logits, torch.arange(5.0))
