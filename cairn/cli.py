@@ -116,6 +116,7 @@ COMMANDS: dict[str, tuple[str, typing.Callable, typing.Callable]] = {
     "serve": ("serve the OpenAI-compatible HTTP API", add_serve_args, run_serve),
     "cache": ("list, verify or purge a disk cache directory", *_lazy("cairn.cache.disk.admin")),
     "bench": ("compare cache policies on divergence workloads (see BENCHMARKS.md)", *_lazy("cairn.bench.cli")),
+    "router": ("route OpenAI requests across replicas by where each resumes them", *_lazy("cairn.router.cli")),
 }
 
 

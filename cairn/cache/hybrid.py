@@ -408,3 +408,12 @@ class HybridPrefixCache(PrefixCache):
             out["disk_faults{reason}"] = dict(store.faults)
             out["disk_segments_forgotten{reason}"] = dict(self.disk.forgotten)
         return out
+
+    # ---- probing (the router's question) ------------------------------------------------------------
+
+    def probe(self, token_ids: list[int]) -> tuple[int, float, str | None]:
+        """(resume position, estimated seconds to the first token, tier of the snapshot) that admitting
+        this prompt now would plan. Pure: locks, copies, loads and rescans nothing; call it on the engine
+        thread (between steps), like every other method here."""
+        chosen = self._plan(self.tree.match(token_ids), len(token_ids))
+        return chosen.position, chosen.estimated_s, chosen.snapshot_tier

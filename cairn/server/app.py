@@ -7,6 +7,7 @@
     GET  /v1/models             the served model; GET /v1/models/{name} one model or 404
     GET  /health                200 while the engine can make progress, else 503 (never needs the API key)
     GET  /metrics               Prometheus text (this app's own registry; see `metrics`)
+    POST /v1/cache/probe        where a request would resume here, and the queue (see `probe`; for `cairn router`)
 
 With --api-key every route but /health (and /metrics with --metrics-public) needs `Authorization:
 Bearer <key>`; --allowed-origins turns CORS on; a client's X-Request-Id is echoed and shows in the
@@ -35,7 +36,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from cairn.engine import Engine
-from cairn.server import anthropic, generate, tokenize
+from cairn.server import anthropic, generate, probe, tokenize
 from cairn.server.bridge import EngineBridge
 from cairn.server.errors import APIError, from_exception, from_validation_errors
 from cairn.server.generate import ServingContext
@@ -48,7 +49,7 @@ from cairn.server.protocol import ChatCompletionRequest, CompletionRequest, Deto
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize", "/detokenize", "/v1/models",
-             "/health", "/metrics")
+             "/health", "/metrics", probe.PATH)
 ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread to end
 STATS_TIMEOUT_S = 5.0  # how long /metrics waits for the engine thread between two steps
 
@@ -202,6 +203,7 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     install_error_handlers(app)
     add_generation_routes(app, ctx)
     add_info_routes(app, ctx)
+    probe.add_probe_route(app, ctx, read_body, guarded)
     add_middlewares(app, options, metrics)
     return app
 

@@ -1,0 +1,7 @@
+"""The remote tier: disk-format segments in a shared Redis / Valkey, so replicas resume each other's conversations.
+
+keys.py (Redis key names, index entries, canonical prefix keys), client.py (URL forms, timeouts, the
+circuit breaker), writer.py (the write-behind thread and its bounded queue), store.py
+(RedisSegmentStore: DiskStore's interface over Redis), tier.py (RemoteTier: the disk tier's logic over
+that store, plus lookup by prompt). Not yet in the cache's tier list (see README).
+"""

@@ -1,0 +1,163 @@
+"""Connecting to Redis, and the circuit breaker that keeps a down or slow Redis off the request path.
+
+URL forms (`--remote-cache`):
+
+    redis://[[user]:[password]@]HOST:PORT[/DB]     one Redis / Valkey server (DB defaults to 0)
+    rediss://...                                    the same over TLS
+    redis+cluster://HOST:PORT  (or rediss+cluster://, or any of the above with ?cluster=true)
+                                                    a Redis Cluster, reached through one of its nodes
+                                                    (redis-py's RedisCluster; a cluster has no DB number)
+
+Every call has a short socket timeout and no retries: a failure is counted and opens the breaker,
+which skips every call for `cooldown_s` (callers see a miss) and logs one line per outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 0.5  # each Redis call (connect, or one command / pipeline round trip)
+DEFAULT_COOLDOWN_S = 5.0  # how long the breaker stays open after a failure
+FAILED = object()  # what GuardedRedis returns when Redis was not reached
+_TRUE = ("1", "true", "yes", "on")
+
+
+def split_url(url: str) -> tuple[str, bool]:
+    """(a URL redis-py accepts, whether it names a Redis Cluster); ValueError on another scheme."""
+    parts = urlsplit(url)
+    scheme, cluster = parts.scheme, False
+    if scheme.endswith("+cluster"):
+        scheme, cluster = scheme.removesuffix("+cluster"), True
+    if scheme not in ("redis", "rediss"):
+        raise ValueError(f"--remote-cache must be a redis://, rediss:// or redis+cluster:// URL, got {url!r}")
+    query = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name == "cluster":
+            cluster = cluster or value.lower() in _TRUE
+        else:
+            query.append((name, value))
+    return urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment)), cluster
+
+
+def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A redis-py client for `url` (nothing is sent yet), with `timeout_s` on every call and no retries."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    plain_url, cluster = split_url(url)
+    kwargs = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    if cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(plain_url, **kwargs)
+    return redis.Redis.from_url(plain_url, **kwargs)
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for log lines."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+class Breaker:
+    """Open after a failure: `allow()` is False for `cooldown_s`, then one call is let through to test
+    the server again. One warning when an outage starts, one info line when a call succeeds again."""
+
+    def __init__(self, name: str, cooldown_s: float = DEFAULT_COOLDOWN_S):
+        self.name, self.cooldown_s = name, cooldown_s
+        self.num_opened = 0  # outages seen
+        self._open_until = 0.0  # time.monotonic() before which calls are skipped
+        self._down = False  # the last call failed
+        self._lock = threading.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        return time.monotonic() < self._open_until
+
+    def allow(self) -> bool:
+        with self._lock:
+            if time.monotonic() < self._open_until:
+                return False
+            if self._down:  # let this one call through; the others wait for its outcome
+                self._open_until = time.monotonic() + self.cooldown_s
+            return True
+
+    def failure(self, error: Exception) -> None:
+        with self._lock:
+            self._open_until = time.monotonic() + self.cooldown_s
+            if self._down:
+                return
+            self._down = True
+            self.num_opened += 1
+        log.warning("remote cache %s unavailable (%s: %s): serving from local tiers, retrying every %gs",
+                    self.name, type(error).__name__, error, self.cooldown_s)
+
+    def success(self) -> None:
+        with self._lock:
+            if not self._down:
+                return
+            self._down, self._open_until = False, 0.0
+        log.info("remote cache %s reachable again", self.name)
+
+
+class GuardedRedis:
+    """Every call to Redis through the breaker: a failure (or an open breaker) is counted through
+    `on_fault(reason)` ("unavailable", "timeout", "breaker_open") and returns FAILED, never raises. The
+    client connects on first use, inside the guard (a cluster client asks for its slot map then)."""
+
+    def __init__(self, url: str, timeout_s: float, cooldown_s: float, on_fault: Callable[[str], None], client=None):
+        self.url, self.timeout_s, self.on_fault = url, timeout_s, on_fault
+        self.client = client
+        self.breaker = Breaker(redacted(url), cooldown_s)
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable):
+        """fn(client), or FAILED."""
+        if not self.breaker.allow():
+            self.on_fault("breaker_open")
+            return FAILED
+        try:
+            with self._lock:
+                if self.client is None:
+                    self.client = connect(self.url, self.timeout_s)
+            result = fn(self.client)
+        except Exception as e:  # redis-py's errors, and OSError from a socket: all a miss
+            self.on_fault("timeout" if "Timeout" in type(e).__name__ else "unavailable")
+            self.breaker.failure(e)
+            return FAILED
+        self.breaker.success()
+        return result
+
+    def pipelined(self, commands: list[tuple], ttl_s: int | None = None):
+        """("set", name, value) / ("get" | "exists" | "delete", name) commands in one round trip (a cluster
+        client splits them by node): their results, or FAILED. `ttl_s` applies to the sets."""
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for op, name, *value in commands:
+                if op == "set":
+                    pipe.set(name, value[0], ex=ttl_s)
+                elif op == "get":
+                    pipe.get(name)
+                elif op == "delete":
+                    pipe.delete(name)
+                else:
+                    pipe.exists(name)
+            return pipe.execute()
+        return self.call(run)
+
+    def close(self) -> None:
+        try:
+            if self.client is not None:
+                self.client.close()
+        except Exception:
+            log.debug("closing the Redis client failed", exc_info=True)

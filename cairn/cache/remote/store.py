@@ -1,0 +1,375 @@
+"""RedisSegmentStore: disk-format segments in a shared Redis, behind the interface DiskTier uses of DiskStore.
+
+    put(segment)     queue the write (True) or refuse it (False, counted): breaker open, queue full, or a
+                     parent this process does not know (a chain must be written parents first)
+    get(key)         the fully verified segment, or None: unknown key, Redis down (breaker), a value that
+                     vanished (TTL, maxmemory eviction: a miss), or a bad value (checksum, version,
+                     namespace...: counted by reason in `faults` and deleted from Redis). Never wrong data.
+    lookup(tokens, positions)   one pipelined round trip probing the index entries at those prefix
+                     positions of a prompt (see keys.py); the deepest chain ending in a snapshot is
+                     registered here and returned, parents first
+    info / keys / get_tokens / pin / unpin / scan / len / used_bytes / close    as DiskStore's, over the
+                     segments this process knows of (those it wrote or looked up): Redis may hold more
+
+Writes happen behind the request: `put` only records the segment here and queues it; a background
+thread encodes it (segment.py, every section checksummed) and sends it with its index entries in one
+pipeline. A segment is readable here from the moment `put` returns (from memory until written). A
+write that fails leaves the index (counted, and `on_evict` is told). Redis has no pins: `pin` only
+keeps this process's record; a segment Redis evicted anyway is a miss.
+
+What this is not: the tier's choice of what to write or when to look up (tier.py), the segment format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from itertools import pairwise
+
+from cairn.cache.disk.segment import (
+    DEFAULT_LIMITS,
+    Segment,
+    SegmentError,
+    SegmentLimits,
+    _tokens_to_bytes,
+    decode_segment,
+    encode_segment,
+)
+from cairn.cache.disk.store import SegmentInfo
+from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis
+from cairn.cache.remote.keys import IndexEntry, KeyNames, canonical_hasher, chain_keys, entry_at, prefix_keys
+from cairn.cache.remote.writer import WriteBehind
+
+log = logging.getLogger(__name__)
+DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)
+
+
+@dataclasses.dataclass
+class _Entry:
+    info: SegmentInfo  # what this process knows of the segment
+    bounds: tuple[int, ...]  # its chain: 0, each segment's start, its end
+    tokens: tuple[int, ...]  # its own tokens, verified against its key
+    end_hash: object  # canonical_hasher() after the whole path [0, end)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Write:
+    segment: Segment
+    entries: tuple[tuple[bytes, IndexEntry], ...]  # (canonical key of the entry's position, entry sans size)
+
+
+class RedisSegmentStore:
+    readonly = False  # every replica writes: Redis arbitrates, there is no lock
+
+    def __init__(self, url: str, namespace: str, page_size: int, *, compression: str | None = None,
+                 limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, cooldown_s: float = DEFAULT_COOLDOWN_S,
+                 queue_segments: int = DEFAULT_QUEUE_SEGMENTS, ttl_s: int | None = None, client=None):
+        self.url, self.compat_digest, self.page_size = url, namespace, page_size
+        self.compression, self.limits, self.on_evict, self.ttl_s = compression, limits, on_evict, ttl_s
+        self.names = KeyNames(namespace)
+        self.faults: dict[str, int] = {}  # reason -> occurrences
+        self.redis = GuardedRedis(url, timeout_s, cooldown_s, self._fault, client)
+        self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0}
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._by_end: dict[bytes, bytes] = {}  # canonical key of a segment's end -> its key
+        self._pending: dict[bytes, Segment] = {}  # queued, not yet written
+        self._pins: dict[bytes, int] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        self._writer = WriteBehind(self._write, self._write_failed, queue_segments, "cairn-remote-writer")
+
+    def _fault(self, reason: str) -> None:
+        with self._lock:
+            self.faults[reason] = self.faults.get(reason, 0) + 1
+
+    # ---- writes ---------------------------------------------------------------------------------
+
+    def put(self, segment: Segment) -> bool:
+        """Record segment here and queue its write; False (counted) when it cannot be written."""
+        with self._lock:
+            if self._closed:
+                raise ValueError("the remote store is closed")
+            known = self._index.get(segment.key)
+            if known is not None and _covers(known.info, segment):
+                self._index.move_to_end(segment.key)
+                return True
+            chain = self._chain_of(segment)
+            if chain is None:
+                self._fault("unknown_parent")
+                return False
+            bounds, end_hash = chain
+            entries = self._entries(segment, bounds, end_hash)
+        if self.redis.breaker.is_open:
+            self._fault("breaker_open")
+            return False
+        if not self._writer.submit(_Write(segment, entries)):
+            self._fault("queue_full")
+            return False
+        info = SegmentInfo(segment.key, segment.parent_key, segment.start_position, len(segment.tokens),
+                           segment.snapshot_bytes is not None, segment.logits_bytes is not None,
+                           _raw_bytes(segment), time.time())
+        with self._lock:
+            self._pending[segment.key] = segment
+            self._register(_Entry(info, bounds, segment.tokens, end_hash))
+            self._counts["puts"] += 1
+        return True
+
+    def _chain_of(self, segment: Segment) -> tuple[tuple[int, ...], object] | None:
+        """(bounds, canonical hash after the segment's end), from its parent's record (None: unknown)."""
+        if segment.parent_key is None:
+            bounds, h = (0,), canonical_hasher()
+        else:
+            parent = self._index.get(self._by_end.get(segment.parent_key, b""))
+            if parent is None or parent.info.start_position + parent.info.num_tokens != segment.start_position:
+                return None
+            bounds, h = parent.bounds, parent.end_hash.copy()
+        h.update(_tokens_to_bytes(segment.tokens))
+        return bounds + (segment.end_position,), h
+
+    def _entries(self, segment: Segment, bounds: tuple[int, ...], end_hash) -> tuple[tuple[bytes, IndexEntry], ...]:
+        """The index entries to write: at the end, and at the page-aligned position below it when that is
+        inside this segment (with the tokens from there to the end)."""
+        entry = IndexEntry(segment.key, bounds, (), segment.snapshot_bytes is not None,
+                           segment.logits_bytes is not None, 0)
+        out = [(end_hash.digest(), entry)]
+        aligned = segment.end_position // self.page_size * self.page_size
+        if segment.start_position < aligned < segment.end_position:
+            cut = aligned - segment.start_position
+            parent = self._index.get(self._by_end.get(segment.parent_key or b"", b""))
+            h = parent.end_hash.copy() if parent is not None else canonical_hasher()
+            h.update(_tokens_to_bytes(segment.tokens[:cut]))
+            out.append((h.digest(), IndexEntry(segment.key, bounds, segment.tokens[cut:], entry.has_snapshot,
+                                               entry.has_logits, 0)))
+        return tuple(out)
+
+    def _write_failed(self, job: _Write) -> None:
+        self._fault("write_failed")
+        self._drop([job.segment.key])
+
+    def _write(self, job: _Write) -> None:
+        try:
+            value = encode_segment(job.segment, self.compat_digest, self.compression, self.limits)
+        except SegmentError:
+            self._fault("too_large")
+            self._drop([job.segment.key])
+            return
+        sets = [(self.names.segment(job.segment.key), value)]
+        for end_key, entry in job.entries:  # after the segment: an entry never leads to nothing
+            sized = IndexEntry(entry.key, entry.bounds, entry.tail, entry.has_snapshot, entry.has_logits, len(value))
+            sets.append((self.names.entry(end_key), sized.encode()))
+        if self.redis.pipelined([("set", name, data) for name, data in sets], self.ttl_s) is FAILED:
+            self._drop([job.segment.key])
+            return
+        with self._lock:
+            self._pending.pop(job.segment.key, None)
+            self._counts["written"] += 1
+            entry = self._index.get(job.segment.key)
+            if entry is not None:
+                entry.info = dataclasses.replace(entry.info, size_bytes=len(value))
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued write is done; False if some are still queued after timeout_s."""
+        return self._writer.flush(timeout_s)
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> Segment | None:
+        """The verified segment stored under key, or None (see the module docstring)."""
+        with self._lock:
+            self._counts["gets"] += 1
+            if key in self._pending:
+                return self._pending[key]
+            if key not in self._index:
+                return None
+        value = self.redis.call(lambda c: c.get(self.names.segment(key)))
+        if value is FAILED:
+            return None
+        if value is None:
+            self._reject(key, "missing")  # expired or evicted by Redis: a miss
+            return None
+        try:
+            segment = decode_segment(value, self.compat_digest, self.limits)
+            if segment.key != key:
+                raise SegmentError("malformed", "the value is another segment")
+        except SegmentError as e:
+            self.redis.call(lambda c: c.delete(self.names.segment(key)))
+            self._reject(key, e.reason)
+            return None
+        with self._lock:
+            self._counts["hits"] += 1
+            if key in self._index:
+                self._index.move_to_end(key)
+        return segment
+
+    def get_tokens(self, key: bytes) -> tuple[int, ...] | None:
+        """The tokens of a known segment (verified against its key when it was written or looked up)."""
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else entry.tokens
+
+    def lookup(self, tokens: Sequence[int], positions: Iterable[int]) -> list[SegmentInfo]:
+        """Probe the index entries at these prefix positions of tokens in one round trip; register the deepest
+        chain that ends in a snapshot and return its segments, parents first ([] on a miss or when down)."""
+        keys = prefix_keys(tokens, positions)
+        if not keys:
+            return []
+        order = sorted(keys, reverse=True)
+        values = self.redis.pipelined([("get", self.names.entry(keys[p])) for p in order])
+        with self._lock:
+            self._counts["lookups"] += 1
+        if values is FAILED:
+            return []
+        found: dict[int, tuple[IndexEntry, str]] = {}  # end -> (entry, its Redis name), deepest probe first
+        bad = []
+        for p, value in zip(order, values, strict=True):
+            try:
+                entry = entry_at(value, p, tokens)
+            except ValueError:
+                entry = None
+                bad.append(self.names.entry(keys[p]))
+            if entry is not None:
+                found.setdefault(entry.end, (entry, self.names.entry(keys[p])))
+        infos = []
+        for end in sorted(found, reverse=True):
+            entry, name = found[end]
+            if entry.has_snapshot:
+                chain = chain_keys(tokens, entry.bounds)
+                if chain[-1] == entry.key:
+                    infos = self._register_chain(tokens, entry.bounds, chain, {e: f[0] for e, f in found.items()})
+                    break
+                bad.append(name)  # bounds that do not lead to its key: garbage
+        if bad:
+            self._forget_entries(bad)
+        return infos
+
+    def _forget_entries(self, names: list[str]) -> None:
+        """Count bad index entries and delete them from Redis (they are hints: nothing else refers to them)."""
+        for _ in names:
+            self._fault("bad_entry")
+        self.redis.pipelined([("delete", name) for name in names])
+
+    def _register_chain(self, tokens: Sequence[int], bounds: tuple[int, ...], chain: list[bytes],
+                        found: dict[int, IndexEntry]) -> list[SegmentInfo]:
+        h, infos, parent = canonical_hasher(), [], None
+        for i, (start, stop) in enumerate(pairwise(bounds)):
+            h.update(_tokens_to_bytes(tokens[start:stop]))
+            e = found.get(stop)
+            ok = e is not None and e.key == chain[i]
+            info = SegmentInfo(chain[i], parent, start, stop - start, ok and e.has_snapshot, ok and e.has_logits,
+                               e.size_bytes if ok else 0, time.time())
+            with self._lock:
+                known = self._index.get(chain[i])
+                if known is None or (info.has_snapshot and not known.info.has_snapshot):
+                    self._register(_Entry(info, bounds[:i + 2], tuple(tokens[start:stop]), h.copy()))
+                    self._counts["found"] += 1
+                infos.append(self._index[chain[i]].info)
+            parent = h.digest()
+        return infos
+
+    def _register(self, entry: _Entry) -> None:
+        """Index entry (caller holds self._lock)."""
+        self._index[entry.info.key] = entry
+        self._index.move_to_end(entry.info.key)
+        self._by_end[entry.end_hash.digest()] = entry.info.key
+
+    def _reject(self, key: bytes, reason: str) -> None:
+        self._fault(reason)
+        self._drop([key])
+
+    def _drop(self, keys: list[bytes]) -> None:
+        """Forget keys here and tell on_evict (outside the lock)."""
+        dropped = []
+        with self._lock:
+            for key in keys:
+                self._pending.pop(key, None)
+                entry = self._index.pop(key, None)
+                if entry is not None:
+                    self._by_end.pop(entry.end_hash.digest(), None)
+                    dropped.append(key)
+        if self.on_evict is not None:
+            for key in dropped:
+                self.on_evict(key)
+
+    # ---- the index, as DiskStore's ----------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def info(self, key: bytes) -> SegmentInfo | None:
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else entry.info
+
+    def keys(self) -> list[bytes]:
+        """Known keys, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the known segments (Redis's own maxmemory is the budget)."""
+        with self._lock:
+            return sum(e.info.size_bytes for e in self._index.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._writer.num_queued,
+                    **self._counts, "breaker_opened": self.redis.breaker.num_opened}
+
+    def pin(self, key: bytes) -> bool:
+        with self._lock:
+            if key not in self._index:
+                return False
+            self._pins[key] = self._pins.get(key, 0) + 1
+            return True
+
+    def unpin(self, key: bytes) -> None:
+        with self._lock:
+            if key not in self._pins:
+                raise ValueError(f"unpin of a key that is not pinned: {key.hex()[:16]}")
+            self._pins[key] -= 1
+            if not self._pins[key]:
+                del self._pins[key]
+
+    def scan(self) -> None:
+        """Forget the known segments Redis no longer holds (expired, evicted); nothing when it is down."""
+        with self._lock:
+            keys = [k for k in self._index if k not in self._pending]
+        if not keys:
+            return
+        present = self.redis.pipelined([("exists", self.names.segment(key)) for key in keys])
+        if present is not FAILED:
+            self._drop([k for k, n in zip(keys, present, strict=True) if not n])
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert all(k == e.info.key for k, e in self._index.items()), "index key differs from its record"
+            assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
+            assert set(self._pending) <= set(self._index), "a queued segment is not indexed"
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Finish the queued writes (up to timeout_s), stop the writer and close the connection. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._writer.close(timeout_s)
+        self.redis.close()
+
+
+def _covers(info: SegmentInfo, segment: Segment) -> bool:
+    return (info.has_snapshot or segment.snapshot_bytes is None) and (info.has_logits or segment.logits_bytes is None)
+
+
+def _raw_bytes(segment: Segment) -> int:
+    return sum(len(b) for b in (segment.kv_bytes, segment.snapshot_bytes or b"", segment.logits_bytes or b"")) \
+        + 4 * len(segment.tokens)

@@ -1,0 +1,221 @@
+"""The router's ASGI app: the OpenAI routes of a cairn replica, each request passed to the best replica.
+
+    POST /v1/chat/completions, /v1/completions   probe every available replica (POST /v1/cache/probe with
+                                 the same body, concurrently, probe_timeout_s), rank them (replicas.py),
+                                 send the request to the first; whole answers and SSE streams pass through
+                                 byte for byte, with an `x-cairn-replica` header naming the replica
+    GET  /v1/models              from the first available replica
+    GET  /health                 200 with every replica's state while one is available, else 503
+
+A replica that fails before anything was sent to the client (connection refused or reset, a timeout,
+a 502/503/504, or an error before the first body byte) is taken out for cooldown_s and the request is
+tried on the next one; once bytes have gone to the client the stream cannot move, and an error there
+ends an SSE stream with a last `data: {"error": ...}` event. A background task polls each replica's
+/health every health_interval_s and brings taken-out replicas back once they answer.
+
+What this is not: a replica (no engine, no tokenizer: the replicas tokenize their own probes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cairn.router.options import RouterOptions
+from cairn.router.replicas import Probe, Ranker, Replica
+
+log = logging.getLogger(__name__)
+PROBE_PATH = "/v1/cache/probe"
+FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "content-encoding")
+RETRY_STATUSES = (502, 503, 504)
+
+
+class ReplicaFailed(Exception):
+    """The replica failed before anything reached the client: try another. `answer`: what it said, if
+    anything (passed on when no replica does better)."""
+
+    def __init__(self, why: str, answer: Response | None = None):
+        super().__init__(why)
+        self.answer = answer
+
+
+class Router:
+    def __init__(self, urls: list[str], options: RouterOptions):
+        self.options = options
+        self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.ranker = Ranker(options.queue_cost_s)
+        timeout = httpx.Timeout(options.request_timeout_s, connect=options.connect_timeout_s)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
+
+    def available(self) -> list[Replica]:
+        return [r for r in self.replicas if r.available()]
+
+    # ---- health -----------------------------------------------------------------------------------
+
+    async def poll_health(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(r) for r in self.replicas))
+            await asyncio.sleep(self.options.health_interval_s)
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            ok = (await self.client.get(replica.url + "/health", timeout=self.options.probe_timeout_s)).is_success
+        except httpx.HTTPError as e:
+            ok, replica.last_error = False, f"health: {type(e).__name__}"
+        if ok and not replica.healthy:
+            log.info("replica %s answers /health again", replica.url)
+        replica.healthy = ok  # (one taken out stays out until its cooldown ends, whatever /health says)
+
+    # ---- probing ----------------------------------------------------------------------------------
+
+    async def ranked(self, body: bytes, headers: dict) -> list[Replica]:
+        """Replicas to try for this request, best first (every replica, soonest back first, when none is
+        available: a last resort rather than a refusal)."""
+        candidates = self.available()
+        if not candidates:
+            return sorted(self.replicas, key=lambda r: r.down_until)
+        probes = await asyncio.gather(*(self._probe(r, body, headers) for r in candidates))
+        return self.ranker.rank(candidates, dict(zip((r.url for r in candidates), probes, strict=True)))
+
+    async def _probe(self, replica: Replica, body: bytes, headers: dict) -> Probe | None:
+        try:
+            resp = await self.client.post(replica.url + PROBE_PATH, content=body, headers=headers,
+                                          timeout=self.options.probe_timeout_s)
+        except httpx.TimeoutException:
+            return None  # slow now: route to it by order alone
+        except httpx.HTTPError as e:
+            self._take_out(replica, f"probe: {type(e).__name__}: {e}")
+            return None
+        if resp.status_code != 200:
+            return None  # e.g. a replica without the probe endpoint, or a body it refuses (the request will say)
+        try:
+            data = resp.json()
+            est = data.get("est_ttft_s")
+            return Probe(int(data.get("position", 0)), None if est is None else float(est), int(data.get("waiting", 0)),
+                         int(data.get("running", 0)), int(data.get("tokens", 0)))
+        except (ValueError, TypeError, AttributeError):
+            return None
+
+    def _take_out(self, replica: Replica, why: str) -> None:
+        if replica.available():
+            log.warning("replica %s taken out for %gs: %s", replica.url, self.options.cooldown_s, why)
+        replica.take_out(why, self.options.cooldown_s)
+
+    # ---- forwarding -------------------------------------------------------------------------------
+
+    async def forward(self, method: str, path: str, body: bytes, headers: dict, order: list[Replica]) -> Response:
+        last: Response | None = None
+        for replica in order:
+            try:
+                return await self._send(replica, method, path, body, headers)
+            except ReplicaFailed as e:
+                self._take_out(replica, str(e))
+                last = e.answer or last
+        return last or _error(503, "no replica could take the request", "no_replica")
+
+    async def _send(self, replica: Replica, method: str, path: str, body: bytes, headers: dict) -> Response:
+        request = self.client.build_request(method, replica.url + path, content=body, headers=headers)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise ReplicaFailed(f"{type(e).__name__}: {e}") from None
+        chunks = resp.aiter_raw()
+        try:
+            first = await anext(chunks, b"")
+        except httpx.HTTPError as e:
+            await resp.aclose()
+            raise ReplicaFailed(f"{type(e).__name__} before the first byte: {e}") from None
+        if resp.status_code in RETRY_STATUSES:
+            rest = first + b"".join([c async for c in _safe(chunks)])
+            await resp.aclose()
+            answer = Response(rest, resp.status_code, _response_headers(resp, replica))
+            raise ReplicaFailed(f"answered {resp.status_code}", answer)
+        replica.num_routed += 1
+        streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(_relay(first, chunks, streaming, replica, resp), resp.status_code,
+                                 _response_headers(resp, replica), background=BackgroundTask(resp.aclose))
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+async def _safe(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    with contextlib.suppress(httpx.HTTPError):
+        async for c in chunks:
+            yield c
+
+
+async def _relay(first: bytes, chunks: AsyncIterator[bytes], streaming: bool, replica: Replica,
+                 resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The replica's body; however it ends (client gone included) the replica's response is closed, so a
+    replica streaming to a client that left sees the disconnect and aborts the request."""
+    try:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+    except httpx.HTTPError as e:  # bytes already went to the client: the request cannot move
+        log.warning("replica %s failed mid-response: %s", replica.url, e)
+        if streaming:
+            error = {"error": {"message": f"the replica failed mid-stream: {e}", "type": "server_error"}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+    finally:
+        await resp.aclose()
+
+
+def _response_headers(resp: httpx.Response, replica: Replica) -> dict:
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
+    headers["x-cairn-replica"] = replica.url
+    return headers
+
+
+def _request_headers(request: Request) -> dict:
+    return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}}, status)
+
+
+def create_app(urls: list[str], options: RouterOptions) -> Starlette:
+    router = Router(urls, options)
+
+    async def generation(request: Request) -> Response:
+        body, headers = await request.body(), _request_headers(request)
+        order = await router.ranked(body, headers)
+        return await router.forward("POST", request.url.path, body, headers, order)
+
+    async def models(request: Request) -> Response:
+        order = router.available() or router.replicas
+        return await router.forward("GET", "/v1/models", b"", _request_headers(request), order)
+
+    async def health(_: Request) -> Response:
+        ok = bool(router.available())
+        return JSONResponse({"status": "ok" if ok else "no_replica", "replicas": [r.report() for r in router.replicas]},
+                            200 if ok else 503)
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette):
+        poller = asyncio.create_task(router.poll_health())
+        yield
+        poller.cancel()
+        await router.close()
+
+    routes = [Route("/v1/chat/completions", generation, methods=["POST"]),
+              Route("/v1/completions", generation, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.router = router
+    return app

@@ -1,0 +1,30 @@
+"""`cairn router --replica URL --replica URL ... [--port N]`: run the router (see app.py) under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+
+from cairn.cli import add_dataclass_args, build_group
+from cairn.preflight import UserError, check_port
+from cairn.router.options import RouterOptions
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replica", action="append", default=[], metavar="URL",
+                   help="base URL of a cairn replica, e.g. http://10.0.0.2:8000 (repeat for each replica)")
+    add_dataclass_args(p, RouterOptions, "router options")
+
+
+def run(ns: argparse.Namespace) -> int:
+    if not ns.replica:
+        raise UserError("give at least one --replica URL")
+    if not all(u.startswith(("http://", "https://")) for u in ns.replica):
+        raise UserError("--replica must be an http:// or https:// URL")
+    options = build_group(RouterOptions, ns)
+    check_port(options.host, options.port)
+    import uvicorn
+
+    from cairn.router.app import create_app
+
+    uvicorn.run(create_app(ns.replica, options), host=options.host, port=options.port, log_level="warning")
+    return 0

@@ -1,0 +1,30 @@
+"""RouterOptions: the frozen flags of `cairn router` (the replica URLs are given with --replica)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    host: str = _f("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
+    port: int = _f(8080, "TCP port to listen on")
+    probe_timeout_s: float = _f(1.0, "seconds a replica may take to answer the cache probe; then it is asked no "
+                                     "more for this request and routed to by load alone")
+    connect_timeout_s: float = _f(2.0, "seconds to connect to a replica; then it is taken out and the request "
+                                       "retried on another")
+    request_timeout_s: float = _f(600.0, "seconds a replica may go silent while answering a request")
+    cooldown_s: float = _f(5.0, "a replica that failed is taken out for this long, then health-checked again")
+    health_interval_s: float = _f(2.0, "how often each replica's /health is polled")
+    queue_cost_s: float = _f(0.5, "seconds of estimated time to first token one request waiting or running on a "
+                                  "replica counts for, when replicas are compared")
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if min(self.probe_timeout_s, self.connect_timeout_s, self.request_timeout_s, self.health_interval_s) <= 0:
+            raise ValueError("timeouts and intervals must be positive")

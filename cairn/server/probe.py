@@ -1,0 +1,73 @@
+"""POST /v1/cache/probe: where this replica would resume a request, and how busy it is (for `cairn router`).
+
+Body: the very body of a /v1/chat/completions (with "messages") or /v1/completions request. Nothing is
+generated, locked, loaded or queued: the prompt is rendered and tokenized as the real request would be
+(off the event loop), and the cache's planner answers on the engine thread between two steps.
+
+    {"tokens": 1234,              prompt length in tokens
+     "position": 1024,            resume position the planner would choose now (0: cold prefill)
+     "tier": "host",              the tier its snapshot comes from (null when cold)
+     "est_ttft_s": 0.041,         the planner's estimate of the time to the first token (null without a cache)
+     "waiting": 0, "running": 2}  requests queued and running on this replica
+
+The estimate ignores the wait behind queued requests: the router weighs `waiting` and `running` itself.
+A chat request's forced generation prefix (tool_choice naming a function) is not rendered here: it only
+changes the last few tokens.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import FastAPI, Request
+from pydantic import RootModel
+from starlette.responses import JSONResponse, Response
+
+from cairn.cache.hybrid import HybridPrefixCache
+from cairn.engine import Engine
+from cairn.sampling import SamplingParams
+from cairn.server.bridge import Submission
+from cairn.server.generate import ServingContext
+from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+
+PATH = "/v1/cache/probe"
+
+
+class ProbeRequest(RootModel[ChatCompletionRequest | CompletionRequest]):
+    """A chat or a completion request (each model forbids the other's fields, so the body picks one)."""
+
+
+def add_probe_route(app: FastAPI, ctx: ServingContext, read_body, guarded) -> None:
+    """`read_body` and `guarded` are app.py's (parse off the loop, errors in the OpenAI shape)."""
+    offload = ctx.bridge.offload
+
+    @app.post(PATH)
+    async def probe_route(request: Request) -> Response:
+        body = (await read_body(request, ProbeRequest, offload)).root
+        return await guarded(probe(ctx, body), "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+
+
+async def probe(ctx: ServingContext, body: ChatCompletionRequest | CompletionRequest) -> Response:
+    ctx.check_model(body.model)
+    sub = _submission(body)
+    prompt = await ctx.bridge.tokenize(sub)
+    answer = await ctx.bridge.call(lambda engine: _answer(engine, prompt.token_ids))
+    return JSONResponse({"tokens": len(prompt.token_ids), **answer})
+
+
+def _submission(body: ChatCompletionRequest | CompletionRequest) -> Submission:
+    request_id = f"probe-{uuid.uuid4().hex[:8]}"
+    if isinstance(body, ChatCompletionRequest):
+        return Submission(request_id, SamplingParams(), messages=body.template_messages(),
+                          template_kwargs=body.template_kwargs())
+    prompt = body.engine_prompt()
+    return Submission(request_id, SamplingParams(), prompt=prompt, message_starts=body.checked_message_starts(prompt))
+
+
+def _answer(engine: Engine, token_ids: list[int]) -> dict:
+    """On the engine thread: the cache's plan for these tokens, and the queue."""
+    position, est_s, tier = 0, None, None
+    if isinstance(engine.cache, HybridPrefixCache):
+        position, est_s, tier = engine.cache.probe(token_ids)
+    return {"position": position, "tier": tier, "est_ttft_s": est_s, "waiting": engine.num_waiting,
+            "running": engine.num_running}

@@ -1,0 +1,78 @@
+"""Test helper: a real `redis-server` on a free loopback port, without persistence.
+
+`start_redis()` starts it, waits until it answers PING and returns a `RedisServer` (url, stop(), kill());
+`redis_or_skip()` does the same but skips the calling test, with the reason, when redis-server is not
+installed (scripts/setup installs it). Not a test module: it holds no assertions.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.server_process import free_port
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+@dataclass
+class RedisServer:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_redis(timeout_s: float = 20.0, *args: str) -> RedisServer:
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="cairn-redis-")
+    log_path = Path(workdir) / "redis.log"
+    cmd = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", workdir, "--logfile", str(log_path), *args]
+    server = RedisServer(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {server.proc.returncode}")
+        try:
+            if server.client().ping():
+                return server
+        except Exception:
+            time.sleep(0.05)
+    server.kill()
+    raise RuntimeError(f"redis-server did not answer PING in {timeout_s}s")
+
+
+def redis_or_skip(*args: str) -> RedisServer:
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (scripts/setup installs it with apt-get when it can)")
+    pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
+    return start_redis(20.0, *args)

@@ -1,0 +1,183 @@
+"""`cairn router` in front of two real `cairn serve` replicas on loopback, and its ranking rule.
+
+The replicas are real processes (tests/server_process.py), as is the router; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cairn.router.replicas import Probe, Ranker, Replica
+from tests.server_process import REPO_ROOT, ServerProcess, free_port, openai_client, start_server
+
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly",
+         "hex", "every", "jolly", "box")
+
+
+def text(n: int, seed: int) -> str:
+    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(n))
+
+
+def start_router(*replicas: str) -> ServerProcess:
+    port = free_port()
+    fd, log_path = tempfile.mkstemp(prefix="cairn-router-", suffix=".log")
+    flags = [f for url in replicas for f in ("--replica", url)]
+    cmd = [sys.executable, "-m", "cairn.cli", "router", "--port", str(port), *flags, "--cooldown-s", "60",
+           "--health-interval-s", "0.2"]
+    try:
+        proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        os.close(fd)
+    router = ServerProcess(proc, f"http://127.0.0.1:{port}", Path(log_path))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"cairn router exited with {proc.returncode}:\n{router.log()}")
+        try:
+            if httpx.get(router.base_url + "/health", timeout=1.0).status_code == 200:
+                return router
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    router.stop()
+    raise RuntimeError(f"cairn router did not become healthy:\n{router.log()}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """(replica A, replica B, router over [A, B]); a test may kill A (it runs last)."""
+    a, b = start_server(), start_server()
+    router = start_router(a.base_url, b.base_url)
+    yield a, b, router
+    for p in (router, a, b):
+        p.stop()
+
+
+def chat(base_url: str, messages: list[dict], **kw) -> httpx.Response:
+    body = {"model": "cairn-demo", "messages": messages, "max_tokens": 6, "temperature": 0, **kw}
+    return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def probe(base_url: str, messages: list[dict]) -> dict:
+    resp = httpx.post(base_url + "/v1/cache/probe", json={"model": "cairn-demo", "messages": messages}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_a_conversation_goes_back_to_the_replica_that_resumes_it_deepest(cluster):
+    a, b, router = cluster
+    turn1 = [{"role": "system", "content": text(120, 1)}, {"role": "user", "content": text(60, 2)}]
+    first = chat(b.base_url, turn1)  # served by B directly: A never saw it
+    assert first.status_code == 200
+    turn2 = turn1 + [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": text(30, 3)}]
+    on_a, on_b = probe(a.base_url, turn2), probe(b.base_url, turn2)
+    assert on_a["tokens"] == on_b["tokens"] > 0
+    assert on_a["position"] == 0 and on_a["tier"] is None
+    assert on_b["position"] > 0 and on_b["tier"] == "device" and on_b["est_ttft_s"] < on_a["est_ttft_s"]
+    for _ in range(2):  # the router's round robin would start with A: the probe must override it
+        resp = chat(router.base_url, turn2)
+        assert resp.status_code == 200
+        assert resp.headers["x-cairn-replica"] == b.base_url
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= on_b["position"]
+
+
+def test_streaming_passes_through_the_router_unchanged(cluster):
+    a, _, router = cluster
+    messages = [{"role": "user", "content": text(40, 5)}]
+    direct = chat(a.base_url, messages).json()["choices"][0]["message"]["content"]
+    client = openai_client(router)
+    stream = client.chat.completions.create(model="cairn-demo", messages=messages, max_tokens=6, temperature=0,
+                                            stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == direct
+    assert httpx.get(router.base_url + "/v1/models", timeout=30).json()["data"][0]["id"] == "cairn-demo"
+
+
+def test_a_bad_probe_is_an_openai_error_and_a_completion_prompt_probes_too(cluster):
+    a, _, _ = cluster
+    bad = httpx.post(a.base_url + "/v1/cache/probe", json={"model": "cairn-demo"}, timeout=30)
+    assert bad.status_code == 400 and "error" in bad.json()
+    unknown = httpx.post(a.base_url + "/v1/cache/probe", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    assert unknown.status_code == 404
+    ids = httpx.post(a.base_url + "/v1/cache/probe", json={"prompt": [5, 6, 7, 8]}, timeout=30).json()
+    assert ids["tokens"] == 4 and ids["position"] == 0 and ids["waiting"] == 0
+
+
+def aborted(base_url: str) -> float:
+    for line in httpx.get(base_url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith('cairn_requests_finished_total{finish_reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_leaving_a_stream_through_the_router_aborts_it_on_the_replica(cluster):
+    _, _, router = cluster
+    body = {"model": "cairn-demo", "messages": [{"role": "user", "content": text(10, 20)}], "max_tokens": 4000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        replica = resp.headers["x-cairn-replica"]
+        before = aborted(replica)
+        next(resp.iter_lines())  # the stream has started; leave
+    deadline = time.monotonic() + 60
+    while aborted(replica) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert aborted(replica) == before + 1
+
+
+def test_a_killed_replicas_requests_go_to_the_other(cluster):
+    a, b, router = cluster
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait()
+    for i in range(4):
+        resp = chat(router.base_url, [{"role": "user", "content": text(20, 10 + i)}], stream=i % 2 == 1)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-cairn-replica"] == b.base_url
+    health = httpx.get(router.base_url + "/health", timeout=10).json()
+    assert [r["healthy"] for r in health["replicas"]] == [False, True]
+
+
+# ---- the ranking rule (pure) ----------------------------------------------------------------------
+
+def replicas(n: int) -> list[Replica]:
+    return [Replica(f"http://r{i}") for i in range(n)]
+
+
+def test_cold_requests_spread_round_robin():
+    ranker, rs = Ranker(queue_cost_s=0.5), replicas(3)
+    cold = {r.url: Probe(0, 0.100, 0, 0) for r in rs}
+    firsts = [ranker.rank(rs, cold)[0].url for _ in range(6)]
+    assert firsts == ["http://r0", "http://r1", "http://r2"] * 2
+
+
+def test_the_deeper_resume_wins_among_close_estimates_and_the_queue_outweighs_it():
+    ranker, (r0, r1) = Ranker(queue_cost_s=0.5), replicas(2)
+    close = {r0.url: Probe(0, 0.100, 0, 0), r1.url: Probe(64, 0.095, 0, 0)}
+    assert ranker.rank([r0, r1], close) == [r1, r0]
+    busy = {r0.url: Probe(0, 0.100, 0, 0), r1.url: Probe(64, 0.095, 3, 1)}
+    assert ranker.rank([r0, r1], busy) == [r0, r1]
+
+
+def test_replicas_that_did_not_answer_the_probe_come_last():
+    ranker, (r0, r1) = Ranker(queue_cost_s=0.5), replicas(2)
+    assert ranker.rank([r0, r1], {r0.url: None, r1.url: Probe(0, 5.0, 10, 2)}) == [r1, r0]
+
+
+@pytest.mark.parametrize("argv,message", [(["router"], "at least one --replica"),
+                                          (["router", "--replica", "127.0.0.1:8000"], "http:// or https://")])
+def test_router_flags_mistakes_are_one_line_errors(argv, message, capsys):
+    from cairn.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
