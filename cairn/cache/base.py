@@ -60,6 +60,12 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None:  # noqa: B027 (optional hook: a cache with no bookkeeping has nothing to check)
         """Raise AssertionError if the cache's bookkeeping is inconsistent."""
 
+    def probe(self, token_ids: list[int]) -> tuple[int, float | None, str | None]:
+        """(resume position, estimated seconds to the first token or None when unknown, snapshot tier) that
+        admitting this prompt now would plan; locks, copies and loads nothing. A cache that caches
+        nothing resumes nowhere."""
+        return 0, None, None
+
     def stats(self) -> dict:
         return {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cairn.cli import add_dataclass_args, build_group
+from cairn.flags import add_dataclass_args, build_group
 from cairn.preflight import UserError, check_port
 from cairn.router.options import RouterOptions
 

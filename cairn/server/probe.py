@@ -23,7 +23,6 @@ from fastapi import FastAPI, Request
 from pydantic import RootModel
 from starlette.responses import JSONResponse, Response
 
-from cairn.cache.hybrid import HybridPrefixCache
 from cairn.engine import Engine
 from cairn.sampling import SamplingParams
 from cairn.server.bridge import Submission
@@ -66,8 +65,6 @@ def _submission(body: ChatCompletionRequest | CompletionRequest) -> Submission:
 
 def _answer(engine: Engine, token_ids: list[int]) -> dict:
     """On the engine thread: the cache's plan for these tokens, and the queue."""
-    position, est_s, tier = 0, None, None
-    if isinstance(engine.cache, HybridPrefixCache):
-        position, est_s, tier = engine.cache.probe(token_ids)
+    position, est_s, tier = engine.cache.probe(token_ids)
     return {"position": position, "tier": tier, "est_ttft_s": est_s, "waiting": engine.num_waiting,
             "running": engine.num_running}
