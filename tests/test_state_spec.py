@@ -11,11 +11,14 @@ import torch
 from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.segment import Segment, SegmentError, decode_segment, encode_segment, segment_key
 from cairn.cache.disk.tier import DiskTier, snapshot_fields
+from cairn.demo import demo_config
 from cairn.forward_batch import ForwardBatch
 from cairn.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
 from cairn.layers.mamba2 import Mamba2Mixer, Mamba2Spec
+from cairn.layers.recurrent import RecurrentMixer
 from cairn.memory.state_pool import StatePool
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
+from cairn.model.hybrid import HybridModel
 from cairn.ops import REFERENCE
 from tests.harness import same_state, slot_copy
 from tests.test_segment import reseal
@@ -54,6 +57,16 @@ def test_spec_names_every_layer_tensor_and_groups_equal_shapes():
         ((4, 8, 16), torch.float32, ((2, "ssm"),))]
     expected = 2 * (GDN.conv_dim * 3 * 2 + 4 * 8 * 8 * 4) + MAMBA.conv_dim * 3 * 2 + 4 * 8 * 16 * 4
     assert spec.slot_bytes == expected == StatePool(spec, 2).bytes_per_slot
+
+
+def test_model_config_spec_is_what_its_recurrent_mixers_declare():
+    cfg = demo_config(vocab_size=64)
+    with torch.device("meta"):
+        model = HybridModel(cfg)
+    declared = StateSpec(tuple(LayerState(i, layer.mixer.state_entries(torch.bfloat16))
+                               for i, layer in enumerate(model.layers) if isinstance(layer.mixer, RecurrentMixer)))
+    assert cfg.state_spec(torch.bfloat16) == declared
+    assert [s.layer for s in declared.layers] == list(cfg.linear_layers) == [0, 1, 2, 4, 5, 6]
 
 
 def test_spec_refuses_repeated_layers_and_names():
