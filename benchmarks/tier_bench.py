@@ -65,6 +65,11 @@ def _drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
 def restore_figures(eng, disk_root: str, repeats: int = 7) -> dict:
     """Median of `repeats` restores per tier, each beside a plain copy / read of the same bytes."""
     tiers, states = eng.cache.tiers, eng.states
@@ -78,9 +83,10 @@ def restore_figures(eng, disk_root: str, repeats: int = 7) -> dict:
             path = next(Path(disk_root).glob(f"*/{handle.disk.hex()}.seg"))
             nbytes = path.stat().st_size
         else:
-            src = (tiers.device if tier == "device" else tiers.host).pool.recurrent[:, getattr(handle, tier).slot]
-            dst = torch.empty_like(states.recurrent[:, slot])
-            dst.copy_(src)  # touch the destination first, as the restore's destination slot already is
+            pool = (tiers.device if tier == "device" else tiers.host).pool
+            src = list(pool.read_slot(getattr(handle, tier).slot).values())
+            dst = [torch.empty_like(t) for t in src]
+            _copy_all(dst, src)  # touch the destination first, as the restore's destination slot already is
         restores, plains = [], []
         for _ in range(repeats):
             if tier == "disk":
@@ -95,8 +101,8 @@ def restore_figures(eng, disk_root: str, repeats: int = 7) -> dict:
                 plains.append(time.perf_counter() - start)
             else:
                 start = time.perf_counter()
-                dst.copy_(src)
-                plains.append((time.perf_counter() - start) * entry.nbytes / (src.numel() * 4))
+                _copy_all(dst, src)
+                plains.append((time.perf_counter() - start) * entry.nbytes / sum(t.nbytes for t in src))
         seconds, plain = statistics.median(restores), statistics.median(plains)
         rows[tier] = {"bytes": nbytes, "restore_s": seconds, "plain_s": plain, "ratio": plain / seconds,
                       "restore_runs_s": restores}

@@ -140,19 +140,18 @@ class Engine:
 
     def _allocate_pools(self, cfg: ModelConfig) -> tuple[KVPool, StatePool]:
         mem = self.config.memory
-        n_attn, n_lin = len(cfg.attention_layers), len(cfg.linear_layers)
+        n_attn = len(cfg.attention_layers)
         page_bytes = KVPool.page_bytes(max(n_attn, 1), mem.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         num_pages = mem.kv_cache_bytes // page_bytes
         if num_pages < 1:
             raise ValueError(f"kv_cache_gib={mem.kv_cache_gib} holds no page of {page_bytes} bytes")
-        slot_bytes = StatePool.slot_bytes(n_lin, cfg.conv_dim, cfg.conv_kernel, cfg.linear_num_v_heads,
-                                          cfg.linear_k_head_dim, cfg.linear_v_head_dim, self.dtype)
+        spec = cfg.state_spec(self.dtype)
+        slot_bytes = spec.slot_bytes
         num_slots = min(self.config.scheduler.max_num_seqs, mem.state_cache_bytes // max(slot_bytes, 1))
         if num_slots < 1:
             raise ValueError(f"state_cache_gib={mem.state_cache_gib} holds no state slot of {slot_bytes} bytes")
         kv = KVPool(max(n_attn, 1), num_pages, mem.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        states = StatePool(n_lin, num_slots, cfg.conv_dim, cfg.conv_kernel, cfg.linear_num_v_heads,
-                           cfg.linear_k_head_dim, cfg.linear_v_head_dim, self.dtype, self.device)
+        states = StatePool(spec, num_slots, self.device)
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d working state slots of %.2f MiB",
                  num_pages, mem.page_size, kv.total_bytes / 2**20, num_slots, slot_bytes / 2**20)
         return kv, states

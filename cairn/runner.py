@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from cairn.cache.base import PrefixCache
+from cairn.forward_batch import ForwardBatch
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
-from cairn.model.batch import ForwardBatch
 from cairn.model.hybrid import HybridModel
 from cairn.scheduler import ScheduledBatch
 from cairn.sequence import Sequence

@@ -18,14 +18,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from cairn.cache.disk.named_bytes import layout_meta  # noqa: E402
 from cairn.cache.disk.segment import Segment, segment_key  # noqa: E402
 from cairn.cache.disk.store import DiskStore  # noqa: E402
 
 
 def make(parent: bytes | None, start: int, num_tokens: int, kv_bytes: int, rng: random.Random) -> Segment:
     tokens = [rng.randrange(50_000) for _ in range(num_tokens)]
-    return Segment(segment_key(parent, tokens), parent, start, tokens, rng.randbytes(kv_bytes), {"n": kv_bytes},
-                   snapshot_bytes=rng.randbytes(kv_bytes // 2) if rng.random() < 0.5 else None)
+    kv = rng.randbytes(kv_bytes)
+    snapshot = rng.randbytes(kv_bytes // 2) if rng.random() < 0.5 else None
+    return Segment(segment_key(parent, tokens), parent, start, tokens, kv, {"n": kv_bytes},
+                   snapshot_bytes=snapshot,
+                   snapshot_meta=layout_meta([("state", "uint8", (len(snapshot),))]) if snapshot else {})
 
 
 def hold(root: str, digest: str) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from cairn.forward_batch import ForwardBatch
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
-from cairn.model.batch import ForwardBatch
+from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
 from cairn.model.hybrid import HybridModel
 
 
@@ -14,9 +15,24 @@ def pools(model: HybridModel, num_pages: int = 64, page_size: int = 4, num_slots
     cfg = model.cfg
     dtype = model.embed.weight.dtype
     kv = KVPool(max(len(cfg.attention_layers), 1), num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-    states = StatePool(len(cfg.linear_layers), num_slots, cfg.conv_dim, cfg.conv_kernel, cfg.linear_num_v_heads,
-                       cfg.linear_k_head_dim, cfg.linear_v_head_dim, dtype)
+    states = StatePool(cfg.state_spec(dtype), num_slots)
     return kv, states
+
+
+def state_pool(num_layers: int = 2, num_slots: int = 2, dtype: torch.dtype = torch.float32) -> StatePool:
+    """A small pool of Gated-DeltaNet-shaped slots (conv [8, 3], recurrent [2, 4, 4] fp32 per layer)."""
+    entries = (StateTensor("conv", (8, 3), dtype), StateTensor("recurrent", (2, 4, 4), torch.float32))
+    return StatePool(StateSpec(tuple(LayerState(i, entries) for i in range(num_layers))), num_slots)
+
+
+def slot_copy(pool: StatePool, slot: int) -> dict[str, torch.Tensor]:
+    """A copy of one slot's named tensors, to compare with later."""
+    return {name: t.clone() for name, t in pool.read_slot(slot).items()}
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit for bit, every named tensor."""
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
 def segment_batch(ids: list[int], start: int, page_table: list[int], slot: int, page_size: int,

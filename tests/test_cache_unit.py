@@ -10,8 +10,8 @@ import torch
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.tiers.pools import PoolSnapshotTier
 from cairn.engine import LLM
-from cairn.memory.state_pool import StatePool
 from cairn.sampling import SamplingParams
+from tests.harness import same_state, slot_copy, state_pool
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -61,17 +61,18 @@ def test_chunks_end_on_block_boundaries_whatever_the_budget_left():
 
 
 def test_device_tier_never_exceeds_its_budget_and_restore_does_not_consume():
-    work = StatePool(2, 2, 8, 4, 2, 4, 4, torch.float32)
+    work = state_pool()
     tier = PoolSnapshotTier("device", work, 3 * work.bytes_per_slot + 10, vocab_size=5, device="cpu")
     slot = work.alloc()
-    work.recurrent[:, slot] = 1.5
+    for t in work.read_slot(slot).values():
+        t.fill_(1.5)
     stored = [tier.store(work, slot, None) for _ in range(3)]
     assert all(stored) and tier.store(work, slot, None) is None
     assert tier.used_bytes <= tier.budget_bytes
     other = work.alloc()
     for _ in range(2):  # restoring twice gives the same state: the stored copy is not consumed
         tier.restore(stored[0], work, other)
-        assert torch.equal(work.recurrent[:, other], work.recurrent[:, slot])
+        assert same_state(slot_copy(work, other), slot_copy(work, slot))
     tier.free(stored[0])
     with_logits = tier.store(work, slot, torch.arange(5.0))
     assert with_logits is None  # a slot is free but the logits' bytes would pass the budget
@@ -85,14 +86,14 @@ def test_resuming_never_changes_the_stored_snapshot_or_the_cached_kv():
     llm.generate(prompt, GREEDY)
     stored = {pos: (entry.handle.device.slot, node.pages) for pos, entry, node in cache.tree.iter_snapshots()}
     pool = cache.tiers.device.pool
-    before_state = {pos: pool.recurrent[:, slot].clone() for pos, (slot, _) in stored.items()}
+    before_state = {pos: slot_copy(pool, slot) for pos, (slot, _) in stored.items()}
     before_kv = {pos: llm.engine.kv.k[:, pages].clone() for pos, (_, pages) in stored.items()}
     resumed = []
     for tail in ([1, 2, 3], [4, 5], [6]):  # three branches resume from the same snapshots and run on
         resumed.append(llm.generate(prompt[:70] + tail, GREEDY)[0].cache.resume_position)
     assert resumed == [64, 70, 70]  # the first branch leaves a snapshot at its branch point
     for pos, (slot, pages) in stored.items():
-        assert torch.equal(pool.recurrent[:, slot], before_state[pos])
+        assert same_state(slot_copy(pool, slot), before_state[pos])
         assert torch.equal(llm.engine.kv.k[:, pages], before_kv[pos])
     llm.engine.check_integrity()
 

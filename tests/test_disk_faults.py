@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cairn.cache.disk import namespace as disk_namespace
+from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.namespace import TEMP_NAME
 from cairn.cache.disk.segment import (
     DEFAULT_LIMITS,
@@ -39,7 +40,8 @@ CHILD = Path(__file__).with_name("disk_store_child.py")
 def make_segment(first_token: int, snapshot: bool = True, logits: bool = True) -> Segment:
     tokens = list(range(first_token, first_token + 8))
     return Segment(segment_key(None, tokens), None, 0, tokens, b"K" * 2000, {"pages": [1, 2]},
-                   snapshot_bytes=b"S" * 1000 if snapshot else None, snapshot_meta={"layers": 2},
+                   snapshot_bytes=b"S" * 1000 if snapshot else None,
+                   snapshot_meta=layout_meta([("state", "uint8", (1000,))]) if snapshot else {},
                    logits_bytes=b"L" * 500 if logits else None, logits_meta={"vocab": 125})
 
 

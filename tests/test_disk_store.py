@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cairn.cache.disk import store as disk_store
+from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.segment import Segment, segment_key
 from cairn.cache.disk.store import (
     DiskStore,
@@ -31,7 +32,8 @@ CHILD = Path(__file__).with_name("disk_store_child.py")
 def make_segment(i: int, parent: bytes | None = None, kv_bytes: int = 1000, snapshot: bool = True) -> Segment:
     tokens = [i, i + 1, i + 2]
     return Segment(segment_key(parent, tokens), parent, 0 if parent is None else 3, tokens, bytes([i % 256]) * kv_bytes,
-                   {"i": i}, snapshot_bytes=b"s" * 100 if snapshot else None, snapshot_meta={"pos": 3})
+                   {"i": i}, snapshot_bytes=b"s" * 100 if snapshot else None,
+                   snapshot_meta=layout_meta([("state", "uint8", (100,))]) if snapshot else {})
 
 
 def file_bytes(seg: Segment) -> int:

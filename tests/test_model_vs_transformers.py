@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cairn.engine import LLM
-from cairn.layers import gated_deltanet
+from cairn.layers import recurrent
 from cairn.model.loader import load_checkpoint
 from cairn.sampling import SamplingParams
 from tests.checkpoints import FAMILIES
@@ -50,7 +50,7 @@ def test_chunked_prefill_equals_one_pass(checkpoints, family):
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_long_segments_split_into_pieces_match_transformers(checkpoints, family, monkeypatch):
     """Segments longer than the linear layers' largest piece are run piece by piece, state carried over."""
-    monkeypatch.setattr(gated_deltanet, "MAX_PIECE", 37)
+    monkeypatch.setattr(recurrent, "MAX_PIECE", 37)
     path, hf = checkpoints[family]
     model, _ = load_checkpoint(path, "float32", "cpu", show_progress=False)
     ids = prompt(150, seed=3)

@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from cairn.cache.disk import segment as fmt
+from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.segment import (
     HEADER_BYTES,
     SectionHasher,
@@ -29,8 +30,13 @@ def make_segment(tokens=(5, 6, 7, 8), parent=None, start=0, kv=b"K" * 300, snaps
                  logits=b"L" * 100) -> Segment:
     return Segment(key=segment_key(parent, tokens), parent_key=parent, start_position=start, tokens=tokens,
                    kv_bytes=kv, kv_meta={"shape": [2, 4], "dtype": "bfloat16"}, snapshot_bytes=snapshot,
-                   snapshot_meta={"layers": 3} if snapshot is not None else {}, logits_bytes=logits,
+                   snapshot_meta=raw_layout(snapshot), logits_bytes=logits,
                    logits_meta={"vocab": 25} if logits is not None else {})
+
+
+def raw_layout(snapshot: bytes | None) -> dict:
+    """A snapshot section's meta for opaque bytes: one uint8 tensor over all of them."""
+    return {} if snapshot is None else layout_meta([("state", "uint8", (len(snapshot),))])
 
 
 def checksum16(*parts) -> bytes:

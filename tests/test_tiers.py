@@ -14,6 +14,7 @@ import torch
 from cairn.cache.disk.segment import Segment
 from cairn.engine import LLM
 from cairn.sampling import SamplingParams
+from tests.harness import same_state, slot_copy, state_pool
 
 G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
@@ -91,7 +92,7 @@ def test_round_trip_device_host_disk_device_is_bitwise_equal(tmp_path):
     node = next(n for pos, _, n in tree.iter_snapshots() if pos == 256)
     handle = node.snapshot.handle
     pool, slot = tiers.device.pool, handle.device.slot
-    original = (pool.conv[:, slot].clone(), pool.recurrent[:, slot].clone())
+    original = slot_copy(pool, slot)
     kv_original = llm.engine.kv.k[:, node.pages].clone()
     tiers.demote_snapshot(node, "device")  # device -> host
     assert handle.tiers()[0] == "host"
@@ -100,7 +101,7 @@ def test_round_trip_device_host_disk_device_is_bitwise_equal(tmp_path):
     work = llm.engine.states
     slot_b = work.alloc()
     tiers.restore_snapshot(handle, "disk", work, slot_b)  # disk -> device
-    assert torch.equal(work.conv[:, slot_b], original[0]) and torch.equal(work.recurrent[:, slot_b], original[1])
+    assert same_state(slot_copy(work, slot_b), original)
     k, _ = tiers.disk.kv_of(tiers.disk.read(node.disk.key))
     first = node.start // 8 - node.disk.segment_start // 8
     assert torch.equal(k[:, first:first + len(node.pages)], kv_original)
@@ -204,9 +205,8 @@ def test_disk_segments_hold_what_the_tree_says(tmp_path):
 def test_a_move_in_flight_reserves_its_space_and_is_published_only_on_complete():
     from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier
     from cairn.memory.kv_pool import KVPool
-    from cairn.memory.state_pool import StatePool
 
-    work = StatePool(2, 2, 8, 4, 2, 4, 4, torch.float32)
+    work = state_pool()
     host = PoolSnapshotTier("host", work, 2 * work.bytes_per_slot, vocab_size=4, device="cpu")
     slot = work.alloc()
     pending = host.prepare_store(work, slot, None)

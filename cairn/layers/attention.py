@@ -9,27 +9,39 @@ of num_kv_heads.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from cairn.forward_batch import ForwardBatch
 from cairn.layers.norm import RMSNorm
 from cairn.layers.rotary import PartialRotary
 from cairn.memory.kv_pool import KVPool
-from cairn.model.batch import ForwardBatch
-from cairn.model.config import ModelConfig
 from cairn.ops import Kernels
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The shape of one gated attention mixer (built by the model's config)."""
+
+    hidden_size: int  # model width, the mixer's input and output size
+    num_heads: int  # query heads, a multiple of num_kv_heads
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float  # of the q / k RMSNorms
+
+
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, pool_index: int, rotary: PartialRotary):
+    def __init__(self, spec: AttentionSpec, pool_index: int, rotary: PartialRotary):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, 2 * self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, spec.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, spec.norm_eps)
         self.rotary = rotary
         self.pool_index = pool_index  # this layer's index in the KV pool's layer dimension
         self.scale = self.head_dim ** -0.5

@@ -6,65 +6,82 @@
     o = gated_delta_rule(q, k, v, g, beta; recurrent state [v_heads, k_dim, v_dim] in fp32)
     out_proj(GatedRMSNorm(o, z))
 
-Both states live in the request's working slot of the StatePool: decode sequences run as one batch
-through the recurrent step, prefill segments one at a time through the chunked kernel.
+Both states live in the request's working slot of the StatePool (`state_entries` declares them):
+decode sequences run as one batch through the recurrent step, prefill segments piece by piece through
+the chunked kernel (cairn.layers.recurrent).
 """
 
 from __future__ import annotations
 
-from itertools import pairwise
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cairn.forward_batch import ForwardBatch
 from cairn.layers.norm import GatedRMSNorm
+from cairn.layers.recurrent import RecurrentMixer
 from cairn.memory.state_pool import StatePool
-from cairn.model.batch import ForwardBatch
-from cairn.model.config import ModelConfig
+from cairn.memory.state_spec import StateTensor
 from cairn.ops import Kernels
 
-# Longest piece of a prefill segment given to the prefill kernels at once. The chunked delta rule and
-# the conv are linear in length, but their fp32 intermediates for a 2048-token chunk (tens of MB per
-# layer) outgrow the CPU caches: 1024-token pieces ran 1.3x faster per layer at the 0.8B shape.
-MAX_PIECE = 1024
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """The shape of one Gated DeltaNet mixer (built by the model's config)."""
+
+    hidden_size: int  # model width, the mixer's input and output size
+    num_k_heads: int  # query / key heads
+    num_v_heads: int  # value heads, a multiple of num_k_heads
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # K, taps of the causal conv
+    norm_eps: float
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise causal conv: q, k and v concatenated."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_entries(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
+        """The conv's last K-1 inputs in the model dtype, the delta rule's state in fp32."""
+        return (StateTensor("conv", (self.conv_dim, self.conv_kernel - 1), dtype),
+                StateTensor("recurrent", (self.num_v_heads, self.k_head_dim, self.v_head_dim), torch.float32))
 
 
-def _pieces(start: int, length: int,
-            captures: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """How a segment of `length` tokens from absolute position `start` is run: (lo, hi, [(count within the
-    piece, capture slot)]), lo and hi offsets in the segment.
-
-    Pieces of at most MAX_PIECE tokens, cut at absolute multiples of MAX_PIECE (so a segment that starts
-    at a multiple of 64 keeps the chunked kernel's 64-token chunks on absolute multiples of 64), each
-    continuing the state of the one before; a capture at offset c (the state after c tokens of the
-    segment) goes to the piece that computes it, and the kernels return it without splitting the piece.
-    """
-    first = (start // MAX_PIECE + 1) * MAX_PIECE - start
-    bounds = [0, *range(first, length, MAX_PIECE), length]
-    return [(lo, hi, [(c - lo, dst) for c, dst in captures if lo < c <= hi]) for lo, hi in pairwise(bounds)]
-
-
-class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, pool_index: int):
+class GatedDeltaNet(RecurrentMixer):
+    def __init__(self, spec: GatedDeltaNetSpec, layer: int):
         super().__init__()
-        self.k_heads, self.v_heads = cfg.linear_num_k_heads, cfg.linear_num_v_heads
-        self.k_dim, self.v_dim = cfg.linear_k_head_dim, cfg.linear_v_head_dim
-        self.key_dim, self.value_dim, self.conv_dim = cfg.linear_key_dim, cfg.linear_value_dim, cfg.conv_dim
-        self.in_proj = nn.Linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.v_heads, bias=False)
-        self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, cfg.conv_kernel))
+        self.spec, self.layer = spec, layer
+        self.k_heads, self.v_heads = spec.num_k_heads, spec.num_v_heads
+        self.k_dim, self.v_dim = spec.k_head_dim, spec.v_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = spec.key_dim, spec.value_dim, spec.conv_dim
+        self.in_proj = nn.Linear(spec.hidden_size, self.conv_dim + self.value_dim + 2 * self.v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, spec.conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
-        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
-        self.pool_index = pool_index  # this layer's index in the StatePool's layer dimension
+        self.norm = GatedRMSNorm(self.v_dim, spec.norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, spec.hidden_size, bias=False)
+
+    def state_entries(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
+        return self.spec.state_entries(dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool, kernels: Kernels) -> torch.Tensor:
         tokens = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        conv_states, rec_states = states.conv[self.pool_index], states.recurrent[self.pool_index]
+        own = states.of_layer(self.layer)
+        conv_states, rec_states = own["conv"], own["recurrent"]
         out = torch.empty(tokens, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
 
         nd = batch.num_decode
@@ -76,18 +93,12 @@ class GatedDeltaNet(nn.Module):
             out[:nd], state = kernels.recurrent_gated_delta_rule(q, k, v, g[:nd], beta[:nd], state)
             if not isinstance(slots, slice):  # a gathered copy: write it back
                 rec_states[slots] = state
-        for i, row, new, context in batch.prefill_segments():
-            slot = int(batch.state_slots[i])
-            start = context - new  # absolute position of the segment's first token
-            for lo, hi, caps in _pieces(start, new, [(p - start, dst) for p, dst in batch.captures_of(i)]):
-                rows, pool = slice(row + lo, row + hi), batch.capture_pool
-                mixed_p, conv_states[slot] = kernels.causal_conv1d(
-                    mixed[rows], conv_states[slot], self.conv_weight,
-                    [(c, pool.conv[self.pool_index, dst]) for c, dst in caps])
-                q, k, v = self._split_heads(mixed_p)
-                out[rows], rec_states[slot] = kernels.chunk_gated_delta_rule(
-                    q, k, v, g[rows], beta[rows], rec_states[slot],
-                    [(c, pool.recurrent[self.pool_index, dst]) for c, dst in caps])
+        for rows, slot, caps in self.prefill_pieces(batch):
+            mixed_p, conv_states[slot] = kernels.causal_conv1d(
+                mixed[rows], conv_states[slot], self.conv_weight, [(c, dst["conv"]) for c, dst in caps])
+            q, k, v = self._split_heads(mixed_p)
+            out[rows], rec_states[slot] = kernels.chunk_gated_delta_rule(
+                q, k, v, g[rows], beta[rows], rec_states[slot], [(c, dst["recurrent"]) for c, dst in caps])
 
         out = self.norm(out, z.reshape(tokens, self.v_heads, self.v_dim))
         return self.out_proj(out.reshape(tokens, self.value_dim))

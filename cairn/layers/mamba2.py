@@ -8,8 +8,9 @@
 
 Parameter names are those of the Hugging Face checkpoints (`in_proj`, `conv1d`, `dt_bias`, `A_log`,
 `D`, `norm.weight`, `out_proj`), so a loader copies them unchanged. This module is the mixer alone:
-it does not read an HF config (a family file maps one onto `Mamba2Spec`) and has no state pool yet;
-`prefill` runs one sequence's segment from given states, `decode` one step for a batch of sequences.
+it does not read an HF config (a family file maps one onto `Mamba2Spec`). As a RecurrentMixer it runs a
+step's sequences from their slots of the state pool (`forward`); `prefill` and `decode` run the same
+computation on states given outside any pool (one sequence's segment; one step for a batch).
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cairn.ops.mamba2 import NO_DT_LIMIT, REFERENCE, Mamba2Kernels
+from cairn.forward_batch import ForwardBatch
+from cairn.layers.recurrent import RecurrentMixer
+from cairn.memory.state_pool import StatePool
+from cairn.memory.state_spec import StateTensor
+from cairn.ops import REFERENCE, Kernels
+from cairn.ops.mamba2 import NO_DT_LIMIT
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,11 @@ class Mamba2Spec:
         """Kept in fp32."""
         return (self.num_heads, self.head_dim, self.state_size)
 
+    def state_entries(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
+        """The conv's last K-1 inputs in the model dtype, the SSM state in fp32."""
+        return (StateTensor("conv", self.conv_state_shape(), dtype),
+                StateTensor("ssm", self.ssm_state_shape(), torch.float32))
+
 
 class GroupedGatedRMSNorm(nn.Module):
     """RMSNorm over each of `n_groups` equal slices of the channels, gated by silu(gate).
@@ -86,10 +97,10 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-class Mamba2Mixer(nn.Module):
-    def __init__(self, spec: Mamba2Spec):
+class Mamba2Mixer(RecurrentMixer):
+    def __init__(self, spec: Mamba2Spec, layer: int = 0):
         super().__init__()
-        self.spec = spec
+        self.spec, self.layer = spec, layer
         inner, conv_dim, heads = spec.intermediate_size, spec.conv_dim, spec.num_heads
         self.in_proj = nn.Linear(spec.hidden_size, inner + conv_dim + heads, bias=spec.in_proj_bias)
         # an nn.Conv1d only to hold `conv1d.weight` [C, 1, K] and `conv1d.bias` [C] as checkpoints name them
@@ -105,9 +116,30 @@ class Mamba2Mixer(nn.Module):
         else:
             self.zxbcdt_scale = None
 
+    def state_entries(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
+        return self.spec.state_entries(dtype)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, states: StatePool, kernels: Kernels) -> torch.Tensor:
+        z, xbc, dt = self._project(hidden)
+        own = states.of_layer(self.layer)
+        conv_states, ssm_states = own["conv"], own["ssm"]
+        y = hidden.new_empty(hidden.shape[0], self.spec.num_heads, self.spec.head_dim)
+        nd = batch.num_decode
+        if nd:
+            slots = batch.decode_slots()  # a slice (views into the pool, updated in place) when consecutive
+            conv, ssm = conv_states[slots], ssm_states[slots]
+            y[:nd] = self._step(xbc[:nd], dt[:nd], conv, ssm, kernels)
+            if not isinstance(slots, slice):  # gathered copies: write them back
+                conv_states[slots], ssm_states[slots] = conv, ssm
+        for rows, slot, caps in self.prefill_pieces(batch):
+            y[rows], conv_states[slot], ssm_states[slot] = self._scan(
+                xbc[rows], dt[rows], conv_states[slot], ssm_states[slot], kernels,
+                [(c, dst["conv"], dst["ssm"]) for c, dst in caps])
+        return self._output(y, z)
+
     def prefill(
         self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-        kernels: Mamba2Kernels = REFERENCE, captures: Sequence[tuple[int, torch.Tensor, torch.Tensor]] = (),
+        kernels: Kernels = REFERENCE, captures: Sequence[tuple[int, torch.Tensor, torch.Tensor]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One sequence's prefill segment, continuing from the given states (which are not modified).
 
@@ -116,17 +148,12 @@ class Mamba2Mixer(nn.Module):
         are written into conv_out and ssm_out. Returns (out [T, hidden_size], conv_state, ssm_state).
         """
         z, xbc, dt = self._project(hidden)
-        xbc, conv_state = kernels.mamba_conv1d(
-            xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias, [(c, dst) for c, dst, _ in captures])
-        x, B, C = self._split(xbc)
-        y, ssm_state = kernels.ssd_chunk_scan(
-            x, dt, self._A(), B, C, self.D, self.dt_bias, ssm_state, self.spec.chunk_size, self.spec.dt_limit,
-            [(c, dst) for c, _, dst in captures])
+        y, conv_state, ssm_state = self._scan(xbc, dt, conv_state, ssm_state, kernels, captures)
         return self._output(y, z), conv_state, ssm_state
 
     def decode(
         self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-        kernels: Mamba2Kernels = REFERENCE,
+        kernels: Kernels = REFERENCE,
     ) -> torch.Tensor:
         """One decode step for a batch of sequences, updating both states in place.
 
@@ -135,11 +162,29 @@ class Mamba2Mixer(nn.Module):
         copy must be written back by the caller). Returns out [B, hidden_size].
         """
         z, xbc, dt = self._project(hidden)
+        return self._output(self._step(xbc, dt, conv_state, ssm_state, kernels), z)
+
+    def _scan(
+        self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+        kernels: Kernels, captures: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv and SSD scan of one segment (after the projection): (y [T, heads, head_dim], conv, ssm)."""
+        xbc, conv_state = kernels.mamba_conv1d(
+            xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias, [(c, dst) for c, dst, _ in captures])
+        x, B, C = self._split(xbc)
+        y, ssm_state = kernels.ssd_chunk_scan(
+            x, dt, self._A(), B, C, self.D, self.dt_bias, ssm_state, self.spec.chunk_size, self.spec.dt_limit,
+            [(c, dst) for c, _, dst in captures])
+        return y, conv_state, ssm_state
+
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+              kernels: Kernels) -> torch.Tensor:
+        """One decode step of conv and SSM (after the projection), states updated in place: y [B, heads, head_dim]."""
         xbc, new_conv = kernels.mamba_conv1d_update(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)
         conv_state.copy_(new_conv)
         x, B, C = self._split(xbc)
         y, _ = kernels.ssd_recurrent_step(x, dt, self._A(), B, C, self.D, self.dt_bias, ssm_state, self.spec.dt_limit)
-        return self._output(y, z)
+        return y
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [n, hidden_size] -> z [n, inner], xBC [n, conv_dim], dt [n, heads]."""

@@ -1,18 +1,25 @@
-"""Pools of recurrent-state slots: every Gated DeltaNet layer's conv state and recurrent state.
+"""Pools of recurrent-state slots, laid out from the model's StateSpec.
 
-Layout, one tensor each:
+A slot is one sequence's whole recurrent state at one position: every tensor of every recurrent layer.
+The spec's tensors of equal shape and dtype are stacked into one tensor per group,
 
-    conv:      [num_linear_layers, num_slots, conv_dim, kernel - 1]       (model dtype)
-    recurrent: [num_linear_layers, num_slots, v_heads, k_head_dim, v_head_dim]  (fp32)
+    group g:  [len(g.members), num_slots, *g.shape]   (g.dtype)
 
-A slot is a sequence's whole recurrent state at one position. A running request computes in its own
-working slot; a snapshot is a copy of a slot in another pool (the cache's). Copying a slot is a plain
-tensor copy over the layer dimension, with no model call.
+so that for a Gated DeltaNet model the pool is two tensors, every layer's conv states and every layer's
+fp32 recurrent states, and copying a slot is one copy per group whatever the number of layers. A layer
+finds its own tensors with `of_layer(layer)` (views [num_slots, *shape], updated in place); the cache
+sees a slot only as named tensors (`read_slot` / `write_slot`, names as StateSpec.key gives them) and
+whole-slot copies (`copy_to`).
+
+A running request computes in its own working slot; a snapshot is a copy of a slot in another pool
+(the cache's), made without a model call.
 """
 
 from __future__ import annotations
 
 import torch
+
+from cairn.memory.state_spec import StateSpec
 
 
 class OutOfSlots(RuntimeError):
@@ -20,33 +27,29 @@ class OutOfSlots(RuntimeError):
 
 
 class StatePool:
-    def __init__(self, num_layers: int, num_slots: int, conv_dim: int, conv_kernel: int, v_heads: int,
-                 k_head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 pin_memory: bool = False):
+    def __init__(self, spec: StateSpec, num_slots: int, device: torch.device | str = "cpu", pin_memory: bool = False):
+        self.spec = spec
+        groups = spec.groups()
         # Uninitialised: alloc() zeroes a working slot, and a snapshot slot is always copied into first.
-        self.conv = torch.empty((num_layers, num_slots, conv_dim, conv_kernel - 1), dtype=dtype, device=device,
-                                pin_memory=pin_memory)
-        self.recurrent = torch.empty((num_layers, num_slots, v_heads, k_head_dim, v_head_dim),
-                                     dtype=torch.float32, device=device, pin_memory=pin_memory)
+        self._groups = [torch.empty((len(g.members), num_slots, *g.shape), dtype=g.dtype, device=device,
+                                    pin_memory=pin_memory) for g in groups]
+        self._layers: dict[int, dict[str, torch.Tensor]] = {}  # model layer -> name -> [num_slots, *shape]
+        for g, stacked in zip(groups, self._groups, strict=True):
+            for i, (layer, name) in enumerate(g.members):
+                self._layers.setdefault(layer, {})[name] = stacked[i]
+        self._num_slots = num_slots
+        self._device = torch.empty(0, device=device).device
+        self._pinned = pin_memory
         self._free = list(range(num_slots - 1, -1, -1))
-
-    @staticmethod
-    def slot_bytes(num_layers: int, conv_dim: int, conv_kernel: int, v_heads: int, k_head_dim: int,
-                   v_head_dim: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        conv = conv_dim * (conv_kernel - 1) * itemsize
-        return num_layers * (conv + v_heads * k_head_dim * v_head_dim * 4)
 
     @classmethod
     def like(cls, other: StatePool, num_slots: int, device: torch.device | str, pin_memory: bool = False) -> StatePool:
-        """An empty pool with the same per-slot layout as `other`."""
-        layers, _, conv_dim, k_minus_1 = other.conv.shape
-        _, _, heads, dk, dv = other.recurrent.shape
-        return cls(layers, num_slots, conv_dim, k_minus_1 + 1, heads, dk, dv, other.conv.dtype, device, pin_memory)
+        """An empty pool with the same spec (per-slot layout) as `other`."""
+        return cls(other.spec, num_slots, device, pin_memory)
 
     @property
     def num_slots(self) -> int:
-        return self.conv.shape[1]
+        return self._num_slots
 
     @property
     def num_free(self) -> int:
@@ -54,8 +57,15 @@ class StatePool:
 
     @property
     def bytes_per_slot(self) -> int:
-        return (self.conv[:, 0].numel() * self.conv.element_size()
-                + self.recurrent[:, 0].numel() * self.recurrent.element_size())
+        return self.spec.slot_bytes
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def is_pinned(self) -> bool:
+        return self._pinned
 
     def alloc(self, zero: bool = True) -> int:
         """A free slot; zeroed (the state before any token) unless the caller overwrites it at once."""
@@ -63,8 +73,8 @@ class StatePool:
             raise OutOfSlots(f"all {self.num_slots} state slots are in use")
         slot = self._free.pop()
         if zero:
-            self.conv[:, slot].zero_()
-            self.recurrent[:, slot].zero_()
+            for stacked in self._groups:
+                stacked[:, slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:
@@ -75,24 +85,28 @@ class StatePool:
     def is_free(self, slot: int) -> bool:
         return slot in self._free
 
-    @property
-    def device(self) -> torch.device:
-        return self.conv.device
-
-    @property
-    def is_pinned(self) -> bool:
-        return self.conv.is_pinned()
+    def of_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """Model layer `layer`'s state tensors by name, each a view [num_slots, *shape] into the pool."""
+        return self._layers[layer]
 
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
-        """Slot `slot` as named tensors (views into the pool, every layer): what a snapshot stores."""
-        return {"conv": self.conv[:, slot], "recurrent": self.recurrent[:, slot]}
+        """Slot `slot` as named tensors ("layer3.conv": a view [*shape] into the pool): what a snapshot stores."""
+        key = self.spec.key
+        return {key(layer, name): t[slot] for layer, named in self._layers.items() for name, t in named.items()}
 
     def write_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        """self[slot] <- tensors (as read_slot names them; copied, converted to the pool's device and dtypes)."""
+        """self[slot] <- tensors (named as read_slot names them, each of its shape; copied, converted to the
+        pool's device and dtypes). Raises ValueError when a tensor is missing or misshapen."""
         for name, dst in self.read_slot(slot).items():
-            dst.copy_(tensors[name].to(dst.device, dst.dtype))
+            src = tensors.get(name)
+            if src is None or src.shape != dst.shape:
+                raise ValueError(f"state tensor {name}: expected shape {tuple(dst.shape)}, got "
+                                 f"{None if src is None else tuple(src.shape)}")
+            dst.copy_(src.to(dst.device, dst.dtype))
 
     def copy_to(self, src: int, dst_pool: StatePool, dst: int, non_blocking: bool = False) -> None:
-        """dst_pool[dst] <- self[src], every layer; the source is left untouched."""
-        dst_pool.conv[:, dst].copy_(self.conv[:, src], non_blocking=non_blocking)
-        dst_pool.recurrent[:, dst].copy_(self.recurrent[:, src], non_blocking=non_blocking)
+        """dst_pool[dst] <- self[src], every layer (dst_pool has the same spec); the source is left untouched."""
+        if dst_pool.spec is not self.spec and dst_pool.spec != self.spec:
+            raise ValueError("copy between state pools of different specs")
+        for mine, theirs in zip(self._groups, dst_pool._groups, strict=True):
+            theirs[:, dst].copy_(mine[:, src], non_blocking=non_blocking)

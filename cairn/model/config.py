@@ -5,6 +5,10 @@ and refuses every key whose meaning cairn does not implement, naming the key. A 
 read (it shapes the model), required to hold one value (e.g. `hidden_act` must be `silu`), known to
 have no effect on inference (training-only or multimodal), or unknown, which is an error.
 
+The config also hands each layer its own small spec (`attention_spec`, `gated_deltanet_spec`), so that
+layers never read a ModelConfig, and describes the recurrent state as named per-layer tensors
+(`state_spec`), from which the state pools, snapshot tiers and disk segments are laid out.
+
 This module is not the loader: it never touches weights.
 """
 
@@ -12,7 +16,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from cairn.layers.attention import AttentionSpec
+    from cairn.layers.gated_deltanet import GatedDeltaNetSpec
+    from cairn.memory.state_spec import StateSpec
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +134,27 @@ class ModelConfig:
     def conv_dim(self) -> int:
         """Channels of the depthwise causal conv: q, k and v concatenated."""
         return 2 * self.linear_key_dim + self.linear_value_dim
+
+    # The layer specs are imported where they are built: parsing a config (preflight) must not load torch.
+
+    def attention_spec(self) -> AttentionSpec:
+        from cairn.layers.attention import AttentionSpec
+
+        return AttentionSpec(self.hidden_size, self.num_attention_heads, self.num_kv_heads, self.head_dim,
+                             self.rms_norm_eps)
+
+    def gated_deltanet_spec(self) -> GatedDeltaNetSpec:
+        from cairn.layers.gated_deltanet import GatedDeltaNetSpec
+
+        return GatedDeltaNetSpec(self.hidden_size, self.linear_num_k_heads, self.linear_num_v_heads,
+                                 self.linear_k_head_dim, self.linear_v_head_dim, self.conv_kernel, self.rms_norm_eps)
+
+    def state_spec(self, dtype: torch.dtype) -> StateSpec:
+        """Every recurrent layer's state per slot, for a model computing in `dtype`."""
+        from cairn.memory.state_spec import LayerState, StateSpec
+
+        gdn = self.gated_deltanet_spec().state_entries(dtype)
+        return StateSpec(tuple(LayerState(layer, gdn) for layer in self.linear_layers))
 
     @staticmethod
     def from_hf(raw: dict[str, Any]) -> ModelConfig:

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cairn.forward_batch import ForwardBatch
 from cairn.layers.attention import GatedAttention
 from cairn.layers.gated_deltanet import GatedDeltaNet
 from cairn.layers.mlp import SparseMoE, SwiGLU
 from cairn.layers.norm import RMSNorm
+from cairn.layers.recurrent import RecurrentMixer
 from cairn.layers.rotary import PartialRotary
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
-from cairn.model.batch import ForwardBatch
 from cairn.model.config import ModelConfig
 from cairn.ops import REFERENCE, Kernels
 
@@ -45,9 +46,9 @@ class Target:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, mixer: nn.Module, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.is_linear = cfg.layer_types[layer] == "linear_attention"
+        self.is_recurrent = isinstance(mixer, RecurrentMixer)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer = mixer
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -55,7 +56,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, batch, cos_sin, kv: KVPool, states: StatePool, kernels: Kernels):
         h = self.input_norm(x)
-        if self.is_linear:
+        if self.is_recurrent:
             h = self.mixer(h, batch, states, kernels)
         else:
             h = self.mixer(h, batch, cos_sin, kv, kernels)
@@ -70,15 +71,14 @@ class HybridModel(nn.Module):
         self.kernels = kernels
         self.rotary = PartialRotary(cfg.rotary_dim, cfg.rope_theta)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        linear_index = {layer: i for i, layer in enumerate(cfg.linear_layers)}
         attention_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
         layers = []
         for i, kind in enumerate(cfg.layer_types):
             if kind == "linear_attention":
-                mixer = GatedDeltaNet(cfg, linear_index[i])
+                mixer = GatedDeltaNet(cfg.gated_deltanet_spec(), i)
             else:
-                mixer = GatedAttention(cfg, attention_index[i], self.rotary)
-            layers.append(DecoderLayer(cfg, i, mixer, self.make_mlp(i)))
+                mixer = GatedAttention(cfg.attention_spec(), attention_index[i], self.rotary)
+            layers.append(DecoderLayer(cfg, mixer, self.make_mlp(i)))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

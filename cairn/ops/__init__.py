@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cairn.ops import attention, conv, gdn
+from cairn.ops import attention, conv, gdn, mamba2
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,10 @@ class Kernels:
     causal_conv1d_update: Callable = conv.causal_conv1d_update
     paged_prefill_attention: Callable = attention.paged_prefill_attention
     paged_decode_attention: Callable = attention.paged_decode_attention
+    mamba_conv1d: Callable = mamba2.mamba_conv1d
+    mamba_conv1d_update: Callable = mamba2.mamba_conv1d_update
+    ssd_chunk_scan: Callable = mamba2.ssd_chunk_scan
+    ssd_recurrent_step: Callable = mamba2.ssd_recurrent_step
 
 
 REFERENCE = Kernels(name="reference")

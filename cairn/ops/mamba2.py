@@ -16,13 +16,13 @@ already lies inside the limit).
 
 `mamba_conv1d` is cairn.ops.conv's causal conv with the bias the Mamba2 conv adds before its SiLU
 (same state layout [C, K-1], same `capture_at` contract); it goes when conv.py takes a bias.
-These are the references a fast kernel must match on outputs and final states.
+These are the references a fast kernel must match on outputs and final states; they are fields of
+cairn.ops.Kernels.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -156,17 +156,3 @@ def ssd_recurrent_step(
     state.mul_((steps * A.float()).exp()[..., None, None]).addcmul_(xdt.unsqueeze(-1), Bh.unsqueeze(-2))
     y = (state @ Ch.unsqueeze(-1)).squeeze(-1) + D.float()[:, None] * x.float()
     return y.to(x.dtype), state
-
-
-@dataclass(frozen=True)
-class Mamba2Kernels:
-    """The Mamba2 kernel set; its fields join cairn.ops.Kernels (same names) when a family uses them."""
-
-    name: str
-    mamba_conv1d: Callable = mamba_conv1d
-    mamba_conv1d_update: Callable = mamba_conv1d_update
-    ssd_chunk_scan: Callable = ssd_chunk_scan
-    ssd_recurrent_step: Callable = ssd_recurrent_step
-
-
-REFERENCE = Mamba2Kernels(name="reference")

@@ -5,8 +5,9 @@ those tokens, and optionally the recurrent-state snapshot and logits at its end.
 parent's key with its tokens, so equal prefixes get equal keys across requests, restarts and servers.
 
 This module is NOT the store (`store.py` names, writes, indexes and evicts files) and knows
-nothing of tensors: KV, snapshot and logits are opaque bytes whose shapes and dtypes travel in small
-JSON dicts chosen by the caller.
+nothing of tensors: KV, snapshot and logits are bytes whose shapes and dtypes travel in small JSON
+dicts chosen by the caller. The snapshot's dict is the one checked: it names the tensors the section
+holds back to back, with dtype, shape and offset (named_bytes.py), whatever the model's state spec.
 
 File layout (little-endian; every length is checked against `SegmentLimits` before allocating):
 
@@ -31,7 +32,7 @@ File layout (little-endian; every length is checked against `SegmentLimits` befo
     end-24  8     file_bytes again (u64)
     end-16  16    sections digest: sha256[:16](header checksum | every section checksum)
 
-Tokens are uint32 little-endian; the meta section is JSON {"kv": {...}, "snapshot": {...},
+Tokens are uint32 little-endian; the meta section is JSON {"kv": {...}, "snapshot": {"tensors": [...]},
 "logits": {...}}, never compressed.
 """
 
@@ -45,7 +46,11 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-FORMAT_VERSION = 2  # 2: sha256 section checksums (1 used blake2b; its files are refused as 'version')
+from cairn.cache.disk.named_bytes import LayoutError, read_layout
+
+# 2: sha256 section checksums (1 used blake2b); 3: the snapshot section is a list of named tensors (2 held a
+# fixed conv / recurrent pair). Older files are refused as 'version' (and live in another namespace).
+FORMAT_VERSION = 3
 MAGIC = b"CAIRNSEG"
 END_MAGIC = b"CAIRNEND"
 KEY_BYTES = 32
@@ -107,7 +112,7 @@ class Segment:
     kv_bytes: bytes  # opaque KV pages of these tokens
     kv_meta: dict = field(default_factory=dict)  # JSON-able shapes/dtypes/page size of kv_bytes
     snapshot_bytes: bytes | None = None  # opaque recurrent-state snapshot at position end, or None
-    snapshot_meta: dict = field(default_factory=dict)  # JSON-able description of snapshot_bytes
+    snapshot_meta: dict = field(default_factory=dict)  # its tensors (named_bytes.layout_meta); {} without one
     logits_bytes: bytes | None = None  # opaque logits at position end - 1, or None
     logits_meta: dict = field(default_factory=dict)  # JSON-able description of logits_bytes
 
@@ -254,6 +259,8 @@ def _check_segment(segment: Segment, limits: SegmentLimits) -> None:
         raise ValueError(f"start_position out of range: {segment.start_position}")
     if segment.key != segment_key(segment.parent_key, segment.tokens):
         raise ValueError("segment.key is not segment_key(parent_key, tokens)")
+    if segment.snapshot_bytes is not None:
+        read_layout(segment.snapshot_meta, _byte_view(segment.snapshot_bytes).nbytes)  # LayoutError is a ValueError
 
 
 def _meta_bytes(segment: Segment, limits: SegmentLimits) -> bytes:
@@ -450,7 +457,8 @@ def decode_segment(data, compat_digest: str, limits: SegmentLimits = DEFAULT_LIM
     """Parse and fully verify a segment file's bytes; raises SegmentError, never returns wrong data.
 
     Verifies the header, every section checksum, the end marker's sections digest (which binds the
-    sections to this header), the compatibility digest, and that key == segment_key(parent, tokens).
+    sections to this header), the compatibility digest, that key == segment_key(parent, tokens), and that
+    the snapshot's tensor layout covers its section exactly.
     `hasher`: a SectionHasher that already went over these bytes; the checksums it finished are used
     instead of hashing again, the others are computed here.
     """
@@ -466,6 +474,11 @@ def decode_segment(data, compat_digest: str, limits: SegmentLimits = DEFAULT_LIM
     if segment_key(header.parent_key, tokens) != header.key:
         raise SegmentError("malformed", "key is not the hash of parent key and tokens")
     meta = _parse_meta(payloads[SECTION_META], limits)
+    if SECTION_SNAPSHOT in payloads:
+        try:
+            read_layout(meta["snapshot"], len(payloads[SECTION_SNAPSHOT]))
+        except LayoutError as e:
+            raise SegmentError("malformed", f"snapshot section: {e}") from None
     return Segment(key=header.key, parent_key=header.parent_key, start_position=header.start_position,
                    tokens=tokens, kv_bytes=payloads[SECTION_KV], kv_meta=meta["kv"],
                    snapshot_bytes=payloads.get(SECTION_SNAPSHOT), snapshot_meta=meta["snapshot"],

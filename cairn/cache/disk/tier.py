@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
+from cairn.cache.disk.named_bytes import layout_meta, read_layout
 from cairn.cache.disk.segment import FORMAT_VERSION, ROOT_KEY, Segment, _tokens_to_bytes, segment_key
 from cairn.cache.disk.store import DiskStore
 from cairn.cache.tree.nodes import DiskRef, Node
@@ -61,9 +62,19 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 def _from_bytes(data: bytes | memoryview, meta: dict) -> torch.Tensor:
     """A tensor over `data` (no copy when it is a writable view, as segments read from disk are)."""
     dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
+    if not len(data):
+        return torch.empty(meta["shape"], dtype=dtype)
     if not (isinstance(data, memoryview) and not data.readonly):
         data = bytearray(data)
     return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(meta["shape"])
+
+
+def snapshot_fields(tensors: dict[str, torch.Tensor]) -> dict:
+    """The snapshot section (the named tensors back to back, in one device-to-host copy) and its meta."""
+    flat = [t.detach().contiguous().view(torch.uint8).reshape(-1) for t in tensors.values()]
+    data = torch.cat(flat).cpu().numpy().tobytes() if flat else b""
+    meta = layout_meta([(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items()])
+    return {"snapshot_bytes": data, "snapshot_meta": meta}
 
 
 def _meta(t: torch.Tensor) -> dict:
@@ -74,7 +85,7 @@ def _meta(t: torch.Tensor) -> dict:
 class SnapshotTensors:
     """A snapshot read back from disk."""
 
-    tensors: dict[str, torch.Tensor]  # as StatePool.read_slot names them
+    tensors: dict[str, torch.Tensor]  # as StatePool.read_slot names them (views of the segment's bytes)
     logits: torch.Tensor | None
 
 
@@ -130,10 +141,7 @@ class DiskTier:
                       tokens=node.tokens, kv_bytes=_to_bytes(kv_tensor), kv_meta=_meta(kv_tensor))
         if snapshot is not None:
             tensors, logits = snapshot
-            conv, recurrent = tensors["conv"], tensors["recurrent"]
-            fields.update(snapshot_bytes=_to_bytes(conv) + _to_bytes(recurrent),
-                          snapshot_meta={"conv": _meta(conv), "recurrent": _meta(recurrent),
-                                         "conv_bytes": conv.numel() * conv.element_size()})
+            fields.update(snapshot_fields(tensors))
             if logits is not None:
                 fields.update(logits_bytes=_to_bytes(logits.float()), logits_meta=_meta(logits.float()))
         return Segment(**fields)
@@ -162,11 +170,11 @@ class DiskTier:
     def snapshot_of(segment: Segment) -> SnapshotTensors | None:
         if segment.snapshot_bytes is None:
             return None
-        meta = segment.snapshot_meta
-        cut = meta["conv_bytes"]
+        data = segment.snapshot_bytes  # its layout was checked when the segment was decoded
+        tensors = {t.name: _from_bytes(data[t.offset:t.offset + t.nbytes], {"dtype": t.dtype, "shape": t.shape})
+                   for t in read_layout(segment.snapshot_meta, len(data))}
         logits = None if segment.logits_bytes is None else _from_bytes(segment.logits_bytes, segment.logits_meta)
-        return SnapshotTensors({"conv": _from_bytes(segment.snapshot_bytes[:cut], meta["conv"]),
-                                "recurrent": _from_bytes(segment.snapshot_bytes[cut:], meta["recurrent"])}, logits)
+        return SnapshotTensors(tensors, logits)
 
     # ---- start-up -----------------------------------------------------------------------------------
 

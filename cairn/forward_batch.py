@@ -12,15 +12,24 @@ For sequence i, `query_lens[i]` tokens are new this step, at absolute positions
 state at positions strictly inside its segment (`captures`): the linear layers then save every layer's
 state there into slots of `capture_pool` without ending the step, which is how snapshots are taken
 mid-chunk at no extra forward pass.
+
+A leaf below model/ and layers/ (it imports only torch): the runner builds it, the model and its layers
+read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from cairn.memory.state_pool import StatePool
+
+class SlotTensors(Protocol):
+    """What a step needs of the pool that captured states go to (cairn.memory.state_pool.StatePool)."""
+
+    def of_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """Model layer `layer`'s state tensors by name, each [num_slots, *shape], written in place."""
 
 
 @dataclass
@@ -36,7 +45,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] long: token rows whose next-token logits are wanted
     captures: list[list[tuple[int, int]]] = field(default_factory=list)  # per sequence: (absolute position
     # strictly inside its segment, slot of capture_pool) where every linear layer saves its state
-    capture_pool: StatePool | None = None  # where captured states go (the cache's device snapshot pool)
+    capture_pool: SlotTensors | None = None  # where captured states go (the cache's device snapshot pool)
     # computed once per step by the first layer that asks, not once per layer
     _decode_slots: slice | torch.Tensor | None = field(default=None, init=False, repr=False)
     _decode_context_lens: torch.Tensor | None = field(default=None, init=False, repr=False)
