@@ -4,8 +4,8 @@ Each step (`schedule`) picks, in order:
 1. every running sequence in decode: one token each; a sequence that needs a new KV page and finds
    none preempts the most recently admitted running sequence (its pages and slot are released and it
    returns to the front of the queue to be recomputed);
-2. running sequences still in prefill: a chunk each, within the remaining budget, ending at the next
-   cut (a position where the prefix cache wants a snapshot) or at the end of the tokens; with a
+2. running sequences still in prefill: a chunk each, within the remaining budget, ending at the end of
+   the tokens at the latest (snapshots inside a chunk are captured by the step itself); with a
    `prefill_block` (exact resumption) a chunk also ends only at a multiple of the block or at the end
    of the tokens, never inside a block, so its blocks are the same whatever the budget left;
 3. waiting sequences, first come first served, while the budget, a working state slot and KV pages

@@ -15,7 +15,6 @@ every token is computed the logits of the last one give the next token.
 
 from __future__ import annotations
 
-import bisect
 import enum
 import time
 from dataclasses import dataclass, field
@@ -58,7 +57,6 @@ class Sequence:
     num_cached: int = 0
     page_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
-    cuts: list[int] = field(default_factory=list)  # sorted positions where a prefill chunk must end
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -108,9 +106,5 @@ class Sequence:
         return self.status == Status.FINISHED
 
     def next_chunk_len(self, budget: int) -> int:
-        """Tokens to compute this step: up to `budget`, stopping at the next cut after num_computed."""
-        end = min(self.num_tokens, self.num_computed + budget)
-        i = bisect.bisect_right(self.cuts, self.num_computed)
-        if i < len(self.cuts) and self.cuts[i] < end:
-            end = self.cuts[i]
-        return max(0, end - self.num_computed)
+        """Tokens to compute this step: up to `budget`, at most to the end of the tokens."""
+        return max(0, min(self.num_tokens - self.num_computed, budget))

@@ -47,32 +47,19 @@ def test_many_requests_batch_continuously_and_match_running_alone():
     assert llm.engine.kv.allocator.num_free == llm.engine.kv.num_pages
 
 
-class CutAt(NullCache):
-    """A test double of the cache interface that asks for chunk boundaries and records where steps end."""
+class StepEnds(NullCache):
+    """A test double of the cache interface that records where each step left a sequence."""
 
-    def __init__(self, cuts):
-        self.cuts, self.seen = cuts, []
-
-    def admit(self, seq: Sequence) -> bool:
-        seq.cuts = list(self.cuts)
-        return True
+    def __init__(self):
+        self.seen = []
 
     def after_step(self, seq: Sequence, logits) -> None:
         self.seen.append(seq.num_computed)
 
 
-def test_prefill_chunks_end_at_the_positions_the_cache_requires():
-    cache = CutAt([5, 33, 34, 50])
-    cfg = make_llm().engine.config
-    engine = Engine(cfg, cache=cache)
-    engine.add_request(list(range(100)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    drain(engine)
-    assert cache.seen[:6] == [5, 33, 34, 50, 100, 101]
-
-
 def test_each_step_stays_within_the_token_budget():
     llm = make_llm(max_num_batched_tokens=16)
-    cache = CutAt([])
+    cache = StepEnds()
     engine = Engine(llm.engine.config, cache=cache)
     engine.add_request(list(range(100)), SamplingParams(max_tokens=1, temperature=0.0))
     drain(engine)

@@ -5,7 +5,7 @@ separate `NullCache`, not a flag inside a real one.
 
     admit(seq)        before a request first runs; may resume it (sets num_cached / num_computed,
                       shares KV pages into seq.page_table, restores state into seq.state_slot) and
-                      may set seq.cuts, positions where its prefill chunks must end. When the whole
+                      when the whole
                       prompt is resumed from a snapshot that stored its logits, it sets seq.ready_logits
                       and the request computes nothing before its first token.
     captures(seq, start, end)  while a step is built: the positions inside the prefill segment where
