@@ -123,7 +123,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache, max_num_seqs,
                                    sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
                                    self.prefill_block)
-        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.cache, self.prefill_block)
+        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.prefill_block)
         if self.prefill_block:
             log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
         self.weight_layout = opts.quantization if opts.quantization != "none" else apply_layout(
@@ -307,21 +307,8 @@ class Engine:
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         started = time.perf_counter()
-        logits, to_sample = self.runner.run(batch) if batch.seqs else (None, [])
-        prefill_tokens = batch.num_tokens - batch.num_decode
-        if prefill_tokens:
-            self.cache.observe_prefill(prefill_tokens, time.perf_counter() - started)
-        row_of = {seq.request_id: i for i, seq in enumerate(to_sample)}
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed += n
-            i = row_of.get(seq.request_id)
-            self.cache.after_step(seq, None if i is None else logits[i])
-        if batch.ready:
-            restored = torch.stack([seq.ready_logits.float().cpu() for seq in batch.ready])
-            logits = restored if logits is None else torch.cat([logits, restored])
-            to_sample = to_sample + batch.ready
-            for seq in batch.ready:
-                seq.ready_logits = None
+        logits, computed = self.runner.run(batch) if batch.seqs else (None, [])
+        logits, to_sample = self.scheduler.after_step(batch, logits, computed, time.perf_counter() - started)
         contexts = self._contexts(to_sample)
         sampled = sample_isolated(logits, [s.params for s in to_sample], [s.generator for s in to_sample], contexts)
         outputs = [self._append(seq, s) for seq, s in zip(to_sample, sampled, strict=True)]
@@ -372,17 +359,14 @@ class Engine:
                 self._release_held(seq.group_id)
         seq.last_token_s = now
         self.activity.token()
-        seq.token_ids.append(s.token)
+        reason = self.scheduler.append(seq, s.token)
         if s.logprob is not None:
             seq.logprobs.append(s.logprob)
         if s.top_logprobs is not None:
             seq.top_logprobs.append(s.top_logprobs)
-        reason = None
-        is_stop_token = s.token in seq.eos_token_ids
-        if is_stop_token or (seq.grammar is not None and seq.grammar.done):
+        is_stop_token = reason == "stop"
+        if seq.grammar is not None and seq.grammar.done:
             reason = "stop"
-        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
         delta, hit = self._detok[seq.request_id].add(None if is_stop_token else s.token, final=reason is not None,
                                                      check_stop=seq.num_output_tokens >= seq.params.min_tokens)
         if hit:
@@ -421,7 +405,7 @@ class Engine:
         kv, states = self.kv, self.states
         use = {"kv_pool_use": 1 - kv.allocator.num_free / kv.num_pages,
                "working_slots_use": 1 - states.num_free / states.num_slots}
-        stats = self.cache.stats()
+        stats = self.scheduler.cache_stats()
         budgets = stats.get("snapshot_budget_bytes{tier}", {})
         for tier, used in stats.get("snapshot_used_bytes{tier}", {}).items():
             if budgets.get(tier):
@@ -442,17 +426,12 @@ class Engine:
         """Abort what is running and release the cache's files and locks (call once, at shutdown)."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self.abort(seq.group_id)
-        self.cache.close()
+        self.scheduler.close()
 
     def check_integrity(self) -> None:
         """Pages, slots and the cache's bookkeeping agree: every page's refcount is the tree's references
-        plus the running requests' page tables."""
-        self.cache.check_integrity()
-        expected: dict[int, int] = dict(self.cache.page_refs())
-        for seq in self.scheduler.running:
-            for page in seq.page_table:
-                expected[page] = expected.get(page, 0) + 1
-        self.kv.allocator.check_integrity(expected)
+        plus the running requests' page tables (the scheduler checks), and an idle engine holds no slot."""
+        self.scheduler.check_integrity()
         if not self.scheduler.has_work and self.states.num_free != self.states.num_slots:
             raise AssertionError("an idle engine holds working state slots")
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cairn.cache.base import NullCache
+from cairn.cache.base import Admission, CacheRequest, NullCache
 from cairn.config import EngineConfig
 from cairn.engine import LLM, Engine
 from cairn.sampling import SamplingParams
 from cairn.scheduler import RequestTooLarge
-from cairn.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -53,8 +52,9 @@ class StepEnds(NullCache):
     def __init__(self):
         self.seen = []
 
-    def after_step(self, seq: Sequence, logits) -> None:
-        self.seen.append(seq.num_computed)
+    def after_step(self, adm: Admission, req: CacheRequest, logits) -> int:
+        self.seen.append(req.num_computed)
+        return 0
 
 
 def test_each_step_stays_within_the_token_budget():
