@@ -1,8 +1,10 @@
 """Engine: model, memory pools, scheduler, prefix cache and runner behind add_request / step / abort.
 
 The engine is single-threaded: one caller drives `step()` (the offline `LLM` below, or the server's
-engine thread). Each step schedules a batch, runs it, samples, and returns a RequestOutput for every
-request that produced text or finished.
+engine thread). Each step schedules a batch, runs it, has the scheduler apply it, samples, and returns
+a RequestOutput for every request that produced text or finished: what the step added (its token, text
+and logprobs), never the whole answer again, so a step's output does not grow with the answer's
+length; `LLM` and the server accumulate them (`outputs.Completion`).
 
 A request with n > 1 is n sequences (choices) of one request id. The first computes the prompt; the
 others are queued once its prefill is done and resume from the prompt-end snapshot it left in the
@@ -37,7 +39,7 @@ from cairn.model.layout import apply_layout, quantize
 from cairn.model.loader import load_checkpoint
 from cairn.ops import select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
-from cairn.outputs import Detokenizer, RequestOutput
+from cairn.outputs import Completion, Detokenizer, RequestOutput, accumulate
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
 from cairn.sampling import Sampled, SamplingError, SamplingParams, generation_defaults, sample_isolated
@@ -241,7 +243,7 @@ class Engine:
         self.scheduler.abort(seq.request_id)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         self._log_finished(seq)
-        return self._output(seq, "", [])
+        return self._output(seq, "")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -339,7 +341,7 @@ class Engine:
                 self._abort_choice(other)
         self.scheduler.finish(seq, "error")
         self._log_finished(seq)
-        out = self._output(seq, "", [])
+        out = self._output(seq, "")
         out.error = error
         return out
 
@@ -374,26 +376,27 @@ class Engine:
         if reason:
             self.scheduler.finish(seq, reason)
             self._log_finished(seq)
-        return self._output(seq, delta, [s.token])
+        return self._output(seq, delta, s)
 
-    def _output(self, seq: Sequence, delta: str, delta_ids: list[int]) -> RequestOutput:
-        detok = self._detok[seq.request_id]
+    def _output(self, seq: Sequence, delta: str, s: Sampled | None = None) -> RequestOutput:
+        """seq's news this step: `delta` text, and the token sampled (`s`, None when it ended without one:
+        then the text held back for stop strings is flushed)."""
         finished = seq.status == Status.FINISHED
         request_finished = finished
         if finished:
             self._seqs.pop(seq.request_id, None)
-            self._detok.pop(seq.request_id, None)
+            delta += self._detok.pop(seq.request_id).flush()
             group = self._groups.get(seq.group_id, [seq])
             request_finished = all(s.is_finished for s in group) and seq.group_id not in self._held
             if request_finished:
                 self._groups.pop(seq.group_id, None)
         ttft = None if seq.first_token_s is None else seq.first_token_s - seq.arrival_s
         return RequestOutput(
-            request_id=seq.group_id, text=detok.text[: detok.sent] if not finished else detok.text,
-            delta_text=delta, token_ids=seq.output_ids, delta_token_ids=delta_ids, finished=finished,
-            finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft,
-            prompt_token_ids=seq.prompt_ids if finished else None, index=seq.index,
+            request_id=seq.group_id, delta_text=delta, delta_token_ids=[] if s is None else [s.token],
+            finished=finished, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+            delta_logprobs=[] if s is None or s.logprob is None else [s.logprob],
+            delta_top_logprobs=[] if s is None or s.top_logprobs is None else [s.top_logprobs],
+            cache=seq.cache, ttft_s=ttft, prompt_token_ids=seq.prompt_ids if finished else None, index=seq.index,
             request_finished=request_finished)
 
     def _log_finished(self, seq: Sequence) -> None:
@@ -449,7 +452,7 @@ class LLM:
         self.engine = Engine(config_with_overrides(config or EngineConfig(), model=model, **overrides))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | list, params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: str | list[int] | list, params: SamplingParams | None = None) -> list[Completion]:
         """Outputs in prompt order (with n > 1, the n choices of each prompt in index order).
         `prompts`: one prompt or a list of strings / token-id lists."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -457,7 +460,7 @@ class LLM:
         ids = [self.engine.add_request(p, params or SamplingParams()) for p in prompts]
         return self._run(ids)
 
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[Completion]:
         """One output per conversation (a list of {"role", "content"} messages)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
@@ -473,14 +476,15 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
-        """The finished outputs of these requests: in request order, each request's choices by index."""
-        done: dict[tuple[str, int], RequestOutput] = {}
+    def _run(self, ids: list[str]) -> list[Completion]:
+        """The finished answers of these requests: in request order, each request's choices by index."""
+        done: dict[tuple[str, int], Completion] = {}
         remaining = set(ids)
         while remaining:
             for out in self.engine.step():
-                if out.finished:
-                    done[(out.request_id, out.index)] = out
+                accumulate(done, out)
                 if out.request_finished:
                     remaining.discard(out.request_id)
-        return [out for key, out in sorted(done.items(), key=lambda kv: (ids.index(kv[0][0]), kv[0][1]))]
+        order = {request_id: i for i, request_id in enumerate(ids)}
+        finished = [c for c in done.values() if c.finished and c.request_id in order]
+        return sorted(finished, key=lambda c: (order[c.request_id], c.index))

@@ -11,6 +11,7 @@ import pytest
 
 from cairn.cache import hybrid as hybrid_cache
 from cairn.engine import LLM, Engine, StepFailed
+from cairn.outputs import accumulate
 from cairn.sampling import SamplingParams
 from cairn.server.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission
 from cairn.server.offload import Offload
@@ -31,10 +32,12 @@ def make_engine() -> Engine:
 
 def run(engine: Engine, prompt: list[int]) -> list[int]:
     request_id = engine.add_request(prompt, GREEDY)
+    answers = {}
     while True:
         for out in engine.step():
+            answer = accumulate(answers, out)
             if out.request_id == request_id and out.finished:
-                return out.token_ids
+                return answer.token_ids
 
 
 def assert_idle(engine: Engine) -> None:
@@ -85,10 +88,11 @@ def test_failed_admission_fails_only_that_request():
         engine.step()
     assert failed.value.request_ids == [victim]
     assert engine.running_request_ids() == [bystander]
-    finished = {}
+    answers = {}
     while engine.has_unfinished():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert finished[bystander].token_ids == alone
+        for o in engine.step():
+            accumulate(answers, o)
+    assert answers[(bystander, 0)].finished and answers[(bystander, 0)].token_ids == alone
     assert_idle(engine)
 
 
