@@ -362,10 +362,6 @@ class Engine:
         seq.last_token_s = now
         self.activity.token()
         reason = self.scheduler.append(seq, s.token)
-        if s.logprob is not None:
-            seq.logprobs.append(s.logprob)
-        if s.top_logprobs is not None:
-            seq.top_logprobs.append(s.top_logprobs)
         is_stop_token = reason == "stop"
         if seq.grammar is not None and seq.grammar.done:
             reason = "stop"
@@ -387,7 +383,7 @@ class Engine:
             self._seqs.pop(seq.request_id, None)
             delta += self._detok.pop(seq.request_id).flush()
             group = self._groups.get(seq.group_id, [seq])
-            request_finished = all(s.is_finished for s in group) and seq.group_id not in self._held
+            request_finished = all(other.is_finished for other in group) and seq.group_id not in self._held
             if request_finished:
                 self._groups.pop(seq.group_id, None)
         ttft = None if seq.first_token_s is None else seq.first_token_s - seq.arrival_s

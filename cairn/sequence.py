@@ -45,8 +45,6 @@ class Sequence:
     num_cached: int = 0
     page_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     cache: CacheReport = field(default_factory=CacheReport)  # what the prefix cache did for it
     generator: torch.Generator | None = None
