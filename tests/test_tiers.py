@@ -233,11 +233,12 @@ def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes
         engine = second.engine
         prompt = CONVERSATION[:300] + [4, 4]  # resumes from disk; its branch snapshot at 300 splits a disk node
         request_id = engine.add_request(prompt, G)
-        engine.step()
+        answers = {}
+        for o in engine.step():
+            accumulate(answers, o)
         assert engine._seqs[request_id].cache.resume_tier == "disk"
         for path in _segment_files(tmp_path):  # gone before the write-through rewrites the split node
             path.unlink()
-        answers = {}
         for o in (o for _ in range(50) for o in engine.step()):
             accumulate(answers, o)
         (out,) = [a for a in answers.values() if a.finished]
