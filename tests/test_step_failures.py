@@ -80,7 +80,9 @@ def test_failed_admission_fails_only_that_request():
     run(engine, PROMPT)
     alone = run(engine, OTHER)
     bystander = engine.add_request(OTHER, GREEDY)
-    engine.step()  # the bystander is admitted and running
+    answers = {}
+    for o in engine.step():  # the bystander is admitted and running
+        accumulate(answers, o)
     victim = engine.add_request(PROMPT + [4, 4], GREEDY)  # will resume from a snapshot: make that fail
     engine.cache.speeds.prefill_tokens_per_s = 1e-3  # so the planner never finds a cold prefill faster
     fail_once(engine.cache.tiers, "restore_snapshot")
@@ -88,7 +90,6 @@ def test_failed_admission_fails_only_that_request():
         engine.step()
     assert failed.value.request_ids == [victim]
     assert engine.running_request_ids() == [bystander]
-    answers = {}
     while engine.has_unfinished():
         for o in engine.step():
             accumulate(answers, o)
