@@ -64,14 +64,13 @@ def run_generate(ns: argparse.Namespace) -> int:
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
     rid = engine.add_request(ns.prompt, params, messages=messages)
-    out = None
+    out, n = None, 0
     while out is None or not out.finished:
         for o in engine.step():
             if o.request_id == rid:
-                out = o
+                out, n = o, n + len(o.delta_token_ids)
                 print(o.delta_text, end="", flush=True)
     total = time.perf_counter() - t1
-    n = len(out.token_ids)
     decode_s = total - (out.ttft_s or 0.0)
     print()
     print(f"[{engine.model_name}] load {t_load:.2f}s | prompt {out.num_prompt_tokens} tokens, "

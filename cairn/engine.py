@@ -1,8 +1,10 @@
 """Engine: model, memory pools, scheduler, prefix cache and runner behind add_request / step / abort.
 
 The engine is single-threaded: one caller drives `step()` (the offline `LLM` below, or the server's
-engine thread). Each step schedules a batch, runs it, samples, and returns a RequestOutput for every
-request that produced text or finished.
+engine thread). Each step schedules a batch, runs it, has the scheduler apply it, samples, and returns
+a RequestOutput for every request that produced text or finished: what the step added (its token, text
+and logprobs), never the whole answer again, so a step's output does not grow with the answer's
+length; `LLM` and the server accumulate them (`outputs.Completion`).
 
 A request with n > 1 is n sequences (choices) of one request id. The first computes the prompt; the
 others are queued once its prefill is done and resume from the prompt-end snapshot it left in the
@@ -37,7 +39,7 @@ from cairn.model.layout import apply_layout, quantize
 from cairn.model.loader import load_checkpoint
 from cairn.ops import select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
-from cairn.outputs import Detokenizer, RequestOutput
+from cairn.outputs import Completion, Detokenizer, RequestOutput, accumulate
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
 from cairn.sampling import Sampled, SamplingError, SamplingParams, generation_defaults, sample_isolated
@@ -123,7 +125,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache, max_num_seqs,
                                    sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
                                    self.prefill_block)
-        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.cache, self.prefill_block)
+        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.prefill_block)
         if self.prefill_block:
             log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
         self.weight_layout = opts.quantization if opts.quantization != "none" else apply_layout(
@@ -240,7 +242,7 @@ class Engine:
         self.scheduler.abort(seq.request_id)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         self._log_finished(seq)
-        return self._output(seq, "", [])
+        return self._output(seq, "")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -306,21 +308,8 @@ class Engine:
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         started = time.perf_counter()
-        logits, to_sample = self.runner.run(batch) if batch.seqs else (None, [])
-        prefill_tokens = batch.num_tokens - batch.num_decode
-        if prefill_tokens:
-            self.cache.observe_prefill(prefill_tokens, time.perf_counter() - started)
-        row_of = {seq.request_id: i for i, seq in enumerate(to_sample)}
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed += n
-            i = row_of.get(seq.request_id)
-            self.cache.after_step(seq, None if i is None else logits[i])
-        if batch.ready:
-            restored = torch.stack([seq.ready_logits.float().cpu() for seq in batch.ready])
-            logits = restored if logits is None else torch.cat([logits, restored])
-            to_sample = to_sample + batch.ready
-            for seq in batch.ready:
-                seq.ready_logits = None
+        logits, computed = self.runner.run(batch) if batch.seqs else (None, [])
+        logits, to_sample = self.scheduler.after_step(batch, logits, computed, time.perf_counter() - started)
         contexts = self._contexts(to_sample)
         sampled = sample_isolated(logits, [s.params for s in to_sample], [s.generator for s in to_sample], contexts)
         outputs = [self._append(seq, s) for seq, s in zip(to_sample, sampled, strict=True)]
@@ -351,7 +340,7 @@ class Engine:
                 self._abort_choice(other)
         self.scheduler.finish(seq, "error")
         self._log_finished(seq)
-        out = self._output(seq, "", [])
+        out = self._output(seq, "")
         out.error = error
         return out
 
@@ -371,17 +360,10 @@ class Engine:
                 self._release_held(seq.group_id)
         seq.last_token_s = now
         self.activity.token()
-        seq.token_ids.append(s.token)
-        if s.logprob is not None:
-            seq.logprobs.append(s.logprob)
-        if s.top_logprobs is not None:
-            seq.top_logprobs.append(s.top_logprobs)
-        reason = None
-        is_stop_token = s.token in seq.eos_token_ids
-        if is_stop_token or (seq.grammar is not None and seq.grammar.done):
+        reason = self.scheduler.append(seq, s.token)
+        is_stop_token = reason == "stop"
+        if seq.grammar is not None and seq.grammar.done:
             reason = "stop"
-        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
         delta, hit = self._detok[seq.request_id].add(None if is_stop_token else s.token, final=reason is not None,
                                                      check_stop=seq.num_output_tokens >= seq.params.min_tokens)
         if hit:
@@ -389,26 +371,27 @@ class Engine:
         if reason:
             self.scheduler.finish(seq, reason)
             self._log_finished(seq)
-        return self._output(seq, delta, [s.token])
+        return self._output(seq, delta, s)
 
-    def _output(self, seq: Sequence, delta: str, delta_ids: list[int]) -> RequestOutput:
-        detok = self._detok[seq.request_id]
+    def _output(self, seq: Sequence, delta: str, s: Sampled | None = None) -> RequestOutput:
+        """seq's news this step: `delta` text, and the token sampled (`s`, None when it ended without one:
+        then the text held back for stop strings is flushed)."""
         finished = seq.status == Status.FINISHED
         request_finished = finished
         if finished:
             self._seqs.pop(seq.request_id, None)
-            self._detok.pop(seq.request_id, None)
+            delta += self._detok.pop(seq.request_id).flush()
             group = self._groups.get(seq.group_id, [seq])
-            request_finished = all(s.is_finished for s in group) and seq.group_id not in self._held
+            request_finished = all(other.is_finished for other in group) and seq.group_id not in self._held
             if request_finished:
                 self._groups.pop(seq.group_id, None)
         ttft = None if seq.first_token_s is None else seq.first_token_s - seq.arrival_s
         return RequestOutput(
-            request_id=seq.group_id, text=detok.text[: detok.sent] if not finished else detok.text,
-            delta_text=delta, token_ids=seq.output_ids, delta_token_ids=delta_ids, finished=finished,
-            finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), cache=seq.cache, ttft_s=ttft,
-            prompt_token_ids=seq.prompt_ids if finished else None, index=seq.index,
+            request_id=seq.group_id, delta_text=delta, delta_token_ids=[] if s is None else [s.token],
+            finished=finished, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+            delta_logprobs=[] if s is None or s.logprob is None else [s.logprob],
+            delta_top_logprobs=[] if s is None or s.top_logprobs is None else [s.top_logprobs],
+            cache=seq.cache, ttft_s=ttft, prompt_token_ids=seq.prompt_ids if finished else None, index=seq.index,
             request_finished=request_finished)
 
     def _log_finished(self, seq: Sequence) -> None:
@@ -420,7 +403,7 @@ class Engine:
         kv, states = self.kv, self.states
         use = {"kv_pool_use": 1 - kv.allocator.num_free / kv.num_pages,
                "working_slots_use": 1 - states.num_free / states.num_slots}
-        stats = self.cache.stats()
+        stats = self.scheduler.cache_stats()
         budgets = stats.get("snapshot_budget_bytes{tier}", {})
         for tier, used in stats.get("snapshot_used_bytes{tier}", {}).items():
             if budgets.get(tier):
@@ -441,17 +424,12 @@ class Engine:
         """Abort what is running and release the cache's files and locks (call once, at shutdown)."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self.abort(seq.group_id)
-        self.cache.close()
+        self.scheduler.close()
 
     def check_integrity(self) -> None:
         """Pages, slots and the cache's bookkeeping agree: every page's refcount is the tree's references
-        plus the running requests' page tables."""
-        self.cache.check_integrity()
-        expected: dict[int, int] = dict(self.cache.page_refs())
-        for seq in self.scheduler.running:
-            for page in seq.page_table:
-                expected[page] = expected.get(page, 0) + 1
-        self.kv.allocator.check_integrity(expected)
+        plus the running requests' page tables (the scheduler checks), and an idle engine holds no slot."""
+        self.scheduler.check_integrity()
         if not self.scheduler.has_work and self.states.num_free != self.states.num_slots:
             raise AssertionError("an idle engine holds working state slots")
 
@@ -469,7 +447,7 @@ class LLM:
         self.engine = Engine(config_with_overrides(config or EngineConfig(), model=model, **overrides))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | list, params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: str | list[int] | list, params: SamplingParams | None = None) -> list[Completion]:
         """Outputs in prompt order (with n > 1, the n choices of each prompt in index order).
         `prompts`: one prompt or a list of strings / token-id lists."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -477,7 +455,7 @@ class LLM:
         ids = [self.engine.add_request(p, params or SamplingParams()) for p in prompts]
         return self._run(ids)
 
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[Completion]:
         """One output per conversation (a list of {"role", "content"} messages)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
@@ -493,14 +471,15 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
-        """The finished outputs of these requests: in request order, each request's choices by index."""
-        done: dict[tuple[str, int], RequestOutput] = {}
+    def _run(self, ids: list[str]) -> list[Completion]:
+        """The finished answers of these requests: in request order, each request's choices by index."""
+        done: dict[tuple[str, int], Completion] = {}
         remaining = set(ids)
         while remaining:
             for out in self.engine.step():
-                if out.finished:
-                    done[(out.request_id, out.index)] = out
+                accumulate(done, out)
                 if out.request_finished:
                     remaining.discard(out.request_id)
-        return [out for key, out in sorted(done.items(), key=lambda kv: (ids.index(kv[0][0]), kv[0][1]))]
+        order = {request_id: i for i, request_id in enumerate(ids)}
+        finished = [c for c in done.values() if c.finished and c.request_id in order]
+        return sorted(finished, key=lambda c: (order[c.request_id], c.index))

@@ -2,8 +2,9 @@
 
 For sequence i scheduled with n new tokens, the step computes positions [num_computed, num_computed + n)
 and writes their KV to the pages `page_table[p // page_size]`. Logits are computed only for the
-sequences whose last token is among them (prefill finished, or a decode step). The prefix cache says
-where inside each prefill segment the recurrent state is to be captured (snapshots mid-chunk).
+sequences whose last token is among them (prefill finished, or a decode step). The batch says where
+inside each prefill segment the recurrent state is to be captured (snapshots mid-chunk: the scheduler
+asked the prefix cache); the runner never calls the cache.
 
 With a `prefill_block` (exact resumption) the step runs as several model calls: one for the decode
 sequences, then one per block of each prefill chunk, the blocks cut at absolute multiples of the block:
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from cairn.cache.base import PrefixCache
 from cairn.forward_batch import ForwardBatch
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -33,25 +33,20 @@ Item = tuple[Sequence, int, int, list[tuple[int, int]]]  # (seq, first position,
 
 class ModelRunner:
     def __init__(self, model: HybridModel, kv: KVPool, states: StatePool, device: torch.device,
-                 cache: PrefixCache | None = None, prefill_block: int = 0):
+                 prefill_block: int = 0):
         self.model = model
         self.kv = kv
         self.states = states
         self.device = device
         self.page_size = kv.page_size
-        self.cache = cache  # asked where each prefill segment wants its state captured
         self.prefill_block = prefill_block  # 0: one call per step; else one call per block (see above)
 
     def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
         """The whole step as one model call."""
         self._order_decode(batch)
-        items, pool = [], None
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start = seq.num_computed
-            found, wanted = self.cache.captures(seq, start, start + n) if self.cache and n > 1 else (None, [])
-            items.append((seq, start, n, wanted))
-            pool = found or pool
-        return self._build(items, batch.num_decode, pool)
+        items = [(seq, seq.num_computed, n, batch.captures.get(seq.request_id, []))
+                 for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+        return self._build(items, batch.num_decode, batch.capture_pool if batch.captures else None)
 
     @staticmethod
     def _order_decode(batch: ScheduledBatch) -> None:
@@ -67,7 +62,7 @@ class ModelRunner:
         calls = [([(seq, seq.num_computed, 1, []) for seq in batch.seqs[:nd]], nd, None)] if nd else []
         for seq, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:], strict=True):
             start, end = seq.num_computed, seq.num_computed + n
-            pool, wanted = self.cache.captures(seq, start, end) if self.cache and n > 1 else (None, [])
+            pool, wanted = batch.capture_pool, batch.captures.get(seq.request_id, [])
             cuts = range((start // block + 1) * block, end, block)
             for lo, hi in zip([start, *cuts], [*cuts, end], strict=True):
                 mine = [(p, slot) for p, slot in wanted if lo < p <= hi]

@@ -4,16 +4,22 @@ Each step (`schedule`) picks, in order:
 1. every running sequence in decode: one token each; a sequence that needs a new KV page and finds
    none preempts the most recently admitted running sequence (its pages and slot are released and it
    returns to the front of the queue to be recomputed);
-2. running sequences still in prefill: a chunk each, within the remaining budget, ending at the next
-   cut (a position where the prefix cache wants a snapshot) or at the end of the tokens; with a
+2. running sequences still in prefill: a chunk each, within the remaining budget, ending at the end of
+   the tokens at the latest (snapshots inside a chunk are captured by the step itself); with a
    `prefill_block` (exact resumption) a chunk also ends only at a multiple of the block or at the end
    of the tokens, never inside a block, so its blocks are the same whatever the budget left;
 3. waiting sequences, first come first served, while the budget, a working state slot and KV pages
    for the whole remaining prompt are available. The prefix cache plans each admission (where to
-   resume, which snapshots to take) and may evict to make room.
+   resume, which snapshots to take) and may evict to make room; it returns an `Admission`, which the
+   scheduler applies to the sequence.
+Then it asks the cache where each prefill chunk saves its state mid-chunk (the batch's captures).
 
-The scheduler owns page and slot bookkeeping for running sequences; it calls the model only through
-the runner and the cache only through its interface. Its output is a `ScheduledBatch`.
+After the runner computed the batch, `after_step` applies it: computed counts, the cache told (it
+takes and publishes snapshots), the logits restored at admission joined to the computed ones. Each
+sampled token goes through `append` (stop token, length), and `finish` ends a sequence.
+
+The scheduler is the only caller of the prefix cache, and it owns page and slot bookkeeping for
+running sequences; it never runs the model. Its output is a `ScheduledBatch`.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from cairn.cache.base import PrefixCache
+import torch
+
+from cairn.cache.base import Admission, CacheRequest, PrefixCache
 from cairn.errors import QueueFull, RequestTooLarge
 from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
@@ -48,6 +56,10 @@ class ScheduledBatch:
     num_decode: int  # how many of `seqs` (from the front) are decode steps
     preempted: list[Sequence]  # sequences sent back to the queue by this step
     ready: list[Sequence] = field(default_factory=list)  # admitted with their next-token logits restored
+    # request id -> [(position, slot)]: where a prefill chunk saves its recurrent state strictly inside the
+    # chunk (slots of capture_pool, reserved by the cache until after_step); absent: nowhere
+    captures: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    capture_pool: StatePool | None = None
 
     @property
     def empty(self) -> bool:
@@ -113,7 +125,7 @@ class Scheduler:
             self.running.remove(seq)
         seq.status = Status.FINISHED
         try:
-            self.cache.release(seq, finished=False)
+            self._release_cache(seq, finished=False)
         finally:
             self.release(seq)
 
@@ -161,7 +173,17 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        self._ask_captures(batch)
         return batch
+
+    def _ask_captures(self, batch: ScheduledBatch) -> None:
+        """The cache's captures for each prefill chunk of the batch (asked once the batch is complete)."""
+        for seq, n in zip(batch.seqs[batch.num_decode:], batch.num_new_tokens[batch.num_decode:], strict=True):
+            if n > 1:
+                pool, wanted = self.cache.captures(seq.admission, seq.num_computed, seq.num_computed + n)
+                if wanted:
+                    batch.captures[seq.request_id] = wanted
+                    batch.capture_pool = pool
 
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         """Prefill tokens for seq this step; with a prefill block, cut down to the last block boundary.
@@ -182,7 +204,12 @@ class Scheduler:
             return False
         seq.state_slot = self.states.alloc()
         try:
-            admitted = self.cache.admit(seq) and self._grow(seq, seq.num_tokens)
+            admission = self.cache.admit(CacheRequest(
+                seq.token_ids, seq.state_slot, message_starts=seq.message_starts,
+                user_message_starts=seq.user_message_starts, cache_prompt=seq.params.cache_prompt))
+            if admission is not None:
+                self._apply(seq, admission)
+            admitted = admission is not None and self._grow(seq, seq.num_tokens)
         except BaseException:
             self._unadmit(seq)
             raise
@@ -193,10 +220,21 @@ class Scheduler:
         self.running.append(seq)
         return True
 
+    @staticmethod
+    def _apply(seq: Sequence, admission: Admission) -> None:
+        """What the cache resumed becomes seq's: its pages, computed count, logits and report (the snapshots
+        it took before a preemption still count)."""
+        seq.admission = admission
+        seq.page_table = list(admission.page_table)
+        seq.num_computed = seq.num_cached = admission.num_cached
+        seq.ready_logits = admission.ready_logits
+        admission.report.snapshots_taken += seq.cache.snapshots_taken
+        seq.cache = admission.report
+
     def _unadmit(self, seq: Sequence) -> None:
         """Undo a partial admission: seq stays queued, holding nothing."""
         try:
-            self.cache.release(seq, finished=False)
+            self._release_cache(seq, finished=False)
         finally:
             self.release(seq)
             seq.num_computed = seq.num_cached = 0
@@ -230,7 +268,7 @@ class Scheduler:
         """Release a running sequence and put it back at the front of the queue, to be recomputed."""
         self.running.remove(seq)
         try:
-            self.cache.release(seq, finished=False)
+            self._release_cache(seq, finished=False)
         finally:
             self.release(seq)
             seq.status = Status.WAITING
@@ -253,8 +291,71 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         try:
-            self.cache.release(seq, finished=True)
+            self._release_cache(seq, finished=True)
         except Exception:  # the request is complete: failing to cache it must not fail it
             log.exception("caching the end of %s failed", seq.request_id)
         finally:
             self.release(seq)
+
+    def _release_cache(self, seq: Sequence, finished: bool) -> None:
+        """Tell the cache seq stops running (its locks and captures go); seq's admission is over."""
+        admission, seq.admission = seq.admission, None
+        if admission is not None:
+            seq.cache.snapshots_taken += self.cache.release(admission, self._view(seq), finished)
+
+    @staticmethod
+    def _view(seq: Sequence) -> CacheRequest:
+        """seq as the cache reads it after admission (its lists shared, not copied)."""
+        return CacheRequest(seq.token_ids, seq.state_slot, seq.page_table, seq.num_computed)
+
+    # ---- after a step -----------------------------------------------------------------------------
+
+    def after_step(self, batch: ScheduledBatch, logits: torch.Tensor | None, sampled: list[Sequence],
+                   elapsed_s: float) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Apply a step the runner computed in elapsed_s: `logits[i]` are the next-token logits of
+        `sampled[i]`. Advances each sequence's computed count and tells the cache (snapshots). Returns the
+        rows to sample and their sequences: those computed, then those admitted with restored logits."""
+        prefill_tokens = batch.num_tokens - batch.num_decode
+        if prefill_tokens:
+            self.cache.observe_prefill(prefill_tokens, elapsed_s)
+        row_of = {seq.request_id: i for i, seq in enumerate(sampled)}
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed += n
+            i = row_of.get(seq.request_id)
+            seq.cache.snapshots_taken += self.cache.after_step(seq.admission, self._view(seq),
+                                                               None if i is None else logits[i])
+        if not batch.ready:
+            return logits, sampled
+        restored = torch.stack([seq.ready_logits.float().cpu() for seq in batch.ready])
+        for seq in batch.ready:
+            seq.ready_logits = None
+        return (restored if logits is None else torch.cat([logits, restored])), sampled + batch.ready
+
+    def append(self, seq: Sequence, token: int) -> str | None:
+        """Add a sampled token to seq; the reason it must stop there ("stop": a stop token, "length": its
+        max_tokens or the context is reached), else None. The caller finishes it (`finish`)."""
+        seq.token_ids.append(token)
+        if token in seq.eos_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- the engine's view ------------------------------------------------------------------------
+
+    def cache_stats(self) -> dict:
+        return self.cache.stats()
+
+    def close(self) -> None:
+        """Release the cache's files and locks (at shutdown, once nothing runs)."""
+        self.cache.close()
+
+    def check_integrity(self) -> None:
+        """The cache's bookkeeping holds, and every page's refcount is the cache's references plus the
+        running sequences' page tables."""
+        self.cache.check_integrity()
+        expected: dict[int, int] = dict(self.cache.page_refs())
+        for seq in self.running:
+            for page in seq.page_table:
+                expected[page] = expected.get(page, 0) + 1
+        self.pages.check_integrity(expected)

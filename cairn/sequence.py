@@ -9,19 +9,19 @@ Token ranges of a sequence at any moment:
 `num_cached` tokens came from the prefix cache (KV pages shared, recurrent state restored into the
 working slot); `num_computed` tokens have KV in `page_table` and are folded into the working slot's
 state. `token_ids` is the prompt followed by the generated tokens. In prefill, a step computes up to
-the token budget, the next position in `cuts` (where a chunk must end) or the end of the tokens; once
-every token is computed the logits of the last one give the next token.
+the token budget or the end of the tokens; once every token is computed the logits of the last one
+give the next token.
 """
 
 from __future__ import annotations
 
-import bisect
 import enum
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from cairn.cache.base import Admission, CacheReport
 from cairn.sampling import SamplingParams
 
 
@@ -29,19 +29,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class CacheReport:
-    """What the prefix cache did for a request (reported per request and per prefill log line)."""
-
-    cached_tokens: int = 0  # prompt tokens not computed because they were resumed from the cache
-    resume_position: int = 0  # position the request resumed at (0: cold)
-    resume_tier: str | None = None  # tier the resumed snapshot came from
-    resume_source: str | None = None  # placement rule that created that snapshot (grid, message, ...)
-    match_length: int = 0  # longest common prefix with any cached path
-    miss_reason: str | None = None  # why a deeper point than resume_position was not usable
-    snapshots_taken: int = 0  # snapshots this request added to the cache
 
 
 @dataclass
@@ -58,16 +45,13 @@ class Sequence:
     num_cached: int = 0
     page_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
-    cuts: list[int] = field(default_factory=list)  # sorted positions where a prefill chunk must end
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
-    cache: CacheReport = field(default_factory=CacheReport)
+    cache: CacheReport = field(default_factory=CacheReport)  # what the prefix cache did for it
     generator: torch.Generator | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     last_token_s: float | None = None
-    cache_state: object | None = None  # the prefix cache's private bookkeeping for this request
+    admission: Admission | None = None  # what the prefix cache answered when it was admitted (None: not running)
     ready_logits: torch.Tensor | None = None  # next-token logits restored from the cache (nothing to compute)
     group_id: str = ""  # the request this sequence is one choice of ("": its own request_id)
     index: int = 0  # its choice index in that request (n > 1)
@@ -108,9 +92,5 @@ class Sequence:
         return self.status == Status.FINISHED
 
     def next_chunk_len(self, budget: int) -> int:
-        """Tokens to compute this step: up to `budget`, stopping at the next cut after num_computed."""
-        end = min(self.num_tokens, self.num_computed + budget)
-        i = bisect.bisect_right(self.cuts, self.num_computed)
-        if i < len(self.cuts) and self.cuts[i] < end:
-            end = self.cuts[i]
-        return max(0, end - self.num_computed)
+        """Tokens to compute this step: up to `budget`, at most to the end of the tokens."""
+        return max(0, min(self.num_tokens - self.num_computed, budget))

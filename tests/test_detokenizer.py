@@ -61,3 +61,15 @@ def test_an_incomplete_character_at_the_end_is_flushed_as_replacement(hf):
     deltas, _ = stream(Detokenizer(hf, ()), ids)
     assert "".join(deltas).startswith("ok ") and "".join(deltas).endswith("\ufffd")
     assert "".join(deltas[:-1]) == "ok "  # nothing of it was sent before the end
+
+
+def test_deltas_add_up_to_the_text_when_a_stop_string_completed_before_min_tokens():
+    """A stop string completed while min_tokens held the check back, and partly sent since, does not cut the
+    text already streamed: the streamed deltas and the whole answer stay the same text."""
+    tok = ByteTokenizer()
+    detok = Detokenizer(tok, ("ab",))
+    ids = tok.encode("xxabyy")
+    deltas = [detok.add(t, final=False, check_stop=False)[0] for t in ids[:4]]
+    assert "".join(deltas) == "xxa"  # "b" is held back: it could start a stop string
+    deltas += [detok.add(ids[4], final=False)[0], detok.add(ids[5], final=True)[0]]
+    assert "".join(deltas) == detok.text == "xxabyy"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cairn.cache.base import NullCache
+from cairn.cache.base import Admission, CacheRequest, NullCache
 from cairn.config import EngineConfig
 from cairn.engine import LLM, Engine
 from cairn.errors import RequestTooLarge
+from cairn.outputs import RequestOutput, accumulate
 from cairn.sampling import SamplingParams
-from cairn.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -38,41 +38,30 @@ def test_many_requests_batch_continuously_and_match_running_alone():
     while engine.has_unfinished():
         step = engine.step()
         widest_step = max(widest_step, len(step))
-        outputs.update({o.request_id: o for o in step if o.finished})
+        for o in step:
+            accumulate(outputs, o)
     assert widest_step == 4  # max_num_seqs requests advanced together
-    for p, out in zip(prompts(10), [outputs[i] for i in ids], strict=True):
+    for p, out in zip(prompts(10), [outputs[(i, 0)] for i in ids], strict=True):
         assert out.token_ids == llm.generate(p, GREEDY)[0].token_ids
         assert out.finish_reason == "length"
     llm.engine.check_integrity()
     assert llm.engine.kv.allocator.num_free == llm.engine.kv.num_pages
 
 
-class CutAt(NullCache):
-    """A test double of the cache interface that asks for chunk boundaries and records where steps end."""
+class StepEnds(NullCache):
+    """A test double of the cache interface that records where each step left a sequence."""
 
-    def __init__(self, cuts):
-        self.cuts, self.seen = cuts, []
+    def __init__(self):
+        self.seen = []
 
-    def admit(self, seq: Sequence) -> bool:
-        seq.cuts = list(self.cuts)
-        return True
-
-    def after_step(self, seq: Sequence, logits) -> None:
-        self.seen.append(seq.num_computed)
-
-
-def test_prefill_chunks_end_at_the_positions_the_cache_requires():
-    cache = CutAt([5, 33, 34, 50])
-    cfg = make_llm().engine.config
-    engine = Engine(cfg, cache=cache)
-    engine.add_request(list(range(100)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    drain(engine)
-    assert cache.seen[:6] == [5, 33, 34, 50, 100, 101]
+    def after_step(self, adm: Admission, req: CacheRequest, logits) -> int:
+        self.seen.append(req.num_computed)
+        return 0
 
 
 def test_each_step_stays_within_the_token_budget():
     llm = make_llm(max_num_batched_tokens=16)
-    cache = CutAt([])
+    cache = StepEnds()
     engine = Engine(llm.engine.config, cache=cache)
     engine.add_request(list(range(100)), SamplingParams(max_tokens=1, temperature=0.0))
     drain(engine)
@@ -132,3 +121,28 @@ def test_chat_input_is_rendered_with_the_chat_template():
     out = llm.chat(msgs, GREEDY)[0]
     expected = llm.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert out.num_prompt_tokens == len(expected)
+
+
+def output_items(out: RequestOutput) -> int:
+    """The list items one output carries: token ids, logprobs and top alternatives."""
+    return len(out.delta_token_ids) + len(out.delta_logprobs) + sum(len(top) for top in out.delta_top_logprobs)
+
+
+def test_each_step_output_carries_only_what_that_step_added():
+    """RequestOutput holds deltas: a step's output does not grow with the answer's length (it used to copy the
+    whole answer at every step, quadratic in its length), and the deltas add up to the whole answer."""
+    llm = make_llm()
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    request_id = llm.engine.add_request(list(range(10)), params)
+    items, text_chars, answers = [], 0, {}
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            items.append(output_items(out))
+            text_chars += len(out.delta_text)
+            accumulate(answers, out)
+    assert items == [1 + 1 + 2] * 60  # the 60th output holds as many items as the first
+    answer = answers[(request_id, 0)]
+    assert text_chars == len(answer.text)  # no text is sent twice
+    whole = llm.generate(list(range(10)), params)[0]
+    assert (answer.token_ids, answer.text, answer.logprobs) == (whole.token_ids, whole.text, whole.logprobs)
+    assert len(answer.top_logprobs) == 60 and answer.finish_reason == "length"

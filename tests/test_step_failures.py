@@ -11,6 +11,7 @@ import pytest
 
 from cairn.cache import hybrid as hybrid_cache
 from cairn.engine import LLM, Engine, StepFailed
+from cairn.outputs import accumulate
 from cairn.sampling import SamplingParams
 from cairn.server.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission
 from cairn.server.offload import Offload
@@ -31,10 +32,12 @@ def make_engine() -> Engine:
 
 def run(engine: Engine, prompt: list[int]) -> list[int]:
     request_id = engine.add_request(prompt, GREEDY)
+    answers = {}
     while True:
         for out in engine.step():
+            answer = accumulate(answers, out)
             if out.request_id == request_id and out.finished:
-                return out.token_ids
+                return answer.token_ids
 
 
 def assert_idle(engine: Engine) -> None:
@@ -77,7 +80,9 @@ def test_failed_admission_fails_only_that_request():
     run(engine, PROMPT)
     alone = run(engine, OTHER)
     bystander = engine.add_request(OTHER, GREEDY)
-    engine.step()  # the bystander is admitted and running
+    answers = {}
+    for o in engine.step():  # the bystander is admitted and running
+        accumulate(answers, o)
     victim = engine.add_request(PROMPT + [4, 4], GREEDY)  # will resume from a snapshot: make that fail
     engine.cache.speeds.prefill_tokens_per_s = 1e-3  # so the planner never finds a cold prefill faster
     fail_once(engine.cache.tiers, "restore_snapshot")
@@ -85,10 +90,10 @@ def test_failed_admission_fails_only_that_request():
         engine.step()
     assert failed.value.request_ids == [victim]
     assert engine.running_request_ids() == [bystander]
-    finished = {}
     while engine.has_unfinished():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert finished[bystander].token_ids == alone
+        for o in engine.step():
+            accumulate(answers, o)
+    assert answers[(bystander, 0)].finished and answers[(bystander, 0)].token_ids == alone
     assert_idle(engine)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from cairn.cache.disk.segment import Segment
 from cairn.engine import LLM
+from cairn.outputs import accumulate
 from cairn.sampling import SamplingParams
 from tests.harness import same_state, slot_copy, state_pool
 
@@ -232,12 +233,15 @@ def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes
         engine = second.engine
         prompt = CONVERSATION[:300] + [4, 4]  # resumes from disk; its branch snapshot at 300 splits a disk node
         request_id = engine.add_request(prompt, G)
-        engine.step()
+        answers = {}
+        for o in engine.step():
+            accumulate(answers, o)
         assert engine._seqs[request_id].cache.resume_tier == "disk"
         for path in _segment_files(tmp_path):  # gone before the write-through rewrites the split node
             path.unlink()
-        finished = [o for _ in range(50) for o in engine.step() if o.finished]
-        (out,) = finished
+        for o in (o for _ in range(50) for o in engine.step()):
+            accumulate(answers, o)
+        (out,) = [a for a in answers.values() if a.finished]
         same_as_cold(cold, out, prompt)
         assert engine.cache.tiers.disk.counters["write_unreadable"] >= 1
         engine.check_integrity()

@@ -19,7 +19,7 @@ from cairn.bench.record import SnapshotPoint
 from cairn.bench.run import Served
 from cairn.config import EngineConfig
 from cairn.engine import Engine
-from cairn.outputs import RequestOutput
+from cairn.outputs import Completion, accumulate
 from cairn.sampling import SamplingParams
 
 WARM_UP_PROMPT = "warm up"
@@ -49,8 +49,8 @@ class EngineRunner:
             raise RuntimeError(f"{request.label}: the engine failed the request: {final.error}")
         return Served(prompt_ids, list(final.token_ids), final.text, ttft_s, final.cache)
 
-    def _until_finished(self, request_id: str, start_s: float) -> tuple[float, RequestOutput]:
-        ttft_s = None
+    def _until_finished(self, request_id: str, start_s: float) -> tuple[float, Completion]:
+        ttft_s, answers = None, {}
         while True:
             if not self.engine.has_unfinished():
                 raise RuntimeError(f"{request_id} left the engine without finishing")
@@ -59,8 +59,9 @@ class EngineRunner:
                     continue
                 if ttft_s is None and out.delta_token_ids:
                     ttft_s = time.perf_counter() - start_s
+                answer = accumulate(answers, out)
                 if out.finished:
-                    return (ttft_s if ttft_s is not None else time.perf_counter() - start_s), out
+                    return (ttft_s if ttft_s is not None else time.perf_counter() - start_s), answer
 
     def restart(self) -> None:
         self._stop()

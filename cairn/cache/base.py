@@ -1,51 +1,98 @@
 """PrefixCache: the interface between the scheduler and the prefix cache.
 
-The scheduler calls these at fixed points of a request's life; a cache that caches nothing is the
-separate `NullCache`, not a flag inside a real one.
+Only the scheduler calls the cache, at fixed points of a request's life. The cache reads the request
+through a `CacheRequest` the scheduler builds, and answers with values; it never writes the
+scheduler's request (the scheduler applies what the cache returns). A cache that caches nothing is
+the separate `NullCache`, not a flag inside a real one.
 
-    admit(seq)        before a request first runs; may resume it (sets num_cached / num_computed,
-                      shares KV pages into seq.page_table, restores state into seq.state_slot) and
-                      may set seq.cuts, positions where its prefill chunks must end. When the whole
-                      prompt is resumed from a snapshot that stored its logits, it sets seq.ready_logits
-                      and the request computes nothing before its first token.
-    captures(seq, start, end)  while a step is built: the positions inside the prefill segment where
-                      the state is to be saved (snapshots taken mid-chunk), with reserved slots.
-    after_step(seq, logits)  after every step that computed tokens for seq; publishes the captures and
-                      takes the snapshot due at seq.num_computed (`logits`: the next-token logits
-                      there, when this step made them).
-    release(seq, finished)  when seq stops running (finished, aborted or preempted); a finished
-                      request's path is inserted before its pages and slot are released.
+    admit(req)        before a request first runs: an `Admission` (where it resumes: KV pages of the
+                      resumed prefix with a reference held for the request, its recurrent state already
+                      restored into req.state_slot, the next-token logits when the whole prompt was
+                      resumed from a snapshot that stored them, the cache's report), or None when it
+                      cannot be admitted now (it then holds nothing: retry on a later step).
+    captures(adm, start, end)  while the scheduler builds a step: the positions strictly inside the
+                      prefill segment [start, end) where the step saves the state, with reserved slots.
+    after_step(adm, req, logits)  after every step that computed tokens for req; publishes the captures
+                      and takes the snapshot due at req.num_computed; returns how many it attached.
+    release(adm, req, finished)  when req stops running (finished, aborted or preempted); a finished
+                      request's path is inserted before the scheduler frees its pages and slot.
     evict_pages(n)    free at least n KV pages if it can; returns how many it freed.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 import torch
 
 from cairn.memory.state_pool import StatePool
-from cairn.sequence import Sequence
+
+
+@dataclass
+class CacheReport:
+    """What the prefix cache did for a request (reported per request and per prefill log line)."""
+
+    cached_tokens: int = 0  # prompt tokens not computed because they were resumed from the cache
+    resume_position: int = 0  # position the request resumed at (0: cold)
+    resume_tier: str | None = None  # tier the resumed snapshot came from
+    resume_source: str | None = None  # placement rule that created that snapshot (grid, message, ...)
+    match_length: int = 0  # longest common prefix with any cached path
+    miss_reason: str | None = None  # why a deeper point than resume_position was not usable
+    snapshots_taken: int = 0  # snapshots this request added to the cache
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """A request as the cache reads it. The lists are the scheduler's own (no copy is made): the cache
+    reads them during the call and never modifies or keeps them."""
+
+    token_ids: list[int]  # the prompt followed by the tokens generated so far
+    state_slot: int  # the request's working recurrent-state slot
+    page_table: list[int] = field(default_factory=list)  # KV page of each page_size tokens (empty in admit)
+    num_computed: int = 0  # tokens whose KV is in page_table and whose state the working slot holds
+    message_starts: list[int] = field(default_factory=list)  # token position of each chat message start
+    user_message_starts: list[int] = field(default_factory=list)  # the subset starting a user message
+    cache_prompt: bool = True  # False: the client opted out of the prefix cache
+
+
+@dataclass
+class Admission:
+    """The cache's answer to admit, for the scheduler to apply, and the cache's own bookkeeping for the
+    request (pass the same record back on every later call for it).
+
+        0                 num_cached                                  num_tokens
+        |-- page_table ---|-- pages the scheduler adds, tokens it computes --|
+    """
+
+    num_cached: int = 0  # tokens resumed: KV in page_table, recurrent state restored into req.state_slot
+    page_table: list[int] = field(default_factory=list)  # pages of [0, num_cached), one reference held for the request
+    ready_logits: torch.Tensor | None = None  # next-token logits when num_cached is the whole prompt (none computed)
+    report: CacheReport = field(default_factory=CacheReport)  # what the cache did (snapshots_taken: 0 here)
+    snapshot_positions: tuple[int, ...] = ()  # the planned captures: where this request's snapshots will be taken
+    state: object | None = None  # the cache's private bookkeeping (lock on the matched path, captures in flight)
 
 
 class PrefixCache(ABC):
     @abstractmethod
-    def admit(self, seq: Sequence) -> bool:
-        """Plan and apply seq's resume point. False: not admissible now (retry on a later step)."""
+    def admit(self, req: CacheRequest) -> Admission | None:
+        """Plan req's resume point and load it (KV pages, state into req.state_slot). None: not admissible
+        now (retry on a later step); nothing is then held for req."""
 
     @abstractmethod
-    def after_step(self, seq: Sequence, logits: torch.Tensor | None) -> None:
-        """Seq's working slot now holds its state at seq.num_computed; `logits` are those at num_computed - 1
-        when this step computed them (prefill end or decode), else None."""
+    def after_step(self, adm: Admission, req: CacheRequest, logits: torch.Tensor | None) -> int:
+        """req's working slot now holds its state at req.num_computed; `logits` are those at num_computed - 1
+        when this step computed them (prefill end or decode), else None. Returns the snapshots attached."""
 
-    def captures(self, seq: Sequence, start: int, end: int) -> tuple[StatePool | None, list[tuple[int, int]]]:
-        """Where this step, computing seq's positions [start, end), should save its recurrent state strictly
-        inside the segment: (the pool, [(position, slot)]). The slots are reserved until after_step."""
+    def captures(self, adm: Admission, start: int, end: int) -> tuple[StatePool | None, list[tuple[int, int]]]:
+        """Where the step computing the request's positions [start, end) should save its recurrent state
+        strictly inside the segment: (the pool, [(position, slot)]). The slots are reserved until after_step."""
         return None, []
 
     @abstractmethod
-    def release(self, seq: Sequence, finished: bool) -> None:
-        """Seq leaves the running set; drop its locks (and insert its path when finished)."""
+    def release(self, adm: Admission, req: CacheRequest, finished: bool) -> int:
+        """req leaves the running set; drop its locks (and insert its path when finished). Returns the
+        snapshots attached on the way (the end of a finished request)."""
 
     @abstractmethod
     def evict_pages(self, num_pages: int) -> int:
@@ -70,21 +117,21 @@ class PrefixCache(ABC):
         return {}
 
     def page_refs(self) -> dict[int, int]:
-        """Page id -> references the cache holds (for the engine's integrity check)."""
+        """Page id -> references the cache holds (for the scheduler's integrity check)."""
         return {}
 
 
 class NullCache(PrefixCache):
     """Caches nothing: every request is prefilled from position 0."""
 
-    def admit(self, seq: Sequence) -> bool:
-        return True
+    def admit(self, req: CacheRequest) -> Admission:
+        return Admission()
 
-    def after_step(self, seq: Sequence, logits: torch.Tensor | None) -> None:
-        pass
+    def after_step(self, adm: Admission, req: CacheRequest, logits: torch.Tensor | None) -> int:
+        return 0
 
-    def release(self, seq: Sequence, finished: bool) -> None:
-        pass
+    def release(self, adm: Admission, req: CacheRequest, finished: bool) -> int:
+        return 0
 
     def evict_pages(self, num_pages: int) -> int:
         return 0

@@ -7,7 +7,8 @@ to take snapshots), the planner (where to resume) and the tiers (where the bytes
                 tiers; lock the matched path; share the device KV pages of [0, p) and copy the rest
                 (host or disk pages, and the page holding p when p is mid-page, so the request never
                 writes a page the tree owns) into fresh pages; copy the snapshot into the working slot
-                (the stored copy stays); then place this prompt's snapshots.
+                (the stored copy stays); then place this prompt's snapshots. All of it is returned in
+                an `Admission` for the scheduler to apply: the cache never writes the request.
     captures    while a step is built: reserve device slots for the placed positions strictly inside
                 the chunk; the linear layers write their state there during the step.
     after_step  publish those captures, and at a placed position that ends the chunk copy the working
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cairn.cache.base import PrefixCache
+from cairn.cache.base import Admission, CacheReport, CacheRequest, PrefixCache
 from cairn.cache.disk.index import DiskIndex
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.policy.planner import Candidate, Plan, plan
@@ -38,7 +39,6 @@ from cairn.cache.tree.nodes import LockHandle, MatchResult, Node, SnapshotEntry,
 from cairn.cache.tree.tiered import TieredRadixTree
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
-from cairn.sequence import Sequence
 
 log = logging.getLogger(__name__)
 MAX_PLANS = 16  # plans per admission; each failed one marks at least one disk segment bad
@@ -46,7 +46,7 @@ MAX_PLANS = 16  # plans per admission; each failed one marks at least one disk s
 
 @dataclass
 class _RequestState:
-    """The cache's bookkeeping for one running request (seq.cache_state)."""
+    """The cache's bookkeeping for one running request (Admission.state)."""
 
     places: dict[int, str]  # position -> placement source of the snapshots still to take
     lock: LockHandle | None = None  # the matched path it resumed from, locked until release
@@ -80,40 +80,40 @@ class HybridPrefixCache(PrefixCache):
 
     # ---- admission --------------------------------------------------------------------------------
 
-    def admit(self, seq: Sequence) -> bool:
+    def admit(self, req: CacheRequest) -> Admission | None:
         self._forget_stale_disk_keys()
-        if not seq.params.cache_prompt:
-            seq.cache_state = None
-            seq.cache.miss_reason = "opted_out"
-            return True
+        if not req.cache_prompt:
+            return Admission(report=CacheReport(miss_reason="opted_out"))
         state = _RequestState(places={})
+        admission = Admission(state=state)
+        report = admission.report
         for _ in range(MAX_PLANS):  # a copy found unreadable is marked bad (never planned again): plan again
-            match = self._match(seq)
-            chosen = self._plan(match, seq.num_tokens)
+            match = self._match(req)
+            chosen = self._plan(match, len(req.token_ids))
             if chosen.position == 0:
                 break
-            outcome = self._resume(seq, match, chosen, state)
+            outcome = self._resume(req, match, chosen, admission)
             if outcome == "wait":
-                return False
+                return None
             if outcome == "ok":
                 break
-            seq.cache.miss_reason = "corrupt"
+            report.miss_reason = "corrupt"
             self._forget_stale_disk_keys()
-        seq.cache.match_length = match.match_len
-        if seq.cache.miss_reason is None:
-            seq.cache.miss_reason = self._miss_reason(match, chosen)
+        report.match_length = match.match_len
+        if report.miss_reason is None:
+            report.miss_reason = self._miss_reason(match, chosen)
         state.places = place(PlacementInput(
-            prompt_len=seq.num_tokens, resume_position=seq.num_computed, match_length=match.match_len,
-            path_has_deeper_snapshot=self._has_snapshot_beyond(match), message_starts=tuple(seq.message_starts),
-            user_message_starts=tuple(seq.user_message_starts)), self.placement)
-        seq.cache_state = state
-        return True
+            prompt_len=len(req.token_ids), resume_position=admission.num_cached, match_length=match.match_len,
+            path_has_deeper_snapshot=self._has_snapshot_beyond(match), message_starts=tuple(req.message_starts),
+            user_message_starts=tuple(req.user_message_starts)), self.placement)
+        admission.snapshot_positions = tuple(sorted(state.places))
+        return admission
 
-    def _match(self, seq: Sequence) -> MatchResult:
+    def _match(self, req: CacheRequest) -> MatchResult:
         """The tree's match, after a rescan of a read-only disk store when the prompt is not all cached."""
-        match = self.tree.match(seq.token_ids)
-        if self.disk is not None and match.match_len < seq.num_tokens and self.disk.rescan():
-            match = self.tree.match(seq.token_ids)
+        match = self.tree.match(req.token_ids)
+        if self.disk is not None and match.match_len < len(req.token_ids) and self.disk.rescan():
+            match = self.tree.match(req.token_ids)
         return match
 
     def _plan(self, match: MatchResult, prompt_len: int) -> Plan:
@@ -156,9 +156,10 @@ class HybridPrefixCache(PrefixCache):
             return "slower" if why.startswith("slower") else why
         return match.miss_reason if match.match_len > chosen.position else None
 
-    def _resume(self, seq: Sequence, match: MatchResult, chosen: Plan, state: _RequestState) -> str:
-        """Load KV [0, p) and the snapshot at p into seq. "ok", "wait" (no pages now) or "corrupt" (a disk
-        copy was unreadable: it is marked bad). On any outcome but "ok", or an exception, seq holds nothing."""
+    def _resume(self, req: CacheRequest, match: MatchResult, chosen: Plan, admission: Admission) -> str:
+        """Load KV [0, p) into fresh or shared pages and the snapshot at p into req's slot, and record them in
+        `admission`. "ok", "wait" (no pages now) or "corrupt" (a disk copy was unreadable: it is marked bad).
+        On any outcome but "ok", or an exception, nothing is held for req."""
         p = chosen.position
         started = time.perf_counter()
         lock = self.tree.lock(match)
@@ -172,22 +173,21 @@ class HybridPrefixCache(PrefixCache):
             raise
         try:
             resume = next(n for n in match.path if n.end == p)
-            logits = self._load(seq, table, copies, resume.snapshot.handle, chosen.snapshot_tier)
+            logits = self._load(req, table, copies, resume.snapshot.handle, chosen.snapshot_tier)
         except BaseException:
             self._abandon(table, lock)
             raise
         if logits is False:
             return self._abandon(table, lock)
-        state.lock = lock
-        seq.page_table = table
-        seq.num_computed = seq.num_cached = p
-        if p == seq.num_tokens:
-            seq.ready_logits = logits
-        self._report_resume(seq, p, chosen, resume.snapshot.source, time.perf_counter() - started)
+        admission.state.lock = lock
+        admission.page_table, admission.num_cached = table, p
+        if p == len(req.token_ids):
+            admission.ready_logits = logits
+        self._report_resume(admission.report, p, chosen, resume.snapshot.source, time.perf_counter() - started)
         return "ok"
 
-    def _load(self, seq: Sequence, table: list[int], copies: list, handle: TieredSnapshot, tier: str):
-        """Copy the pages listed in `copies` and the snapshot into seq's pages and slot; returns the
+    def _load(self, req: CacheRequest, table: list[int], copies: list, handle: TieredSnapshot, tier: str):
+        """Copy the pages listed in `copies` and the snapshot into req's pages and slot; returns the
         snapshot's logits (or None), or False when a disk segment was unreadable (marked bad)."""
         segments: dict = {}
         for index, (node, i) in copies:
@@ -199,7 +199,7 @@ class HybridPrefixCache(PrefixCache):
                 self.disk.mark_bad(node.disk.key)
                 return False
             self.kv.k[:, table[index]], self.kv.v[:, table[index]] = page
-        logits = self.tiers.restore_snapshot(handle, tier, self.states, seq.state_slot)
+        logits = self.tiers.restore_snapshot(handle, tier, self.states, req.state_slot)
         if logits is False:
             self.disk.mark_bad(handle.disk)
         return logits
@@ -235,9 +235,9 @@ class HybridPrefixCache(PrefixCache):
         self.tree.unlock(lock)
         return "corrupt"
 
-    def _report_resume(self, seq: Sequence, p: int, chosen: Plan, source: str, seconds: float) -> None:
-        seq.cache.cached_tokens = seq.cache.resume_position = p
-        seq.cache.resume_tier, seq.cache.resume_source = chosen.snapshot_tier, source
+    def _report_resume(self, report: CacheReport, p: int, chosen: Plan, source: str, seconds: float) -> None:
+        report.cached_tokens = report.resume_position = p
+        report.resume_tier, report.resume_source = chosen.snapshot_tier, source
         self.counters["snapshots_restored"] += 1
         self.counters["cached_tokens"] += p
         self.restored_by_tier[chosen.snapshot_tier] += 1
@@ -259,8 +259,8 @@ class HybridPrefixCache(PrefixCache):
 
     # ---- snapshots --------------------------------------------------------------------------------
 
-    def captures(self, seq: Sequence, start: int, end: int) -> tuple[StatePool | None, list[tuple[int, int]]]:
-        state: _RequestState | None = seq.cache_state
+    def captures(self, adm: Admission, start: int, end: int) -> tuple[StatePool | None, list[tuple[int, int]]]:
+        state: _RequestState | None = adm.state
         if state is None:
             return None, []
         wanted = []
@@ -273,43 +273,44 @@ class HybridPrefixCache(PrefixCache):
             wanted.append((pos, handle.device.slot))
         return (self.tiers.device.pool if wanted else None), wanted
 
-    def after_step(self, seq: Sequence, logits: torch.Tensor | None) -> None:
-        state: _RequestState | None = seq.cache_state
+    def after_step(self, adm: Admission, req: CacheRequest, logits: torch.Tensor | None) -> int:
+        state: _RequestState | None = adm.state
         if state is None:
-            return
-        for pos in sorted(p for p in state.captures if p < seq.num_computed):
-            self._attach(seq, state, pos, state.places.pop(pos), state.captures.pop(pos))
-        for pos in sorted(p for p in state.missed if p < seq.num_computed):
+            return 0
+        num_taken = len(state.taken)
+        for pos in sorted(p for p in state.captures if p < req.num_computed):
+            self._attach(req, state, pos, state.places.pop(pos), state.captures.pop(pos))
+        for pos in sorted(p for p in state.missed if p < req.num_computed):
             state.missed.discard(pos)
             state.places.pop(pos, None)
-            self._budget_miss(seq, pos)
-        source = state.places.pop(seq.num_computed, None)
+            self._budget_miss(req, pos)
+        source = state.places.pop(req.num_computed, None)
         if source is not None:
-            self._take(seq, state, source, logits if source == "prompt_end" else None)
+            self._take(req, state, source, logits if source == "prompt_end" else None)
+        return len(state.taken) - num_taken
 
-    def _take(self, seq: Sequence, state: _RequestState, source: str, logits: torch.Tensor | None) -> None:
-        """Copy seq's working slot into the device tier and attach it at seq.num_computed."""
-        pos = seq.num_computed
+    def _take(self, req: CacheRequest, state: _RequestState, source: str, logits: torch.Tensor | None) -> None:
+        """Copy req's working slot into the device tier and attach it at req.num_computed."""
+        pos = req.num_computed
         if pos in state.taken or pos == 0:
             return
-        handle = self.tiers.store_snapshot(self.states, seq.state_slot, logits)
+        handle = self.tiers.store_snapshot(self.states, req.state_slot, logits)
         if handle is None:
-            self._budget_miss(seq, pos)
+            self._budget_miss(req, pos)
             return
-        self._attach(seq, state, pos, source, handle)
+        self._attach(req, state, pos, source, handle)
 
-    def _budget_miss(self, seq: Sequence, pos: int) -> None:
+    def _budget_miss(self, req: CacheRequest, pos: int) -> None:
         self.counters["snapshots_skipped_budget"] += 1
-        self.tree.mark_budget_miss(seq.token_ids[:pos], seq.page_table)
+        self.tree.mark_budget_miss(req.token_ids[:pos], req.page_table)
 
-    def _attach(self, seq: Sequence, state: _RequestState, pos: int, source: str, handle: TieredSnapshot) -> None:
-        """Hang a device copy of seq's state at `pos` on the tree (or free it if one is already there)."""
+    def _attach(self, req: CacheRequest, state: _RequestState, pos: int, source: str, handle: TieredSnapshot) -> None:
+        """Hang a device copy of req's state at `pos` on the tree (or free it if one is already there)."""
         entry = SnapshotEntry(nbytes=handle.device.nbytes, source=source, has_logits=handle.has_logits, handle=handle)
-        if not self.tree.attach_snapshot(seq.token_ids[:pos], seq.page_table, entry):
+        if not self.tree.attach_snapshot(req.token_ids[:pos], req.page_table, entry):
             self.tiers.release(handle)
             return
         state.taken.add(pos)
-        seq.cache.snapshots_taken += 1
         self.counters["snapshots_taken"] += 1
         self.taken_by_source[source] += 1
 
@@ -320,27 +321,29 @@ class HybridPrefixCache(PrefixCache):
 
     # ---- release and eviction ---------------------------------------------------------------------
 
-    def release(self, seq: Sequence, finished: bool) -> None:
+    def release(self, adm: Admission, req: CacheRequest, finished: bool) -> int:
         """Snapshot the end of a finished request and write it through to disk; whatever fails on the way,
-        the request's captures and lock are let go and seq.cache_state is cleared."""
-        state: _RequestState | None = seq.cache_state
+        the request's captures and lock are let go (and adm.state cleared)."""
+        state: _RequestState | None = adm.state
         if state is None:
-            return
+            return 0
+        num_taken = len(state.taken)
         try:
             for handle in state.captures.values():  # reserved for a step that never completed
                 self.tiers.release(handle)
             state.captures.clear()
-            if finished and seq.num_computed > 0 and request_end_allowed(seq.num_computed, self.placement):
-                self._take(seq, state, "request_end", None)
+            if finished and req.num_computed > 0 and request_end_allowed(req.num_computed, self.placement):
+                self._take(req, state, "request_end", None)
             if finished and self.tiers.disk is not None and self.tiers.disk.write_through and state.taken:
-                tokens = seq.token_ids[: max(state.taken)]
-                node = self.tree.insert(tokens, seq.page_table)
+                tokens = req.token_ids[: max(state.taken)]
+                node = self.tree.insert(tokens, req.page_table)
                 self.tiers.persist_path(node)
         finally:
-            seq.cache_state = None
+            adm.state = None
             if state.lock is not None:
                 self.tree.unlock(state.lock)
             self._forget_stale_disk_keys()
+        return len(state.taken) - num_taken
 
     def evict_pages(self, num_pages: int) -> int:
         freed = self.tiers.free_device_pages(num_pages)

@@ -30,7 +30,7 @@ from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cairn.outputs import RequestOutput
+from cairn.outputs import Completion
 from cairn.server.chat_output import ChatDelta, ChatShaper, tool_arguments
 from cairn.server.errors import APIError, from_exception
 from cairn.server.generate import Generation, ServingContext, SSEResponse, start_chat
@@ -183,13 +183,13 @@ def _result_text(b: ToolResultBlock) -> str:
 
 # ---- the answer ---------------------------------------------------------------------------------
 
-def _usage(out: RequestOutput) -> dict[str, int]:
+def _usage(out: Completion) -> dict[str, int]:
     cached = out.cache.cached_tokens
     return {"input_tokens": out.num_prompt_tokens - cached, "output_tokens": len(out.token_ids),
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-def _stop(ctx: ServingContext, shaper: ChatShaper, out: RequestOutput, stops: list[str]) -> tuple[str, str | None]:
+def _stop(ctx: ServingContext, shaper: ChatShaper, out: Completion, stops: list[str]) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished answer."""
     if shaper.message.calls and out.finish_reason in ("stop", "length"):
         return "tool_use", None
@@ -218,7 +218,7 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def _message(msg_id: str, model: str, content: list, out: RequestOutput | None,
+def _message(msg_id: str, model: str, content: list, out: Completion | None,
              stop: tuple[str | None, str | None]) -> dict[str, Any]:
     usage = _usage(out) if out is not None else {"input_tokens": 0, "output_tokens": 0}
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
@@ -287,18 +287,20 @@ async def _events(ctx: ServingContext, gen: Generation, shaper: ChatShaper, body
     blocks, started = _BlockStream(), False
     try:
         async for out in gen.outputs():
+            answer = gen.answer(out.index)  # the answer so far, out included
             if not started:
                 started = True
-                yield _event("message_start", {"message": _message(msg_id, ctx.served_model, [], out, (None, None))})
+                yield _event("message_start", {"message": _message(msg_id, ctx.served_model, [], answer,
+                                                                   (None, None))})
             pieces = blocks.pieces(shaper.feed(out.delta_text, final=out.finished))
             if out.finished:
                 if blocks.index < 0:  # an empty answer still has one (empty) text block
                     pieces += blocks.switch("text", {"type": "text", "text": ""})
                 pieces += blocks.close()
-                stop_reason, stop_sequence = _stop(ctx, shaper, out, body.stop_sequences or [])
+                stop_reason, stop_sequence = _stop(ctx, shaper, answer, body.stop_sequences or [])
                 pieces.append(_event("message_delta", {"delta": {"stop_reason": stop_reason,
                                                                  "stop_sequence": stop_sequence},
-                                                       "usage": _usage(out)}))
+                                                       "usage": _usage(answer)}))
                 pieces.append(_event("message_stop", {}))
             for piece in pieces:
                 yield piece

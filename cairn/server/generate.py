@@ -4,6 +4,8 @@ A request is submitted before any response byte is sent, so every error add_requ
 a 4xx JSON error with the right status. After that:
 - non-streamed: outputs are gathered while watching for the client to go away (then the request is
   aborted and its memory freed);
+- each engine output carries what one step added; `Generation` accumulates each choice's whole
+  answer (`Completion`) for the response body, the usage and the finish of a stream;
 - streamed: one SSE event per engine output, `data: [DONE]` at the end; an error after the stream
   started (engine failure, shutdown) is sent as a last `data: {"error": ...}` event. However the
   stream ends (finished, client gone, cancelled at shutdown), the request is aborted if unfinished.
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cairn.outputs import RequestOutput
+from cairn.outputs import Completion, RequestOutput, accumulate
 from cairn.server.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.chat_output import ChatShaper, openai_deltas, openai_message, plan_chat
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception, model_not_found
@@ -85,18 +87,25 @@ class SSEResponse(StreamingResponse):
 
 
 class Generation:
-    """One submitted request: its stream, timing and metrics."""
+    """One submitted request: its stream, timing and metrics, and each choice's answer so far."""
 
     def __init__(self, ctx: ServingContext, stream: RequestStream, header: ResponseHeader, start_s: float,
                  num_choices: int = 1):
         self.ctx, self.stream, self.header, self.start_s = ctx, stream, header, start_s
         self.num_choices = num_choices  # the request's n: its outputs carry index 0 .. n - 1
         self._last_token_s: float | None = None
+        self._answers: dict[tuple[str, int], Completion] = {}  # (request id, index) -> the choice's answer
+
+    def answer(self, index: int) -> Completion:
+        """Choice `index`'s answer accumulated from the outputs yielded so far."""
+        return self._answers[(self.stream.request_id, index)]
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The request's outputs, recording TTFT / inter-token latency and, at the end, its token counts."""
+        """The request's outputs (what each step added), recording TTFT / inter-token latency and, at the
+        end, its token counts; `answer(out.index)` holds the choice's whole answer up to `out`."""
         metrics, is_first = self.ctx.metrics, True
         async for out in self._counting_failures():
+            accumulate(self._answers, out)
             now = time.monotonic()
             if out.delta_token_ids:
                 if self._last_token_s is None:
@@ -124,10 +133,10 @@ class Generation:
             self.ctx.metrics.finished.labels("abort").inc()
         self.stream.close()
 
-    async def final_outputs(self, request: Request) -> list[RequestOutput]:
-        """The finished output of every choice, by index; if the client disconnects first, abort and
+    async def final_outputs(self, request: Request) -> list[Completion]:
+        """The finished answer of every choice, by index; if the client disconnects first, abort and
         raise a 499."""
-        gather = asyncio.ensure_future(_finals(self.outputs()))
+        gather = asyncio.ensure_future(self._finals())
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -141,13 +150,14 @@ class Generation:
             raise APIError(499, "The client closed the connection.", code="client_closed")
         return gather.result()
 
+    async def _finals(self) -> list[Completion]:
+        finished: set[int] = set()
+        async for out in self.outputs():
+            if out.finished:
+                finished.add(out.index)
+        return [self.answer(i) for i in sorted(finished)]
 
-async def _finals(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    finals: dict[int, RequestOutput] = {}
-    async for out in outputs:
-        if out.finished:
-            finals[out.index] = out
-    return [finals[i] for i in sorted(finals)]
+
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -155,7 +165,7 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _with_choices(bodies: list[dict], outs: list[RequestOutput]) -> dict:
+def _with_choices(bodies: list[dict], outs: list[Completion]) -> dict:
     """One response holding every choice of an n > 1 request: each body's choice with its index, the
     usage counting every choice's tokens (the prompt once)."""
     body = bodies[0]
@@ -165,7 +175,7 @@ def _with_choices(bodies: list[dict], outs: list[RequestOutput]) -> dict:
     return body
 
 
-def _count_all_choices(usage: dict, outs: list[RequestOutput]) -> None:
+def _count_all_choices(usage: dict, outs: list[Completion]) -> None:
     usage["completion_tokens"] = sum(len(o.token_ids) for o in outs)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
 
@@ -174,11 +184,6 @@ def _indexed(chunk: dict, index: int) -> dict:
     """A one-choice stream chunk for choice `index` of the request."""
     chunk["choices"][0]["index"] = index
     return chunk
-
-
-def _delta_slice(out: RequestOutput) -> slice:
-    start = len(out.token_ids) - len(out.delta_token_ids)
-    return slice(start, start + len(out.delta_token_ids))
 
 
 async def _start(ctx: ServingContext, sub: Submission, start_s: float) -> Generation:
@@ -204,7 +209,7 @@ async def chat_completions(ctx: ServingContext, body: ChatCompletionRequest, req
     return JSONResponse(_with_choices([_chat_body(gen, body, ChatShaper(shaper.plan), out) for out in outs], outs))
 
 
-def _chat_body(gen: Generation, body: ChatCompletionRequest, shaper: ChatShaper, out: RequestOutput) -> dict:
+def _chat_body(gen: Generation, body: ChatCompletionRequest, shaper: ChatShaper, out: Completion) -> dict:
     """The response body of one finished choice, its text split by the chat parsers."""
     shaper.feed(out.text, final=True)
     logprobs = (chat_logprobs(gen.ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
@@ -241,7 +246,7 @@ async def _chat_events(gen: Generation, body: ChatCompletionRequest, shaper: Cha
     shapers = [shaper] + [ChatShaper(shaper.plan) for _ in range(n - 1)]
     for index in range(n):
         yield sse(_indexed(chat_chunk(gen.header, {"role": "assistant", "content": ""}), index))
-    finals: dict[int, RequestOutput] = {}
+    finals: dict[int, Completion] = {}
     num_calls = [0] * n
     try:
         async for out in gen.outputs():
@@ -252,7 +257,7 @@ async def _chat_events(gen: Generation, body: ChatCompletionRequest, shaper: Cha
             for chunk in _chat_chunks(gen, body, out, deltas, choice.finish_reason(out.finish_reason)):
                 yield sse(_indexed(chunk, out.index))
             if out.finished:
-                finals[out.index] = out
+                finals[out.index] = gen.answer(out.index)
     except Exception as e:
         yield sse(from_exception(e).body())
     else:
@@ -265,8 +270,7 @@ def _chat_chunks(gen: Generation, body: ChatCompletionRequest, out: RequestOutpu
                  finish_reason: str | None) -> list[dict]:
     """The chunks for one engine output: its deltas, the first carrying the logprobs and token ids of
     the output's tokens (in an empty delta if the text is held back), then the finish chunk."""
-    span = _delta_slice(out)
-    logprobs = (chat_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.logprobs[span], out.top_logprobs[span])
+    logprobs = (chat_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs)
                 if body.logprobs and out.delta_token_ids else None)
     extra = {"token_ids": out.delta_token_ids} if body.return_token_ids and out.delta_token_ids else {}
     if (logprobs or extra) and not deltas:
@@ -279,7 +283,7 @@ def _chat_chunks(gen: Generation, body: ChatCompletionRequest, out: RequestOutpu
     return chunks
 
 
-def _usage_chunk(header: ResponseHeader, obj: str, finals: list[RequestOutput]) -> dict:
+def _usage_chunk(header: ResponseHeader, obj: str, finals: list[Completion]) -> dict:
     chunk = usage_chunk(header, obj, finals[0])
     _count_all_choices(chunk["usage"], finals)
     return chunk
@@ -305,15 +309,14 @@ async def completions(ctx: ServingContext, body: CompletionRequest, request: Req
 
 
 async def _completion_events(gen: Generation, body: CompletionRequest) -> AsyncIterator[str]:
-    finals: dict[int, RequestOutput] = {}
+    finals: dict[int, Completion] = {}
     offset_chars: dict[int, int] = {}  # per choice
     try:
         async for out in gen.outputs():
             logprobs = None
             if body.logprobs is not None and out.delta_token_ids:
-                span = _delta_slice(out)
-                logprobs = completion_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.logprobs[span],
-                                               out.top_logprobs[span], offset_chars.get(out.index, 0))
+                logprobs = completion_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.delta_logprobs,
+                                               out.delta_top_logprobs, offset_chars.get(out.index, 0))
                 offset_chars[out.index] = offset_chars.get(out.index, 0) + sum(len(t) for t in logprobs["tokens"])
             extra = {"token_ids": out.delta_token_ids} if body.return_token_ids and out.delta_token_ids else {}
             if out.finished and body.return_token_ids:
@@ -323,7 +326,7 @@ async def _completion_events(gen: Generation, body: CompletionRequest) -> AsyncI
                                          logprobs, **extra)
                 yield sse(_indexed(chunk, out.index))
             if out.finished:
-                finals[out.index] = out
+                finals[out.index] = gen.answer(out.index)
     except Exception as e:
         yield sse(from_exception(e).body())
     else:

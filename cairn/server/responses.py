@@ -1,4 +1,4 @@
-"""Response bodies of the OpenAI API as pydantic models, built from the engine's RequestOutput.
+"""Response bodies of the OpenAI API as pydantic models, built from a choice's accumulated answer (Completion).
 
 Shapes follow OpenAI's (chat.completion, chat.completion.chunk, text_completion). cairn adds one
 object, `usage.cairn`, reporting what the prefix cache did (see `CairnCacheUsage`). Streamed chunks
@@ -14,14 +14,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from cairn.outputs import RequestOutput
+from cairn.outputs import Completion
 from cairn.tokenizer import Tokenizer
 
 DONE_EVENT = "data: [DONE]\n\n"
 
 
 class CairnCacheUsage(BaseModel):
-    """What the prefix cache did for this request (RequestOutput.cache)."""
+    """What the prefix cache did for this request (Completion.cache)."""
 
     resume_position: int  # prompt position the request resumed at; 0 = cold prefill
     tier: str | None  # tier the resumed snapshot came from (device, host, disk)
@@ -43,7 +43,7 @@ class Usage(BaseModel):
     cairn: CairnCacheUsage
 
 
-def usage_of(out: RequestOutput) -> Usage:
+def usage_of(out: Completion) -> Usage:
     c = out.cache
     completion = len(out.token_ids)
     return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=completion,
@@ -103,7 +103,7 @@ class ResponseHeader:
         return {"id": self.id, "created": self.created, "model": self.model}
 
 
-def chat_response(h: ResponseHeader, out: RequestOutput, message: dict[str, Any], finish_reason: str | None,
+def chat_response(h: ResponseHeader, out: Completion, message: dict[str, Any], finish_reason: str | None,
                   logprobs: dict | None, token_ids: bool = False) -> dict[str, Any]:
     """A whole chat.completion; `token_ids`: add the output's (choice) and the prompt's token ids."""
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -114,7 +114,7 @@ def chat_response(h: ResponseHeader, out: RequestOutput, message: dict[str, Any]
     return body
 
 
-def completion_response(h: ResponseHeader, out: RequestOutput, logprobs: dict | None,
+def completion_response(h: ResponseHeader, out: Completion, logprobs: dict | None,
                         token_ids: bool = False) -> dict[str, Any]:
     choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
     body = {**h.model_dump(), "object": "text_completion", "choices": [choice], "usage": usage_of(out).model_dump()}
@@ -137,6 +137,6 @@ def completion_chunk(h: ResponseHeader, text: str, finish_reason: str | None = N
     return {**h.model_dump(), "object": "text_completion", "choices": [choice]}
 
 
-def usage_chunk(h: ResponseHeader, obj: str, out: RequestOutput) -> dict[str, Any]:
+def usage_chunk(h: ResponseHeader, obj: str, out: Completion) -> dict[str, Any]:
     """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
     return {**h.model_dump(), "object": obj, "choices": [], "usage": usage_of(out).model_dump()}
