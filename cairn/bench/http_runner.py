@@ -27,7 +27,7 @@ import httpx
 from cairn.bench.conversation import BenchRequest
 from cairn.bench.record import SnapshotPoint
 from cairn.bench.run import Served
-from cairn.cache.base import CacheReport
+from cairn.sequence import CacheReport
 from cairn.tokenizer import Tokenizer
 
 
