@@ -199,40 +199,6 @@ def special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
     return dict(getattr(tokenizer, "special_tokens", {}))
 
 
-def _lltokenizer(self):
-        if self._ll is None:
-            self._ll = _lltokenizer(self._tokenizer, self.vocab_size)
-        return self._ll
-
-
-def _answer_rules(spec: StructuredOutput) -> str:
-    """Lark rules defining `answer`, what the output (after the reasoning, if any) must be."""
-    if spec.kind == "lark":
-        return spec.schema or ""
-    if spec.kind == "text":
-        return "answer: /(?s:.*)/"
-    if spec.kind == "json_object":
-        schema: object = ANY_OBJECT
-    elif spec.kind == "json_schema":
-        try:
-            schema = json.loads(spec.schema or "")
-        except ValueError as e:
-            raise SamplingError(f"response_format json_schema is not valid JSON: {e}") from e
-    else:
-        raise SamplingError(f"structured output kind {spec.kind!r} is not one of {KINDS}")
-    if schema is True:
-        schema = {}
-    if not isinstance(schema, dict):
-        raise SamplingError("response_format schema is not usable: it must be a JSON object")
-    return f"answer: %json {json.dumps({**schema, 'x-guidance': {'whitespace_pattern': WHITESPACE}})}"
-
-
-def _lltokenizer(self):
-        if self._ll is None:
-            self._ll = _lltokenizer(self._tokenizer, self.vocab_size)
-        return self._ll
-
-
 def _lltokenizer(tokenizer: Tokenizer, vocab_size: int):
     from llguidance import LLTokenizer, TokenizerWrapper
 
