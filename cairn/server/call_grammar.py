@@ -15,7 +15,9 @@ given functions:
           ARGS is JSON following the function's parameters schema.
 
 With `parallel` the answer is one or more calls separated by a newline (as the templates render
-them), else exactly one. JSON follows the same whitespace rule as response_format (cairn.grammar).
+them), else exactly one. JSON follows the same whitespace rule as response_format (cairn.grammar);
+schema keywords llguidance does not know are ignored, and a raw XML string value keeps only to its
+length bounds (not to a `pattern` or `format`).
 
 What this is not: the parsing of calls (`parsers`), or compiling the grammar (`cairn.grammar`).
 """
@@ -122,4 +124,6 @@ def _with_defs(schema: dict, parent: dict) -> dict:
 
 
 def _json_schema(schema: dict) -> str:
-    return json.dumps({**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}})
+    """A `%json` body. Lenient: keywords and formats llguidance does not know are ignored (tool schemas
+    come from agents' tool definitions; an exotic keyword should not make a forced call a 400)."""
+    return json.dumps({**schema, "x-guidance": {"whitespace_pattern": WHITESPACE, "lenient": True}})
