@@ -143,6 +143,15 @@ def test_named_tool_choice_arguments_follow_the_schema(client):
     assert r.choices[0].message.tool_calls[0].function.name == "lookup"
 
 
+def test_strict_tools_with_tool_choice_auto_are_accepted_and_leave_text_free(client):
+    """`strict: true` (vLLM: calls follow the schemas) is honoured by a grammar that lets text through
+    until a `<tool_call>` starts; the random model writes none, so the answer is plain text."""
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in BOUNDED]
+    r = client.chat.completions.create(messages=ASK, tools=strict, **GREEDY)
+    assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
+    assert not r.choices[0].message.tool_calls
+
+
 def test_forced_call_with_response_format_is_refused(client):
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(messages=ASK, tools=BOUNDED, tool_choice="required",
@@ -258,7 +267,7 @@ def test_tokenize_and_detokenize_round_trip(http):
     ("/v1/chat/completions", {"guided_json": {}}, "guided_json"),
     ("/v1/chat/completions", {"no_such_field": 1}, "no_such_field"),
     ("/v1/chat/completions", {"tool_choice": FORCE}, "tool_choice"),
-    ("/v1/chat/completions", {"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]},
+    ("/v1/chat/completions", {"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": "yes"}}]},
      "tools.0.function.strict"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),

@@ -149,3 +149,26 @@ def test_tool_schema_keywords_llguidance_does_not_know_do_not_refuse_the_call():
         grammar = compile_calls(tok, fmt, parallel=False, tools={"f": schema})
         (call,) = ToolCallParser({"f": schema}).feed(tok.decode(drive(tok, grammar, 0)))[1]
         assert set(json.loads(call.arguments)) == {"when"}
+
+
+@pytest.mark.parametrize("which", ["demo", "checkpoint"])
+def test_strict_tools_leave_text_free_until_a_call_starts_then_constrain_it(which, checkpoint_tokenizer):
+    """tool_choice auto with strict tools: free text; a `<tool_call>` (text on the demo, a special token on
+    the checkpoint) starts a call whose name and arguments are constrained."""
+    tok = ByteTokenizer() if which == "demo" else checkpoint_tokenizer
+    lark = calls_grammar(TOOLS, "xml", True, lambda text: lark_tag(tok, text), optional=True)
+    compiler = GrammarCompiler(tok, VOCAB)
+    free = compiler.compile(StructuredOutput("lark", lark))
+    assert all(allowed_masks([free], VOCAB)[0][t] for t in [*tok.encode("Hi {<x"), *tok.eos_token_ids])
+    grammar = compiler.compile(StructuredOutput("lark", lark))
+    start = tok.encode("Let me check. <tool_call>\n<function=")
+    drive(tok, grammar, 0, prefix=start, most=len(start))
+    assert allowed_text(tok, grammar) == {"g", "l"}
+    for seed in range(3):
+        grammar = compiler.compile(StructuredOutput("lark", lark))
+        text = tok.decode(drive(tok, grammar, seed, prefix=start, most=400))
+        parser = ToolCallParser(TOOLS)
+        content, calls = parser.feed(text)
+        calls += parser.finish()[1]
+        assert content.startswith("Let me check. ") and calls, text
+        jsonschema.validate(json.loads(calls[0].arguments), TOOLS[calls[0].name])

@@ -86,6 +86,7 @@ class AnthropicTool(Strict):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None  # true: the tool_use input follows input_schema (constrained decoding)
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
 
@@ -136,7 +137,8 @@ class MessagesRequest(Strict):
                                 "top_k": self.top_k}
         if self.tools:
             chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                               "parameters": t.input_schema}} for t in self.tools]
+                                                               "parameters": t.input_schema, "strict": t.strict}}
+                             for t in self.tools]
         if self.tool_choice is not None:
             chat["tool_choice"] = _tool_choice(self.tool_choice)
             chat["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use

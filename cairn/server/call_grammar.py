@@ -15,9 +15,11 @@ given functions:
           ARGS is JSON following the function's parameters schema.
 
 With `parallel` the answer is one or more calls separated by a newline (as the templates render
-them), else exactly one. JSON follows the same whitespace rule as response_format (cairn.grammar);
-schema keywords llguidance does not know are ignored, and a raw XML string value keeps only to its
-length bounds (not to a `pattern` or `format`).
+them), else exactly one. With `optional` (tool_choice auto, a tool marked `strict`) the answer is
+free text in which a `<tool_call>` starts such a call (any number, or with `parallel` false one).
+JSON follows the same whitespace rule as response_format (cairn.grammar); schema keywords
+llguidance does not know are ignored, and a raw XML string value keeps only to its length bounds
+(not to a `pattern` or `format`).
 
 What this is not: the parsing of calls (`parsers`), or compiling the grammar (`cairn.grammar`).
 """
@@ -39,17 +41,33 @@ def call_format(template_source: str) -> str:
     return "xml" if "<function=" in template_source else "json"
 
 
-def calls_grammar(tools: dict[str, dict], fmt: str, parallel: bool, tag: Callable[[str], str] = json.dumps) -> str:
+def calls_grammar(tools: dict[str, dict], fmt: str, parallel: bool, tag: Callable[[str], str] = json.dumps,
+                  optional: bool = False) -> str:
     """Lark rules (top rule `answer`) for one call, or with `parallel` one or more, to the functions in
     `tools` (name -> parameters schema). `tag` writes `<tool_call>` / `</tool_call>` (cairn.grammar.lark_tag:
-    a special token where the tokenizer has one)."""
+    a special token where the tokenizer has one). `optional` (tool_choice auto with `strict` tools): any
+    text, and whatever follows a `<tool_call>` in it is a call as above."""
     rules: list[str] = []
     functions = [(_function_xml if fmt == "xml" else _function_json)(f"f{i}", name, schema or {}, rules)
                  for i, (name, schema) in enumerate(tools.items())]
     close = r'"</function>\n"' if fmt == "xml" else r'"\n"'
-    rules.insert(0, f"call: {tag(CALL_START)} \"\\n\" ({' | '.join(functions)}) {close} {tag(CALL_END)}")
-    rules.insert(0, 'answer: call ("\\n" call)*' if parallel else "answer: call")
+    rules.insert(0, f"call_body: \"\\n\" ({' | '.join(functions)}) {close} {tag(CALL_END)}")
+    if optional:
+        rules[:0] = _text_and_calls(tag(CALL_START), parallel)
+    else:
+        rules.insert(0, f"call: {tag(CALL_START)} call_body")
+        rules.insert(0, 'answer: call ("\\n" call)*' if parallel else "answer: call")
     return "\n".join(rules) + "\n"
+
+
+def _text_and_calls(start: str, parallel: bool) -> list[str]:
+    """Free text in which each call start opens a constrained call (llguidance's lazy-trigger pattern)."""
+    if start.startswith("<["):  # a special token: text never contains it
+        head = [f"call_head: TEXT {start}"]
+    else:  # text: the head ends at the first call start
+        head = ["call_head[lazy]: CALL_HEAD", f"CALL_HEAD: /(?s:.*)/ {start}"]
+    calls = "(call_head call_body)*" if parallel else "(call_head call_body)?"
+    return [f"answer: {calls} TEXT", "TEXT: /(?s:.*)/", *head]
 
 
 def _function_json(rule: str, name: str, schema: dict, rules: list[str]) -> str:

@@ -67,6 +67,7 @@ class Constraints:
 
     forced: dict[str, dict] | None = None
     one_call: bool = False  # a named function: exactly one call
+    strict: dict[str, dict] | None = None  # tool_choice auto with `strict` tools: the calls made follow these
     response_format: StructuredOutput | None = None
     think_budget: int | None = None
 
@@ -76,7 +77,8 @@ def plan_chat(tokenizer: Tokenizer, reasoning_parser: str, tool_call_parser: str
               constraints: Constraints = Constraints()) -> ChatPlan:
     """The plan for a request; `tools` is None when calls are not parsed (no tools, tool_choice none).
     A forced call skips the reasoning (the block the template opened is closed in the prompt); a
-    response_format or thinking budget lets the reasoning run first (bounded by the budget)."""
+    response_format, strict tools or a thinking budget let the reasoning run first (bounded by the
+    budget). A response_format leaves strict tools unconstrained (the answer is its JSON)."""
     in_reasoning = reasoning_parser != "none" and opens_reasoning(tokenizer, template_kwargs)
     if tool_call_parser == "none":
         tools = None
@@ -88,6 +90,10 @@ def plan_chat(tokenizer: Tokenizer, reasoning_parser: str, tool_call_parser: str
         structured = StructuredOutput("lark", grammar)
         prefix = "\n" + THINK_END + "\n\n" if in_reasoning else ""
         in_reasoning = False
+    elif constraints.strict is not None and structured is None and tools is not None:
+        grammar = calls_grammar(constraints.strict, call_format(tokenizer.template_source), parallel_tool_calls,
+                                lambda text: lark_tag(tokenizer, text), optional=True)
+        structured = StructuredOutput("lark", grammar)
     elif structured is None and in_reasoning and constraints.think_budget is not None:
         structured = StructuredOutput("text")
     if structured is not None and in_reasoning:

@@ -228,8 +228,8 @@ async def start_chat(ctx: ServingContext, body: ChatCompletionRequest, start_s: 
                             "--tool-call-parser none)", param="tool_choice", code="unsupported_value")
     tools = ({t.function.name: t.function.parameters or {} for t in body.tools}
              if body.tools and body.tool_choice != "none" else None)
-    constraints = Constraints(forced, isinstance(body.tool_choice, NamedToolChoice), params.structured,
-                              body.thinking_token_budget)
+    constraints = Constraints(forced, isinstance(body.tool_choice, NamedToolChoice), body.strict_tools(),
+                              params.structured, body.thinking_token_budget)
     plan = plan_chat(ctx.tokenizer, ctx.reasoning_parser, ctx.tool_call_parser, kwargs, tools,
                      body.parallel_tool_calls, constraints)
     params = replace(params, structured=plan.structured)

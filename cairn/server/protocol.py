@@ -114,7 +114,7 @@ class FunctionDef(Strict):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema of the arguments
-    strict: Literal[False] | None = None  # true (arguments constrained to the schema) needs a grammar engine
+    strict: bool | None = None  # true: a call this answer makes follows the tools' schemas (constrained)
 
 
 class Tool(Strict):
@@ -320,6 +320,13 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(choice, NamedToolChoice):
             return {choice.function.name: tools[choice.function.name]}
         return tools if choice == "required" else None
+
+    def strict_tools(self) -> dict[str, dict] | None:
+        """With tool_choice auto and a tool marked `strict`: the tools every call must follow (name ->
+        parameters schema), as vLLM does; else None."""
+        if self.tool_choice not in (None, "auto") or not any(t.function.strict for t in self.tools or ()):
+            return None
+        return {t.function.name: t.function.parameters or {} for t in self.tools or ()}
 
     def check_tools(self) -> None:
         """tool_choice must name a given tool; a forced call and response_format exclude each other."""
