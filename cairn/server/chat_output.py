@@ -2,8 +2,9 @@
 
 `ChatPlan` is decided once per request from the request and the server's flags: which parsers run,
 and the grammar of the output (cairn.grammar): a call forced by `tool_choice` (`required` or a named
-function, in the template's call format: `call_grammar`), response_format, and the thinking budget,
-each after the reasoning block the template opened, if any. `ChatShaper` then runs the text
+function, in the template's call format: `call_grammar`; it skips the reasoning), the calls of
+`strict` tools, response_format, and the thinking budget, the last three after the reasoning block
+the template opened, if any. `ChatShaper` then runs the text
 through the reasoning parser, its content through the tool-call parser, and yields `ChatDelta`s;
 the OpenAI (`openai_*`) and Anthropic (`anthropic`) shapes are built from those.
 
@@ -63,7 +64,8 @@ def opens_reasoning(tokenizer: Tokenizer, template_kwargs: dict[str, Any]) -> bo
 @dataclass(frozen=True)
 class Constraints:
     """What a request asks of its output, beside the parsers: the tools a call is forced to (all of them
-    for tool_choice `required`, one for a named function), response_format, the thinking budget."""
+    for tool_choice `required`, one for a named function), the strict tools of tool_choice auto,
+    response_format, the thinking budget."""
 
     forced: dict[str, dict] | None = None
     one_call: bool = False  # a named function: exactly one call
@@ -84,21 +86,23 @@ def plan_chat(tokenizer: Tokenizer, reasoning_parser: str, tool_call_parser: str
         tools = None
     prefix, structured = "", constraints.response_format
     if constraints.forced is not None:
-        fmt = call_format(tokenizer.template_source)
-        grammar = calls_grammar(constraints.forced, fmt, parallel_tool_calls and not constraints.one_call,
-                                lambda text: lark_tag(tokenizer, text))
-        structured = StructuredOutput("lark", grammar)
+        structured = _calls(tokenizer, constraints.forced, parallel_tool_calls and not constraints.one_call)
         prefix = "\n" + THINK_END + "\n\n" if in_reasoning else ""
         in_reasoning = False
     elif constraints.strict is not None and structured is None and tools is not None:
-        grammar = calls_grammar(constraints.strict, call_format(tokenizer.template_source), parallel_tool_calls,
-                                lambda text: lark_tag(tokenizer, text), optional=True)
-        structured = StructuredOutput("lark", grammar)
+        structured = _calls(tokenizer, constraints.strict, parallel_tool_calls, optional=True)
     elif structured is None and in_reasoning and constraints.think_budget is not None:
         structured = StructuredOutput("text")
     if structured is not None and in_reasoning:
         structured = replace(structured, think_end=THINK_END, think_budget=constraints.think_budget)
     return ChatPlan(reasoning_parser, in_reasoning, tools, prefix, parallel_tool_calls, structured)
+
+
+def _calls(tokenizer: Tokenizer, tools: dict[str, dict], parallel: bool, optional: bool = False) -> StructuredOutput:
+    """The grammar of calls to `tools` in the template's call format (see `call_grammar`)."""
+    grammar = calls_grammar(tools, call_format(tokenizer.template_source), parallel,
+                            lambda text: lark_tag(tokenizer, text), optional)
+    return StructuredOutput("lark", grammar)
 
 
 @dataclass
