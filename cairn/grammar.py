@@ -40,6 +40,8 @@ from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 WHITESPACE = r"[\x20\x0A]?"  # what may separate JSON tokens
 ANY_OBJECT = {"type": "object"}  # response_format json_object
 KINDS = ("json_object", "json_schema", "lark", "text")
+PARAM = {"json_object": "response_format", "json_schema": "response_format", "lark": "tools",
+         "text": "thinking_token_budget"}  # the request field a kind comes from (named by a 400)
 ANSWER_SEPARATOR = r"/\n{0,2}/"  # between the reasoning's end and a constrained answer
 
 log = logging.getLogger(__name__)
@@ -128,7 +130,7 @@ class GrammarCompiler:
         """A fresh grammar for `spec`. Raises SamplingError (a 400) on a schema llguidance cannot use."""
         answer = _answer_rules(spec)
         if spec.think_end is None:
-            return self._grammar(f"start: answer\n{answer}")
+            return self._grammar(f"start: answer\n{answer}", spec.kind)
         end = lark_tag(self._tokenizer, spec.think_end)
         sep = "" if spec.kind == "text" else " SEP"
         rules = f"SEP: {ANSWER_SEPARATOR}\n{answer}"
@@ -139,18 +141,18 @@ class GrammarCompiler:
         else:  # text: the reasoning ends at its first occurrence
             thinking = f"start: think{sep} answer\nthink[lazy]: THINK\nTHINK: /(?s:.*)/ {end}\n{rules}"
         if spec.think_budget is None:
-            return self._grammar(thinking)
-        forced = self._grammar(f"start: {end}{sep} answer\n{rules}")
+            return self._grammar(thinking, spec.kind)
+        forced = self._grammar(f"start: {end}{sep} answer\n{rules}", spec.kind)
         ll = self._lltokenizer()
-        return BudgetedGrammar(self._grammar(thinking), forced, spec.think_budget, spec.think_end.encode(),
+        return BudgetedGrammar(self._grammar(thinking, spec.kind), forced, spec.think_budget, spec.think_end.encode(),
                                lambda t: ll.decode_bytes([t]))
 
-    def _grammar(self, lark: str) -> Grammar:
+    def _grammar(self, lark: str, kind: str) -> Grammar:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._lltokenizer(), LLMatcher.grammar_from_lark(lark), log_level=0)
         if matcher.is_error():
-            raise SamplingError(f"the output's grammar is not usable: {matcher.get_error()}")
+            raise SamplingError(f"{PARAM.get(kind, 'response_format')} is not usable: {matcher.get_error()}")
         return Grammar(matcher)
 
     def _lltokenizer(self):
