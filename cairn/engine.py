@@ -30,6 +30,7 @@ from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
 from cairn.config import EngineConfig
 from cairn.demo import DEMO_NAME, build_demo
+from cairn.errors import RequestTooLarge, SamplingError
 from cairn.grammar import GrammarCompiler, allowed_masks_isolated
 from cairn.logits import RowContext
 from cairn.memory.kv_pool import KVPool
@@ -42,8 +43,8 @@ from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
 from cairn.outputs import Completion, Detokenizer, RequestOutput, accumulate
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
-from cairn.sampling import Sampled, SamplingError, SamplingParams, generation_defaults, sample_isolated
-from cairn.scheduler import RequestTooLarge, ScheduledBatch, Scheduler, SequenceFailed
+from cairn.sampling import Sampled, SamplingParams, generation_defaults, sample_isolated
+from cairn.scheduler import ScheduledBatch, Scheduler, SequenceFailed
 from cairn.sequence import Sequence, Status
 from cairn.sizing import resolve_sizes
 from cairn.tokenizer import HFTokenizer

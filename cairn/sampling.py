@@ -41,10 +41,13 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A grammar the output must follow: `kind` "json_object" (any JSON object) or "json_schema"."""
+    """A grammar the output must follow (see cairn.grammar): `kind` "json_object" (any JSON object),
+    "json_schema", "lark" (Lark rules defining `answer`) or "text" (anything)."""
 
     kind: str
-    schema: str | None = None  # the JSON schema as a JSON string (json_schema only)
+    schema: str | None = None  # json_schema: the JSON schema as a JSON string; lark: the rules
+    think_end: str | None = None  # the output starts in a reasoning block this text ends; the grammar follows it
+    think_budget: int | None = None  # most reasoning tokens before think_end is forced
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,11 @@
 clients: tools, reasoning, token-exact turns, /tokenize, strict validation and /v1/messages.
 
 The demo model's weights are random, so it never writes a tool call or a `</think>` of its own:
-calls are forced with `tool_choice` naming a function (the call's start is put in the prompt, the
-lenient parser reads the call when generation stops), and reasoning is opened by the template
-(`enable_thinking: true`), so everything generated is reasoning. What generated text becomes is
-checked at the parser level in test_chat_parsers.py.
+calls are forced with `tool_choice` (`required` or a named function: the grammar alone makes the
+answer a call to one of the tools, with arguments following their schemas, bounded here so that the
+random model finishes them), and reasoning is opened by the template (`enable_thinking: true`), so
+everything generated is reasoning until a thinking budget forces `</think>`. What generated text
+becomes is checked at the parser level in test_chat_parsers.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -27,6 +29,23 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"typ
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 FORCE = {"type": "function", "function": {"name": "get_weather"}}
 GREEDY = dict(model=MODEL, temperature=0, max_tokens=12)
+FORCED = dict(model=MODEL, temperature=0, max_tokens=64)  # a forced call's tags are generated, byte by byte
+# tools whose arguments are bounded, so that random weights finish a call
+BOUNDED = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"enum": ["alpha", "beta"]}, "exact": {"type": "boolean"},
+                                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                                  "maxItems": 2}},
+        "required": ["q", "exact"], "additionalProperties": False}}},
+]
+SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 9}},
+         "required": ["ok", "n"], "additionalProperties": False}
+THINKING = {"chat_template_kwargs": {"enable_thinking": True}}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +80,7 @@ def test_tools_reach_the_chat_template(client):
 
 
 def test_named_tool_choice_returns_a_tool_call(client):
-    r = client.chat.completions.create(messages=ASK, tools=[WEATHER, SEARCH], tool_choice=FORCE, **GREEDY)
+    r = client.chat.completions.create(messages=ASK, tools=[WEATHER, SEARCH], tool_choice=FORCE, **FORCED)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
@@ -70,8 +89,8 @@ def test_named_tool_choice_returns_a_tool_call(client):
 
 
 def test_streamed_tool_call_is_reassembled_by_the_openai_client(client):
-    whole = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice=FORCE, **GREEDY)
-    with client.chat.completions.stream(messages=ASK, tools=[WEATHER], tool_choice=FORCE, **GREEDY) as stream:
+    whole = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice=FORCE, **FORCED)
+    with client.chat.completions.stream(messages=ASK, tools=[WEATHER], tool_choice=FORCE, **FORCED) as stream:
         final = stream.get_final_completion()
     streamed = final.choices[0]
     assert streamed.finish_reason == "tool_calls"
@@ -92,9 +111,51 @@ def test_tool_history_is_accepted_and_renders_in_the_prompt(client, http):
     assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in text and "sunny" in text
 
 
-def test_tool_choice_required_with_several_tools_is_refused(client):
-    with pytest.raises(openai.BadRequestError, match="required"):
-        client.chat.completions.create(messages=ASK, tools=[WEATHER, SEARCH], tool_choice="required", **GREEDY)
+def check_calls(choice, tools: list[dict], most: int | None = None) -> None:
+    """finish_reason tool_calls; each call names one of the tools and its arguments validate."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    calls = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and calls and (most is None or len(calls) <= most)
+    for call in calls:
+        assert call.id and call.function.name in schemas
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tool_choice_required_with_several_tools_constrains_decoding_to_calls(client, parallel):
+    """Random weights: the grammar alone makes the answer calls to the given tools with valid arguments."""
+    for seed in range(3):
+        ask = dict(messages=ASK, tools=BOUNDED, tool_choice="required", parallel_tool_calls=parallel, model=MODEL,
+                   temperature=1.0, seed=seed, max_tokens=1200)
+        whole = client.chat.completions.create(**ask)
+        check_calls(whole.choices[0], BOUNDED, None if parallel else 1)
+        with client.chat.completions.stream(**ask) as stream:
+            streamed = stream.get_final_completion().choices[0]
+        check_calls(streamed, BOUNDED, None if parallel else 1)
+        assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+
+
+def test_named_tool_choice_arguments_follow_the_schema(client):
+    r = client.chat.completions.create(messages=ASK, tools=BOUNDED, tool_choice={
+        "type": "function", "function": {"name": "lookup"}}, model=MODEL, temperature=1.0, seed=3, max_tokens=400)
+    check_calls(r.choices[0], BOUNDED, 1)
+    assert r.choices[0].message.tool_calls[0].function.name == "lookup"
+
+
+def test_strict_tools_with_tool_choice_auto_are_accepted_and_leave_text_free(client):
+    """`strict: true` (vLLM: calls follow the schemas) is honoured by a grammar that lets text through
+    until a `<tool_call>` starts; the random model writes none, so the answer is plain text."""
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in BOUNDED]
+    r = client.chat.completions.create(messages=ASK, tools=strict, **GREEDY)
+    assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
+    assert not r.choices[0].message.tool_calls
+
+
+def test_forced_call_with_response_format_is_refused(client):
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(messages=ASK, tools=BOUNDED, tool_choice="required",
+                                       response_format={"type": "json_object"}, **GREEDY)
 
 
 # ---- reasoning ------------------------------------------------------------------------------------
@@ -111,6 +172,40 @@ def test_enable_thinking_reaches_the_template_and_its_text_is_reasoning_content(
                                             extra_body={"chat_template_kwargs": {"enable_thinking": True}}, **GREEDY)
     streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
     assert streamed == message.reasoning_content
+
+
+def test_thinking_token_budget_forces_the_end_of_the_reasoning(client):
+    """After `thinking_token_budget` reasoning tokens `</think>` is forced and the answer follows; the demo
+    model's tokens are bytes, so the reasoning is exactly that many bytes."""
+    ask = dict(messages=ASK, model=MODEL, temperature=0, max_tokens=40)
+    budget = {**THINKING, "thinking_token_budget": 6, "return_token_ids": True}
+    r = client.chat.completions.create(**ask, extra_body=budget)
+    ids, message = r.choices[0].model_extra["token_ids"], r.choices[0].message
+    assert ids[6:14] == list(b"</think>") and len(message.reasoning_content) <= 6
+    assert r.usage.completion_tokens > 14 and r.choices[0].finish_reason in ("stop", "length")
+    streamed = client.chat.completions.create(**ask, stream=True, extra_body=budget)
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == message.content
+    free = client.chat.completions.create(**ask, extra_body=THINKING).choices[0].message
+    assert not free.content and len(free.reasoning_content) > 6  # without a budget: reasoning to max_tokens
+
+
+def test_response_format_applies_after_the_reasoning(client):
+    """A thinking template opens <think>: the JSON comes after the reasoning, in content."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL, "strict": True}}
+    extra = {**THINKING, "thinking_token_budget": 5}
+    for stream in (False, True):
+        r = client.chat.completions.create(messages=ASK, model=MODEL, temperature=1.0, seed=2, max_tokens=120,
+                                           response_format=fmt, stream=stream, extra_body=extra)
+        if stream:
+            deltas = [c.choices[0].delta for c in r if c.choices]
+            content = "".join(d.content or "" for d in deltas)
+            reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        else:
+            content, reasoning = r.choices[0].message.content, r.choices[0].message.reasoning_content
+        jsonschema.validate(json.loads(content), SMALL)
+        assert 0 < len(reasoning) <= 5
 
 
 # ---- token-exact turns ----------------------------------------------------------------------------
@@ -172,7 +267,7 @@ def test_tokenize_and_detokenize_round_trip(http):
     ("/v1/chat/completions", {"guided_json": {}}, "guided_json"),
     ("/v1/chat/completions", {"no_such_field": 1}, "no_such_field"),
     ("/v1/chat/completions", {"tool_choice": FORCE}, "tool_choice"),
-    ("/v1/chat/completions", {"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]},
+    ("/v1/chat/completions", {"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": "yes"}}]},
      "tools.0.function.strict"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
@@ -211,11 +306,11 @@ def test_anthropic_messages_with_system_and_tool_history(claude):
                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
                                             {"type": "text", "text": "And tomorrow?"}]}]
-    m = claude.messages.create(model=MODEL, max_tokens=8, system=SYSTEM, messages=history, tools=[CLAUDE_TOOL],
+    m = claude.messages.create(model=MODEL, max_tokens=64, system=SYSTEM, messages=history, tools=[CLAUDE_TOOL],
                                tool_choice={"type": "tool", "name": "get_weather"}, extra_body=T0)
     assert m.stop_reason == "tool_use" and m.content[-1].type == "tool_use"
     assert m.content[-1].name == "get_weather" and isinstance(m.content[-1].input, dict)
-    again = claude.messages.create(model=MODEL, max_tokens=8, system=SYSTEM, messages=history, tools=[CLAUDE_TOOL],
+    again = claude.messages.create(model=MODEL, max_tokens=64, system=SYSTEM, messages=history, tools=[CLAUDE_TOOL],
                                    tool_choice={"type": "tool", "name": "get_weather"}, extra_body=T0)
     assert again.usage.cache_read_input_tokens > 0
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens == \
@@ -234,7 +329,7 @@ def test_anthropic_stream_matches_the_whole_answer(claude):
 
 
 def test_anthropic_streamed_tool_use_and_stop_sequences(claude):
-    ask = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Weather?"}], tools=[CLAUDE_TOOL],
+    ask = dict(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "Weather?"}], tools=[CLAUDE_TOOL],
                tool_choice={"type": "tool", "name": "get_weather"})
     with claude.messages.stream(**ask) as stream:
         final = stream.get_final_message()
@@ -247,6 +342,30 @@ def test_anthropic_streamed_tool_use_and_stop_sequences(claude):
         pytest.skip("the demo model printed nothing usable as a stop sequence")
     m = claude.messages.create(**plain, stop_sequences=[stop])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop and m.content[0].text == text[:text.index(stop)]
+
+
+def test_anthropic_thinking_budget_ends_the_thinking_block(claude):
+    ask = dict(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": "Hi"}], extra_body=T0)
+    m = claude.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 6})
+    with claude.messages.stream(**ask, thinking={"type": "enabled", "budget_tokens": 6}) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    thinking = m.content[0]
+    assert thinking.type == "thinking" and 0 < len(thinking.thinking) <= 6  # 6 byte tokens at most
+    assert m.usage.output_tokens > 6 + len("</think>")  # the answer went on after the forced end
+    unbounded = claude.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in unbounded.content] == ["thinking"] and unbounded.stop_reason == "max_tokens"
+
+
+def test_anthropic_tool_choice_any_with_several_tools(claude):
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in BOUNDED]
+    ask = dict(model=MODEL, max_tokens=600, messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+               tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    with claude.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    (use,) = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and use.name in ("get_weather", "lookup")
+    jsonschema.validate(use.input, next(t["input_schema"] for t in tools if t["name"] == use.name))
 
 
 def test_anthropic_errors_have_anthropic_shape(claude, http):

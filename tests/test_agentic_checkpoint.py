@@ -6,6 +6,9 @@ the answer comes back as reasoning_content; a named tool_choice yields a call in
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
@@ -17,6 +20,10 @@ from tests.checkpoints import write_checkpoint
 from tests.test_chat_templates import CONVERSATIONS, FIXTURES, TOOLS, hf_ids, server_view, write_checkpoint_tokenizer
 
 FORCE = {"type": "function", "function": {"name": "get_weather"}}
+BOUNDED = [{"type": "function", "function": {"name": "get_weather", "parameters": {  # random weights: bounded values
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city"], "additionalProperties": False}}}, TOOLS[1]]
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_xml_tools.jinja", "qwen3_json_tools.jinja"])
@@ -47,15 +54,23 @@ def test_tool_conversation_prompt_is_transformers_rendering(served):
 
 
 def test_qwen35_template_opens_reasoning_and_forced_calls_follow_the_template(served):
+    """The forced call is generated under the grammar, in the template's format (the tokenizer's added
+    `<tool_call>` tokens included), and validates against the tool's schema."""
     name, client, _ = served
     answer = chat(client, messages=CONVERSATIONS["one_turn"])["choices"][0]["message"]
-    forced = chat(client, messages=CONVERSATIONS["one_turn"], tools=TOOLS, tool_choice=FORCE, return_token_ids=True)
+    forced = chat(client, messages=CONVERSATIONS["one_turn"], tools=BOUNDED, tool_choice=FORCE, return_token_ids=True,
+                  max_tokens=120)
     prompt_text = client.post("/detokenize", json={"tokens": forced["prompt_token_ids"]}).json()["prompt"]
+    output_text = client.post("/detokenize", json={"tokens": forced["choices"][0]["token_ids"]}).json()["prompt"]
+    choice = forced["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), BOUNDED[0]["function"]["parameters"])
     if name.startswith("qwen3_5"):
         assert answer["reasoning_content"] and not answer["content"]  # the template ended the prompt in <think>
-        assert prompt_text.endswith("<think>\n\n</think>\n\n<tool_call>\n<function=get_weather>\n")
-        assert forced["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
-        assert forced["choices"][0]["finish_reason"] == "tool_calls"
+        assert prompt_text.endswith("<think>\n\n</think>\n\n")  # a forced call skips the reasoning
+        assert output_text.startswith("<tool_call>\n<function=get_weather>\n<parameter=city>\n")
     else:
         assert "reasoning_content" not in answer
-        assert prompt_text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+        assert prompt_text.endswith("<|im_start|>assistant\n")
+        assert output_text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {')

@@ -36,8 +36,9 @@ def test_blocks_become_chat_messages_with_reasoning_tool_calls_and_tool_results(
         {"role": "user", "content": "Thanks"},
     ]
     assert chat.template_kwargs()["enable_thinking"] is True and chat.stop == ["END"]
+    assert chat.thinking_token_budget == 1024
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
-    assert chat.forced_function() == "get_weather"  # `any` with one tool: the call is forced
+    assert list(chat.forced_tools()) == ["get_weather"]  # `any`: a call is forced
 
 
 def test_unimplemented_and_unknown_fields_are_refused():

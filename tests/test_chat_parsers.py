@@ -11,8 +11,10 @@ import json
 
 import pytest
 
-from cairn.server.chat_output import ChatPlan, ChatShaper, openai_deltas, openai_message, plan_chat
-from cairn.server.parsers import ReasoningParser, ToolCallParser, forced_call_prefix, parse_call
+from cairn.sampling import StructuredOutput
+from cairn.server.call_grammar import call_format
+from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
+from cairn.server.parsers import ReasoningParser, ToolCallParser, parse_call
 from cairn.tokenizer import ByteTokenizer
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -81,28 +83,45 @@ def test_reasoning_parser_none_keeps_everything_in_content():
     assert (reasoning, content, calls) == ("", text, [])
 
 
-def test_unterminated_forced_call_is_parsed_from_its_prefix():
-    """tool_choice naming a function puts the call's start in the prompt; generation may then stop
-    (length) before the closing tags: the call still comes back, with its complete parameters."""
-    prefix = forced_call_prefix(ByteTokenizer().template_source, "get_weather")
-    plan = ChatPlan("qwen3", False, TOOLS, prefix, prefix)
-    _, content, calls, shaper = shape("", plan, ["<parameter=city>\nOslo\n</parameter>\n<parameter=da"])
+def test_unterminated_forced_call_is_parsed():
+    """A forced call may be cut by max_tokens (length) before its closing tags: the call still comes back,
+    with its complete parameters."""
+    plan = ChatPlan("qwen3", False, TOOLS)
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=da"
+    _, content, calls, shaper = shape("", plan, [text])
     assert calls == [("get_weather", {"city": "Oslo"})] and content == ""
     assert shaper.finish_reason("length") == "tool_calls" and shaper.finish_reason("abort") == "abort"
 
 
-def test_forced_call_prefix_follows_the_template_format():
-    assert forced_call_prefix("... <function=example> ...", "f") == "<tool_call>\n<function=f>\n"
-    assert forced_call_prefix('{"name": <function-name>}', "f") == '<tool_call>\n{"name": "f", "arguments": '
+def test_call_format_follows_the_template():
+    assert call_format("... <function=example> ...") == "xml"
+    assert call_format('{"name": <function-name>}') == "json"
 
 
 def test_plan_closes_the_reasoning_the_template_opened_before_a_forced_call():
     tok = ByteTokenizer()
-    plan = plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": True}, TOOLS, "search", True)
-    assert plan.generation_prefix == "\n</think>\n\n<tool_call>\n<function=search>\n" and not plan.starts_in_reasoning
-    assert plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": True}, None, None, True).starts_in_reasoning
-    assert not plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": False}, None, None, True).starts_in_reasoning
-    assert plan_chat(tok, "qwen3", "none", {}, TOOLS, None, True).tools is None
+    forced = Constraints(forced={"search": TOOLS["search"]}, one_call=True)
+    plan = plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": True}, TOOLS, True, forced)
+    assert plan.generation_prefix == "\n</think>\n\n" and not plan.starts_in_reasoning
+    assert plan.structured.kind == "lark" and plan.structured.think_end is None
+    assert '"<function=search>\\n"' in plan.structured.schema and "get_weather" not in plan.structured.schema
+    assert plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": True}, None, True).starts_in_reasoning
+    assert not plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": False}, None, True).starts_in_reasoning
+    assert plan_chat(tok, "qwen3", "none", {}, TOOLS, True).tools is None
+
+
+def test_plan_puts_response_format_and_the_budget_after_the_reasoning():
+    tok = ByteTokenizer()
+    fmt = StructuredOutput("json_object")
+    thinking = plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": True}, None, True, Constraints(response_format=fmt))
+    assert thinking.structured == StructuredOutput("json_object", think_end="</think>")
+    plain = plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": False}, None, True,
+                      Constraints(response_format=fmt, think_budget=4))
+    assert plain.structured == fmt  # no reasoning block: nothing to bound
+    budget = plan_chat(tok, "qwen3", "qwen3", {"enable_thinking": True}, None, True, Constraints(think_budget=4))
+    assert budget.structured == StructuredOutput("text", think_end="</think>", think_budget=4)
+    assert plan_chat(tok, "none", "qwen3", {"enable_thinking": True}, None, True, Constraints(think_budget=4)) \
+        .structured is None  # --reasoning-parser none: no reasoning block to end
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():

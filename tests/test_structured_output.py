@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from cairn.engine import LLM
+from cairn.errors import SamplingError
 from cairn.grammar import GrammarCompiler, allowed_masks
-from cairn.sampling import SamplingError, SamplingParams, StructuredOutput
+from cairn.sampling import SamplingParams, StructuredOutput
 from cairn.tokenizer import HFTokenizer
 from tests.checkpoints import write_tokenizer
 
@@ -97,3 +98,14 @@ def test_grammar_from_a_checkpoint_tokenizer_forces_valid_json(tmp_path):
         ids.append(token)
     assert grammar.done
     jsonschema.validate(json.loads(tok.decode(ids)), SCHEMA)
+
+
+def test_thinking_budget_in_the_engine_forces_the_end_in_every_choice(llm):
+    """The output starts inside a reasoning block: after 5 tokens `</think>` is forced, then the JSON."""
+    spec = StructuredOutput("json_schema", json.dumps(SMALL), think_end="</think>", think_budget=5)
+    outs = llm.generate(PROMPT, SamplingParams(structured=spec, max_tokens=200, temperature=1.0, seed=7, n=2))
+    for out in outs:
+        assert out.token_ids[5:13] == list(b"</think>") and out.finish_reason == "stop", out.text
+        reasoning, answer = out.text.split("</think>", 1)
+        jsonschema.validate(json.loads(answer.strip("\n")), SMALL)
+    assert outs[0].token_ids[:5] != outs[1].token_ids[:5]  # the choices are sampled apart

@@ -12,8 +12,10 @@ as content blocks (`thinking`, `text`, `tool_use`), whole or as Anthropic's SSE 
 usage: `input_tokens` counts the prompt tokens computed, `cache_read_input_tokens` those resumed from
 cairn's prefix cache (the same figure as OpenAI's cached_tokens); cairn has no separate cache write
 (`cache_creation_input_tokens` is 0), `cache_control` marks are accepted and change nothing. The
-thinking `budget_tokens` is accepted but not enforced (max_tokens bounds the whole answer). The
-sampling fields older clients send (temperature, top_p, top_k) are honoured.
+thinking `budget_tokens` is enforced when the template opens the thinking block (Qwen3.5, the demo
+model): after that many thinking tokens `</think>` is forced and the answer follows (the chat path's
+`thinking_token_budget`); max_tokens still bounds thinking and answer together. The sampling fields
+older clients send (temperature, top_p, top_k) are honoured.
 Errors have Anthropic's shape {"type": "error", "error": {"type", "message"}}.
 """
 
@@ -84,6 +86,7 @@ class AnthropicTool(Strict):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None  # true: the tool_use input follows input_schema (constrained decoding)
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
 
@@ -96,7 +99,7 @@ class ToolChoice(Strict):
 
 class ThinkingConfig(Strict):
     type: Literal["enabled", "adaptive", "disabled"]  # enabled / adaptive: the template's enable_thinking
-    budget_tokens: int | None = None  # accepted, not enforced
+    budget_tokens: int | None = Field(None, ge=0)  # enabled: most thinking tokens, then the thinking is ended
     display: Literal["summarized"] | None = None  # thinking is returned as generated
 
 
@@ -134,12 +137,15 @@ class MessagesRequest(Strict):
                                 "top_k": self.top_k}
         if self.tools:
             chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                               "parameters": t.input_schema}} for t in self.tools]
+                                                               "parameters": t.input_schema, "strict": t.strict}}
+                             for t in self.tools]
         if self.tool_choice is not None:
             chat["tool_choice"] = _tool_choice(self.tool_choice)
             chat["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use
         if self.thinking is not None:
             chat["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
+            if self.thinking.type == "enabled":
+                chat["thinking_token_budget"] = self.thinking.budget_tokens
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
 
 

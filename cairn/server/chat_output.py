@@ -1,8 +1,10 @@
 """Chat output shaping: generated text -> reasoning, content and tool calls, for one chat request.
 
 `ChatPlan` is decided once per request from the request and the server's flags: which parsers run,
-and the text forced at the start of the answer (`tool_choice` naming a function appends the start of
-that call to the prompt, so the model can only continue the call). `ChatShaper` then runs the text
+and the grammar of the output (cairn.grammar): a call forced by `tool_choice` (`required` or a named
+function, in the template's call format: `call_grammar`; it skips the reasoning), the calls of
+`strict` tools, response_format, and the thinking budget, the last three after the reasoning block
+the template opened, if any. `ChatShaper` then runs the text
 through the reasoning parser, its content through the tool-call parser, and yields `ChatDelta`s;
 the OpenAI (`openai_*`) and Anthropic (`anthropic`) shapes are built from those.
 
@@ -16,10 +18,13 @@ What this is not: it does not talk to the engine, and it does not decide errors.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cairn.errors import ChatTemplateError
+from cairn.grammar import lark_tag
+from cairn.sampling import StructuredOutput
+from cairn.server.call_grammar import call_format, calls_grammar
 from cairn.server.parsers import (
     THINK_END,
     THINK_START,
@@ -28,7 +33,6 @@ from cairn.server.parsers import (
     ParsedToolCall,
     ReasoningParser,
     ToolCallParser,
-    forced_call_prefix,
 )
 from cairn.tokenizer import Tokenizer
 
@@ -37,14 +41,14 @@ PROBE = [{"role": "user", "content": "probe"}]  # rendered to see how the genera
 
 @dataclass(frozen=True)
 class ChatPlan:
-    """How one chat request's output is parsed."""
+    """How one chat request's output is constrained and parsed."""
 
     reasoning_parser: str  # "qwen3" or "none"
     starts_in_reasoning: bool  # the prompt ends inside <think> (the template opened it)
     tools: dict[str, dict] | None  # function name -> parameters schema; None: no tool-call parsing
     generation_prefix: str = ""  # text appended to the prompt, which the answer continues
-    call_prefix: str = ""  # the part of generation_prefix the tool-call parser must see first
     parallel_tool_calls: bool = True
+    structured: StructuredOutput | None = None  # the grammar of the output (see cairn.grammar)
 
 
 def opens_reasoning(tokenizer: Tokenizer, template_kwargs: dict[str, Any]) -> bool:
@@ -58,19 +62,48 @@ def opens_reasoning(tokenizer: Tokenizer, template_kwargs: dict[str, Any]) -> bo
     return tail.endswith(THINK_START) and THINK_END not in tail[-len(THINK_START) - 2:]
 
 
+@dataclass(frozen=True)
+class Constraints:
+    """What a request asks of its output, beside the parsers: the tools a call is forced to (all of them
+    for tool_choice `required`, one for a named function), the strict tools of tool_choice auto,
+    response_format, the thinking budget."""
+
+    forced: dict[str, dict] | None = None
+    one_call: bool = False  # a named function: exactly one call
+    strict: dict[str, dict] | None = None  # tool_choice auto with `strict` tools: the calls made follow these
+    response_format: StructuredOutput | None = None
+    think_budget: int | None = None
+
+
 def plan_chat(tokenizer: Tokenizer, reasoning_parser: str, tool_call_parser: str, template_kwargs: dict[str, Any],
-              tools: dict[str, dict] | None, forced_function: str | None, parallel_tool_calls: bool) -> ChatPlan:
-    """The plan for a request; `tools` is None when calls are not parsed (no tools, tool_choice none)."""
+              tools: dict[str, dict] | None, parallel_tool_calls: bool,
+              constraints: Constraints = Constraints()) -> ChatPlan:
+    """The plan for a request; `tools` is None when calls are not parsed (no tools, tool_choice none).
+    A forced call skips the reasoning (the block the template opened is closed in the prompt); a
+    response_format, strict tools or a thinking budget let the reasoning run first (bounded by the
+    budget). A response_format leaves strict tools unconstrained (the answer is its JSON)."""
     in_reasoning = reasoning_parser != "none" and opens_reasoning(tokenizer, template_kwargs)
     if tool_call_parser == "none":
         tools = None
-    prefix = call_prefix = ""
-    if forced_function is not None:
-        call_prefix = forced_call_prefix(tokenizer.template_source, forced_function)
-        # A forced call skips the reasoning: close the block the template opened.
-        prefix = ("\n" + THINK_END + "\n\n" if in_reasoning else "") + call_prefix
+    prefix, structured = "", constraints.response_format
+    if constraints.forced is not None:
+        structured = _calls(tokenizer, constraints.forced, parallel_tool_calls and not constraints.one_call)
+        prefix = "\n" + THINK_END + "\n\n" if in_reasoning else ""
         in_reasoning = False
-    return ChatPlan(reasoning_parser, in_reasoning, tools, prefix, call_prefix, parallel_tool_calls)
+    elif constraints.strict is not None and structured is None and tools is not None:
+        structured = _calls(tokenizer, constraints.strict, parallel_tool_calls, optional=True)
+    elif structured is None and in_reasoning and constraints.think_budget is not None:
+        structured = StructuredOutput("text")
+    if structured is not None and in_reasoning:
+        structured = replace(structured, think_end=THINK_END, think_budget=constraints.think_budget)
+    return ChatPlan(reasoning_parser, in_reasoning, tools, prefix, parallel_tool_calls, structured)
+
+
+def _calls(tokenizer: Tokenizer, tools: dict[str, dict], parallel: bool, optional: bool = False) -> StructuredOutput:
+    """The grammar of calls to `tools` in the template's call format (see `call_grammar`)."""
+    grammar = calls_grammar(tools, call_format(tokenizer.template_source), parallel,
+                            lambda text: lark_tag(tokenizer, text), optional)
+    return StructuredOutput("lark", grammar)
 
 
 @dataclass
@@ -90,7 +123,7 @@ class ChatShaper:
         self.plan = plan
         self.reasoning = ReasoningParser(plan.starts_in_reasoning) if plan.reasoning_parser != "none" \
             else NoReasoningParser()
-        self.calls = ToolCallParser(plan.tools, plan.call_prefix) if plan.tools is not None else NoToolCallParser()
+        self.calls = ToolCallParser(plan.tools) if plan.tools is not None else NoToolCallParser()
         self.message = ChatDelta()  # everything so far
         self._num_calls_kept = 0
 

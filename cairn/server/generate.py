@@ -20,18 +20,18 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cairn.outputs import Completion, RequestOutput, accumulate
 from cairn.server.bridge import EngineBridge, RequestStream, Submission
-from cairn.server.chat_output import ChatShaper, openai_deltas, openai_message, plan_chat
+from cairn.server.chat_output import ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception, model_not_found
 from cairn.server.metrics import ServerMetrics
 from cairn.server.middleware import current_request_id
-from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from cairn.server.responses import (
     DONE_EVENT,
     ResponseHeader,
@@ -227,13 +227,17 @@ async def start_chat(ctx: ServingContext, body: ChatCompletionRequest, start_s: 
     body.check_tools()
     params = body.to_sampling_params(context_fill_tokens=ctx.max_model_len, defaults=ctx.sampling_defaults)
     kwargs = body.template_kwargs()
-    if ctx.tool_call_parser == "none" and body.forced_function() is not None:
-        raise APIError(400, "tool_choice naming a function needs a tool-call parser (this server runs with "
+    forced = body.forced_tools()
+    if ctx.tool_call_parser == "none" and forced is not None:
+        raise APIError(400, "a tool_choice that forces a call needs a tool-call parser (this server runs with "
                             "--tool-call-parser none)", param="tool_choice", code="unsupported_value")
     tools = ({t.function.name: t.function.parameters or {} for t in body.tools}
              if body.tools and body.tool_choice != "none" else None)
+    constraints = Constraints(forced, isinstance(body.tool_choice, NamedToolChoice), body.strict_tools(),
+                              params.structured, body.thinking_token_budget)
     plan = plan_chat(ctx.tokenizer, ctx.reasoning_parser, ctx.tool_call_parser, kwargs, tools,
-                     body.forced_function(), body.parallel_tool_calls)
+                     body.parallel_tool_calls, constraints)
+    params = replace(params, structured=plan.structured)
     if plan.generation_prefix:
         kwargs = {**kwargs, "generation_prefix": plan.generation_prefix}
     sub = Submission(_new_id(id_prefix), params, messages=body.template_messages(), template_kwargs=kwargs,

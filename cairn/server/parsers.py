@@ -160,9 +160,9 @@ def parse_call(block: str, tools: dict[str, dict], complete: bool) -> ParsedTool
 class ToolCallParser:
     """Splits content into (content, tool calls) pieces; see the module docstring."""
 
-    def __init__(self, tools: dict[str, dict], prefix: str = ""):
+    def __init__(self, tools: dict[str, dict]):
         self.tools = tools
-        self._buf = prefix  # text forced into the prompt (tool_choice) counts as generated
+        self._buf = ""
         self._in_call = False
         self.num_calls = 0
 
@@ -220,11 +220,3 @@ class NoToolCallParser:
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         return "", []
-
-
-def forced_call_prefix(template_source: str, name: str) -> str:
-    """The start of a call to `name` in the format the chat template teaches (XML if it mentions
-    `<function=`, else JSON): appended to the prompt to force that call."""
-    if "<function=" in template_source:
-        return f"{CALL_START}\n<function={name}>\n"
-    return f'{CALL_START}\n{{"name": {json.dumps(name)}, "arguments": '

@@ -114,7 +114,7 @@ class FunctionDef(Strict):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema of the arguments
-    strict: Literal[False] | None = None  # true (arguments constrained to the schema) needs a grammar engine
+    strict: bool | None = None  # true: a call this answer makes follows the tools' schemas (constrained)
 
 
 class Tool(Strict):
@@ -283,6 +283,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # False: at most one call is returned
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking)
+    thinking_token_budget: int | None = Field(None, ge=0)  # vLLM extension: most reasoning tokens, then </think>
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -312,27 +313,33 @@ class ChatCompletionRequest(SamplingFields):
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         return kwargs
 
-    def forced_function(self) -> str | None:
-        """The function a call must be made to (named tool_choice, or `required` with one tool), else None."""
-        choice = self.tool_choice
+    def forced_tools(self) -> dict[str, dict] | None:
+        """The functions a call must be made to (name -> parameters schema): all the tools for
+        `required`, the named one for a named tool_choice; None when no call is forced."""
+        choice, tools = self.tool_choice, {t.function.name: t.function.parameters or {} for t in self.tools or ()}
         if isinstance(choice, NamedToolChoice):
-            return choice.function.name
-        if choice == "required" and self.tools and len(self.tools) == 1:
-            return self.tools[0].function.name
-        return None
+            return {choice.function.name: tools[choice.function.name]}
+        return tools if choice == "required" else None
+
+    def strict_tools(self) -> dict[str, dict] | None:
+        """With tool_choice auto and a tool marked `strict`: the tools every call must follow (name ->
+        parameters schema), as vLLM does; else None."""
+        if self.tool_choice not in (None, "auto") or not any(t.function.strict for t in self.tools or ()):
+            return None
+        return {t.function.name: t.function.parameters or {} for t in self.tools or ()}
 
     def check_tools(self) -> None:
-        """tool_choice must name a given tool; `required` with several tools cannot be enforced."""
+        """tool_choice must name a given tool; a forced call and response_format exclude each other."""
         names = {t.function.name for t in self.tools or ()}
         if self.tool_choice not in (None, "none", "auto") and not names:
             raise APIError(400, "tool_choice requires tools", param="tool_choice", code="invalid_value")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise APIError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
                            param="tool_choice", code="invalid_value")
-        if self.tool_choice == "required" and len(names) > 1:
-            raise APIError(400, "tool_choice=required with several tools is not supported (it needs constrained "
-                                "decoding): name the function, or send one tool", param="tool_choice",
-                           code="unsupported_value")
+        if self.tool_choice not in (None, "none", "auto") and self.response_format and \
+                self.response_format.type != "text":
+            raise APIError(400, "response_format cannot be combined with a tool_choice that forces a call",
+                           param="response_format", code="invalid_value")
 
 
 class CompletionRequest(SamplingFields):
