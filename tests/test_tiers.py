@@ -201,7 +201,7 @@ def test_disk_segments_hold_what_the_tree_says(tmp_path):
             assert segment.snapshot_bytes is not None
 
 
-def test_a_move_in_flight_reserves_its_space_and_is_published_only_on_complete():
+def test_a_store_into_the_host_tier_is_complete_when_it_returns_and_a_full_tier_refuses():
     from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier
     from cairn.memory.kv_pool import KVPool
     from cairn.memory.state_pool import StatePool
@@ -209,20 +209,18 @@ def test_a_move_in_flight_reserves_its_space_and_is_published_only_on_complete()
     work = StatePool(2, 2, 8, 4, 2, 4, 4, torch.float32)
     host = PoolSnapshotTier("host", work, 2 * work.bytes_per_slot, vocab_size=4, device="cpu")
     slot = work.alloc()
-    pending = host.prepare_store(work, slot, None)
-    assert not pending.done and host.used_bytes == work.bytes_per_slot and host.pool.num_free == 1
-    assert host.prepare_store(work, slot, None).complete() is not None  # the second slot
-    assert host.prepare_store(work, slot, None) is None  # full: the slot in flight is not given away
-    stored = pending.complete()
-    assert pending.done and stored.tier == "host" and stored.nbytes == work.bytes_per_slot
+    work.recurrent[:, slot].normal_()
+    stored = host.store(work, slot, None)
+    assert stored.tier == "host" and stored.nbytes == work.bytes_per_slot and host.pool.num_free == 1
+    assert torch.equal(host.pool.read_slot(stored.slot)["recurrent"], work.recurrent[:, slot])
+    assert host.store(work, slot, None) is not None and host.store(work, slot, None) is None  # full
 
     kv = KVPool(1, 4, 2, 1, 2, torch.float32)
     kv.k.normal_()
     bank = HostKVBank(kv, budget_bytes=2 * kv.bytes_per_page)
-    moving = bank.prepare_copy_in(kv, [1, 3])
-    assert bank.allocator.num_free == 0 and bank.prepare_copy_in(kv, [0]) is None
-    pages = moving.complete()
+    pages = bank.copy_in(kv, [1, 3])
     assert torch.equal(bank.k[:, pages], kv.k[:, [1, 3]])
+    assert bank.allocator.num_free == 0 and bank.copy_in(kv, [0]) is None
 
 
 def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes_it(tmp_path, cold):

@@ -1,7 +1,7 @@
 """Retention order of snapshots: which snapshot the radix tree gives up first (DESIGN §4.2).
 
 This module is the ranking only: it reads a tree's nodes and returns keys. It does not evict, does
-not know about tiers and never imports torch; `RadixTree.evict_snapshots` applies it.
+not know about tiers and never imports torch; `SnapshotVictims` (tree/tiered.py) applies it.
 
 A snapshot's value is the prefill it saves over the nearest snapshot above it on its path (its
 *gap*), weighted by how recently its path was used, per byte. The victim is the minimum of
@@ -23,7 +23,9 @@ The key is a total order on one tree: one operation stamps only the snapshots al
 chain, so two snapshots with equal `last_access` lie on one chain and differ in position.
 Locked snapshots are never ranked, but they still count as the snapshot above (for gaps) and below
 (for `deepest`) their neighbours. Gaps are recomputed from scratch on every call, so evicting one
-snapshot changes the gap of the one below it.
+snapshot changes the gap of the one below it. Evicting never lowers another snapshot's key (the one
+below gets a larger gap, the one above may become deepest), which is what lets `SnapshotVictims`
+rank once per call and re-check only the key it pops (`retention_key`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,31 @@ def rank_snapshots(
         )
         ranked.append((key, node))
     return ranked
+
+
+def retention_key(node: Node) -> RetentionKey:
+    """The current key of node's snapshot, computed from its neighbours alone: O(depth) up to the snapshot
+    above, and a walk below that stops at the first snapshot found."""
+    above = node.parent
+    while above is not None and above.snapshot is None:
+        above = above.parent
+    entry = node.snapshot
+    return RetentionKey(
+        last_access=entry.last_access,
+        deepest=not _has_snapshot_below(node),
+        gap_per_byte=Fraction(node.end - (above.end if above is not None else 0), entry.nbytes),
+        position=node.end,
+    )
+
+
+def _has_snapshot_below(node: Node) -> bool:
+    stack = list(node.children.values())
+    while stack:
+        child = stack.pop()
+        if child.snapshot is not None:
+            return True
+        stack.extend(child.children.values())
+    return False
 
 
 def _preorder_with_ancestor_snapshot(root: Node) -> list[tuple[Node, int]]:

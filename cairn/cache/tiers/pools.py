@@ -6,24 +6,21 @@ The device and host tiers are the same `PoolSnapshotTier` over a preallocated sl
 model's device or in host RAM (page-locked when the device is CUDA). `HostKVBank` is the host's bank
 of KV pages, laid out like the device KV pool.
 
-Moves are two-phase: `prepare_*` reserves the destination and starts the copy (asynchronous on CUDA);
-the returned `PendingCopy` is unreadable, and its space unevictable, until `complete()` publishes it.
-On CPU the copy finishes inside prepare and complete only publishes. Restoring copies out and never
-consumes the stored copy (DESIGN invariant 2). Tiers know nothing of the radix tree or scheduler.
+Copies are synchronous: a store has finished when it returns (on CUDA a device-to-host copy blocks
+the engine thread; overlapping it with the model step would need a side stream and an event per
+copy, published after the step). Restoring copies out and never consumes the stored copy (DESIGN
+invariant 2). Tiers know nothing of the radix tree or scheduler.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import torch
 
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -34,28 +31,6 @@ class StoredSnapshot:
     slot: int  # the slot in the tier's pool
     logits: torch.Tensor | None  # next-token logits at the snapshot position, when stored
     nbytes: int  # bytes it takes in the tier (state slot + logits)
-
-
-class PendingCopy(Generic[T]):
-    """A copy in flight: its destination is reserved; `complete()` waits for it and returns the result."""
-
-    def __init__(self, result: T, event: torch.cuda.Event | None = None):
-        self._result, self._event, self.done = result, event, False
-
-    def complete(self) -> T:
-        if self._event is not None:
-            self._event.synchronize()
-        self.done = True
-        return self._result
-
-
-def _copy_event(device: torch.device) -> torch.cuda.Event | None:
-    """An event after the copies just issued when they may still be running (CUDA), else None."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 class PoolSnapshotTier:
@@ -81,17 +56,15 @@ class PoolSnapshotTier:
     def fits(self, with_logits: bool) -> bool:
         return self.pool.num_free > 0 and self.used_bytes + self.snapshot_bytes(with_logits) <= self.budget_bytes
 
-    def prepare_store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> PendingCopy | None:
-        """Reserve a slot and start copying src[slot] (and logits) into it; None when it does not fit."""
+    def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
+        """A copy of src[slot] (and logits) in a slot of this tier; None when it does not fit."""
         stored = self.reserve(logits is not None)
         if stored is None:
             return None
-        src.copy_to(slot, self.pool, stored.slot, non_blocking=True)
+        src.copy_to(slot, self.pool, stored.slot)  # synchronous; a CUDA side stream would go here
         if logits is not None:
-            stored.logits = torch.empty(logits.shape, dtype=torch.float32, device=self.device,
-                                        pin_memory=self.pool.is_pinned)
-            stored.logits.copy_(logits, non_blocking=True)
-        return PendingCopy(stored, _copy_event(src.device))
+            stored.logits = logits.to(self.device, torch.float32, copy=True)
+        return stored
 
     def reserve(self, with_logits: bool = False) -> StoredSnapshot | None:
         """A slot (and its bytes) set aside for a state to be written there; None when full."""
@@ -100,10 +73,6 @@ class PoolSnapshotTier:
         nbytes = self.snapshot_bytes(with_logits)
         self.used_bytes += nbytes
         return StoredSnapshot(self.name, self.pool.alloc(zero=False), None, nbytes)
-
-    def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
-        pending = self.prepare_store(src, slot, logits)
-        return None if pending is None else pending.complete()
 
     def restore(self, snap: StoredSnapshot, dst: StatePool, slot: int) -> torch.Tensor | None:
         """Copy the snapshot into dst[slot] (synchronously); returns a copy of its logits. It stays stored."""
@@ -133,8 +102,8 @@ class HostKVBank:
     def used_bytes(self) -> int:
         return (self.allocator.num_pages - self.allocator.num_free) * self.bytes_per_page
 
-    def prepare_copy_in(self, kv: KVPool, device_pages: list[int]) -> PendingCopy[list[int]] | None:
-        """Reserve host pages and start copying the device pages into them; None when the bank is full."""
+    def copy_in(self, kv: KVPool, device_pages: list[int]) -> list[int] | None:
+        """Host pages holding copies of the device pages (synchronously); None when the bank is full."""
         if len(device_pages) > self.allocator.num_free:
             return None
         host_pages = self.allocator.alloc(len(device_pages))
@@ -142,11 +111,4 @@ class HostKVBank:
         dst = torch.tensor(host_pages)
         self.k[:, dst] = kv.k[:, src].to("cpu")
         self.v[:, dst] = kv.v[:, src].to("cpu")
-        return PendingCopy(host_pages)
-
-    def copy_out(self, host_pages: list[int], kv: KVPool, device_pages: list[int]) -> None:
-        """Copy host pages into device pages (synchronously). The host copy stays."""
-        src = torch.tensor(host_pages)
-        dst = torch.tensor(device_pages, device=kv.k.device)
-        kv.k[:, dst] = self.k[:, src].to(kv.k.device)
-        kv.v[:, dst] = self.v[:, src].to(kv.v.device)
+        return host_pages

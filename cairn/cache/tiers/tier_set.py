@@ -1,10 +1,9 @@
 """TierSet: moving snapshots and KV between the device, host and disk tiers (DESIGN invariant 3).
 
 Eviction demotes before it drops: a device snapshot or KV page that must leave the device is copied
-to the host (two-phase: prepare reserves and copies, complete publishes) unless a slower tier already
-holds it; a host item that must leave goes to disk the same way; only the last tier drops, and every
-drop is counted with its reason. Restoring copies into the request's working slot and fresh device
-pages; the stored copies stay where they are.
+to the host unless a slower tier already holds it; a host item that must leave goes to disk the same
+way; only the last tier drops, and every drop is counted with its reason. Restoring copies into the
+request's working slot and fresh device pages; the stored copies stay where they are.
 
 What this is not: it does not choose resume points (policy/planner.py) or placement (policy/placement.py); it
 keeps the radix tree's location records in step with the bytes it moves.
@@ -21,7 +20,7 @@ import torch
 from cairn.cache.disk.tier import DiskTier
 from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier, StoredSnapshot
 from cairn.cache.tree.nodes import RELEASE_EVICTED, Node
-from cairn.cache.tree.tiered import TieredRadixTree
+from cairn.cache.tree.tiered import KVVictims, SnapshotVictims, TieredRadixTree
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 
@@ -59,24 +58,27 @@ class TierSet:
 
     def store_snapshot(self, states: StatePool, slot: int, logits: torch.Tensor | None) -> TieredSnapshot | None:
         """A device copy of states[slot], demoting device snapshots to make room; None if none can move."""
-        while not self.device.fits(logits is not None):
-            if not self._demote_one_snapshot("device"):
-                return None
-        stored = self.device.prepare_store(states, slot, logits).complete()
+        if not self._make_snapshot_room("device", logits is not None):
+            return None
+        stored = self.device.store(states, slot, logits)
         return TieredSnapshot(logits is not None, device=stored)
 
     def reserve_snapshot(self) -> TieredSnapshot | None:
         """A device slot for a state a model step will capture, demoting to make room; None if none can move."""
-        while not self.device.fits(False):
-            if not self._demote_one_snapshot("device"):
-                return None
+        if not self._make_snapshot_room("device", False):
+            return None
         return TieredSnapshot(False, device=self.device.reserve())
 
-    def _demote_one_snapshot(self, tier: str) -> bool:
-        node = self.tree.snapshot_victim(lambda e: getattr(e.handle, tier) is not None)
-        if node is None:
-            return False
-        self.demote_snapshot(node, tier)
+    def _make_snapshot_room(self, tier: str, with_logits: bool) -> bool:
+        """Demote `tier`'s snapshots in retention order until one more fits; False when none can move."""
+        pool: PoolSnapshotTier = getattr(self, tier)
+        victims = None
+        while not pool.fits(with_logits):
+            victims = victims or SnapshotVictims(self.tree, lambda e: getattr(e.handle, tier) is not None)
+            node = victims.pop()
+            if node is None:
+                return False
+            self.demote_snapshot(node, tier)
         return True
 
     def demote_snapshot(self, node: Node, tier: str) -> None:
@@ -96,11 +98,9 @@ class TierSet:
             self.tree.remove_snapshot(node, RELEASE_EVICTED)
 
     def _snapshot_to_host(self, handle: TieredSnapshot, copy: StoredSnapshot) -> None:
-        while not self.host.fits(handle.has_logits):
-            if not self._demote_one_snapshot("host"):
-                return
-        pending = self.host.prepare_store(self.device.pool, copy.slot, copy.logits)
-        handle.host = pending.complete()
+        if not self._make_snapshot_room("host", handle.has_logits):
+            return
+        handle.host = self.host.store(self.device.pool, copy.slot, copy.logits)
         self.moved["snapshot device->host"] += 1
 
     def release(self, handle: TieredSnapshot) -> None:
@@ -128,33 +128,45 @@ class TierSet:
     def free_device_pages(self, num_pages: int) -> int:
         """Demote (or drop) least-recently-used device KV until num_pages pages are free; returns freed."""
         freed = 0
+        victims = {"device": KVVictims(self.tree, "device")}  # "host" joins when a device victim needs room there
         while freed < num_pages:
-            node = self.tree.kv_victim("device")
+            node = victims["device"].pop()
             if node is None:
                 break
             if node.host_pages is None and node.disk is None:
-                self._kv_to_host(node)
+                self._kv_to_host(node, victims)
                 if node.host_pages is None and self.disk is not None:
                     self._persist(node)
             if not node.host_pages and node.disk is None:
                 self.dropped["kv_device_full"] += 1
-            freed += self.tree.drop_kv(node, "device")
+            freed += self._drop_kv(node, "device", victims)
         return freed
 
-    def _kv_to_host(self, node: Node) -> None:
+    def _drop_kv(self, node: Node, tier: str, victims: dict[str, KVVictims]) -> int:
+        """tree.drop_kv, then offer the parent to this call's victim queues (it may have become a candidate)."""
+        parent = node.parent
+        freed = self.tree.drop_kv(node, tier)
+        for queue in victims.values():
+            queue.push(parent)
+        return freed
+
+    def _kv_to_host(self, node: Node, victims: dict[str, KVVictims]) -> None:
         if self.host_kv is None:
             return
         while self.host_kv.allocator.num_free < len(node.pages):
-            victim = self.tree.kv_victim("host")
-            if victim is None or victim is node:
+            if "host" not in victims:
+                victims["host"] = KVVictims(self.tree, "host")
+            victim = victims["host"].pop()
+            if victim is None:
                 return
             if victim.disk is None and self.disk is not None:
                 self._persist(victim)
             if victim.disk is None:
                 self.dropped["kv_host_full"] += 1
-            self.tree.drop_kv(victim, "host")
-        pending = self.host_kv.prepare_copy_in(self.kv, node.pages)
-        self.tree.adopt_host_pages(node, pending.complete())
+            self._drop_kv(victim, "host", victims)
+        self.tree.adopt_host_pages(node, self.host_kv.copy_in(self.kv, node.pages))
+        if "host" in victims:
+            victims["host"].push(node)
         self.moved["kv device->host"] += 1
 
     def page_copy(self, node: Node, i: int, segments: dict) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk")  # "disk": found at start-up
 MISS_REASONS = ("no_snapshot", "evicted", "budget", "needs_logits")
-RELEASE_EVICTED = "evicted"  # on_snapshot_released reason: lost to retention (evict_snapshots)
-RELEASE_KV_EVICTED = "kv_evicted"  # on_snapshot_released reason: its node's KV was evicted (evict_pages)
+RELEASE_EVICTED = "evicted"  # on_snapshot_released reason: its last copy lost to retention (TierSet demotion)
+RELEASE_KV_EVICTED = "kv_evicted"  # on_snapshot_released reason: its node lost its last KV copy
 
 
 @dataclass(eq=False)

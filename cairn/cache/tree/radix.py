@@ -1,8 +1,9 @@
 """RadixTree: the token index of the hybrid prefix cache (KV pages per node, one optional snapshot per node).
 
 What it is: the bookkeeping that says, for a prompt, how much of it has attention KV in the tree and
-where a recurrent-state snapshot lets it resume (DESIGN §1, invariant 1), plus the KV and snapshot
-eviction orders (§4.2). It holds page ids (one `PageAllocator` reference per node and listed page)
+where a recurrent-state snapshot lets it resume (DESIGN §1, invariant 1). Eviction (§4.2) is in
+tiered.py (the victim queues) and tiers/tier_set.py (demote before drop), the one path that runs.
+It holds page ids (one `PageAllocator` reference per node and listed page)
 and opaque snapshot handles.
 
 What it is not: it never touches tensors or imports torch, never copies or frees snapshot memory
@@ -23,13 +24,10 @@ on the node's paths; positions after that may belong to another branch.
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
-from cairn.cache.policy.retention import rank_snapshots
 from cairn.cache.tree.nodes import (
-    RELEASE_EVICTED,
     RELEASE_KV_EVICTED,
     SNAPSHOT_SOURCES,
     LockHandle,
@@ -94,10 +92,6 @@ class RadixTree:
         """Page id -> number of allocator references the tree holds on it (one per node listing it)."""
         return dict(self._page_refs)
 
-    def host_page_refs(self) -> dict[int, int]:
-        """Host page id -> references the tree holds on it."""
-        return dict(self._host_refs)
-
     # ---- reading --------------------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int], need_logits_at_end: bool = True) -> MatchResult:
@@ -120,17 +114,6 @@ class RadixTree:
         if resume_position < match_len:
             miss_reason = self._miss_reason(path, resume_position, match_len)
         return MatchResult(len(tokens), match_len, path, resume_position, resume_node, miss_reason)
-
-    def prefix_pages(self, result: MatchResult, num_tokens: int) -> list[int]:
-        """Device page table for positions [0, num_tokens) of a matched prompt; num_tokens <= result.match_len.
-
-        For each page index, the device page listed by the deepest node of result.path that starts
-        before num_tokens (-1 where that node's KV is not on the device). If num_tokens % page_size != 0
-        the last page holds valid KV only before num_tokens: the caller copies it before writing there.
-        Pure; takes no references.
-        """
-        return [node.pages[i] if node.pages is not None else -1
-                for node, i in self.prefix_page_sources(result, num_tokens)]
 
     def prefix_page_sources(self, result: MatchResult, num_tokens: int) -> list[tuple[Node, int]]:
         """For each page index of [0, num_tokens): (the deepest node of result.path listing it that starts
@@ -160,13 +143,6 @@ class RadixTree:
         for node in self.iter_nodes():
             if node.snapshot is not None:
                 yield node.end, node.snapshot, node
-
-    def snapshot_victim_order(self) -> list[SnapshotEntry]:
-        """Unlocked snapshots ranked by their current retention keys; the first is the next victim.
-
-        Keys are recomputed after each eviction, so this is the order of one eviction, not of many.
-        """
-        return [node.snapshot for _, node in sorted(rank_snapshots(self.root), key=lambda pair: pair[0])]
 
     # ---- locking --------------------------------------------------------------------------------
 
@@ -240,46 +216,6 @@ class RadixTree:
         self._snapshot_bytes += entry.nbytes
         return True
 
-    # ---- evicting -------------------------------------------------------------------------------
-
-    def evict_snapshots(self, num_entries: int) -> list[SnapshotEntry]:
-        """Evict up to num_entries unlocked snapshots in retention order (see policy/retention.py).
-
-        Mutates: removes each victim from its node, marks the node's tombstone (match then reports
-        "evicted") and calls on_snapshot_released(entry, "evicted"). KV and nodes stay.
-        Returns the victims in eviction order; fewer when fewer are unlocked. evict_snapshots(0) is a no-op.
-        """
-        victims = []
-        for _ in range(num_entries):
-            ranked = rank_snapshots(self.root)
-            if not ranked:
-                break
-            _, node = min(ranked, key=lambda pair: pair[0])
-            victims.append(node.snapshot)
-            node.snapshot_evicted = True
-            self._release_snapshot(node, RELEASE_EVICTED)
-        return victims
-
-    def evict_pages(self, num_pages: int) -> int:
-        """Remove unlocked leaves, least recently used first, until num_pages pages became free.
-
-        Order: ascending node.last_access, then deeper end first, then lower node_id. A parent left
-        without children (and unlocked) becomes a candidate. Stops when the allocator freed at least
-        num_pages pages or no unlocked leaf remains; a leaf whose pages are still shared frees 0
-        pages but is removed anyway. Mutates: decrefs the removed nodes' pages and releases their
-        snapshots with reason "kv_evicted". Returns the pages freed. evict_pages(0) is a no-op.
-        """
-        heap = [self._leaf_key(node) for node in self.iter_nodes() if self._evictable(node)]
-        heapq.heapify(heap)
-        num_freed = 0
-        while num_freed < num_pages and heap:
-            *_, node = heapq.heappop(heap)
-            parent = node.parent
-            num_freed += self._remove_leaf(node)
-            if parent is not self.root and self._evictable(parent):
-                heapq.heappush(heap, self._leaf_key(parent))
-        return num_freed
-
     # ---- integrity ------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
@@ -308,7 +244,7 @@ class RadixTree:
             if self.pages.refcount[page] < count:
                 raise AssertionError(f"page {page}: allocator refcount {self.pages.refcount[page]} < tree refs {count}")
         if host_refs != self._host_refs:
-            raise AssertionError("host page references listed by nodes disagree with host_page_refs()")
+            raise AssertionError("host page references listed by nodes disagree with the tree's count")
         if self.host_pages is not None:
             self.host_pages.check_integrity(dict(host_refs))
         self._check_locks()
@@ -443,13 +379,6 @@ class RadixTree:
         self._num_snapshots -= 1
         self._snapshot_bytes -= entry.nbytes
         self.on_snapshot_released(entry, reason)
-
-    def _evictable(self, node: Node) -> bool:
-        return not node.children and node.lock_count == 0
-
-    @staticmethod
-    def _leaf_key(node: Node) -> tuple[int, int, int, Node]:
-        return node.last_access, -node.end, node.node_id, node
 
     def _ancestors(self, node: Node | None) -> Iterator[Node]:
         """node and its ancestors, root excluded."""

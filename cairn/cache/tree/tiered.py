@@ -12,9 +12,10 @@ Torch-free, single-threaded.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
-from cairn.cache.policy.retention import rank_snapshots
+from cairn.cache.policy.retention import rank_snapshots, retention_key
 from cairn.cache.tree.nodes import (
     RELEASE_EVICTED,
     RELEASE_KV_EVICTED,
@@ -29,29 +30,71 @@ from cairn.cache.tree.radix import RadixTree
 TIERS = ("device", "host", "disk")
 
 
-class TieredRadixTree(RadixTree):
-    # ---- victims (pure) -------------------------------------------------------------------------
+class KVVictims:
+    """The KV victims of one tier for one eviction call, from a heap ranked once (DESIGN §4.2).
 
-    def kv_victim(self, tier: str) -> Node | None:
-        """The unlocked node holding KV on `tier` that no child holds KV on `tier` below, least recently
-        used first (then deeper end, then lower node_id). None when there is none."""
-        best = None
-        for node in self.iter_nodes():
-            if node.lock_count or not self._holds(node, tier):
-                continue
-            if any(self._holds(child, tier) for child in node.children.values()):
-                continue
-            if best is None or self._leaf_key(node)[:3] < self._leaf_key(best)[:3]:
-                best = node
-        return best
+    A candidate is an unlocked node holding KV on `tier` that no child holds KV on `tier` below:
+    least recently used first, then deeper end, then lower node_id. Within one call recency and
+    locks do not change, so a key never goes stale; a popped entry that stopped being a candidate
+    (dropped meanwhile, or a child gained a copy) is skipped. A node that becomes a candidate during
+    the call (its last child on the tier left, or it just gained a copy) must be `push`ed.
+    """
 
-    def snapshot_victim(self, eligible: Callable[[SnapshotEntry], bool]) -> Node | None:
-        """The node whose unlocked, eligible snapshot the retention order gives up first. Pure."""
-        ranked = rank_snapshots(self.root, eligible)
-        return min(ranked, key=lambda pair: pair[0])[1] if ranked else None
+    def __init__(self, tree: TieredRadixTree, tier: str):
+        self.tree, self.tier = tree, tier
+        self._heap = [self._key(node) for node in tree.iter_nodes() if self._candidate(node)]
+        heapq.heapify(self._heap)
+
+    def _candidate(self, node: Node) -> bool:
+        return (node.parent is not None and not node.lock_count and self.tree.holds(node, self.tier)
+                and not any(self.tree.holds(child, self.tier) for child in node.children.values()))
 
     @staticmethod
-    def _holds(node: Node, tier: str) -> bool:
+    def _key(node: Node) -> tuple[int, int, int, Node]:
+        return node.last_access, -node.end, node.node_id, node
+
+    def push(self, node: Node | None) -> None:
+        if node is not None and self._candidate(node):
+            heapq.heappush(self._heap, self._key(node))
+
+    def pop(self) -> Node | None:
+        """The next victim, or None when no candidate is left."""
+        while self._heap:
+            node = heapq.heappop(self._heap)[-1]
+            if self._candidate(node):
+                return node
+        return None
+
+
+class SnapshotVictims:
+    """The snapshot victims among those `eligible` for one eviction call, by retention key (policy/retention.py).
+
+    Ranks the tree once; evicting a snapshot only raises its neighbours' keys, so a popped entry whose
+    key rose meanwhile goes back with its current key, and one whose key is unchanged is the minimum.
+    """
+
+    def __init__(self, tree: TieredRadixTree, eligible: Callable[[SnapshotEntry], bool]):
+        self.eligible = eligible
+        self._heap = [(key, node.node_id, node, node.snapshot) for key, node in rank_snapshots(tree.root, eligible)]
+        heapq.heapify(self._heap)
+
+    def pop(self) -> Node | None:
+        """The node whose snapshot goes next, or None when no unlocked eligible one is left."""
+        while self._heap:
+            key, node_id, node, entry = heapq.heappop(self._heap)
+            if node.snapshot is not entry or entry.lock_count or not self.eligible(entry):
+                continue
+            current = retention_key(node)
+            if current == key:
+                return node
+            heapq.heappush(self._heap, (current, node_id, node, entry))
+        return None
+
+
+class TieredRadixTree(RadixTree):
+    @staticmethod
+    def holds(node: Node, tier: str) -> bool:
+        """node keeps a copy of its KV on `tier`."""
         return {"device": node.pages, "host": node.host_pages, "disk": node.disk}[tier] is not None
 
     # ---- recording moves ------------------------------------------------------------------------
@@ -62,9 +105,6 @@ class TieredRadixTree(RadixTree):
         assert node.host_pages is None and len(pages) == len(page_indices(node.start, node.end, self.page_size))
         self._host_refs.update(pages)
         node.host_pages = list(pages)
-
-    def set_disk(self, node: Node, ref: DiskRef) -> None:
-        node.disk = ref
 
     def drop_kv(self, node: Node, tier: str) -> int:
         """Forget node's KV copy on `tier` (must be unlocked); returns that tier's pages freed. A node left
@@ -148,4 +188,4 @@ class TieredRadixTree(RadixTree):
         return node
 
 
-__all__ = ["TIERS", "TieredRadixTree", "RELEASE_KV_EVICTED"]
+__all__ = ["TIERS", "KVVictims", "SnapshotVictims", "TieredRadixTree", "RELEASE_KV_EVICTED"]
