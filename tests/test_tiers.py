@@ -54,8 +54,8 @@ def test_device_eviction_demotes_snapshots_to_host_and_nothing_is_dropped():
     llm = tiered()
     run(llm, CONVERSATION)
     stats = llm.engine.cache.stats()
-    assert stats["tier_moves{kind}"]["snapshot device->host"] >= 5
-    assert not stats["tier_drops{reason}"] and not stats["snapshots_dropped{reason}"]
+    assert stats.tier_moves["snapshot device->host"] >= 5
+    assert not stats.tier_drops and not stats.dropped_by_reason
     tiers = {pos: h.tiers() for pos, h in handles(llm).items()}
     assert all(t for t in tiers.values()) and any(t == ("host",) for t in tiers.values())
 
@@ -76,7 +76,7 @@ def test_kv_pages_move_to_host_under_device_pressure_and_resume_from_there(cold)
     run(llm, CONVERSATION)
     run(llm, [(t * 7) % 250 + 1 for t in range(400)])  # pushes the first conversation's KV off the device
     stats = llm.engine.cache.stats()
-    assert stats["tier_moves{kind}"].get("kv device->host", 0) > 0
+    assert stats.tier_moves.get("kv device->host", 0) > 0
     prompt = CONVERSATION[:300] + [9, 9]
     out = run(llm, prompt)
     assert out.cache.resume_position == 256
@@ -171,7 +171,7 @@ def test_a_damaged_segment_falls_back_and_the_engine_keeps_serving(tmp_path, col
         out = run(second, prompt)
         assert out.cache.cached_tokens == 0
         same_as_cold(cold, out, prompt)
-        faults = second.engine.cache.stats()["disk_faults{reason}"]
+        faults = second.engine.cache.stats().disk.faults
         assert sum(faults.values()) >= 1
         assert run(second, prompt).cache.resume_position > 0  # it cached this run and serves it
     assert outside.read_bytes() == b"not a segment"

@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from cairn.cache.stats import CacheStats
 from cairn.memory.state_pool import StatePool
 from cairn.sequence import Sequence
 
@@ -60,8 +61,9 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None:  # noqa: B027 (optional hook: a cache with no bookkeeping has nothing to check)
         """Raise AssertionError if the cache's bookkeeping is inconsistent."""
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> CacheStats | None:
+        """Counters and gauges (cache/stats.py); None: nothing to report."""
+        return None
 
     def page_refs(self) -> dict[int, int]:
         """Page id -> references the cache holds (for the engine's integrity check)."""

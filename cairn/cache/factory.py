@@ -1,8 +1,8 @@
 """build_cache: the prefix cache an engine runs with, assembled from CacheOptions.
 
 Device tier always (when the cache is on), host tier with host_cache_gib > 0 (page-locked on CUDA),
-disk tier with disk_cache set (its namespace is the compatibility digest of these weights). Start-up
-speeds for the planner are measured here with real copies of one state slot.
+disk tier with disk_cache set (its namespace is the compatibility digest the engine computed, see
+cairn/compat.py). Start-up speeds for the planner are measured here with real copies of one state slot.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.disk.store import DiskStore
-from cairn.cache.disk.tier import DiskTier, compat_digest, weights_digest
+from cairn.cache.disk.tier import DiskTier
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
 from cairn.cache.policy.speeds import SpeedMeter, measure_copy_bytes_per_s
@@ -22,7 +22,6 @@ from cairn.cache.tiers.tier_set import TierSet
 from cairn.config import CacheOptions
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
-from cairn.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +34,23 @@ def placement_options(opts: CacheOptions, page_size: int, prefill_block: int = 0
         page_size=page_size, align=prefill_block)
 
 
-def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv: KVPool,
-                states: StatePool, model_name: str | None = None, prefill_block: int = 0) -> PrefixCache:
+def build_cache(opts: CacheOptions, kv: KVPool, states: StatePool, vocab_size: int, digest: str = "",
+                model_name: str | None = None, prefill_block: int = 0) -> PrefixCache:
     """Raises DiskStoreError (a one-line message) when the disk cache directory cannot be used.
+    `digest`: the compatibility digest naming the disk namespace (needed when opts.disk_cache is set);
     `prefill_block`: the engine's exact-resumption block (0: off); snapshots and resume points follow it."""
-    if not opts.prefix_cache or not cfg.linear_layers:
+    if not opts.prefix_cache:
         return NullCache()
     device = states.device
     pinned = device.type == "cuda"
-    dev_tier = PoolSnapshotTier("device", states, opts.device_snapshot_bytes, cfg.vocab_size, device)
+    dev_tier = PoolSnapshotTier("device", states, opts.device_snapshot_bytes, vocab_size, device)
     host = host_kv = disk = None
     if opts.host_cache_bytes > 0:
-        host = PoolSnapshotTier("host", states, opts.host_cache_bytes // 2, cfg.vocab_size, "cpu", pinned)
+        host = PoolSnapshotTier("host", states, opts.host_cache_bytes // 2, vocab_size, "cpu", pinned)
         host_kv = HostKVBank(kv, opts.host_cache_bytes // 2, pinned)
     if opts.disk_cache:
-        digest = compat_digest(weights_digest(model), cfg, kv.k.dtype, kv.page_size, prefill_block)
+        if not digest:
+            raise ValueError("a disk cache needs the compatibility digest of the model (cairn/compat.py)")
         store = DiskStore(opts.disk_cache, digest, opts.disk_cache_bytes,
                           compression=None if opts.disk_compression == "none" else opts.disk_compression,
                           create_parents=opts.disk_cache_create_parents, model_name=model_name)

@@ -33,6 +33,7 @@ from cairn.cache.disk.index import DiskIndex
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
+from cairn.cache.stats import CacheStats, DiskStats
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
 from cairn.cache.tree.nodes import LockHandle, MatchResult, Node, SnapshotEntry, page_indices
 from cairn.cache.tree.tiered import TieredRadixTree
@@ -380,31 +381,22 @@ class HybridPrefixCache(PrefixCache):
     def page_refs(self) -> dict[int, int]:
         return self.tree.page_refs()
 
-    def stats(self) -> dict:
-        """Counters and gauges in the server's metrics convention: keys starting with num_ or ending in
-        _bytes are gauges, others counters; a dict value is one series per label value."""
+    def stats(self) -> CacheStats:
         per_tier = Counter()
         for _, entry, _ in self.tree.iter_snapshots():
             per_tier.update(entry.handle.tiers())
-        tiers = [t for t in (self.tiers.device, self.tiers.host) if t is not None]
-        out = {
-            **self.counters,
-            "snapshots_taken_by{source}": dict(self.taken_by_source),
-            "snapshots_restored_from{tier}": dict(self.restored_by_tier),
-            "snapshots_dropped{reason}": dict(self.dropped_by_reason),
-            "tier_moves{kind}": dict(self.tiers.moved),
-            "tier_drops{reason}": dict(self.tiers.dropped),
-            "num_snapshots{tier}": {t: per_tier.get(t, 0) for t in self.tiers.names},
-            "snapshot_used_bytes{tier}": {t.name: t.used_bytes for t in tiers},
-            "snapshot_budget_bytes{tier}": {t.name: t.budget_bytes for t in tiers},
-            "num_tree_nodes": self.tree.num_nodes,
-        }
-        if self.tiers.host_kv is not None:
-            out["host_kv_used_bytes"] = self.tiers.host_kv.used_bytes
+        pools = [t for t in (self.tiers.device, self.tiers.host) if t is not None]
+        disk = None
         if self.tiers.disk is not None:
             store = self.tiers.disk.store
-            out["disk_used_bytes"] = store.used_bytes
-            out["num_disk_segments"] = len(store)
-            out["disk_faults{reason}"] = dict(store.faults)
-            out["disk_segments_forgotten{reason}"] = dict(self.disk.forgotten)
-        return out
+            disk = DiskStats(store.used_bytes, len(store), dict(store.faults), dict(self.disk.forgotten))
+        return CacheStats(
+            counters=dict(self.counters), taken_by_source=dict(self.taken_by_source),
+            restored_by_tier=dict(self.restored_by_tier), dropped_by_reason=dict(self.dropped_by_reason),
+            tier_moves=dict(self.tiers.moved), tier_drops=dict(self.tiers.dropped),
+            snapshots_per_tier={t: per_tier.get(t, 0) for t in self.tiers.names},
+            snapshot_used_bytes={t.name: t.used_bytes for t in pools},
+            snapshot_budget_bytes={t.name: t.budget_bytes for t in pools},
+            num_tree_nodes=self.tree.num_nodes,
+            host_kv_used_bytes=self.tiers.host_kv.used_bytes if self.tiers.host_kv is not None else None,
+            disk=disk)

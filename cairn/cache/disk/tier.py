@@ -7,8 +7,9 @@ names its prefix whatever node boundaries the writer had, and equal prefixes get
 requests, restarts and servers. A snapshot is only resumable from disk when every node above it is on
 disk too, so `persist` writes the missing ancestors first.
 
-The namespace is the compatibility digest (`compat_digest`): the model weights' content digest, the
-architecture, dtypes, page size and format version. A segment of another model is never read.
+The namespace is the compatibility digest (cairn/compat.py, computed by the engine): the model
+weights' content digest, the architecture, dtypes, page size and format version. A segment of
+another model is never read.
 What this is not: the file format and store (segment.py, store.py) or the choice of what to
 write when (the cache decides).
 """
@@ -17,41 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
 
 import torch
 
-from cairn.cache.disk.segment import FORMAT_VERSION, ROOT_KEY, Segment, _tokens_to_bytes, segment_key
+from cairn.cache.disk.segment import ROOT_KEY, Segment, _tokens_to_bytes, segment_key
 from cairn.cache.disk.store import DiskStore
 from cairn.cache.tree.nodes import DiskRef, Node
-from cairn.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """Content digest of a model's parameters (names, dtypes, shapes and bytes), computed once at start-up."""
-    h = hashlib.blake2b(digest_size=32)
-    for name, param in sorted(model.named_parameters(remove_duplicate=False), key=lambda kv: kv[0]):
-        t = param.detach().contiguous().cpu()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def compat_digest(weights: str, cfg: ModelConfig, dtype: torch.dtype, page_size: int, prefill_block: int = 0) -> str:
-    """The namespace of a disk cache: everything that must match for a stored state to be valid here.
-
-    `prefill_block` (exact resumption) is part of it when set: a state computed in other blocks is
-    valid but not bit for bit what a cold run here computes."""
-    fields = {"weights": weights, "config": dataclasses.asdict(cfg), "dtype": str(dtype),
-              "state_dtype": "float32", "page_size": page_size, "format": FORMAT_VERSION}
-    if prefill_block:
-        fields["prefill_block"] = prefill_block
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
