@@ -29,9 +29,9 @@ import torch
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
 from cairn.cache.policy.retention import rank_snapshots
-from cairn.cache.tiers.pools import PoolSnapshotTier
+from cairn.cache.tiers.pools import PoolTier
 from cairn.cache.tiers.tier_set import TierSet
-from cairn.cache.tree.nodes import SnapshotEntry
+from cairn.cache.tree.nodes import DEVICE, SnapshotEntry
 from cairn.cache.tree.tiered import SnapshotVictims
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -64,8 +64,8 @@ def build(conversations: int, turns: int) -> HybridPrefixCache:
     nodes = conversations * turns
     kv = KVPool(1, nodes + 64, PAGE, 1, 1, torch.float32)
     states = StatePool(1, 2, 2, 2, 1, 1, 1, torch.float32)
-    device = PoolSnapshotTier("device", states, (nodes + 8) * states.bytes_per_slot, 1, "cpu")
-    cache = HybridPrefixCache(kv, states, TierSet(kv, device), PlacementOptions(page_size=PAGE))
+    device = PoolTier(DEVICE, states, (nodes + 8) * states.bytes_per_slot, 1, "cpu", kv, 20e9)
+    cache = HybridPrefixCache(kv, states, TierSet([device]), PlacementOptions(page_size=PAGE))
     slot = states.alloc()
     system = list(range(1000, 1000 + 8 * PAGE))
     for c in range(conversations):
@@ -74,7 +74,7 @@ def build(conversations: int, turns: int) -> HybridPrefixCache:
             path += [c % 997, t, c // 997, 7]  # one page per turn
             table = kv.allocator.alloc(len(path) // PAGE)
             handle = cache.tiers.store_snapshot(states, slot, None)
-            entry = SnapshotEntry(handle.device.nbytes, "grid", False, handle)
+            entry = SnapshotEntry(handle.copies[DEVICE].nbytes, "grid", False, handle)
             if not cache.tree.attach_snapshot(path, table, entry):
                 cache.tiers.release(handle)
             kv.allocator.decref(table)
@@ -82,15 +82,15 @@ def build(conversations: int, turns: int) -> HybridPrefixCache:
 
 
 def on_device(entry) -> bool:
-    return entry.handle.device is not None
+    return DEVICE in entry.handle.copies
 
 
 def kv_before(cache, victims: int) -> tuple[float, list[int]]:
     started, order = time.perf_counter(), []
     for _ in range(victims):
-        node = scan_kv_victim(cache.tree, "device")
+        node = scan_kv_victim(cache.tree, DEVICE)
         order.append(node.node_id)
-        cache.tree.drop_kv(node, "device")
+        cache.tree.drop_kv(node, DEVICE)
     return time.perf_counter() - started, order
 
 
@@ -107,7 +107,7 @@ def snap_before(cache, victims: int) -> tuple[float, list[int]]:
     for _ in range(victims):
         node = rank_snapshot_victim(cache.tree, on_device)
         order.append(node.end * 1_000_003 + node.node_id)
-        cache.tiers.demote_snapshot(node, "device")
+        cache.tiers.demote_snapshot(node, cache.tiers.device)
     return time.perf_counter() - started, order
 
 
@@ -117,7 +117,7 @@ def snap_after(cache, victims: int) -> tuple[float, list[int]]:
     for _ in range(victims):
         node = queue.pop()
         order.append(node.end * 1_000_003 + node.node_id)
-        cache.tiers.demote_snapshot(node, "device")
+        cache.tiers.demote_snapshot(node, cache.tiers.device)
     return time.perf_counter() - started, order
 
 

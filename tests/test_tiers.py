@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cairn.cache.disk.segment import Segment
+from cairn.cache.tree.nodes import Node
 from cairn.engine import LLM
 from cairn.sampling import SamplingParams
 
@@ -56,18 +57,18 @@ def test_device_eviction_demotes_snapshots_to_host_and_nothing_is_dropped():
     stats = llm.engine.cache.stats()
     assert stats.tier_moves["snapshot device->host"] >= 5
     assert not stats.tier_drops and not stats.dropped_by_reason
-    tiers = {pos: h.tiers() for pos, h in handles(llm).items()}
-    assert all(t for t in tiers.values()) and any(t == ("host",) for t in tiers.values())
+    tiers = {pos: set(h.copies) for pos, h in handles(llm).items()}
+    assert all(t for t in tiers.values()) and any(t == {"host"} for t in tiers.values())
 
 
 def test_restoring_from_host_copies_back_and_keeps_the_host_copy(cold):
     llm = tiered()
     run(llm, CONVERSATION)
-    on_host = sorted(pos for pos, h in handles(llm).items() if h.tiers() == ("host",))
+    on_host = sorted(pos for pos, h in handles(llm).items() if set(h.copies) == {"host"})
     prompt = CONVERSATION[: on_host[-1] + 20] + [3, 4, 5]
     out = run(llm, prompt)
     assert out.cache.resume_position == on_host[-1] and out.cache.resume_tier == "host"
-    assert handles(llm)[on_host[-1]].host is not None  # not consumed
+    assert "host" in handles(llm)[on_host[-1]].copies  # not consumed
     same_as_cold(cold, out, prompt)
 
 
@@ -90,19 +91,20 @@ def test_round_trip_device_host_disk_device_is_bitwise_equal(tmp_path):
     tiers, tree = cache.tiers, cache.tree
     node = next(n for pos, _, n in tree.iter_snapshots() if pos == 256)
     handle = node.snapshot.handle
-    pool, slot = tiers.device.pool, handle.device.slot
+    pool, slot = tiers.device.pool, handle.copies["device"].slot
     original = (pool.conv[:, slot].clone(), pool.recurrent[:, slot].clone())
     kv_original = llm.engine.kv.k[:, node.pages].clone()
-    tiers.demote_snapshot(node, "device")  # device -> host
-    assert handle.tiers()[0] == "host"
-    tiers.demote_snapshot(node, "host")  # host -> disk
-    assert handle.tiers() == ("disk",)
+    tiers.demote_snapshot(node, tiers.device)  # device -> host
+    assert tiers.holding(handle.copies)[0].name == "host"
+    tiers.demote_snapshot(node, tiers.by_name["host"])  # host -> disk
+    assert set(handle.copies) == {"disk"}
     work = llm.engine.states
     slot_b = work.alloc()
     tiers.restore_snapshot(handle, "disk", work, slot_b)  # disk -> device
     assert torch.equal(work.conv[:, slot_b], original[0]) and torch.equal(work.recurrent[:, slot_b], original[1])
-    k, _ = tiers.disk.kv_of(tiers.disk.read(node.disk.key))
-    first = node.start // 8 - node.disk.segment_start // 8
+    ref = node.kv["disk"]
+    k, _ = tiers.disk.kv_of(tiers.disk.read(ref.key))
+    first = node.start // 8 - ref.segment_start // 8
     assert torch.equal(k[:, first:first + len(node.pages)], kv_original)
     work.free(slot_b)
     cache.check_integrity()
@@ -115,9 +117,9 @@ def test_resuming_from_each_tier_gives_the_cold_logits(tmp_path, cold, tier):
     cache = llm.engine.cache
     node = next(n for pos, _, n in cache.tree.iter_snapshots() if pos == 320)
     for t in ("device", "host")[: ("device", "host", "disk").index(tier)]:
-        if getattr(node.snapshot.handle, t) is None and t == "device":
+        if t not in node.snapshot.handle.copies and t == "device":
             continue
-        cache.tiers.demote_snapshot(node, t)
+        cache.tiers.demote_snapshot(node, cache.tiers.by_name[t])
     prompt = CONVERSATION[:330] + [1, 2]
     out = run(llm, prompt)
     assert out.cache.resume_position == 320 and out.cache.resume_tier == tier
@@ -196,18 +198,21 @@ def test_disk_segments_hold_what_the_tree_says(tmp_path):
         run(llm, CONVERSATION)
         store = llm.engine.cache.tiers.disk.store
         for _, entry, node in llm.engine.cache.tree.iter_snapshots():
-            segment: Segment = store.get(entry.handle.disk)
+            segment: Segment = store.get(entry.handle.copies["disk"])
             assert segment is not None and segment.end_position == node.end
             assert segment.snapshot_bytes is not None
 
 
 def test_a_store_into_the_host_tier_is_complete_when_it_returns_and_a_full_tier_refuses():
-    from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier
+    from cairn.cache.tiers.pools import HostKVBank, PoolTier
     from cairn.memory.kv_pool import KVPool
     from cairn.memory.state_pool import StatePool
 
+    kv = KVPool(1, 4, 2, 1, 2, torch.float32)
+    kv.k.normal_()
+    bank = HostKVBank(kv, budget_bytes=2 * kv.bytes_per_page)
     work = StatePool(2, 2, 8, 4, 2, 4, 4, torch.float32)
-    host = PoolSnapshotTier("host", work, 2 * work.bytes_per_slot, vocab_size=4, device="cpu")
+    host = PoolTier("host", work, 2 * work.bytes_per_slot, vocab_size=4, device="cpu", kv=bank, bandwidth=1e9)
     slot = work.alloc()
     work.recurrent[:, slot].normal_()
     stored = host.store(work, slot, None)
@@ -215,12 +220,15 @@ def test_a_store_into_the_host_tier_is_complete_when_it_returns_and_a_full_tier_
     assert torch.equal(host.pool.read_slot(stored.slot)["recurrent"], work.recurrent[:, slot])
     assert host.store(work, slot, None) is not None and host.store(work, slot, None) is None  # full
 
-    kv = KVPool(1, 4, 2, 1, 2, torch.float32)
-    kv.k.normal_()
-    bank = HostKVBank(kv, budget_bytes=2 * kv.bytes_per_page)
-    pages = bank.copy_in(kv, [1, 3])
+
+    class Source:  # what TierSet hands a tier: a node's KV from its fastest copy
+        def node_kv(self, node):
+            return kv.read_pages(node.kv["device"])
+
+    node = Node(1, (5, 6, 7, 8), 0, 4, None, {"device": [1, 3]})
+    pages = host.store_kv(node, Source())
     assert torch.equal(bank.k[:, pages], kv.k[:, [1, 3]])
-    assert bank.allocator.num_free == 0 and bank.copy_in(kv, [0]) is None
+    assert not host.kv_fits(1) and host.store_kv(node, Source()) is None
 
 
 def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes_it(tmp_path, cold):
@@ -254,7 +262,7 @@ def test_half_precision_resume_from_each_tier_is_bit_for_bit_cold(tmp_path, tier
     cache = llm.engine.cache
     node = next(n for pos, _, n in cache.tree.iter_snapshots() if pos == 320)
     for t in () if restart else ("device", "host")[: ("device", "host", "disk").index(tier)]:
-        cache.tiers.demote_snapshot(node, t)
+        cache.tiers.demote_snapshot(node, cache.tiers.by_name[t])
     if restart:  # a new process sees the same: nothing in memory, the disk indexed
         llm.close()
         llm = tiered(tmp_path, **half)

@@ -1,6 +1,6 @@
 """A real prefix cache in miniature for the radix and eviction tests: CPU pools of a few bytes per slot.
 
-`TinyCache` builds the production objects (KVPool, StatePool, PoolSnapshotTier, HostKVBank, TierSet,
+`TinyCache` builds the production objects (KVPool, StatePool, PoolTier, HostKVBank, TierSet,
 HybridPrefixCache and its TieredRadixTree) over tiny tensors, so that tests drive the eviction that
 runs in the server: `evict_pages` is the scheduler's call, and a snapshot is stored through
 `TierSet.store_snapshot`, which demotes (or drops) the retention victims when its tier is full.
@@ -16,9 +16,9 @@ import torch
 
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
-from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier
+from cairn.cache.tiers.pools import HostKVBank, PoolTier
 from cairn.cache.tiers.tier_set import TierSet
-from cairn.cache.tree.nodes import SnapshotEntry
+from cairn.cache.tree.nodes import DEVICE, HOST, SnapshotEntry
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 
@@ -31,13 +31,11 @@ class TinyCache:
         self.kv = KVPool(1, num_pages, page_size, 1, 1, torch.float32)
         self.states = StatePool(1, 2, 2, 2, 1, 1, 1, torch.float32)
         self.slot_bytes = self.states.bytes_per_slot  # 12
-        device = PoolSnapshotTier("device", self.states, device_slots * self.slot_bytes, VOCAB, "cpu")
-        host = host_kv = None
-        if host_slots:
-            host = PoolSnapshotTier("host", self.states, host_slots * self.slot_bytes, VOCAB, "cpu")
-        if host_pages:
+        tiers = [PoolTier(DEVICE, self.states, device_slots * self.slot_bytes, VOCAB, "cpu", self.kv, 20e9)]
+        if host_slots or host_pages:
             host_kv = HostKVBank(self.kv, host_pages * self.kv.bytes_per_page)
-        self.tiers = TierSet(self.kv, device, host, host_kv)
+            tiers.append(PoolTier(HOST, self.states, host_slots * self.slot_bytes, VOCAB, "cpu", host_kv, 5e9))
+        self.tiers = TierSet(tiers)
         self.cache = HybridPrefixCache(self.kv, self.states, self.tiers, PlacementOptions(page_size=page_size))
         self.tree, self.alloc = self.cache.tree, self.kv.allocator
         self.labels: dict[int, object] = {}  # id(TieredSnapshot) -> label
@@ -54,7 +52,8 @@ class TinyCache:
         if handle is None:
             return None
         self.labels[id(handle)] = label
-        return SnapshotEntry(nbytes=handle.device.nbytes, source="grid", has_logits=has_logits, handle=handle)
+        nbytes = handle.copies[DEVICE].nbytes
+        return SnapshotEntry(nbytes=nbytes, source="grid", has_logits=has_logits, handle=handle)
 
     def attach(self, tokens, page_table: list[int], label, has_logits: bool = False) -> bool:
         """Store and hang a snapshot at len(tokens), as HybridPrefixCache._attach does (freed if one is there)."""

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 from cairn.cache.tree.nodes import (
+    DEVICE,
     RELEASE_KV_EVICTED,
     SNAPSHOT_SOURCES,
     LockHandle,
@@ -45,31 +46,30 @@ class RadixTree:
 
     Every mutating call says what it mutates. The clock starts at 0; each lock, insert and
     attach_snapshot advances it by one and stamps with the new value. The tree holds exactly one
-    allocator reference per (node, listed page). Snapshots leave the tree only through
+    allocator reference per (node, listed page) on every page tier (`allocators`: tier name ->
+    PageAllocator, DEVICE first; a node's copy on any other tier is a segment reference, which the
+    tree only records). Snapshots leave the tree only through
     `on_snapshot_released(entry, reason)`, the single exit point for a storage tier to free or demote.
     """
 
     def __init__(
         self,
         page_size: int,
-        pages: PageAllocator,
+        allocators: dict[str, PageAllocator],
         on_snapshot_released: Callable[[SnapshotEntry, str], None],
-        host_pages: PageAllocator | None = None,
     ):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
-        self.pages = pages
+        self.allocators = allocators
         self.on_snapshot_released = on_snapshot_released
-        self.root = Node(node_id=0, tokens=(), start=0, end=0, parent=None, pages=[])
+        self.root = Node(node_id=0, tokens=(), start=0, end=0, parent=None)
         self.clock = 0  # logical time of the last lock/insert/attach
         self._next_node_id = 1
         self._num_nodes = 0  # nodes below the root
         self._num_snapshots = 0
         self._snapshot_bytes = 0
-        self.host_pages = host_pages  # the host KV bank's allocator, when there is a host tier
-        self._page_refs: Counter[int] = Counter()  # page id -> references the tree holds
-        self._host_refs: Counter[int] = Counter()  # host page id -> references the tree holds
+        self._refs: dict[str, Counter[int]] = {tier: Counter() for tier in allocators}  # page id -> references
         self._locks: set[LockHandle] = set()  # outstanding lock handles
 
     # ---- sizes ----------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ class RadixTree:
 
     def page_refs(self) -> dict[int, int]:
         """Page id -> number of allocator references the tree holds on it (one per node listing it)."""
-        return dict(self._page_refs)
+        return dict(self._refs[DEVICE])
 
     # ---- reading --------------------------------------------------------------------------------
 
@@ -220,33 +220,33 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any structural, page, lock or snapshot invariant is broken."""
-        refs: Counter[int] = Counter()
+        refs: dict[str, Counter[int]] = {tier: Counter() for tier in self.allocators}
         num_nodes = num_snapshots = snapshot_bytes = 0
-        host_refs: Counter[int] = Counter()
         for node in self.iter_nodes():
             node.check_integrity(self.page_size)
-            refs.update(node.pages or ())
-            host_refs.update(node.host_pages or ())
+            for tier, counter in refs.items():
+                counter.update(node.kv.get(tier, ()))
             num_nodes += 1
             if node.snapshot is not None:
                 num_snapshots += 1
                 snapshot_bytes += node.snapshot.nbytes
-        if self.root.snapshot is not None or self.root.pages or self.root.tokens or self.root.end != 0:
+        if self.root.snapshot is not None or self.root.kv or self.root.tokens or self.root.end != 0:
             raise AssertionError("the root must be empty: no tokens, pages or snapshot")
         if (num_nodes, num_snapshots, snapshot_bytes) != (self._num_nodes, self._num_snapshots, self._snapshot_bytes):
             raise AssertionError(
                 f"totals (nodes, snapshots, bytes) counted {(num_nodes, num_snapshots, snapshot_bytes)}, "
                 f"tracked {(self._num_nodes, self._num_snapshots, self._snapshot_bytes)}"
             )
-        if refs != self._page_refs:
-            raise AssertionError(f"page references listed by nodes {dict(refs)} != page_refs() {self.page_refs()}")
-        for page, count in refs.items():
-            if self.pages.refcount[page] < count:
-                raise AssertionError(f"page {page}: allocator refcount {self.pages.refcount[page]} < tree refs {count}")
-        if host_refs != self._host_refs:
-            raise AssertionError("host page references listed by nodes disagree with the tree's count")
-        if self.host_pages is not None:
-            self.host_pages.check_integrity(dict(host_refs))
+        for tier, counter in refs.items():
+            if counter != self._refs[tier]:
+                raise AssertionError(f"{tier} page references listed by nodes {dict(counter)} != the tree's count")
+        for page, count in refs[DEVICE].items():  # requests hold device pages too
+            if self.allocators[DEVICE].refcount[page] < count:
+                raise AssertionError(f"page {page}: allocator refcount {self.allocators[DEVICE].refcount[page]} "
+                                     f"< tree refs {count}")
+        for tier, allocator in self.allocators.items():
+            if tier != DEVICE:  # only the tree holds another tier's pages
+                allocator.check_integrity(dict(refs[tier]))
         self._check_locks()
 
     def _check_locks(self) -> None:
@@ -325,8 +325,8 @@ class RadixTree:
         """A leaf under parent for tokens[parent.end:], listing (and increfing) the caller's pages."""
         start, end = parent.end, len(tokens)
         pages = [page_table[i] for i in page_indices(start, end, self.page_size)]
-        self._incref(pages)  # first: raises on a free page before the tree changes
-        node = Node(self._next_node_id, tuple(tokens[start:end]), start, end, parent, pages)
+        self._incref(DEVICE, pages)  # first: raises on a free page before the tree changes
+        node = Node(self._next_node_id, tuple(tokens[start:end]), start, end, parent, {DEVICE: pages})
         self._next_node_id += 1
         parent.children[node.tokens[0]] = node
         self._num_nodes += 1
@@ -336,40 +336,38 @@ class RadixTree:
         """Cut node [s, e) at s < position < e; returns the new upper node [s, position).
 
         The lower node keeps its identity, children, snapshot and tombstone (they sit at e); the
-        upper node has no snapshot and copies lock_count and last_access. When position is mid-page
-        both halves list the page containing it, so the tree takes one more reference on it.
+        upper node has no snapshot and copies lock_count and last_access. Each page-tier copy is cut
+        by page index; when position is mid-page both halves list the page containing it, so the tree
+        takes one more reference on it. A segment reference covers both halves.
         """
         s, ps = node.start, self.page_size
         head = slice(0, (position - 1) // ps - s // ps + 1)
         tail = slice(position // ps - s // ps, None)
-        upper = Node(self._next_node_id, node.tokens[: position - s], s, position, node.parent,
-                     None if node.pages is None else node.pages[head])
-        upper.host_pages = None if node.host_pages is None else node.host_pages[head]
-        upper.disk = node.disk
+        upper = Node(self._next_node_id, node.tokens[: position - s], s, position, node.parent)
+        for tier, copy in node.kv.items():
+            paged = tier in self.allocators
+            upper.kv[tier] = copy[head] if paged else copy
+            node.kv[tier] = copy[tail] if paged else copy
+            if paged and position % ps != 0:
+                self._incref(tier, [node.kv[tier][0]])
         upper.lock_count, upper.last_access = node.lock_count, node.last_access
         self._next_node_id += 1
         node.parent.children[upper.tokens[0]] = upper
-        node.pages = None if node.pages is None else node.pages[tail]
-        node.host_pages = None if node.host_pages is None else node.host_pages[tail]
         node.tokens, node.start, node.parent = node.tokens[position - s :], position, upper
         upper.children[node.tokens[0]] = node
         self._num_nodes += 1
-        if position % ps != 0:  # both halves list the page holding the split point
-            if node.pages is not None:
-                self._incref([node.pages[0]])
-            if node.host_pages is not None:
-                self._host_incref([node.host_pages[0]])
         return upper
 
     def _remove_leaf(self, node: Node) -> int:
-        """Take an unlocked leaf out of the tree; returns the pages the allocator freed."""
+        """Take an unlocked leaf out of the tree; returns the device pages the allocator freed."""
         if node.snapshot is not None:
             self._release_snapshot(node, RELEASE_KV_EVICTED)
         del node.parent.children[node.tokens[0]]
         node.parent = None
         self._num_nodes -= 1
-        self._host_decref(node.host_pages or [])
-        return self._decref(node.pages or [])
+        freed = {tier: self._decref(tier, node.kv.pop(tier)) for tier in list(node.kv) if tier in self.allocators}
+        node.kv.clear()
+        return freed.get(DEVICE, 0)
 
     def _release_snapshot(self, node: Node, reason: str) -> None:
         """The single exit point of snapshots: unhook, update totals, tell the storage tier."""
@@ -391,26 +389,17 @@ class RadixTree:
             node = node.parent
         return node is self.root
 
-    def _incref(self, pages: list[int]) -> None:
-        self.pages.incref(pages)
-        self._page_refs.update(pages)
+    def _incref(self, tier: str, pages: list[int]) -> None:
+        self.allocators[tier].incref(pages)
+        self._refs[tier].update(pages)
 
-    def _host_incref(self, pages: list[int]) -> None:
-        self.host_pages.incref(pages)
-        self._host_refs.update(pages)
-
-    def _host_decref(self, pages: list[int]) -> int:
+    def _decref(self, tier: str, pages: list[int]) -> int:
+        """Drop the tree's references on `tier`'s pages; returns how many the allocator freed."""
         if not pages:
             return 0
-        self._host_refs.subtract(pages)
+        refs = self._refs[tier]
+        refs.subtract(pages)
         for page in pages:
-            if self._host_refs[page] == 0:
-                del self._host_refs[page]
-        return self.host_pages.decref(pages)
-
-    def _decref(self, pages: list[int]) -> int:
-        self._page_refs.subtract(pages)
-        for page in pages:
-            if self._page_refs[page] == 0:
-                del self._page_refs[page]
-        return self.pages.decref(pages)
+            if refs[page] == 0:
+                del refs[page]
+        return self.allocators[tier].decref(pages)

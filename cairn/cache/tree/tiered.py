@@ -1,11 +1,13 @@
-"""TieredRadixTree: the radix tree with each node's KV and snapshot placed on device, host and disk tiers.
+"""TieredRadixTree: the radix tree with each node's KV and snapshot copies held per tier, and the victim queues.
 
-What it is: the bookkeeping of where every node's KV pages and every snapshot live, and the victim
-choices of each tier (DESIGN §4.2-4.4): KV leaves least-recently-used first per tier, snapshots by
-retention value among those holding a copy on that tier. A node keeps its KV on at least one tier;
-one that loses its last copy leaves the tree with its whole subtree (their KV prefix is gone).
+What it is: the bookkeeping of where every node's KV lives (Node.kv: tier name -> page ids or a
+segment reference) and the victim choices of each tier (DESIGN §4.2-4.4), the one eviction that
+runs: `KVVictims` (KV least recently used first, per tier) and `SnapshotVictims` (retention value,
+policy/retention.py, among snapshots holding a copy on a tier), each ranked once per eviction call
+in a heap instead of a scan of the tree per victim. A node keeps its KV on at least one tier; one
+that loses its last copy leaves the tree with its whole subtree (their KV prefix is gone).
 
-What it is not: it copies no bytes and allocates nothing but page references; the cache moves the
+What it is not: it copies no bytes and allocates nothing but page references; TierSet moves the
 data and then records the move here. Snapshot handles stay opaque (the cache's TieredSnapshot).
 Torch-free, single-threaded.
 """
@@ -17,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from cairn.cache.policy.retention import rank_snapshots, retention_key
 from cairn.cache.tree.nodes import (
+    DEVICE,
     RELEASE_EVICTED,
     RELEASE_KV_EVICTED,
     DiskRef,
@@ -26,8 +29,6 @@ from cairn.cache.tree.nodes import (
     page_indices,
 )
 from cairn.cache.tree.radix import RadixTree
-
-TIERS = ("device", "host", "disk")
 
 
 class KVVictims:
@@ -95,32 +96,26 @@ class TieredRadixTree(RadixTree):
     @staticmethod
     def holds(node: Node, tier: str) -> bool:
         """node keeps a copy of its KV on `tier`."""
-        return {"device": node.pages, "host": node.host_pages, "disk": node.disk}[tier] is not None
+        return tier in node.kv
 
     # ---- recording moves ------------------------------------------------------------------------
 
-    def adopt_host_pages(self, node: Node, pages: list[int]) -> None:
-        """Record that node's KV is (also) in these freshly allocated host-bank pages; the tree takes over
-        the allocation's reference on each (the caller keeps none)."""
-        assert node.host_pages is None and len(pages) == len(page_indices(node.start, node.end, self.page_size))
-        self._host_refs.update(pages)
-        node.host_pages = list(pages)
+    def adopt_pages(self, node: Node, tier: str, pages: list[int]) -> None:
+        """Record that node's KV is (also) in these freshly allocated pages of page tier `tier`; the tree takes
+        over the allocation's reference on each (the caller keeps none)."""
+        assert tier not in node.kv and len(pages) == len(page_indices(node.start, node.end, self.page_size))
+        self._refs[tier].update(pages)
+        node.kv[tier] = list(pages)
 
     def drop_kv(self, node: Node, tier: str) -> int:
-        """Forget node's KV copy on `tier` (must be unlocked); returns that tier's pages freed. A node left
-        with no copy leaves the tree with its subtree, their snapshots released as "kv_evicted"."""
+        """Forget node's KV copy on `tier` (must be unlocked); returns the device pages freed. A node left with
+        no copy leaves the tree with its subtree, their snapshots released as "kv_evicted"."""
         assert node.lock_count == 0, "dropping the KV of a locked node"
-        freed = 0
-        if tier == "device":
-            freed, node.pages = self._decref(node.pages), None
-        elif tier == "host":
-            freed, node.host_pages = self._host_decref(node.host_pages), None
-        else:
-            node.disk = None
-        if not node.kv_tiers():
-            node.pages = []  # a placeholder so the removal below decrefs nothing twice
-            freed += self.remove_subtree(node)
-        return freed
+        copy = node.kv.pop(tier)
+        freed = self._decref(tier, copy) if tier in self.allocators else 0
+        if tier != DEVICE:
+            freed = 0
+        return freed + (self.remove_subtree(node) if not node.kv else 0)
 
     def remove_subtree(self, node: Node) -> int:
         """Take node and everything below it out of the tree (none may be locked); returns device pages freed."""
@@ -156,15 +151,12 @@ class TieredRadixTree(RadixTree):
         if node is not self.root and node.snapshot is None:
             node.budget_miss = True
 
-    def nodes_on_disk(self, key: bytes) -> list[Node]:
-        """Nodes whose KV is in the disk segment `key` (a segment may back several nodes after splits)."""
-        return [node for node in self.iter_nodes() if node.disk is not None and node.disk.key == key]
-
     # ---- restart --------------------------------------------------------------------------------
 
-    def insert_from_disk(self, tokens: Sequence[int], start: int, ref: DiskRef) -> Node:
-        """Make tokens a path whose part [start, len(tokens)) lives in disk segment `ref`; [0, start) must
-        already be a path. Nodes created here hold only the disk copy. Returns the node ending at len(tokens)."""
+    def insert_from_segment(self, tier: str, tokens: Sequence[int], start: int, ref: DiskRef) -> Node:
+        """Make tokens a path whose part [start, len(tokens)) lives in segment `ref` of segment tier `tier`;
+        [0, start) must already be a path. Nodes created here hold only that copy. Returns the node ending
+        at len(tokens)."""
         node = self.root
         self.clock += 1
         while node.end < len(tokens):
@@ -172,8 +164,7 @@ class TieredRadixTree(RadixTree):
             if child is None:
                 if node.end < start:
                     raise ValueError(f"insert_from_disk: the path is missing before position {node.end}")
-                child = Node(self._next_node_id, tuple(tokens[node.end:]), node.end, len(tokens), node, None)
-                child.disk = ref
+                child = Node(self._next_node_id, tuple(tokens[node.end:]), node.end, len(tokens), node, {tier: ref})
                 self._next_node_id += 1
                 node.children[child.tokens[0]] = child
                 self._num_nodes += 1
@@ -181,11 +172,11 @@ class TieredRadixTree(RadixTree):
                 k = common_prefix_len(child.tokens, tokens, node.end)
                 if k < len(child.tokens):
                     child = self._split(child, child.start + k)
-                if child.disk is None and child.start >= start:
-                    child.disk = ref
+                if tier not in child.kv and child.start >= start:
+                    child.kv[tier] = ref
             child.last_access = self.clock
             node = child
         return node
 
 
-__all__ = ["TIERS", "KVVictims", "SnapshotVictims", "TieredRadixTree", "RELEASE_KV_EVICTED"]
+__all__ = ["KVVictims", "SnapshotVictims", "TieredRadixTree", "RELEASE_KV_EVICTED"]
