@@ -62,7 +62,7 @@ def rank_snapshot_victim(tree, eligible):
 
 def build(conversations: int, turns: int) -> HybridPrefixCache:
     nodes = conversations * turns
-    kv = KVPool(1, nodes + 64, PAGE, 1, 1, torch.float32)
+    kv = KVPool(1, nodes + 128, PAGE, 1, 1, torch.float32)  # the tree's pages and one request's table
     states = StatePool(1, 2, 2, 2, 1, 1, 1, torch.float32)
     device = PoolTier(DEVICE, states, (nodes + 8) * states.bytes_per_slot, 1, "cpu", kv, 20e9)
     cache = HybridPrefixCache(kv, states, TierSet([device]), PlacementOptions(page_size=PAGE))

@@ -385,6 +385,33 @@ def test_locked_snapshot_is_never_evicted_but_still_counts_as_the_snapshot_above
     assert cache.evict_snapshots(1) == [4]
 
 
+# ---- demotion through a host tier -----------------------------------------------------------------
+
+
+def test_device_kv_victims_move_to_the_host_and_a_full_host_drops_its_least_recently_used():
+    cache = Cache(host_pages=2)
+    cache.insert(P[:8])  # [0, 8): pages 0, 1
+    other = tuple(range(200, 208))
+    cache.insert(other)  # pages 2, 3: the most recent
+    assert cache.evict_pages(2) == 2  # P's node leaves the device for the host
+    node = cache.match(P[:8]).path[-1]
+    assert set(node.kv) == {"host"} and cache.match(P[:8]).match_len == 8
+    assert cache.evict_pages(2) == 2  # `other` needs the host's pages: P's node, on no other tier, is dropped
+    assert cache.match(P[:8]).match_len == 0 and set(cache.match(other).path[-1].kv) == {"host"}
+    assert cache.tiers.moved == {"kv device->host": 2} and cache.tiers.dropped == {"kv_host_full": 1}
+
+
+def test_a_device_snapshot_victim_moves_to_the_host_and_a_full_host_drops_its_retention_victim():
+    cache = Cache(device_slots=2, host_slots=1)
+    assert cache.attach(P[:4], "a") and cache.attach(P[:8], "b")
+    assert cache.attach(P[:12], "c")  # the device is full: "a" (not the deepest) moves to the host
+    assert cache.released == [] and set(cache.match(P[:6]).resume_node.snapshot.handle.copies) == {"host"}
+    assert cache.make_room() == ["a"]  # "b" moves to the host, whose only snapshot "a" is dropped
+    copies = {cache.label(e): set(e.handle.copies) for _, e, _ in cache.tree.iter_snapshots()}
+    assert copies == {"b": {"host"}, "c": {"device"}}
+    assert cache.tiers.moved == {"snapshot device->host": 2} and cache.tiers.dropped == {"snapshot_host_full": 1}
+
+
 # ---- integrity ---------------------------------------------------------------------------------
 
 
