@@ -8,7 +8,8 @@ sharing a 32-token system prompt. Then, on identical fresh trees, alternating:
                   TieredRadixTree.kv_victim, copied below as `scan_kv_victim`), dropped with drop_kv
     kv after      TierSet.free_device_pages(pages of those victims): one KVVictims heap per call
     snap before   `--snapshot-victims` snapshot victims, each by re-ranking the whole tree (the old
-                  TieredRadixTree.snapshot_victim, copied below as `rank_snapshot_victim`), demoted
+                  TieredRadixTree.snapshot_victim and policy/retention.rank_snapshots, copied below
+                  as `rank_snapshot_victim` and `rank_snapshots`), demoted
     snap after    the same number popped from one SnapshotVictims queue (as _make_snapshot_room does)
     one snapshot  a call that needs a single victim (the common case): old rank + min against a queue
 
@@ -23,12 +24,13 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from fractions import Fraction
 
 import torch
 
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
-from cairn.cache.policy.retention import rank_snapshots
+from cairn.cache.policy.retention import RetentionKey
 from cairn.cache.tiers.pools import PoolTier
 from cairn.cache.tiers.tier_set import TierSet
 from cairn.cache.tree.nodes import DEVICE, SnapshotEntry
@@ -51,6 +53,51 @@ def scan_kv_victim(tree, tier: str):
         if best is None or (node.last_access, -node.end, node.node_id) < (best.last_access, -best.end, best.node_id):
             best = node
     return best
+
+
+def rank_snapshots(root, eligible=None) -> list:
+    """(key, node) for every unlocked snapshot under `root` (that `eligible` accepts), unordered. Pure.
+
+    Gaps and `deepest` count every snapshot, eligible or not: with tiers, a snapshot on a slower tier
+    still saves prefill for the one below it.
+
+    Walks the tree iteratively (paths can be thousands of nodes deep), so it is O(number of nodes).
+    """
+    order = _preorder_with_ancestor_snapshot(root)
+    has_snapshot_below = _snapshot_below(order)
+    ranked = []
+    for node, ancestor_position in order:
+        entry = node.snapshot
+        if entry is None or entry.lock_count > 0 or (eligible is not None and not eligible(entry)):
+            continue
+        key = RetentionKey(
+            last_access=entry.last_access,
+            deepest=not has_snapshot_below[id(node)],
+            gap_per_byte=Fraction(node.end - ancestor_position, entry.nbytes),
+            position=node.end,
+        )
+        ranked.append((key, node))
+    return ranked
+
+
+def _preorder_with_ancestor_snapshot(root) -> list:
+    """Nodes below root in pre-order, each with the position of the nearest snapshot strictly above it."""
+    order: list = []
+    stack = [(child, 0) for child in root.children.values()]
+    while stack:
+        node, ancestor_position = stack.pop()
+        order.append((node, ancestor_position))
+        below_position = node.end if node.snapshot is not None else ancestor_position
+        stack.extend((child, below_position) for child in node.children.values())
+    return order
+
+
+def _snapshot_below(order: list) -> dict:
+    """id(node) -> whether any strict descendant holds a snapshot (children come after parents in `order`)."""
+    below: dict[int, bool] = {}
+    for node, _ in reversed(order):
+        below[id(node)] = any(child.snapshot is not None or below[id(child)] for child in node.children.values())
+    return below
 
 
 def rank_snapshot_victim(tree, eligible):

@@ -22,20 +22,20 @@ Survivors stay spread along the conversation: {200, 300, 400} -> {200, 400} -> {
 The key is a total order on one tree: one operation stamps only the snapshots along one root-to-node
 chain, so two snapshots with equal `last_access` lie on one chain and differ in position.
 Locked snapshots are never ranked, but they still count as the snapshot above (for gaps) and below
-(for `deepest`) their neighbours. Gaps are recomputed from scratch on every call, so evicting one
-snapshot changes the gap of the one below it. Evicting never lowers another snapshot's key (the one
-below gets a larger gap, the one above may become deepest), which is what lets `SnapshotVictims`
-rank once per call and re-check only the key it pops (`retention_key`).
+(for `deepest`) their neighbours; so do snapshots a tier's eviction does not consider (on a slower
+tier, a snapshot still saves prefill for the one below it). Evicting one snapshot changes the gap of
+the one below it. Evicting never lowers another snapshot's key (the one below gets a larger gap, the
+one above may become deepest) and never changes a recency, which is what lets `SnapshotVictims`
+(tree/tiered.py) order candidates once per call and re-check only the key it pops (`retention_key`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from fractions import Fraction
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from cairn.cache.tree.nodes import Node, SnapshotEntry
+    from cairn.cache.tree.nodes import Node
 
 
 class RetentionKey(NamedTuple):
@@ -45,33 +45,6 @@ class RetentionKey(NamedTuple):
     deepest: bool  # no other snapshot in the subtree below the snapshot's node
     gap_per_byte: Fraction  # (position - nearest ancestor snapshot's position, or 0) / nbytes
     position: int  # the snapshot's position (its node's end), tokens
-
-
-def rank_snapshots(
-    root: Node, eligible: Callable[[SnapshotEntry], bool] | None = None
-) -> list[tuple[RetentionKey, Node]]:
-    """(key, node) for every unlocked snapshot under `root` (that `eligible` accepts), unordered. Pure.
-
-    Gaps and `deepest` count every snapshot, eligible or not: with tiers, a snapshot on a slower tier
-    still saves prefill for the one below it.
-
-    Walks the tree iteratively (paths can be thousands of nodes deep), so it is O(number of nodes).
-    """
-    order = _preorder_with_ancestor_snapshot(root)
-    has_snapshot_below = _snapshot_below(order)
-    ranked = []
-    for node, ancestor_position in order:
-        entry = node.snapshot
-        if entry is None or entry.lock_count > 0 or (eligible is not None and not eligible(entry)):
-            continue
-        key = RetentionKey(
-            last_access=entry.last_access,
-            deepest=not has_snapshot_below[id(node)],
-            gap_per_byte=Fraction(node.end - ancestor_position, entry.nbytes),
-            position=node.end,
-        )
-        ranked.append((key, node))
-    return ranked
 
 
 def retention_key(node: Node) -> RetentionKey:
@@ -97,23 +70,3 @@ def _has_snapshot_below(node: Node) -> bool:
             return True
         stack.extend(child.children.values())
     return False
-
-
-def _preorder_with_ancestor_snapshot(root: Node) -> list[tuple[Node, int]]:
-    """Nodes below root in pre-order, each with the position of the nearest snapshot strictly above it."""
-    order: list[tuple[Node, int]] = []
-    stack = [(child, 0) for child in root.children.values()]
-    while stack:
-        node, ancestor_position = stack.pop()
-        order.append((node, ancestor_position))
-        below_position = node.end if node.snapshot is not None else ancestor_position
-        stack.extend((child, below_position) for child in node.children.values())
-    return order
-
-
-def _snapshot_below(order: list[tuple[Node, int]]) -> dict[int, bool]:
-    """id(node) -> whether any strict descendant holds a snapshot (children come after parents in `order`)."""
-    below: dict[int, bool] = {}
-    for node, _ in reversed(order):
-        below[id(node)] = any(child.snapshot is not None or below[id(child)] for child in node.children.values())
-    return below

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from cairn.cache.policy.retention import rank_snapshots, retention_key
+from cairn.cache.policy.retention import retention_key
 from cairn.cache.tree.nodes import (
     DEVICE,
     RELEASE_EVICTED,
@@ -70,26 +70,46 @@ class KVVictims:
 class SnapshotVictims:
     """The snapshot victims among those `eligible` for one eviction call, by retention key (policy/retention.py).
 
-    Ranks the tree once; evicting a snapshot only raises its neighbours' keys, so a popped entry whose
-    key rose meanwhile goes back with its current key, and one whose key is unchanged is the minimum.
+    Recency is the key's first field and no eviction changes it, so the candidates wait in a heap of
+    last_access alone; only the least recent group (one operation's stamp: one chain of snapshots)
+    gets full keys. Evicting a snapshot only raises its neighbours' keys, so a group entry whose key
+    rose meanwhile goes back with its current key, and one whose key is unchanged is the minimum.
     """
 
     def __init__(self, tree: TieredRadixTree, eligible: Callable[[SnapshotEntry], bool]):
         self.eligible = eligible
-        self._heap = [(key, node.node_id, node, node.snapshot) for key, node in rank_snapshots(tree.root, eligible)]
-        heapq.heapify(self._heap)
+        self._recency = [(node.snapshot.last_access, node.node_id, node) for node in tree.iter_nodes()
+                         if self._candidate(node, node.snapshot)]
+        heapq.heapify(self._recency)
+        self._group: list = []  # (RetentionKey, node_id, node, entry) of the least recent tick
+
+    def _candidate(self, node: Node, entry: SnapshotEntry | None) -> bool:
+        return entry is not None and node.snapshot is entry and not entry.lock_count and self.eligible(entry)
 
     def pop(self) -> Node | None:
         """The node whose snapshot goes next, or None when no unlocked eligible one is left."""
-        while self._heap:
-            key, node_id, node, entry = heapq.heappop(self._heap)
-            if node.snapshot is not entry or entry.lock_count or not self.eligible(entry):
+        while self._group or self._recency:
+            if not self._group:
+                self._next_group()
+                continue
+            key, node_id, node, entry = self._group[0]
+            if not self._candidate(node, entry):
+                heapq.heappop(self._group)
                 continue
             current = retention_key(node)
             if current == key:
+                heapq.heappop(self._group)
                 return node
-            heapq.heappush(self._heap, (current, node_id, node, entry))
+            heapq.heapreplace(self._group, (current, node_id, node, entry))
         return None
+
+    def _next_group(self) -> None:
+        tick = self._recency[0][0]
+        while self._recency and self._recency[0][0] == tick:
+            _, node_id, node = heapq.heappop(self._recency)
+            if self._candidate(node, node.snapshot):
+                self._group.append((retention_key(node), node_id, node, node.snapshot))
+        heapq.heapify(self._group)
 
 
 class TieredRadixTree(RadixTree):
