@@ -35,7 +35,7 @@ from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
 from cairn.cache.stats import CacheStats, DiskStats
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
-from cairn.cache.tree.nodes import HOST, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
+from cairn.cache.tree.nodes import DISK, HOST, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
 from cairn.cache.tree.tiered import TieredRadixTree
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -68,15 +68,26 @@ class HybridPrefixCache(PrefixCache):
         self.taken_by_source: Counter[str] = Counter()
         self.restored_by_tier: Counter[str] = Counter()
         self.dropped_by_reason: Counter[str] = Counter()
-        self.disk: DiskIndex | None = None
-        if tiers.disk is not None:
-            self.disk = DiskIndex(self.tree, tiers.disk, tiers.device.snapshot_bytes,
-                                  lambda has_logits, key: TieredSnapshot(has_logits, {tiers.disk.name: key}))
-            found = self.disk.index()
-            log.info("disk cache: indexed %d segments, %d snapshots", len(tiers.disk.store), found)
-            if tiers.disk.store.readonly:
-                log.info("disk cache is read-only here: segments its writer adds are picked up by a rescan "
-                         "when a prompt misses, at most every %g s", self.disk.rescan_interval_s)
+        self.indexes: dict[str, DiskIndex] = {}  # segment tier name -> its index of the store's segments
+        for tier in tiers.tiers:
+            if tier.pages is None:
+                self.indexes[tier.name] = self._index(tier)
+
+    def _index(self, tier) -> DiskIndex:
+        """Hang a segment tier's stored segments on the tree (start-up)."""
+        index = DiskIndex(self.tree, tier, self.tiers.device.snapshot_bytes,
+                          lambda has_logits, key: TieredSnapshot(has_logits, {tier.name: key}))
+        found = index.index()
+        log.info("%s cache: indexed %d segments, %d snapshots", tier.name, len(tier.store), found)
+        if tier.store.readonly:
+            log.info("%s cache is read-only here: segments its writer adds are picked up by a rescan "
+                     "when a prompt misses, at most every %g s", tier.name, index.rescan_interval_s)
+        return index
+
+    @property
+    def disk(self) -> DiskIndex | None:
+        """The disk tier's index (stats report it)."""
+        return self.indexes.get(DISK)
 
     # ---- admission --------------------------------------------------------------------------------
 
@@ -112,7 +123,7 @@ class HybridPrefixCache(PrefixCache):
     def _match(self, seq: Sequence) -> MatchResult:
         """The tree's match, after a rescan of a read-only disk store when the prompt is not all cached."""
         match = self.tree.match(seq.token_ids)
-        if self.disk is not None and match.match_len < seq.num_tokens and self.disk.rescan():
+        if match.match_len < seq.num_tokens and any([index.rescan() for index in self.indexes.values()]):
             match = self.tree.match(seq.token_ids)
         return match
 
@@ -145,9 +156,8 @@ class HybridPrefixCache(PrefixCache):
     def _usable(self, copies: dict, segment_key) -> list:
         """The tiers holding a usable copy among `copies` (a node's kv or a snapshot's copies), fastest first:
         a copy in a disk segment marked bad is not usable (segment_key(copy) names its segment)."""
-        bad = self.disk is not None and self.disk.tier.name in copies and \
-            not self.disk.usable(segment_key(copies[self.disk.tier.name]))
-        return [t for t in self.tiers.holding(copies) if not (bad and t is self.disk.tier)]
+        return [t for t in self.tiers.holding(copies)
+                if t.name not in self.indexes or self.indexes[t.name].usable(segment_key(copies[t.name]))]
 
     @staticmethod
     def _miss_reason(match: MatchResult, chosen: Plan) -> str | None:
@@ -196,14 +206,14 @@ class HybridPrefixCache(PrefixCache):
             if node.pages is not None:
                 self.kv.copy_page(node.pages[i], table[index])
                 continue
-            page = self.tiers.page_copy(node, i, segments)
+            holder, page = self.tiers.page_copy(node, i, segments)
             if page is None:
-                self.disk.mark_bad(node.kv[self.disk.tier.name].key)
+                self.indexes[holder.name].mark_bad(node.kv[holder.name].key)
                 return False
             self.kv.k[:, table[index]], self.kv.v[:, table[index]] = page
         logits = self.tiers.restore_snapshot(handle, tier, self.states, seq.state_slot)
         if logits is False:
-            self.disk.mark_bad(handle.copies[self.disk.tier.name])
+            self.indexes[tier].mark_bad(handle.copies[tier])
         return logits
 
     def _page_plan(self, match: MatchResult, p: int) -> tuple[list[int | None], list[tuple[int, tuple[Node, int]]]]:
@@ -354,15 +364,15 @@ class HybridPrefixCache(PrefixCache):
         self.speeds.observe_prefill(num_tokens, seconds)
 
     def close(self) -> None:
-        if self.tiers.disk is not None:
-            self.tiers.disk.store.close()
+        for name in self.indexes:
+            self.tiers.by_name[name].store.close()
 
     # ---- disk -------------------------------------------------------------------------------------
 
     def _forget_stale_disk_keys(self) -> None:
         """Drop the tree's references to disk segments the store evicted or that were found bad."""
-        if self.disk is not None:
-            self.disk.forget()
+        for index in self.indexes.values():
+            index.forget()
 
     # ---- reporting --------------------------------------------------------------------------------
 

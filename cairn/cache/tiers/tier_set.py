@@ -189,10 +189,10 @@ class TierSet:
             queue.push(parent)
         return freed
 
-    def page_copy(self, node: Node, i: int, cache: dict) -> KV | None:
-        """(k, v) of node's i-th page from its fastest copy below the device, or None when unreadable."""
+    def page_copy(self, node: Node, i: int, cache: dict) -> tuple[Tier, KV | None]:
+        """(the tier, (k, v) of node's i-th page) from node's fastest copy below the device; None: unreadable."""
         tier = next(t for t in self.holding(node.kv) if t.name != DEVICE)
-        return tier.read_page(node, i, cache)
+        return tier, tier.read_page(node, i, cache)
 
     def write_through(self, node: Node) -> None:
         """Write node and its ancestors into every write-through segment tier (at a request's end)."""
