@@ -199,10 +199,10 @@ def main() -> None:
           f"best of {args.repeats}\n")
     print("| eviction | before (scan per victim) | after (heap per call) | speed-up |")
     print("|---|---|---|---|")
-    for label, key, n in (("KV", "kv", args.kv_victims), ("snapshots", "snap", args.snapshot_victims),
-                          ("one snapshot", "one", 1)):
+    for label, key, n in (("KV victims", "kv", args.kv_victims), ("snapshot victims", "snap", args.snapshot_victims),
+                          ("snapshot victim", "one", 1)):
         before, after = best[f"{key}_before"], best[f"{key}_after"]
-        print(f"| {n} {label} victims, one call | {before * 1e3:.1f} ms | {after * 1e3:.1f} ms | "
+        print(f"| {n} {label}, one call | {before * 1e3:.1f} ms | {after * 1e3:.1f} ms | "
               f"{before / after:.1f}x |")
 
 
