@@ -56,11 +56,11 @@ def snapshot_copy_figures(eng, repeats: int = 20) -> dict:
     stored = tier.store(states, slot, None)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        tier.free(tier.store(states, slot, None))
+        tier.free_snapshot(tier.store(states, slot, None))
     take_s = (time.perf_counter() - t0) / repeats
     t0 = time.perf_counter()
     for _ in range(repeats):
-        tier.restore(stored, states, slot)
+        tier.load_snapshot(stored, states, slot)
     restore_s = (time.perf_counter() - t0) / repeats
     nbytes = stored.nbytes
     src = torch.empty(nbytes // 4)

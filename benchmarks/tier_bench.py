@@ -43,17 +43,17 @@ def engine(path: Path, disk: str | None, context: int, prefix_cache: bool = True
 def force_tier(eng, tier: str) -> None:
     """Move every snapshot and every node's KV down to `tier` (demoting, or dropping faster copies)."""
     tiers, tree = eng.cache.tiers, eng.cache.tree
-    above = ("device", "host", "disk")[: ("device", "host", "disk").index(tier)]
+    above = tiers.tiers[: tiers.names.index(tier)]
     for _, entry, node in list(tree.iter_snapshots()):
         for t in above:
-            if getattr(entry.handle, t) is not None:
+            if t.name in entry.handle.copies:
                 tiers.demote_snapshot(node, t)
     for node in list(tree.iter_nodes()):
-        if tier in ("host", "disk") and node.pages is not None and node.host_pages is None:
-            tiers._kv_to_host(node)
         for t in above:
-            if t in node.kv_tiers() and len(node.kv_tiers()) > 1:
-                tree.drop_kv(node, t)
+            if t.name in node.kv:
+                tiers._demote_kv(node, t, {})
+            if t.name in node.kv and len(node.kv) > 1:
+                tree.drop_kv(node, t.name)
 
 
 def _drop_page_cache(path: Path) -> None:
@@ -80,11 +80,11 @@ def restore_figures(eng, disk_root: str, repeats: int = 7) -> dict:
         force_tier(eng, tier)
         nbytes = entry.nbytes
         if tier == "disk":
-            path = next(Path(disk_root).glob(f"*/{handle.disk.hex()}.seg"))
+            path = next(Path(disk_root).glob(f"*/{handle.copies['disk'].hex()}.seg"))
             nbytes = path.stat().st_size
         else:
-            pool = (tiers.device if tier == "device" else tiers.host).pool
-            src = list(pool.read_slot(getattr(handle, tier).slot).values())
+            pool = tiers.by_name[tier].pool
+            src = list(pool.read_slot(handle.copies[tier].slot).values())
             dst = [torch.empty_like(t) for t in src]
             _copy_all(dst, src)  # touch the destination first, as the restore's destination slot already is
         restores, plains = [], []

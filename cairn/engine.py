@@ -28,7 +28,8 @@ import torch
 from cairn.activity import ActivityLog
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
-from cairn.config import EngineConfig
+from cairn.compat import compat_digest, weights_digest
+from cairn.config import CacheOptions, EngineConfig
 from cairn.demo import DEMO_NAME, build_demo
 from cairn.errors import RequestTooLarge, SamplingError
 from cairn.grammar import GrammarCompiler, allowed_masks_isolated
@@ -120,9 +121,7 @@ class Engine:
         sched = config.scheduler
         max_num_seqs = min(sched.max_num_seqs, self.states.num_slots)
         self.prefill_block = prefill_block(sched.prefill_block, self.dtype, sched.max_num_batched_tokens, max_num_seqs)
-        self.cache = cache if cache is not None else build_cache(
-            config.cache, self.model, self.model_config, self.kv, self.states, self.model_name,
-            self.prefill_block)
+        self.cache = cache if cache is not None else self._build_cache(config.cache)
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache, max_num_seqs,
                                    sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
                                    self.prefill_block)
@@ -140,6 +139,15 @@ class Engine:
         self.num_steps = 0
 
     # ---- set-up -----------------------------------------------------------------------------------
+
+    def _build_cache(self, opts: CacheOptions) -> PrefixCache:
+        """The prefix cache, handed plain values: the compatibility digest is computed here, with a disk cache."""
+        if not self.model_config.linear_layers:
+            return NullCache()
+        digest = compat_digest(weights_digest(self.model), self.model_config, self.kv.k.dtype, self.kv.page_size,
+                               self.prefill_block) if opts.disk_cache else ""
+        return build_cache(opts, self.kv, self.states, self.model_config.vocab_size, digest, self.model_name,
+                           self.prefill_block)
 
     def _allocate_pools(self, cfg: ModelConfig) -> tuple[KVPool, StatePool]:
         mem = self.config.memory
@@ -405,10 +413,9 @@ class Engine:
         use = {"kv_pool_use": 1 - kv.allocator.num_free / kv.num_pages,
                "working_slots_use": 1 - states.num_free / states.num_slots}
         stats = self.scheduler.cache_stats()
-        budgets = stats.get("snapshot_budget_bytes{tier}", {})
-        for tier, used in stats.get("snapshot_used_bytes{tier}", {}).items():
-            if budgets.get(tier):
-                use[f"{tier}_snapshots_use"] = used / budgets[tier]
+        for tier, used in (stats.snapshot_used_bytes.items() if stats is not None else ()):
+            if stats.snapshot_budget_bytes.get(tier):
+                use[f"{tier}_snapshots_use"] = used / stats.snapshot_budget_bytes[tier]
         return {k: round(v, 4) for k, v in use.items()}
 
     def _log_prefill(self, seq: Sequence) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cairn.cache.base import Admission, CacheRequest, PrefixCache
+from cairn.cache.stats import CacheStats
 from cairn.errors import QueueFull, RequestTooLarge
 from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
@@ -343,7 +344,7 @@ class Scheduler:
 
     # ---- the engine's view ------------------------------------------------------------------------
 
-    def cache_stats(self) -> dict:
+    def cache_stats(self) -> CacheStats | None:
         return self.cache.stats()
 
     def close(self) -> None:

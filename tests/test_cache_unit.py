@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
-from cairn.cache.tiers.pools import PoolSnapshotTier
+from cairn.cache.tiers.pools import PoolTier
 from cairn.engine import LLM
+from cairn.memory.kv_pool import KVPool
 from cairn.sampling import SamplingParams
 from tests.harness import same_state, slot_copy, state_pool
 
@@ -62,7 +63,8 @@ def test_chunks_end_on_block_boundaries_whatever_the_budget_left():
 
 def test_device_tier_never_exceeds_its_budget_and_restore_does_not_consume():
     work = state_pool()
-    tier = PoolSnapshotTier("device", work, 3 * work.bytes_per_slot + 10, vocab_size=5, device="cpu")
+    kv = KVPool(1, 2, 2, 1, 1, torch.float32)
+    tier = PoolTier("device", work, 3 * work.bytes_per_slot + 10, vocab_size=5, device="cpu", kv=kv, bandwidth=1e9)
     slot = work.alloc()
     for t in work.read_slot(slot).values():
         t.fill_(1.5)
@@ -71,9 +73,9 @@ def test_device_tier_never_exceeds_its_budget_and_restore_does_not_consume():
     assert tier.used_bytes <= tier.budget_bytes
     other = work.alloc()
     for _ in range(2):  # restoring twice gives the same state: the stored copy is not consumed
-        tier.restore(stored[0], work, other)
+        tier.load_snapshot(stored[0], work, other)
         assert same_state(slot_copy(work, other), slot_copy(work, slot))
-    tier.free(stored[0])
+    tier.free_snapshot(stored[0])
     with_logits = tier.store(work, slot, torch.arange(5.0))
     assert with_logits is None  # a slot is free but the logits' bytes would pass the budget
     assert tier.store(work, slot, None) is not None
@@ -84,7 +86,7 @@ def test_resuming_never_changes_the_stored_snapshot_or_the_cached_kv():
     cache = llm.engine.cache
     prompt = list(range(10, 110))
     llm.generate(prompt, GREEDY)
-    stored = {pos: (entry.handle.device.slot, node.pages) for pos, entry, node in cache.tree.iter_snapshots()}
+    stored = {pos: (entry.handle.copies["device"].slot, node.pages) for pos, entry, node in cache.tree.iter_snapshots()}
     pool = cache.tiers.device.pool
     before_state = {pos: slot_copy(pool, slot) for pos, (slot, _) in stored.items()}
     before_kv = {pos: llm.engine.kv.k[:, pages].clone() for pos, (_, pages) in stored.items()}

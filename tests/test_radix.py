@@ -7,34 +7,18 @@ against a reference model). Every operation is followed by check_integrity(), th
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
-from cairn.cache.tree.nodes import SnapshotEntry
-from cairn.cache.tree.radix import RadixTree
-from cairn.memory.pages import PageAllocator
+from tests.tiny_tiers import TinyCache
 
 P = tuple(range(100, 112))  # a 12-token path
 
 
-def snap(handle, nbytes: int = 10, has_logits: bool = False) -> SnapshotEntry:
-    return SnapshotEntry(nbytes=nbytes, source="grid", has_logits=has_logits, handle=handle)
-
-
-class Cache:
-    """A tree over a real PageAllocator, playing a caller that releases its own pages after each insert."""
-
-    def __init__(self, page_size: int = 4, num_pages: int = 32):
-        self.alloc = PageAllocator(num_pages)
-        self.released: list[tuple[object, str]] = []  # (entry.handle, reason) per on_snapshot_released
-        self.tree = RadixTree(page_size, self.alloc, lambda entry, reason: self.released.append((entry.handle, reason)))
+class Cache(TinyCache):
+    """A tiny real cache, playing a caller that releases its own pages after each insert; every call checks."""
 
     def check(self, held: list[int] = ()) -> None:
-        """Tree invariants, and allocator refcounts == tree references + the pages a caller still holds."""
-        self.tree.check_integrity()
-        refs = Counter(self.tree.page_refs()) + Counter(held)
-        self.alloc.check_integrity(expected_refs=dict(refs))
+        super().check(held)
 
     def table(self, tokens, shared: tuple[int, ...] = ()) -> list[int]:
         """A caller's page table: `shared` pages (increfed) then fresh pages for the rest."""
@@ -49,9 +33,9 @@ class Cache:
         self.check()
         return node
 
-    def attach(self, tokens, entry: SnapshotEntry, shared: tuple[int, ...] = ()) -> bool:
+    def attach(self, tokens, label, has_logits: bool = False, shared: tuple[int, ...] = ()) -> bool:
         table = self.table(tokens, shared)
-        attached = self.tree.attach_snapshot(tokens, table, entry)
+        attached = super().attach(tokens, table, label, has_logits)
         self.alloc.decref(table)
         self.check()
         return attached
@@ -71,14 +55,24 @@ class Cache:
         self.check()
 
     def evict_snapshots(self, num_entries: int) -> list:
-        handles = [entry.handle for entry in self.tree.evict_snapshots(num_entries)]
-        self.check()
-        return handles
+        """Make room in a full device tier num_entries times (fewer when nothing more can go): the victims."""
+        victims = []
+        for _ in range(num_entries):
+            gone = self.make_room()
+            self.check()
+            if not gone:
+                break
+            victims += gone
+        return victims
 
     def evict_pages(self, num_pages: int) -> int:
-        num_freed = self.tree.evict_pages(num_pages)
+        num_freed = self.cache.evict_pages(num_pages)
         self.check()
         return num_freed
+
+    def prefix_pages(self, result, num_tokens: int) -> list[int]:
+        """The device pages a request shares for [0, num_tokens) of a match (what HybridPrefixCache plans)."""
+        return [node.pages[i] for node, i in self.tree.prefix_page_sources(result, num_tokens)]
 
     def nodes(self) -> dict[tuple[int, int], list[int]]:
         """(start, end) -> pages of every node."""
@@ -92,7 +86,7 @@ def with_snapshots_at(positions, path=P, has_logits_at=()) -> Cache:
     cache = Cache()
     cache.insert(path)  # pages 0, 1, 2
     for position in positions:
-        assert cache.attach(path[:position], snap(position, has_logits=position in has_logits_at))
+        assert cache.attach(path[:position], position, has_logits=position in has_logits_at)
     return cache
 
 
@@ -155,11 +149,11 @@ def test_prefix_pages_takes_each_index_from_the_deepest_node_starting_before_the
     cache.insert(P[:10])
     cache.insert(P[:6] + (90, 91), shared=(0,))
     branch = cache.match(P[:6] + (90, 91))
-    assert cache.tree.prefix_pages(branch, 8) == [0, 3]
-    assert cache.tree.prefix_pages(branch, 6) == [0, 1]  # the branch node starts at 6: not needed
-    assert cache.tree.prefix_pages(cache.match(P[:10]), 10) == [0, 1, 2]
+    assert cache.prefix_pages(branch, 8) == [0, 3]
+    assert cache.prefix_pages(branch, 6) == [0, 1]  # the branch node starts at 6: not needed
+    assert cache.prefix_pages(cache.match(P[:10]), 10) == [0, 1, 2]
     with pytest.raises(ValueError):
-        cache.tree.prefix_pages(branch, 9)
+        cache.prefix_pages(branch, 9)
 
 
 # ---- match and resume --------------------------------------------------------------------------
@@ -169,7 +163,7 @@ def test_match_of_an_exact_prefix_resumes_at_the_deepest_snapshot_inside_it():
     cache = with_snapshots_at([4, 8, 12])
     result = cache.match(P[:10])
     assert (result.match_len, result.resume_position, result.miss_reason) == (10, 8, "no_snapshot")
-    assert result.resume_node.end == 8 and result.resume_node.snapshot.handle == 8
+    assert result.resume_node.end == 8 and cache.label(result.resume_node.snapshot) == 8
     assert [(node.start, node.end) for node in result.path] == [(0, 4), (4, 8), (8, 12)]
 
 
@@ -207,7 +201,7 @@ def test_match_reports_an_evicted_snapshot_until_one_is_attached_there_again():
     assert (result.match_len, result.resume_position, result.miss_reason) == (10, 4, "evicted")
     cache.insert(P[:6] + (77,))  # splits [4, 8) at 6: the tombstone stays at 8
     assert cache.match(P[:10]).miss_reason == "evicted"
-    assert cache.attach(P[:8], snap("again"))
+    assert cache.attach(P[:8], "again")
     assert (cache.match(P[:10]).resume_position, cache.match(P[:10]).miss_reason) == (8, "no_snapshot")
     cache.unlock(handle)
 
@@ -235,15 +229,16 @@ def test_splitting_a_node_never_invents_a_snapshot():
 
 def test_attach_keeps_an_existing_snapshot_and_returns_false():
     cache = with_snapshots_at([8])
-    assert not cache.attach(P[:8], snap("second"))
-    assert [entry.handle for _, entry, _ in cache.tree.iter_snapshots()] == [8]
-    assert (cache.tree.num_snapshots, cache.tree.snapshot_bytes) == (1, 10)
+    assert not cache.attach(P[:8], "second")
+    assert [cache.label(entry) for _, entry, _ in cache.tree.iter_snapshots()] == [8]
+    assert (cache.tree.num_snapshots, cache.tree.snapshot_bytes) == (1, cache.slot_bytes)
+    assert cache.tiers.device.used_bytes == cache.slot_bytes  # the second copy was freed
 
 
 def test_attach_at_position_zero_is_rejected():
     cache = Cache()
     with pytest.raises(ValueError):
-        cache.tree.attach_snapshot((), [], snap("zero"))
+        cache.tree.attach_snapshot((), [], "zero")
     cache.check()
 
 
@@ -348,27 +343,36 @@ def test_snapshot_eviction_keeps_survivors_spread_along_one_path():
     cache = Cache(page_size=100, num_pages=8)
     path = tuple(range(400))
     for position in (100, 200, 300, 400):  # attaching at 400 stamps all four with one tick
-        assert cache.attach(path[:position], snap(position))
-    assert [entry.handle for entry in cache.tree.snapshot_victim_order()] == [100, 200, 300, 400]
+        assert cache.attach(path[:position], position)
     assert [cache.evict_snapshots(1)[0] for _ in range(4)] == [100, 300, 200, 400]
     assert cache.released == [(100, "evicted"), (300, "evicted"), (200, "evicted"), (400, "evicted")]
+
+
+def test_one_call_that_needs_several_victims_takes_them_in_the_one_at_a_time_order():
+    cache = Cache(page_size=100, num_pages=8)
+    path = tuple(range(400))
+    for position in (100, 200, 300, 400):
+        assert cache.attach(path[:position], position)
+    assert cache.make_room(has_logits=True) == [100, 300, 200]  # 36 bytes wanted: three 12-byte victims
+    assert cache.snapshots() == [400]
+    cache.check()
 
 
 def test_snapshot_eviction_takes_the_least_recently_used_path_first():
     cache = Cache()
     x, a, b = P[:4], P[:4] + (1, 2, 3, 4), P[:4] + (5, 6, 7, 8)
-    cache.attach(x, snap("x4"))
-    cache.attach(a, snap("a8"))
-    cache.attach(b[:6], snap("b6"))
-    cache.attach(b, snap("b8"))  # stamps x4, b6, b8 with the last tick; a8 is older
+    cache.attach(x, "x4")
+    cache.attach(a, "a8")
+    cache.attach(b[:6], "b6")
+    cache.attach(b, "b8")  # stamps x4, b6, b8 with the last tick; a8 is older
     assert cache.evict_snapshots(4) == ["a8", "b6", "x4", "b8"]  # b6: gap 2; then x4 (gap 4) before deepest b8
 
 
 def test_larger_snapshot_with_equal_gap_goes_first():
     cache = Cache()
-    cache.attach(P[:4], snap("small", nbytes=10))
-    cache.attach(P[:8], snap("large", nbytes=40))
-    cache.attach(P[:12], snap("deepest"))
+    cache.attach(P[:4], "small")
+    cache.attach(P[:8], "large", has_logits=True)  # 36 bytes against 12
+    cache.attach(P[:12], "deepest")
     assert cache.evict_snapshots(1) == ["large"]
 
 
@@ -381,6 +385,33 @@ def test_locked_snapshot_is_never_evicted_but_still_counts_as_the_snapshot_above
     assert cache.evict_snapshots(1) == [4]
 
 
+# ---- demotion through a host tier -----------------------------------------------------------------
+
+
+def test_device_kv_victims_move_to_the_host_and_a_full_host_drops_its_least_recently_used():
+    cache = Cache(host_pages=2)
+    cache.insert(P[:8])  # [0, 8): pages 0, 1
+    other = tuple(range(200, 208))
+    cache.insert(other)  # pages 2, 3: the most recent
+    assert cache.evict_pages(2) == 2  # P's node leaves the device for the host
+    node = cache.match(P[:8]).path[-1]
+    assert set(node.kv) == {"host"} and cache.match(P[:8]).match_len == 8
+    assert cache.evict_pages(2) == 2  # `other` needs the host's pages: P's node, on no other tier, is dropped
+    assert cache.match(P[:8]).match_len == 0 and set(cache.match(other).path[-1].kv) == {"host"}
+    assert cache.tiers.moved == {"kv device->host": 2} and cache.tiers.dropped == {"kv_host_full": 1}
+
+
+def test_a_device_snapshot_victim_moves_to_the_host_and_a_full_host_drops_its_retention_victim():
+    cache = Cache(device_slots=2, host_slots=1)
+    assert cache.attach(P[:4], "a") and cache.attach(P[:8], "b")
+    assert cache.attach(P[:12], "c")  # the device is full: "a" (not the deepest) moves to the host
+    assert cache.released == [] and set(cache.match(P[:6]).resume_node.snapshot.handle.copies) == {"host"}
+    assert cache.make_room() == ["a"]  # "b" moves to the host, whose only snapshot "a" is dropped
+    copies = {cache.label(e): set(e.handle.copies) for _, e, _ in cache.tree.iter_snapshots()}
+    assert copies == {"b": {"host"}, "c": {"device"}}
+    assert cache.tiers.moved == {"snapshot device->host": 2} and cache.tiers.dropped == {"snapshot_host_full": 1}
+
+
 # ---- integrity ---------------------------------------------------------------------------------
 
 
@@ -390,7 +421,7 @@ def test_check_integrity_catches_wrong_page_count_locks_totals_and_allocator_ref
     corruptions = [
         (lambda: node.pages.append(9), lambda: node.pages.pop()),
         (lambda: setattr(node, "lock_count", 1), lambda: setattr(node, "lock_count", 0)),
-        (lambda: setattr(node.parent.snapshot, "nbytes", 11), lambda: setattr(node.parent.snapshot, "nbytes", 10)),
+        (lambda: setattr(node.parent.snapshot, "nbytes", 11), lambda: setattr(node.parent.snapshot, "nbytes", 12)),
         (lambda: setattr(node, "start", 5), lambda: setattr(node, "start", 8)),
         (lambda: cache.alloc.refcount.__setitem__(2, 0), lambda: cache.alloc.refcount.__setitem__(2, 1)),
     ]

@@ -1,8 +1,11 @@
-"""Stateful test: random operations on a RadixTree, checked against an independent reference model.
+"""Stateful test: random operations on the cache's radix tree, checked against an independent reference model.
 
 What this is: a hypothesis `RuleBasedStateMachine` over tokens 0..3, paths of up to 24 tokens and
-page_size 4, with a real PageAllocator and simulated requests that hold page tables. What it is
-not: a test of the engine, or of exact page ids (tests/test_radix.py asserts those).
+page_size 4, on a real prefix cache in miniature (tests/tiny_tiers.py: the production TierSet over
+tiny CPU pools, a device snapshot tier of 6 slots) and simulated requests that hold page tables.
+Eviction goes through the path the server runs: snapshots are stored with `TierSet.store_snapshot`,
+which drops retention victims when the tier is full, and KV through `HybridPrefixCache.evict_pages`.
+What it is not: a test of the engine, or of exact page ids (tests/test_radix.py asserts those).
 
 The reference model knows nothing of nodes. It keeps
     stored      a set of token tuples: KV for a prefix S is present iff S is a prefix of one of them;
@@ -29,7 +32,8 @@ cannot predict it alone. The `evict_pages` rule therefore checks it in three ind
      first token to `start`; snapshots and tombstones whose prefix lost its KV are dropped, and the
      dropped snapshots must be exactly the ones released with "kv_evicted". The invariants then
      compare the tree's leaves, snapshots and tombstones with the updated model.
-After every step: check_integrity(), and allocator refcounts == tree page_refs() + request pages.
+After every step: the cache's check_integrity() (tier bytes too), and allocator refcounts ==
+tree page_refs() + request pages.
 """
 
 from __future__ import annotations
@@ -42,13 +46,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cairn.cache.tree.nodes import SnapshotEntry
-from cairn.cache.tree.radix import RadixTree
-from cairn.memory.pages import PageAllocator
+from tests.tiny_tiers import VOCAB, TinyCache
 
 PAGE_SIZE = 4
 MAX_LEN = 24
 NUM_PAGES = 512
+DEVICE_SLOTS = 6
 TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=MAX_LEN)
 
 
@@ -114,9 +117,8 @@ def predict_kv_eviction(views: dict[int, NodeView], refcount: list[int], num_pag
 class RadixMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.alloc = PageAllocator(NUM_PAGES)
-        self.released: list[tuple[object, str]] = []
-        self.tree = RadixTree(PAGE_SIZE, self.alloc, lambda entry, reason: self.released.append((entry.handle, reason)))
+        self.cache = TinyCache(PAGE_SIZE, NUM_PAGES, device_slots=DEVICE_SLOTS)
+        self.alloc, self.tree, self.released = self.cache.alloc, self.cache.tree, self.cache.released
         self.stored: set[tuple[int, ...]] = set()
         self.snaps: dict[tuple[int, ...], ModelSnap] = {}
         self.tombstones: set[tuple[int, ...]] = set()
@@ -189,7 +191,8 @@ class RadixMachine(RuleBasedStateMachine):
     def request_table(self, tokens) -> list[int] | None:
         """A request's page table: the tree's pages for the whole pages it matched (shared), fresh ones after."""
         result = self.tree.match(tokens)
-        shared = self.tree.prefix_pages(result, result.match_len // PAGE_SIZE * PAGE_SIZE)
+        sources = self.tree.prefix_page_sources(result, result.match_len // PAGE_SIZE * PAGE_SIZE)
+        shared = [node.pages[i] for node, i in sources]
         num_fresh = -(-len(tokens) // PAGE_SIZE) - len(shared)
         if num_fresh > self.alloc.num_free:
             return None
@@ -223,16 +226,38 @@ class RadixMachine(RuleBasedStateMachine):
             return
         cuts = data.draw(st.lists(st.integers(1, len(tokens)), min_size=1, max_size=6, unique=True))
         for cut in sorted(cuts):
-            prefix, has_logits, nbytes = tokens[:cut], data.draw(st.booleans()), data.draw(st.integers(1, 4))
-            entry = SnapshotEntry(nbytes=nbytes, source="grid", has_logits=has_logits, handle=prefix)
-            attached = self.tree.attach_snapshot(prefix, table, entry)
+            prefix, has_logits = tokens[:cut], data.draw(st.booleans())
+            nbytes = self.cache.slot_bytes + (4 * VOCAB if has_logits else 0)
+            stored = self.evict_for(nbytes, DEVICE_SLOTS * self.cache.slot_bytes,
+                                    lambda p=prefix, h=has_logits: self.cache.store(p, h))
+            if stored is None:  # every snapshot left on the device is locked: the request goes without
+                continue
+            attached = self.tree.attach_snapshot(prefix, table, stored)
             self.stored.add(prefix)
             self.stamp(prefix)
             assert attached == (prefix not in self.snaps)
             if attached:
                 self.snaps[prefix] = ModelSnap(has_logits, nbytes, self.clock)
                 self.tombstones.discard(prefix)
+            else:
+                self.cache.tiers.release(stored.handle)
         self.alloc.decref(table)
+
+    def evict_for(self, nbytes: int, budget: int, store):
+        """Call store() (which makes room for nbytes in the device tier); check the victims it dropped
+        against the model's retention order, and update the model. Returns what store() returned."""
+        predicted, used = [], sum(snap.nbytes for snap in self.snaps.values())
+        while len(self.snaps) >= DEVICE_SLOTS or used + nbytes > budget:
+            victim = self.predict_victim()
+            if victim is None:
+                break
+            predicted.append(victim)
+            used -= self.snaps.pop(victim).nbytes
+            self.tombstones.add(victim)
+        num_released = len(self.released)
+        result = store()
+        assert self.released[num_released:] == [(victim, "evicted") for victim in predicted]
+        return result
 
     @rule(data=st.data(), need_logits=st.booleans())
     def match(self, data, need_logits):
@@ -241,7 +266,7 @@ class RadixMachine(RuleBasedStateMachine):
         predicted = self.predict_match(prompt, need_logits)
         assert (result.match_len, result.resume_position, result.miss_reason) == predicted
         if result.resume_node is not None:
-            assert result.resume_node.snapshot.handle == prompt[: result.resume_position]
+            assert self.cache.label(result.resume_node.snapshot) == prompt[: result.resume_position]
 
     @rule(data=st.data(), need_logits=st.booleans())
     def lock(self, data, need_logits):
@@ -264,36 +289,27 @@ class RadixMachine(RuleBasedStateMachine):
     def finish_request(self, data):
         self.alloc.decref(self.held.pop(data.draw(st.integers(0, len(self.held) - 1))))
 
-    @rule(num_entries=st.integers(1, 3))
-    def evict_snapshots(self, num_entries):
-        predicted = []
-        for _ in range(num_entries):
-            victim = self.predict_victim()
-            if victim is None:
-                break
-            predicted.append(victim)
-            del self.snaps[victim]
-            self.tombstones.add(victim)
-        num_released = len(self.released)
-        evicted = self.tree.evict_snapshots(num_entries)
-        assert [entry.handle for entry in evicted] == predicted
-        assert self.released[num_released:] == [(victim, "evicted") for victim in predicted]
+    @rule(has_logits=st.booleans())
+    def make_room(self, has_logits):
+        """The device tier shrunk to what it holds, then one more snapshot stored: one call, several victims."""
+        used = sum(snap.nbytes for snap in self.snaps.values())
+        nbytes = self.cache.slot_bytes + (4 * VOCAB if has_logits else 0)
+        self.evict_for(nbytes, used, lambda: self.cache.make_room(has_logits))
 
     @rule(num_pages=st.integers(0, 8))
     def evict_pages(self, num_pages):
         views = {node.node_id: self.view(node) for node in self.tree.iter_nodes()}
         predicted_removed, predicted_freed = predict_kv_eviction(views, list(self.alloc.refcount), num_pages)
         num_released = len(self.released)
-        num_freed = self.tree.evict_pages(num_pages)
+        num_freed = self.cache.cache.evict_pages(num_pages)  # the scheduler's call
         removed = sorted(set(views) - {node.node_id for node in self.tree.iter_nodes()})
         assert (removed, num_freed) == (sorted(predicted_removed), predicted_freed)
         kv_released = [handle for handle, reason in self.released[num_released:] if reason == "kv_evicted"]
         assert kv_released == [views[i].snapshot_handle for i in predicted_removed if views[i].snapshot_handle]
         self.apply_kv_eviction([views[i] for i in predicted_removed], kv_released)
 
-    @staticmethod
-    def view(node) -> NodeView:
-        handle = node.snapshot.handle if node.snapshot is not None else None
+    def view(self, node) -> NodeView:
+        handle = self.cache.label(node.snapshot) if node.snapshot is not None else None
         return NodeView(
             node.node_id,
             node.parent.node_id,
@@ -322,9 +338,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     @invariant()
     def integrity(self):
-        self.tree.check_integrity()
-        held = Counter(page for table in self.held for page in table)
-        self.alloc.check_integrity(expected_refs=dict(Counter(self.tree.page_refs()) + held))
+        self.cache.check(held=[page for table in self.held for page in table])
 
     @invariant()
     def leaves_are_the_maximal_stored_paths(self):
@@ -339,7 +353,7 @@ class RadixMachine(RuleBasedStateMachine):
         resumed = Counter(lock.resume for lock in self.locks)
         for prefix, entry in tree_snaps.items():
             model = self.snaps[prefix]
-            assert entry.handle == prefix
+            assert self.cache.label(entry) == prefix
             assert (entry.has_logits, entry.nbytes, entry.last_access) == (
                 model.has_logits,
                 model.nbytes,

@@ -4,12 +4,14 @@ the engine thread's idle behaviour (with a fake engine)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from cairn.cache.stats import CacheStats, DiskStats
 from cairn.errors import ChatTemplateError, QueueFull, RequestTooLarge, SamplingError
 from cairn.server.bridge import EngineBridge
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception
@@ -101,7 +103,7 @@ def test_sampling_error_names_its_parameter():
 
 # ---- cache stats ----------------------------------------------------------------------------------
 
-def _exposition(stats: dict) -> str:
+def _exposition(stats) -> str:
     registry = CollectorRegistry()
 
     class Fixed:
@@ -113,20 +115,44 @@ def _exposition(stats: dict) -> str:
 
 
 def test_cache_stats_become_counters_gauges_and_labelled_families():
-    text = _exposition({"snapshots_taken": 12, "snapshots_restored_total": 5,
-                        "snapshots_evicted{reason}": {"capacity": 3, "stale_kv": 1},
-                        "num_snapshots{tier}": {"device": 7}, "used_bytes": 4096, "note": "text", "flag": True})
+    text = _exposition(CacheStats(counters={"snapshots_taken": 12, "snapshots_restored": 5},
+                                  dropped_by_reason={"evicted": 3, "kv_evicted": 1},
+                                  snapshots_per_tier={"device": 7}, snapshot_used_bytes={"device": 4096}))
     assert "cairn_cache_snapshots_taken_total 12.0" in text
     assert "cairn_cache_snapshots_restored_total 5.0" in text
-    assert 'cairn_cache_snapshots_evicted_total{reason="capacity"} 3.0' in text
-    assert 'cairn_cache_snapshots_evicted_total{reason="stale_kv"} 1.0' in text
+    assert 'cairn_cache_snapshots_dropped_total{reason="evicted"} 3.0' in text
+    assert 'cairn_cache_snapshots_dropped_total{reason="kv_evicted"} 1.0' in text
     assert "# TYPE cairn_cache_num_snapshots gauge" in text and 'cairn_cache_num_snapshots{tier="device"} 7.0' in text
-    assert "# TYPE cairn_cache_used_bytes gauge" in text
-    assert "note" not in text and "flag" not in text
+    assert "# TYPE cairn_cache_snapshot_used_bytes gauge" in text
+    assert "cairn_cache_host_kv_used_bytes" not in text and "cairn_cache_disk" not in text  # no such tier
+
+
+def test_every_cache_metric_keeps_the_name_and_label_it_had_with_string_keys():
+    stats = CacheStats(counters={"kv_pages_evicted": 1}, taken_by_source={"grid": 1}, restored_by_tier={"host": 1},
+                       dropped_by_reason={"evicted": 1}, tier_moves={"persisted": 1}, tier_drops={"kv_host_full": 1},
+                       snapshots_per_tier={"disk": 1}, snapshot_used_bytes={"host": 1},
+                       snapshot_budget_bytes={"host": 1}, num_tree_nodes=1, host_kv_used_bytes=1,
+                       disk=DiskStats(1, 1, {"bad": 1}, {"disk_evicted": 1}))
+    families = {m.group(1): m.group(2) for m in re.finditer(r"^# TYPE (\S+) (\S+)$", _exposition(stats), re.M)}
+    assert families == {
+        "cairn_cache_kv_pages_evicted_total": "counter", "cairn_cache_snapshots_taken_by_total": "counter",
+        "cairn_cache_snapshots_restored_from_total": "counter", "cairn_cache_snapshots_dropped_total": "counter",
+        "cairn_cache_tier_moves_total": "counter", "cairn_cache_tier_drops_total": "counter",
+        "cairn_cache_num_snapshots": "gauge", "cairn_cache_snapshot_used_bytes": "gauge",
+        "cairn_cache_snapshot_budget_bytes": "gauge", "cairn_cache_num_tree_nodes": "gauge",
+        "cairn_cache_host_kv_used_bytes": "gauge", "cairn_cache_disk_used_bytes": "gauge",
+        "cairn_cache_num_disk_segments": "gauge", "cairn_cache_disk_faults_total": "counter",
+        "cairn_cache_disk_segments_forgotten_total": "counter"}
+    labels = set(re.findall(r"^cairn_cache_(\w+)\{(\w+)=", _exposition(stats), re.M))
+    assert labels == {("snapshots_taken_by_total", "source"), ("snapshots_restored_from_total", "tier"),
+                      ("snapshots_dropped_total", "reason"), ("tier_moves_total", "kind"),
+                      ("tier_drops_total", "reason"), ("num_snapshots", "tier"), ("snapshot_used_bytes", "tier"),
+                      ("snapshot_budget_bytes", "tier"), ("disk_faults_total", "reason"),
+                      ("disk_segments_forgotten_total", "reason")}
 
 
 def test_null_cache_stats_export_nothing():
-    assert "cairn_cache" not in _exposition({})
+    assert "cairn_cache" not in _exposition(None)
 
 
 def test_engine_stats_read_pool_usage_from_the_engine():

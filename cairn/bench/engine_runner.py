@@ -74,7 +74,7 @@ class EngineRunner:
             return []
         points = []
         for pos, entry, _ in tree.iter_snapshots():
-            tiers = snapshot_tiers(entry)
+            tiers = snapshot_tiers(self.engine.cache, entry)
             points.append(SnapshotPoint(pos, entry.source, tiers[0] if tiers else "none", tiers))
         return sorted(points, key=lambda p: (p.position, p.source))
 
@@ -87,6 +87,6 @@ class EngineRunner:
         self.engine = None
 
 
-def snapshot_tiers(entry) -> list[str]:
-    """The tiers holding copies of a snapshot, fastest first (the tiered cache's handle lists them)."""
-    return list(entry.handle.tiers())
+def snapshot_tiers(cache, entry) -> list[str]:
+    """The tiers holding copies of a snapshot, fastest first (the tiered cache's handle maps them)."""
+    return [tier.name for tier in cache.tiers.holding(entry.handle.copies)]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cairn.cache.stats import CacheStats
 from cairn.memory.state_pool import StatePool
 
 
@@ -113,8 +114,9 @@ class PrefixCache(ABC):
         nothing resumes nowhere."""
         return 0, None, None
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> CacheStats | None:
+        """Counters and gauges (cache/stats.py); None: nothing to report."""
+        return None
 
     def page_refs(self) -> dict[int, int]:
         """Page id -> references the cache holds (for the scheduler's integrity check)."""

@@ -1,8 +1,8 @@
 """build_cache: the prefix cache an engine runs with, assembled from CacheOptions.
 
 Device tier always (when the cache is on), host tier with host_cache_gib > 0 (page-locked on CUDA),
-disk tier with disk_cache set (its namespace is the compatibility digest of these weights). Start-up
-speeds for the planner are measured here with real copies of one state slot.
+disk tier with disk_cache set (its namespace is the compatibility digest the engine computed, see
+cairn/compat.py). Start-up speeds for the planner are measured here with real copies into device memory.
 """
 
 from __future__ import annotations
@@ -13,18 +13,21 @@ import torch
 
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.disk.store import DiskStore
-from cairn.cache.disk.tier import DiskTier, compat_digest, weights_digest
+from cairn.cache.disk.tier import DiskTier
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
 from cairn.cache.policy.speeds import SpeedMeter, measure_copy_bytes_per_s
-from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier
+from cairn.cache.tiers.pools import HostKVBank, PoolTier
 from cairn.cache.tiers.tier_set import TierSet
+from cairn.cache.tree.nodes import DEVICE, DISK, HOST
 from cairn.config import CacheOptions
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
-from cairn.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
+# bytes/s of bringing each tier's bytes to the device until measured (page tiers are, at start-up)
+DEVICE_BANDWIDTH, HOST_BANDWIDTH, DISK_BANDWIDTH = 20e9, 5e9, 0.5e9
+MEASURE_BYTES = 16 * 2**20  # the start-up copy that measures a page tier's bandwidth (see _measure)
 
 
 def placement_options(opts: CacheOptions, page_size: int, prefill_block: int = 0) -> PlacementOptions:
@@ -35,43 +38,54 @@ def placement_options(opts: CacheOptions, page_size: int, prefill_block: int = 0
         page_size=page_size, align=prefill_block)
 
 
-def build_cache(opts: CacheOptions, model: torch.nn.Module, cfg: ModelConfig, kv: KVPool,
-                states: StatePool, model_name: str | None = None, prefill_block: int = 0) -> PrefixCache:
+def build_cache(opts: CacheOptions, kv: KVPool, states: StatePool, vocab_size: int, digest: str = "",
+                model_name: str | None = None, prefill_block: int = 0) -> PrefixCache:
     """Raises DiskStoreError (a one-line message) when the disk cache directory cannot be used.
+    `digest`: the compatibility digest naming the disk namespace (needed when opts.disk_cache is set);
     `prefill_block`: the engine's exact-resumption block (0: off); snapshots and resume points follow it."""
-    if not opts.prefix_cache or not cfg.linear_layers:
+    if not opts.prefix_cache:
         return NullCache()
     device = states.device
     pinned = device.type == "cuda"
-    dev_tier = PoolSnapshotTier("device", states, opts.device_snapshot_bytes, cfg.vocab_size, device)
-    host = host_kv = disk = None
+    tiers = [PoolTier(DEVICE, states, opts.device_snapshot_bytes, vocab_size, device, kv, DEVICE_BANDWIDTH)]
     if opts.host_cache_bytes > 0:
-        host = PoolSnapshotTier("host", states, opts.host_cache_bytes // 2, cfg.vocab_size, "cpu", pinned)
         host_kv = HostKVBank(kv, opts.host_cache_bytes // 2, pinned)
+        tiers.append(PoolTier(HOST, states, opts.host_cache_bytes // 2, vocab_size, "cpu", host_kv, HOST_BANDWIDTH,
+                              pinned))
     if opts.disk_cache:
-        digest = compat_digest(weights_digest(model), cfg, kv.k.dtype, kv.page_size, prefill_block)
-        store = DiskStore(opts.disk_cache, digest, opts.disk_cache_bytes,
-                          compression=None if opts.disk_compression == "none" else opts.disk_compression,
-                          create_parents=opts.disk_cache_create_parents, model_name=model_name)
-        disk = DiskTier(store, kv.page_size, opts.disk_write_through)
-        log.info("disk cache: %s/%s (%.1f GiB budget%s)", opts.disk_cache, digest[:16], opts.disk_cache_gib,
-                 ", read-only: another server manages it" if store.readonly else "")
-    tiers = TierSet(kv, dev_tier, host, host_kv, disk)
+        tiers.append(_disk_tier(opts, kv.page_size, digest, model_name))
+    _measure(states, tiers)
     log.info("prefix cache: %d device snapshot slots (%.1f MiB), host %s, disk %s, snapshot every %d tokens",
-             dev_tier.num_slots, opts.device_snapshot_bytes / 2**20,
-             f"{opts.host_cache_gib:g} GiB" if host else "off", opts.disk_cache or "off", opts.snapshot_interval)
-    return HybridPrefixCache(kv, states, tiers, placement_options(opts, kv.page_size, prefill_block),
-                             _measure(states, host))
+             tiers[0].num_slots, opts.device_snapshot_bytes / 2**20,
+             f"{opts.host_cache_gib:g} GiB" if opts.host_cache_bytes > 0 else "off", opts.disk_cache or "off",
+             opts.snapshot_interval)
+    return HybridPrefixCache(kv, states, TierSet(tiers), placement_options(opts, kv.page_size, prefill_block),
+                             SpeedMeter({tier.name: tier.bandwidth for tier in tiers}))
 
 
-def _measure(states: StatePool, host: PoolSnapshotTier | None) -> SpeedMeter:
-    """Start-up bandwidths from copies of one state slot's recurrent state, device->device and host->device."""
-    src = _largest(states.read_slot(0))
-    bandwidth = {"device": measure_copy_bytes_per_s(src, torch.empty_like(src))}
-    if host is not None:
-        bandwidth["host"] = measure_copy_bytes_per_s(_largest(host.pool.read_slot(0)), torch.empty_like(src))
-    return SpeedMeter(bandwidth)
+def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str | None) -> DiskTier:
+    if not digest:
+        raise ValueError("a disk cache needs the compatibility digest of the model (cairn/compat.py)")
+    store = DiskStore(opts.disk_cache, digest, opts.disk_cache_bytes,
+                      compression=None if opts.disk_compression == "none" else opts.disk_compression,
+                      create_parents=opts.disk_cache_create_parents, model_name=model_name)
+    log.info("disk cache: %s/%s (%.1f GiB budget%s)", opts.disk_cache, digest[:16], opts.disk_cache_gib,
+             ", read-only: another server manages it" if store.readonly else "")
+    return DiskTier(store, page_size, opts.disk_write_through, DISK, DISK_BANDWIDTH)
 
 
-def _largest(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    return max(tensors.values(), key=lambda t: t.numel() * t.element_size())
+def _measure(states: StatePool, tiers: list) -> None:
+    """Start-up bandwidths of the page tiers: the best of repeated copies of max(one state slot, 16 MiB) into
+    device memory, from device memory (the device tier) and from the host tier's memory (page-locked when
+    it is). A buffer that size reads the memory's bandwidth, which a restore of a whole slot approaches; a
+    copy of one small tensor on a busy machine mostly times the wake-up of the copy's threads, which made
+    restoring a short prompt look slower than recomputing it."""
+    nbytes = max(states.bytes_per_slot, MEASURE_BYTES)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=states.device)
+    for tier in tiers:
+        if tier.pages is None or not tier.num_slots:
+            continue
+        pool = states if tier is tiers[0] else tier.pool
+        pinned = pool.is_pinned and pool.device.type == "cpu"
+        src = torch.ones(nbytes, dtype=torch.uint8, device=pool.device, pin_memory=pinned)
+        tier.bandwidth = measure_copy_bytes_per_s(src, dst)

@@ -34,8 +34,9 @@ from cairn.cache.disk.index import DiskIndex
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
+from cairn.cache.stats import CacheStats, DiskStats
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
-from cairn.cache.tree.nodes import LockHandle, MatchResult, Node, SnapshotEntry, page_indices
+from cairn.cache.tree.nodes import DISK, HOST, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
 from cairn.cache.tree.tiered import TieredRadixTree
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -60,23 +61,33 @@ class HybridPrefixCache(PrefixCache):
                  speeds: SpeedMeter | None = None):
         self.kv, self.states, self.tiers, self.placement = kv, states, tiers, placement
         self.page_size = kv.page_size
-        host_pages = tiers.host_kv.allocator if tiers.host_kv is not None else None
-        self.tree = TieredRadixTree(kv.page_size, kv.allocator, self._on_released, host_pages)
+        self.tree = TieredRadixTree(kv.page_size, tiers.page_allocators(), self._on_released)
         tiers.tree = self.tree
-        self.speeds = speeds or SpeedMeter()
+        self.speeds = speeds or SpeedMeter({tier.name: tier.bandwidth for tier in tiers.tiers})
         self.counters: Counter[str] = Counter()  # snapshots_taken, snapshots_restored, cached_tokens, ...
         self.taken_by_source: Counter[str] = Counter()
         self.restored_by_tier: Counter[str] = Counter()
         self.dropped_by_reason: Counter[str] = Counter()
-        self.disk: DiskIndex | None = None
-        if tiers.disk is not None:
-            self.disk = DiskIndex(self.tree, tiers.disk, tiers.device.snapshot_bytes,
-                                  lambda has_logits, key: TieredSnapshot(has_logits, disk=key))
-            found = self.disk.index()
-            log.info("disk cache: indexed %d segments, %d snapshots", len(tiers.disk.store), found)
-            if tiers.disk.store.readonly:
-                log.info("disk cache is read-only here: segments its writer adds are picked up by a rescan "
-                         "when a prompt misses, at most every %g s", self.disk.rescan_interval_s)
+        self.indexes: dict[str, DiskIndex] = {}  # segment tier name -> its index of the store's segments
+        for tier in tiers.tiers:
+            if tier.pages is None:
+                self.indexes[tier.name] = self._index(tier)
+
+    def _index(self, tier) -> DiskIndex:
+        """Hang a segment tier's stored segments on the tree (start-up)."""
+        index = DiskIndex(self.tree, tier, self.tiers.device.snapshot_bytes,
+                          lambda has_logits, key: TieredSnapshot(has_logits, {tier.name: key}))
+        found = index.index()
+        log.info("%s cache: indexed %d segments, %d snapshots", tier.name, len(tier.store), found)
+        if tier.store.readonly:
+            log.info("%s cache is read-only here: segments its writer adds are picked up by a rescan "
+                     "when a prompt misses, at most every %g s", tier.name, index.rescan_interval_s)
+        return index
+
+    @property
+    def disk(self) -> DiskIndex | None:
+        """The disk tier's index (stats report it)."""
+        return self.indexes.get(DISK)
 
     # ---- admission --------------------------------------------------------------------------------
 
@@ -112,40 +123,41 @@ class HybridPrefixCache(PrefixCache):
     def _match(self, req: CacheRequest) -> MatchResult:
         """The tree's match, after a rescan of a read-only disk store when the prompt is not all cached."""
         match = self.tree.match(req.token_ids)
-        if self.disk is not None and match.match_len < len(req.token_ids) and self.disk.rescan():
+        if match.match_len < len(req.token_ids) and any([index.rescan() for index in self.indexes.values()]):
             match = self.tree.match(req.token_ids)
         return match
 
     def _plan(self, match: MatchResult, prompt_len: int) -> Plan:
         """The planner's choice among the usable snapshots on the matched path (a copy in a disk segment
         marked bad is not usable; KV only there ends the usable path)."""
-        candidates, load = [], {"device": 0, "host": 0, "disk": 0}
+        candidates, load = [], dict.fromkeys(self.tiers.names, 0)
         page_bytes = self.kv.bytes_per_page
         for node in match.path:
-            kv_tiers = self._usable_tiers(node.kv_tiers(), node.disk.key if node.disk else None)
+            kv_tiers = self._usable(node.kv, lambda ref: ref.key)
             if node.end > match.match_len or not kv_tiers:
                 break
-            if kv_tiers[0] != "device":
-                load[kv_tiers[0]] += page_bytes * len(page_indices(node.start, node.end, self.page_size))
+            if kv_tiers[0] is not self.tiers.device:
+                load[kv_tiers[0].name] += page_bytes * len(page_indices(node.start, node.end, self.page_size))
             entry = node.snapshot
             if entry is None or (node.end == prompt_len and not entry.has_logits):
                 continue
             if self.placement.align and node.end % self.placement.align:
                 continue  # exact resumption restarts only on a prefill block boundary
             handle: TieredSnapshot = entry.handle
-            snap_tiers = self._usable_tiers(handle.tiers(), handle.disk)
+            snap_tiers = self._usable(handle.copies, lambda key: key)
             if not snap_tiers:
                 continue
             cost = dict(load)
-            cost[snap_tiers[0]] += entry.nbytes
-            candidates.append(Candidate(node.end, snap_tiers[0], cost, entry.source))
+            cost[snap_tiers[0].name] += entry.nbytes
+            candidates.append(Candidate(node.end, snap_tiers[0].name, cost, entry.source))
         unusable = {match.match_len: match.miss_reason} if match.miss_reason else {}
         return plan(candidates, prompt_len, self.speeds.snapshot(), unusable)
 
-    def _usable_tiers(self, tiers: tuple[str, ...], disk_key: bytes | None) -> tuple[str, ...]:
-        if "disk" in tiers and not self.disk.usable(disk_key):
-            return tuple(t for t in tiers if t != "disk")
-        return tiers
+    def _usable(self, copies: dict, segment_key) -> list:
+        """The tiers holding a usable copy among `copies` (a node's kv or a snapshot's copies), fastest first:
+        a copy in a disk segment marked bad is not usable (segment_key(copy) names its segment)."""
+        return [t for t in self.tiers.holding(copies)
+                if t.name not in self.indexes or self.indexes[t.name].usable(segment_key(copies[t.name]))]
 
     @staticmethod
     def _miss_reason(match: MatchResult, chosen: Plan) -> str | None:
@@ -194,14 +206,14 @@ class HybridPrefixCache(PrefixCache):
             if node.pages is not None:
                 self.kv.copy_page(node.pages[i], table[index])
                 continue
-            page = self.tiers.page_copy(node, i, segments)
+            holder, page = self.tiers.page_copy(node, i, segments)
             if page is None:
-                self.disk.mark_bad(node.disk.key)
+                self.indexes[holder.name].mark_bad(node.kv[holder.name].key)
                 return False
             self.kv.k[:, table[index]], self.kv.v[:, table[index]] = page
         logits = self.tiers.restore_snapshot(handle, tier, self.states, req.state_slot)
         if logits is False:
-            self.disk.mark_bad(handle.disk)
+            self.indexes[tier].mark_bad(handle.copies[tier])
         return logits
 
     def _page_plan(self, match: MatchResult, p: int) -> tuple[list[int | None], list[tuple[int, tuple[Node, int]]]]:
@@ -242,7 +254,7 @@ class HybridPrefixCache(PrefixCache):
         self.counters["cached_tokens"] += p
         self.restored_by_tier[chosen.snapshot_tier] += 1
         moved = sum(chosen.candidate.load_bytes.values())
-        if moved and chosen.snapshot_tier != "device":
+        if moved and chosen.snapshot_tier != self.tiers.device.name:
             self.speeds.observe_load(chosen.snapshot_tier, moved, seconds)
 
     def _has_snapshot_beyond(self, match: MatchResult) -> bool:
@@ -270,7 +282,7 @@ class HybridPrefixCache(PrefixCache):
                 state.missed.add(pos)
                 continue
             state.captures[pos] = handle
-            wanted.append((pos, handle.device.slot))
+            wanted.append((pos, handle.copies[self.tiers.device.name].slot))
         return (self.tiers.device.pool if wanted else None), wanted
 
     def after_step(self, adm: Admission, req: CacheRequest, logits: torch.Tensor | None) -> int:
@@ -306,7 +318,8 @@ class HybridPrefixCache(PrefixCache):
 
     def _attach(self, req: CacheRequest, state: _RequestState, pos: int, source: str, handle: TieredSnapshot) -> None:
         """Hang a device copy of req's state at `pos` on the tree (or free it if one is already there)."""
-        entry = SnapshotEntry(nbytes=handle.device.nbytes, source=source, has_logits=handle.has_logits, handle=handle)
+        nbytes = handle.copies[self.tiers.device.name].nbytes
+        entry = SnapshotEntry(nbytes=nbytes, source=source, has_logits=handle.has_logits, handle=handle)
         if not self.tree.attach_snapshot(req.token_ids[:pos], req.page_table, entry):
             self.tiers.release(handle)
             return
@@ -334,10 +347,10 @@ class HybridPrefixCache(PrefixCache):
             state.captures.clear()
             if finished and req.num_computed > 0 and request_end_allowed(req.num_computed, self.placement):
                 self._take(req, state, "request_end", None)
-            if finished and self.tiers.disk is not None and self.tiers.disk.write_through and state.taken:
+            if finished and state.taken and any(t.write_through for t in self.tiers.tiers):
                 tokens = req.token_ids[: max(state.taken)]
                 node = self.tree.insert(tokens, req.page_table)
-                self.tiers.persist_path(node)
+                self.tiers.write_through(node)
         finally:
             adm.state = None
             if state.lock is not None:
@@ -354,63 +367,56 @@ class HybridPrefixCache(PrefixCache):
         self.speeds.observe_prefill(num_tokens, seconds)
 
     def close(self) -> None:
-        if self.tiers.disk is not None:
-            self.tiers.disk.store.close()
+        for name in self.indexes:
+            self.tiers.by_name[name].store.close()
 
     # ---- disk -------------------------------------------------------------------------------------
 
     def _forget_stale_disk_keys(self) -> None:
         """Drop the tree's references to disk segments the store evicted or that were found bad."""
-        if self.disk is not None:
-            self.disk.forget()
+        for index in self.indexes.values():
+            index.forget()
 
     # ---- reporting --------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()
         for position, entry, _ in self.tree.iter_snapshots():
-            if not entry.handle.tiers():
+            if not entry.handle.copies:
                 raise AssertionError(f"the snapshot at {position} has no copy on any tier")
-        for tier in (self.tiers.device, self.tiers.host):
-            if tier is None:
-                continue
-            held = sum(getattr(e.handle, tier.name).nbytes for _, e, _ in self.tree.iter_snapshots()
-                       if getattr(e.handle, tier.name) is not None)
+        for tier in self._page_tiers():
+            held = sum(e.handle.copies[tier.name].nbytes for _, e, _ in self.tree.iter_snapshots()
+                       if tier.name in e.handle.copies)
             if held != tier.used_bytes or tier.used_bytes > tier.budget_bytes:
                 raise AssertionError(f"{tier.name} tier: {tier.used_bytes} bytes used, tree holds {held}, "
                                      f"budget {tier.budget_bytes}")
 
+    def _page_tiers(self) -> list:
+        return [t for t in self.tiers.tiers if t.pages is not None]
+
     def page_refs(self) -> dict[int, int]:
         return self.tree.page_refs()
 
-    def stats(self) -> dict:
-        """Counters and gauges in the server's metrics convention: keys starting with num_ or ending in
-        _bytes are gauges, others counters; a dict value is one series per label value."""
+    def stats(self) -> CacheStats:
         per_tier = Counter()
         for _, entry, _ in self.tree.iter_snapshots():
-            per_tier.update(entry.handle.tiers())
-        tiers = [t for t in (self.tiers.device, self.tiers.host) if t is not None]
-        out = {
-            **self.counters,
-            "snapshots_taken_by{source}": dict(self.taken_by_source),
-            "snapshots_restored_from{tier}": dict(self.restored_by_tier),
-            "snapshots_dropped{reason}": dict(self.dropped_by_reason),
-            "tier_moves{kind}": dict(self.tiers.moved),
-            "tier_drops{reason}": dict(self.tiers.dropped),
-            "num_snapshots{tier}": {t: per_tier.get(t, 0) for t in self.tiers.names},
-            "snapshot_used_bytes{tier}": {t.name: t.used_bytes for t in tiers},
-            "snapshot_budget_bytes{tier}": {t.name: t.budget_bytes for t in tiers},
-            "num_tree_nodes": self.tree.num_nodes,
-        }
-        if self.tiers.host_kv is not None:
-            out["host_kv_used_bytes"] = self.tiers.host_kv.used_bytes
+            per_tier.update(list(entry.handle.copies))
+        pools = self._page_tiers()
+        host = self.tiers.by_name.get(HOST)
+        disk = None
         if self.tiers.disk is not None:
             store = self.tiers.disk.store
-            out["disk_used_bytes"] = store.used_bytes
-            out["num_disk_segments"] = len(store)
-            out["disk_faults{reason}"] = dict(store.faults)
-            out["disk_segments_forgotten{reason}"] = dict(self.disk.forgotten)
-        return out
+            disk = DiskStats(store.used_bytes, len(store), dict(store.faults), dict(self.disk.forgotten))
+        return CacheStats(
+            counters=dict(self.counters), taken_by_source=dict(self.taken_by_source),
+            restored_by_tier=dict(self.restored_by_tier), dropped_by_reason=dict(self.dropped_by_reason),
+            tier_moves=dict(self.tiers.moved), tier_drops=dict(self.tiers.dropped),
+            snapshots_per_tier={t: per_tier.get(t, 0) for t in self.tiers.names},
+            snapshot_used_bytes={t.name: t.used_bytes for t in pools},
+            snapshot_budget_bytes={t.name: t.budget_bytes for t in pools},
+            num_tree_nodes=self.tree.num_nodes,
+            host_kv_used_bytes=host.kv.used_bytes if host is not None else None,
+            disk=disk)
 
     # ---- probing (the router's question) ------------------------------------------------------------
 

@@ -21,41 +21,31 @@ Read from the engine at scrape time (`EngineStats`, taken on the engine thread):
     cairn_engine_step_failures_total
     cairn_cache_*                                  whatever engine.cache.stats() reports, see below
 
-Shape of `engine.cache.stats()` (a flat dict; NullCache returns {} and exports nothing):
+`engine.cache.stats()` is a typed `CacheStats` (cairn/cache/stats.py; None from NullCache, which
+exports nothing). `cache_families` names each field's family in one table, CACHE_SERIES: counters
+get `_total`, a dict field is one series per label value, a None field is left out, e.g.
 
-    {"snapshots_taken": 12,                                  -> cairn_cache_snapshots_taken_total 12
-     "snapshots_restored": 5,                                -> cairn_cache_snapshots_restored_total 5
-     "snapshots_evicted{reason}": {"capacity": 3, "stale_kv": 1},
-                                        -> cairn_cache_snapshots_evicted_total{reason="capacity"} 3 ...
-     "snapshots_demoted{tier}": {"host": 2},                 -> cairn_cache_snapshots_demoted_total{tier="host"} 2
-     "num_snapshots{tier}": {"device": 7, "host": 2},        -> cairn_cache_num_snapshots{tier="device"} 7 (gauge)
-     "used_bytes{tier}": {"device": 1048576},                -> cairn_cache_used_bytes{tier="device"} (gauge)
-     "hit_rate_note": "text"}                                -> ignored (not a number)
-
-Rules: a value is a number, or a dict {label value: number} whose label name is given in braces at
-the end of the key (`kind` when there are none). Keys starting with `num_` or ending with `_bytes` are
-gauges (levels that go up and down); every other key is a counter (monotonic since start-up; a trailing
-`_total` is optional). Other characters than [a-zA-Z0-9_] in names become `_`; booleans and
-non-numbers are skipped.
+    counters["snapshots_taken"] 12            -> cairn_cache_snapshots_taken_total 12
+    tier_moves {"snapshot device->host": 2}   -> cairn_cache_tier_moves_total{kind="snapshot device->host"} 2
+    snapshots_per_tier {"device": 7}          -> cairn_cache_num_snapshots{tier="device"} 7 (gauge)
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cairn.cache.stats import CacheStats
 from cairn.engine import Engine
 from cairn.outputs import RequestOutput
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
 DURATION_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800)
-_KEY = re.compile(r"^(?P<name>[^{]+?)(?:\{(?P<label>[^}]*)\})?$")
 
 
 @dataclass(frozen=True)
@@ -71,14 +61,14 @@ class EngineStats:
     state_slots_free: int
     state_bytes_per_slot: int
     kv_pages_cached: int = 0  # pages the prefix cache references (when idle: free + cached == total)
-    cache: dict = field(default_factory=dict)  # engine.cache.stats(), shape in the module docstring
+    cache: CacheStats | None = None  # engine.cache.stats()
 
     @classmethod
     def read(cls, engine: Engine) -> EngineStats:
         kv, states, cache = engine.kv, engine.states, engine.cache
         return cls(engine.num_running, engine.num_waiting, kv.num_pages, kv.allocator.num_free, kv.bytes_per_page,
                    states.num_slots, states.num_free, states.bytes_per_slot, len(cache.page_refs()),
-                   dict(cache.stats()))
+                   cache.stats())
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -104,32 +94,47 @@ def engine_families(s: EngineStats) -> Iterator[Metric]:
     yield from cache_families(s.cache)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+# (CacheStats field, or "disk.<field>"; metric name after cairn_cache_; label name or None; gauge?)
+CACHE_SERIES = (
+    ("taken_by_source", "snapshots_taken_by", "source", False),
+    ("restored_by_tier", "snapshots_restored_from", "tier", False),
+    ("dropped_by_reason", "snapshots_dropped", "reason", False),
+    ("tier_moves", "tier_moves", "kind", False),
+    ("tier_drops", "tier_drops", "reason", False),
+    ("snapshots_per_tier", "num_snapshots", "tier", True),
+    ("snapshot_used_bytes", "snapshot_used_bytes", "tier", True),
+    ("snapshot_budget_bytes", "snapshot_budget_bytes", "tier", True),
+    ("num_tree_nodes", "num_tree_nodes", None, True),
+    ("host_kv_used_bytes", "host_kv_used_bytes", None, True),
+    ("disk.used_bytes", "disk_used_bytes", None, True),
+    ("disk.num_segments", "num_disk_segments", None, True),
+    ("disk.faults", "disk_faults", "reason", False),
+    ("disk.forgotten", "disk_segments_forgotten", "reason", False),
+)
 
 
-def _sanitize(name: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", name.strip())
+def _family(name: str, gauge: bool, label: str | None, value) -> Metric:
+    kind, doc = (GaugeMetricFamily if gauge else CounterMetricFamily), f"prefix cache: {name}"
+    if label is None:
+        return kind(f"cairn_cache_{name}", doc, value=value)
+    family = kind(f"cairn_cache_{name}", doc, labels=[label])
+    for label_value, v in value.items():
+        family.add_metric([str(label_value)], v)
+    return family
 
 
-def cache_families(stats: dict) -> Iterator[Metric]:
-    """One metric family per numeric entry of engine.cache.stats() (rules in the module docstring)."""
-    for key, value in stats.items():
-        m = _KEY.match(str(key))
-        if m is None:
-            continue
-        name = _sanitize(m.group("name")).removesuffix("_total")
-        label = _sanitize(m.group("label") or "kind")
-        is_gauge = name.startswith("num_") or name.endswith("_bytes")
-        full, doc = f"cairn_cache_{name}", f"prefix cache: {m.group('name')}"
-        if isinstance(value, dict):
-            family = (GaugeMetricFamily if is_gauge else CounterMetricFamily)(full, doc, labels=[label])
-            for label_value, v in value.items():
-                if _is_number(v):
-                    family.add_metric([str(label_value)], v)
-            yield family
-        elif _is_number(value):
-            yield (GaugeMetricFamily if is_gauge else CounterMetricFamily)(full, doc, value=value)
+def cache_families(stats: CacheStats | None) -> Iterator[Metric]:
+    """One metric family per reported field of the cache's stats (CACHE_SERIES), plus each named counter."""
+    if stats is None:
+        return
+    for name, value in stats.counters.items():
+        yield _family(name.removesuffix("_total"), False, None, value)
+    for path, name, label, gauge in CACHE_SERIES:
+        owner, _, attr = path.rpartition(".")
+        holder = getattr(stats, owner) if owner else stats
+        value = None if holder is None else getattr(holder, attr)
+        if value is not None:
+            yield _family(name, gauge, label, value)
 
 
 class EngineCollector(Collector):

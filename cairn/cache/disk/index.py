@@ -37,6 +37,7 @@ class DiskIndex:
     def __init__(self, tree: TieredRadixTree, disk: DiskTier, snapshot_bytes: Callable[[bool], int],
                  make_handle: Callable[[bool, bytes], object], rescan_interval_s: float = RESCAN_INTERVAL_S):
         self.tree, self.disk = tree, disk
+        self.tier = disk  # the segment tier this index follows: its copies are keyed by disk.name
         self._snapshot_bytes, self._make_handle = snapshot_bytes, make_handle
         self.rescan_interval_s = rescan_interval_s
         self.forgotten: Counter[str] = Counter()  # segments whose references were dropped, by reason
@@ -50,15 +51,16 @@ class DiskIndex:
         """Hang the store's segments on the tree (idempotent); returns the snapshots newly hung."""
         found = 0
         for path, start, ref, has_snapshot, has_logits in self.disk.stored_paths():
-            node = self.tree.insert_from_disk(path, start, ref)
+            node = self.tree.insert_from_segment(self.disk.name, path, start, ref)
             if has_snapshot:
                 found += self._hang_snapshot(node, ref.key, has_logits)
         return found
 
     def _hang_snapshot(self, node: Node, key: bytes, has_logits: bool) -> int:
         if node.snapshot is not None:  # already held (on the device, say): record the disk copy too
-            if node.snapshot.handle.disk is None and node.snapshot.has_logits == has_logits:
-                node.snapshot.handle.disk = key
+            copies = node.snapshot.handle.copies
+            if self.disk.name not in copies and node.snapshot.has_logits == has_logits:
+                copies[self.disk.name] = key
             return 0
         entry = SnapshotEntry(self._snapshot_bytes(has_logits), "disk", has_logits,
                               self._make_handle(has_logits, key))
@@ -94,22 +96,25 @@ class DiskIndex:
         if not self._gone:
             return
         gone, self._gone = self._gone, {}
+        name = self.disk.name
         for _, entry, node in list(self.tree.iter_snapshots()):
-            key = entry.handle.disk
+            copies = entry.handle.copies
+            key = copies.get(name)
             if key not in gone:
                 continue
-            if entry.handle.tiers() != ("disk",):
-                entry.handle.disk = None  # faster copies remain
+            if len(copies) > 1:
+                del copies[name]  # faster copies remain
             elif entry.lock_count == 0:
-                entry.handle.disk = None
+                del copies[name]
                 self.tree.remove_snapshot(node, gone[key])
             else:
                 self._gone[key] = gone[key]  # a running request holds it: forget later
-        for node in [n for n in self.tree.iter_nodes() if n.disk is not None and n.disk.key in gone]:
+        for node in [n for n in self.tree.iter_nodes() if name in n.kv and n.kv[name].key in gone]:
             if node.parent is None:  # left the tree with an ancestor above
                 continue
+            key = node.kv[name].key
             if node.lock_count:
-                self._gone[node.disk.key] = gone[node.disk.key]
+                self._gone[key] = gone[key]
                 continue
-            self.tree.drop_kv(node, "disk")
+            self.tree.drop_kv(node, name)
         self.forgotten.update(reason for key, reason in gone.items() if key not in self._gone)

@@ -1,4 +1,5 @@
-"""DiskTier: radix-tree nodes as disk segments, and the tree rebuilt from the segments at start-up.
+"""DiskTier: the segment tier (a `Tier`, tiers/base.py): radix-tree nodes as segments in a store, and the
+tree rebuilt from the segments at start-up.
 
 A node [start, end) is written as one segment: its tokens, the KV pages of its page indices (whole
 pages, as stored on the device), and the snapshot (with logits) at its end when it has one. Its
@@ -7,17 +8,18 @@ names its prefix whatever node boundaries the writer had, and equal prefixes get
 requests, restarts and servers. A snapshot is only resumable from disk when every node above it is on
 disk too, so `persist` writes the missing ancestors first.
 
-The namespace is the compatibility digest (`compat_digest`): the model weights' content digest, the
-architecture, dtypes, page size and format version. A segment of another model is never read.
-What this is not: the file format and store (segment.py, store.py) or the choice of what to
-write when (the cache decides).
+The namespace is the compatibility digest (cairn/compat.py, computed by the engine): the model
+weights' content digest, the architecture, dtypes, page size and format version. A segment of
+another model is never read.
+A second store of segments (a shared remote one) is a second DiskTier instance with its own name
+and store, placed in the factory's tier list; nothing else changes. What this is not: the file
+format and store (segment.py, store.py) or the choice of what to write when (the cache decides).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -25,34 +27,22 @@ from collections.abc import Iterator
 import torch
 
 from cairn.cache.disk.named_bytes import layout_meta, read_layout
-from cairn.cache.disk.segment import FORMAT_VERSION, ROOT_KEY, Segment, _tokens_to_bytes, segment_key
+from cairn.cache.disk.segment import ROOT_KEY, Segment, _tokens_to_bytes, segment_key
 from cairn.cache.disk.store import DiskStore
-from cairn.cache.tree.nodes import DiskRef, Node
-from cairn.model.config import ModelConfig
+from cairn.cache.tiers.base import KV, Source, State
+from cairn.cache.tree.nodes import DISK, DiskRef, Node, page_indices
+from cairn.memory.state_pool import StatePool
 
 log = logging.getLogger(__name__)
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """Content digest of a model's parameters (names, dtypes, shapes and bytes), computed once at start-up."""
-    h = hashlib.blake2b(digest_size=32)
-    for name, param in sorted(model.named_parameters(remove_duplicate=False), key=lambda kv: kv[0]):
-        t = param.detach().contiguous().cpu()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def compat_digest(weights: str, cfg: ModelConfig, dtype: torch.dtype, page_size: int, prefill_block: int = 0) -> str:
-    """The namespace of a disk cache: everything that must match for a stored state to be valid here.
-
-    `prefill_block` (exact resumption) is part of it when set: a state computed in other blocks is
-    valid but not bit for bit what a cold run here computes."""
-    fields = {"weights": weights, "config": dataclasses.asdict(cfg), "dtype": str(dtype),
-              "state_dtype": "float32", "page_size": page_size, "format": FORMAT_VERSION}
-    if prefill_block:
-        fields["prefill_block"] = prefill_block
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+def _path_to(node: Node) -> list[Node]:
+    """The nodes from the root's child down to node."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path[::-1]
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -90,38 +80,114 @@ class SnapshotTensors:
 
 
 class DiskTier:
-    name = "disk"
+    """A segment tier (`Tier`) over a store of segments: put/get/pin/unpin/info/keys/get_tokens/readonly/on_evict.
 
-    def __init__(self, store: DiskStore, page_size: int, write_through: bool = True):
-        self.store = store
-        self.page_size = page_size
+    The disk tier is one instance (name DISK over a DiskStore); another store of segments (a shared
+    remote one) is another instance with its own name and store. Segments never hold a working
+    slot (`reserve` gives none) and their budget is the store's (`fits` is always true: the store
+    evicts least-recently-used segments itself and reports them through on_evict)."""
+
+    pages = None  # no page allocator: nodes reference segments
+
+    def __init__(self, store: DiskStore, page_size: int, write_through: bool = True, name: str = DISK,
+                 bandwidth: float = 0.5e9):
+        self.name, self.store, self.page_size, self.bandwidth = name, store, page_size, bandwidth
         self.write_through = write_through  # persist every finished request (else only host evictions)
         self.counters: Counter[str] = Counter()
 
+    @property
+    def used_bytes(self) -> int:
+        return self.store.used_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.store.budget_bytes
+
+    # ---- the Tier protocol ------------------------------------------------------------------------
+
+    def fits(self, with_logits: bool) -> bool:
+        return True
+
+    def kv_fits(self, num_pages: int) -> bool:
+        return True
+
+    def reserve(self, with_logits: bool = False) -> None:
+        return None
+
+    def store_snapshot(self, node: Node, source: Source) -> bytes | None:
+        """Write node's path (its snapshot with it); the key of the segment holding the snapshot, or None."""
+        self.persist(_path_to(node), source)
+        return node.snapshot.handle.copies.get(self.name)
+
+    def store_kv(self, node: Node, source: Source) -> DiskRef | None:
+        """Write node's path where it is not yet in a segment; node's segment reference, or None."""
+        self.persist(_path_to(node), source)
+        return node.kv.get(self.name)
+
+    def load_snapshot(self, key: bytes, dst: StatePool, slot: int) -> torch.Tensor | None | bool:
+        state = self.read_snapshot(key)
+        if state is None:
+            return False
+        tensors, logits = state
+        dst.write_slot(slot, tensors)
+        return None if logits is None else logits.to(dst.device)
+
+    def read_snapshot(self, key: bytes) -> State | None:
+        segment = self.read(key)
+        snap = None if segment is None else self.snapshot_of(segment)
+        return None if snap is None else (snap.tensors, snap.logits)
+
+    def free_snapshot(self, key: bytes) -> None:
+        """Nothing: the segment file stays (the store evicts it, least recently used first)."""
+
+    def read_kv(self, node: Node) -> KV | None:
+        segment = self.read(node.kv[self.name].key)
+        if segment is None:
+            return None
+        k, v = self.kv_of(segment)
+        first = self._page_offset(node, 0)
+        count = len(page_indices(node.start, node.end, self.page_size))
+        return k[:, first:first + count], v[:, first:first + count]
+
+    def read_page(self, node: Node, i: int, cache: dict) -> KV | None:
+        """node's i-th page; `cache` keeps each segment read once per load (None: unreadable)."""
+        key = node.kv[self.name].key
+        if key not in cache:
+            segment = self.read(key)
+            cache[key] = None if segment is None else self.kv_of(segment)
+        if cache[key] is None:
+            return None
+        k, v = cache[key]
+        j = self._page_offset(node, i)
+        return k[:, j], v[:, j]
+
+    def _page_offset(self, node: Node, i: int) -> int:
+        return node.start // self.page_size + i - node.kv[self.name].segment_start // self.page_size
+
     # ---- writing ----------------------------------------------------------------------------------
 
-    def persist(self, path: list[Node], kv_pages: callable, snapshot_of: callable) -> int:
-        """Write every node of `path` (root to node, in order) that has no disk copy; returns segments written.
+    def persist(self, path: list[Node], source: Source) -> int:
+        """Write every node of `path` (root to node, in order) that has no segment here; returns segments written.
 
-        kv_pages(node) -> (k, v) tensors of the node's pages, or None when they cannot be read (a bad
-        segment, which the store then reports); snapshot_of(node) -> (named state tensors, logits) or None.
-        Stops at the first failed write (a later node would be unreachable without it).
+        source.node_kv(node) -> (k, v) tensors of the node's pages, or None when they cannot be read (a
+        bad segment, which the store then reports); source.node_snapshot(node) -> (named state tensors,
+        logits) or None. Stops at the first failed write (a later node would be unreachable without it).
         """
         written = 0
         for node, parent_key in self._prefix_keys(path):
-            if node.disk is not None and (node.snapshot is None or node.snapshot.handle.disk is not None):
+            if self.name in node.kv and (node.snapshot is None or self.name in node.snapshot.handle.copies):
                 continue
-            kv = kv_pages(node)
+            kv = source.node_kv(node)
             if kv is None:
                 self.counters["write_unreadable"] += 1
                 return written
-            segment = self._segment(node, parent_key, kv, snapshot_of(node))
+            segment = self._segment(node, parent_key, kv, source.node_snapshot(node))
             if not self.store.put(segment):
                 self.counters["write_failed"] += 1
                 return written
-            node.disk = DiskRef(segment.key, node.start, node.end)
+            node.kv[self.name] = DiskRef(segment.key, node.start, node.end)
             if segment.snapshot_bytes is not None:
-                node.snapshot.handle.disk = segment.key
+                node.snapshot.handle.copies[self.name] = segment.key
             written += 1
             self.counters["segments_written"] += 1
         return written

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TIER_ORDER = ("device", "host", "disk")
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -33,7 +31,7 @@ class Candidate:
 class Speeds:
     """Measured speeds the estimate uses."""
 
-    bandwidth_bytes_per_s: dict[str, float]  # per tier: bytes/s of a copy into the working slot / pages
+    bandwidth_bytes_per_s: dict[str, float]  # per tier, fastest first: bytes/s of a copy into the slot / pages
     prefill_tokens_per_s: float  # cold prefill speed of this model here
 
 
@@ -61,7 +59,9 @@ def plan(candidates: list[Candidate], prompt_len: int, speeds: Speeds,
     best = Plan(0, None, estimate_s(None, prompt_len, speeds), None)
     for c in candidates:
         est = estimate_s(c, prompt_len, speeds)
-        if (est, _tier_rank(c), -c.position) < (best.estimated_s, _tier_rank(best.candidate), -best.position):
+        order = list(speeds.bandwidth_bytes_per_s)
+        if (est, _tier_rank(c, order), -c.position) < (best.estimated_s, _tier_rank(best.candidate, order),
+                                                       -best.position):
             best = Plan(c.position, c.snapshot_tier, est, c)
     for c in candidates:
         if c.position > best.position:
@@ -72,9 +72,10 @@ def plan(candidates: list[Candidate], prompt_len: int, speeds: Speeds,
     return best
 
 
-def _tier_rank(c: Candidate | None) -> int:
-    """Rank of the slowest tier a candidate loads from (-1 for a cold prefill, which loads nothing)."""
+def _tier_rank(c: Candidate | None, order: list[str]) -> int:
+    """Rank of the slowest tier a candidate loads from (-1 for a cold prefill, which loads nothing); `order`:
+    the tier names fastest first (the order of Speeds.bandwidth_bytes_per_s)."""
     if c is None:
         return -1
     used = [t for t, b in c.load_bytes.items() if b] + [c.snapshot_tier]
-    return max(TIER_ORDER.index(t) for t in used)
+    return max(order.index(t) for t in used)

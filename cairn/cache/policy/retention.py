@@ -1,7 +1,7 @@
 """Retention order of snapshots: which snapshot the radix tree gives up first (DESIGN §4.2).
 
 This module is the ranking only: it reads a tree's nodes and returns keys. It does not evict, does
-not know about tiers and never imports torch; `RadixTree.evict_snapshots` applies it.
+not know about tiers and never imports torch; `SnapshotVictims` (tree/tiered.py) applies it.
 
 A snapshot's value is the prefill it saves over the nearest snapshot above it on its path (its
 *gap*), weighted by how recently its path was used, per byte. The victim is the minimum of
@@ -22,18 +22,20 @@ Survivors stay spread along the conversation: {200, 300, 400} -> {200, 400} -> {
 The key is a total order on one tree: one operation stamps only the snapshots along one root-to-node
 chain, so two snapshots with equal `last_access` lie on one chain and differ in position.
 Locked snapshots are never ranked, but they still count as the snapshot above (for gaps) and below
-(for `deepest`) their neighbours. Gaps are recomputed from scratch on every call, so evicting one
-snapshot changes the gap of the one below it.
+(for `deepest`) their neighbours; so do snapshots a tier's eviction does not consider (on a slower
+tier, a snapshot still saves prefill for the one below it). Evicting one snapshot changes the gap of
+the one below it. Evicting never lowers another snapshot's key (the one below gets a larger gap, the
+one above may become deepest) and never changes a recency, which is what lets `SnapshotVictims`
+(tree/tiered.py) order candidates once per call and re-check only the key it pops (`retention_key`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from fractions import Fraction
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from cairn.cache.tree.nodes import Node, SnapshotEntry
+    from cairn.cache.tree.nodes import Node
 
 
 class RetentionKey(NamedTuple):
@@ -45,48 +47,26 @@ class RetentionKey(NamedTuple):
     position: int  # the snapshot's position (its node's end), tokens
 
 
-def rank_snapshots(
-    root: Node, eligible: Callable[[SnapshotEntry], bool] | None = None
-) -> list[tuple[RetentionKey, Node]]:
-    """(key, node) for every unlocked snapshot under `root` (that `eligible` accepts), unordered. Pure.
-
-    Gaps and `deepest` count every snapshot, eligible or not: with tiers, a snapshot on a slower tier
-    still saves prefill for the one below it.
-
-    Walks the tree iteratively (paths can be thousands of nodes deep), so it is O(number of nodes).
-    """
-    order = _preorder_with_ancestor_snapshot(root)
-    has_snapshot_below = _snapshot_below(order)
-    ranked = []
-    for node, ancestor_position in order:
-        entry = node.snapshot
-        if entry is None or entry.lock_count > 0 or (eligible is not None and not eligible(entry)):
-            continue
-        key = RetentionKey(
-            last_access=entry.last_access,
-            deepest=not has_snapshot_below[id(node)],
-            gap_per_byte=Fraction(node.end - ancestor_position, entry.nbytes),
-            position=node.end,
-        )
-        ranked.append((key, node))
-    return ranked
+def retention_key(node: Node) -> RetentionKey:
+    """The current key of node's snapshot, computed from its neighbours alone: O(depth) up to the snapshot
+    above, and a walk below that stops at the first snapshot found."""
+    above = node.parent
+    while above is not None and above.snapshot is None:
+        above = above.parent
+    entry = node.snapshot
+    return RetentionKey(
+        last_access=entry.last_access,
+        deepest=not _has_snapshot_below(node),
+        gap_per_byte=Fraction(node.end - (above.end if above is not None else 0), entry.nbytes),
+        position=node.end,
+    )
 
 
-def _preorder_with_ancestor_snapshot(root: Node) -> list[tuple[Node, int]]:
-    """Nodes below root in pre-order, each with the position of the nearest snapshot strictly above it."""
-    order: list[tuple[Node, int]] = []
-    stack = [(child, 0) for child in root.children.values()]
+def _has_snapshot_below(node: Node) -> bool:
+    stack = list(node.children.values())
     while stack:
-        node, ancestor_position = stack.pop()
-        order.append((node, ancestor_position))
-        below_position = node.end if node.snapshot is not None else ancestor_position
-        stack.extend((child, below_position) for child in node.children.values())
-    return order
-
-
-def _snapshot_below(order: list[tuple[Node, int]]) -> dict[int, bool]:
-    """id(node) -> whether any strict descendant holds a snapshot (children come after parents in `order`)."""
-    below: dict[int, bool] = {}
-    for node, _ in reversed(order):
-        below[id(node)] = any(child.snapshot is not None or below[id(child)] for child in node.children.values())
-    return below
+        child = stack.pop()
+        if child.snapshot is not None:
+            return True
+        stack.extend(child.children.values())
+    return False

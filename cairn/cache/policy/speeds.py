@@ -2,8 +2,9 @@
 
 Per tier, the bandwidth of bringing bytes to the device (device: a copy within device memory; host:
 host to device; disk: read, verify and copy), and the model's prefill speed in tokens per second.
-Start-up values come from a short measurement of real copies (`measure_copy_bytes_per_s`) or
-conservative defaults; every observed restore and prefill then moves them by an exponential average.
+Start-up values come from each tier (the factory measures the page tiers' with real copies,
+`measure_copy_bytes_per_s`, and the others start from conservative defaults); every observed
+restore and prefill then moves them by an exponential average.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import torch
 
 from cairn.cache.policy.planner import Speeds
 
-DEFAULT_BANDWIDTH = {"device": 20e9, "host": 5e9, "disk": 0.5e9}  # bytes/s, replaced as soon as measured
-
 
 class SpeedMeter:
     def __init__(self, bandwidth: dict[str, float] | None = None, prefill_tokens_per_s: float = 2000.0,
                  smoothing: float = 0.3):
-        self.bandwidth = {**DEFAULT_BANDWIDTH, **(bandwidth or {})}
+        self.bandwidth = dict(bandwidth or {})  # tier name -> bytes/s (each tier's start-up value)
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.smoothing = smoothing  # weight of a new observation in the running average
 

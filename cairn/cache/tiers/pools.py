@@ -1,29 +1,28 @@
-"""Snapshot and KV storage of the device and host tiers.
+"""PoolTier: the device and host tiers, preallocated pools of snapshot slots and KV pages (a `Tier`).
 
-A snapshot tier stores copies of working state slots (every linear layer's conv and recurrent state)
-plus, optionally, the next-token logits at that position, under a byte budget it never exceeds.
-The device and host tiers are the same `PoolSnapshotTier` over a preallocated slot pool, on the
-model's device or in host RAM (page-locked when the device is CUDA). `HostKVBank` is the host's bank
-of KV pages, laid out like the device KV pool.
+A page tier stores copies of working state slots (every linear layer's state, as StatePool names
+it) plus, optionally, the next-token logits at that position, under a byte budget it never exceeds,
+and copies of nodes' KV in its page pool: on the device that is the engine's KVPool (requests write
+there; the tree shares its pages), on the host a `HostKVBank` laid out like it (page-locked when the
+device is CUDA).
 
-Moves are two-phase: `prepare_*` reserves the destination and starts the copy (asynchronous on CUDA);
-the returned `PendingCopy` is unreadable, and its space unevictable, until `complete()` publishes it.
-On CPU the copy finishes inside prepare and complete only publishes. Restoring copies out and never
-consumes the stored copy (DESIGN invariant 2). Tiers know nothing of the radix tree or scheduler.
+Copies are synchronous: a store has finished when it returns (on CUDA a device-to-host copy blocks
+the engine thread; overlapping it with the model step would need a side stream and an event per
+copy, published after the step). Restoring copies out and never consumes the stored copy (DESIGN
+invariant 2). Tiers know nothing of the radix tree's structure or of the scheduler.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import torch
 
+from cairn.cache.tiers.base import KV, Source, State
+from cairn.cache.tree.nodes import Node
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -36,34 +35,15 @@ class StoredSnapshot:
     nbytes: int  # bytes it takes in the tier (state slot + logits)
 
 
-class PendingCopy(Generic[T]):
-    """A copy in flight: its destination is reserved; `complete()` waits for it and returns the result."""
+class PoolTier:
+    """Snapshots in a preallocated slot pool (on `device`) within `budget_bytes`, and KV in `kv`'s pages."""
 
-    def __init__(self, result: T, event: torch.cuda.Event | None = None):
-        self._result, self._event, self.done = result, event, False
-
-    def complete(self) -> T:
-        if self._event is not None:
-            self._event.synchronize()
-        self.done = True
-        return self._result
-
-
-def _copy_event(device: torch.device) -> torch.cuda.Event | None:
-    """An event after the copies just issued when they may still be running (CUDA), else None."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
-class PoolSnapshotTier:
-    """Snapshots in a preallocated slot pool (on `device`), within `budget_bytes`."""
+    write_through = False
 
     def __init__(self, name: str, working: StatePool, budget_bytes: int, vocab_size: int,
-                 device: torch.device | str, pin_memory: bool = False):
-        self.name = name
+                 device: torch.device | str, kv: KVPool | HostKVBank, bandwidth: float, pin_memory: bool = False):
+        self.name, self.kv, self.bandwidth = name, kv, bandwidth
+        self.pages = kv.allocator
         self._slot_bytes = working.bytes_per_slot
         self._logits_bytes = 4 * vocab_size
         self.budget_bytes = budget_bytes
@@ -81,17 +61,15 @@ class PoolSnapshotTier:
     def fits(self, with_logits: bool) -> bool:
         return self.pool.num_free > 0 and self.used_bytes + self.snapshot_bytes(with_logits) <= self.budget_bytes
 
-    def prepare_store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> PendingCopy | None:
-        """Reserve a slot and start copying src[slot] (and logits) into it; None when it does not fit."""
+    def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
+        """A copy of src[slot] (and logits) in a slot of this tier; None when it does not fit."""
         stored = self.reserve(logits is not None)
         if stored is None:
             return None
-        src.copy_to(slot, self.pool, stored.slot, non_blocking=True)
+        src.copy_to(slot, self.pool, stored.slot)  # synchronous; a CUDA side stream would go here
         if logits is not None:
-            stored.logits = torch.empty(logits.shape, dtype=torch.float32, device=self.device,
-                                        pin_memory=self.pool.is_pinned)
-            stored.logits.copy_(logits, non_blocking=True)
-        return PendingCopy(stored, _copy_event(src.device))
+            stored.logits = logits.to(self.device, torch.float32, copy=True)
+        return stored
 
     def reserve(self, with_logits: bool = False) -> StoredSnapshot | None:
         """A slot (and its bytes) set aside for a state to be written there; None when full."""
@@ -101,18 +79,51 @@ class PoolSnapshotTier:
         self.used_bytes += nbytes
         return StoredSnapshot(self.name, self.pool.alloc(zero=False), None, nbytes)
 
-    def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
-        pending = self.prepare_store(src, slot, logits)
-        return None if pending is None else pending.complete()
+    def store_snapshot(self, node: Node, source: Source) -> StoredSnapshot | None:
+        state = source.node_snapshot(node)
+        if state is None:
+            return None
+        tensors, logits = state
+        stored = self.reserve(logits is not None)
+        if stored is None:
+            return None
+        self.pool.write_slot(stored.slot, tensors)  # synchronous; a CUDA side stream would go here
+        if logits is not None:
+            stored.logits = logits.to(self.device, torch.float32, copy=True)
+        return stored
 
-    def restore(self, snap: StoredSnapshot, dst: StatePool, slot: int) -> torch.Tensor | None:
+    def load_snapshot(self, copy: StoredSnapshot, dst: StatePool, slot: int) -> torch.Tensor | None:
         """Copy the snapshot into dst[slot] (synchronously); returns a copy of its logits. It stays stored."""
-        self.pool.copy_to(snap.slot, dst, slot)
-        return None if snap.logits is None else snap.logits.to(dst.device, copy=True)
+        self.pool.copy_to(copy.slot, dst, slot)
+        return None if copy.logits is None else copy.logits.to(dst.device, copy=True)
 
-    def free(self, snap: StoredSnapshot) -> None:
-        self.pool.free(snap.slot)
-        self.used_bytes -= snap.nbytes
+    def read_snapshot(self, copy: StoredSnapshot) -> State:
+        return self.pool.read_slot(copy.slot), copy.logits
+
+    def free_snapshot(self, copy: StoredSnapshot) -> None:
+        self.pool.free(copy.slot)
+        self.used_bytes -= copy.nbytes
+
+    # ---- KV ---------------------------------------------------------------------------------------
+
+    def kv_fits(self, num_pages: int) -> bool:
+        return self.pages.num_free >= num_pages
+
+    def store_kv(self, node: Node, source: Source) -> list[int] | None:
+        """Fresh pages holding a copy of node's KV (the caller hands their references to the tree)."""
+        kv = source.node_kv(node)
+        if kv is None or not self.kv_fits(kv[0].shape[1]):
+            return None
+        pages = self.pages.alloc(kv[0].shape[1])
+        self.kv.write_pages(pages, *kv)
+        return pages
+
+    def read_kv(self, node: Node) -> KV:
+        return self.kv.read_pages(node.kv[self.name])
+
+    def read_page(self, node: Node, i: int, cache: dict) -> KV:
+        page = node.kv[self.name][i]
+        return self.kv.k[:, page], self.kv.v[:, page]
 
 
 class HostKVBank:
@@ -133,20 +144,11 @@ class HostKVBank:
     def used_bytes(self) -> int:
         return (self.allocator.num_pages - self.allocator.num_free) * self.bytes_per_page
 
-    def prepare_copy_in(self, kv: KVPool, device_pages: list[int]) -> PendingCopy[list[int]] | None:
-        """Reserve host pages and start copying the device pages into them; None when the bank is full."""
-        if len(device_pages) > self.allocator.num_free:
-            return None
-        host_pages = self.allocator.alloc(len(device_pages))
-        src = torch.tensor(device_pages, device=kv.k.device)
-        dst = torch.tensor(host_pages)
-        self.k[:, dst] = kv.k[:, src].to("cpu")
-        self.v[:, dst] = kv.v[:, src].to("cpu")
-        return PendingCopy(host_pages)
+    def read_pages(self, pages: list[int]) -> KV:
+        index = torch.tensor(pages, dtype=torch.long)
+        return self.k[:, index], self.v[:, index]
 
-    def copy_out(self, host_pages: list[int], kv: KVPool, device_pages: list[int]) -> None:
-        """Copy host pages into device pages (synchronously). The host copy stays."""
-        src = torch.tensor(host_pages)
-        dst = torch.tensor(device_pages, device=kv.k.device)
-        kv.k[:, dst] = self.k[:, src].to(kv.k.device)
-        kv.v[:, dst] = self.v[:, src].to(kv.v.device)
+    def write_pages(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        index = torch.tensor(pages, dtype=torch.long)
+        self.k[:, index] = k.to("cpu", self.k.dtype)
+        self.v[:, index] = v.to("cpu", self.v.dtype)

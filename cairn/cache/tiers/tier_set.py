@@ -1,28 +1,28 @@
-"""TierSet: moving snapshots and KV between the device, host and disk tiers (DESIGN invariant 3).
+"""TierSet: moving snapshots and KV down an ordered list of tiers, fastest first (DESIGN invariant 3).
 
-Eviction demotes before it drops: a device snapshot or KV page that must leave the device is copied
-to the host (two-phase: prepare reserves and copies, complete publishes) unless a slower tier already
-holds it; a host item that must leave goes to disk the same way; only the last tier drops, and every
-drop is counted with its reason. Restoring copies into the request's working slot and fresh device
-pages; the stored copies stay where they are.
+Eviction demotes before it drops: a snapshot or KV copy that must leave a tier is stored into the
+next tier down that takes it (making room there the same way) unless a slower tier already holds
+it; only when no slower tier takes it is it dropped, and every drop is counted with its reason.
+Restoring copies into the request's working slot and fresh device pages; the stored copies stay.
+The tiers are `Tier` objects (tiers/base.py): the device first, then e.g. host and disk; adding one
+is a class and a line in the factory, nothing here.
 
-What this is not: it does not choose resume points (policy/planner.py) or placement (policy/placement.py); it
-keeps the radix tree's location records in step with the bytes it moves.
+What this is not: it does not choose resume points (policy/planner.py), placement (policy/placement.py)
+or victims (tree/tiered.py); it keeps the radix tree's location records in step with the bytes it moves.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from cairn.cache.disk.tier import DiskTier
-from cairn.cache.tiers.pools import HostKVBank, PoolSnapshotTier, StoredSnapshot
-from cairn.cache.tree.nodes import RELEASE_EVICTED, Node
-from cairn.cache.tree.tiered import TieredRadixTree
-from cairn.memory.kv_pool import KVPool
+from cairn.cache.tiers.base import KV, State, Tier
+from cairn.cache.tree.nodes import DEVICE, DISK, RELEASE_EVICTED, Node, page_indices
+from cairn.cache.tree.tiered import KVVictims, SnapshotVictims, TieredRadixTree
 from cairn.memory.state_pool import StatePool
 
 log = logging.getLogger(__name__)
@@ -33,174 +33,169 @@ class TieredSnapshot:
     """Where the copies of one snapshot live (the radix tree's opaque snapshot handle)."""
 
     has_logits: bool
-    device: StoredSnapshot | None = None
-    host: StoredSnapshot | None = None
-    disk: bytes | None = None  # key of the disk segment holding it
-
-    def tiers(self) -> tuple[str, ...]:
-        """Tiers holding a copy, fastest first."""
-        return tuple(t for t, v in (("device", self.device), ("host", self.host), ("disk", self.disk))
-                     if v is not None)
+    copies: dict[str, Any] = field(default_factory=dict)  # tier name -> that tier's copy (slot, segment key)
 
 
 class TierSet:
-    def __init__(self, kv: KVPool, device: PoolSnapshotTier, host: PoolSnapshotTier | None = None,
-                 host_kv: HostKVBank | None = None, disk: DiskTier | None = None):
-        self.kv, self.device, self.host, self.host_kv, self.disk = kv, device, host, host_kv, disk
+    def __init__(self, tiers: list[Tier]):
+        if not tiers or tiers[0].name != DEVICE:
+            raise ValueError("the first tier must be the device tier")
+        self.tiers = list(tiers)  # fastest first
+        self.by_name = {tier.name: tier for tier in tiers}
         self.tree: TieredRadixTree | None = None  # bound by the cache
         self.moved: Counter[str] = Counter()  # "snapshot device->host", "kv host->disk", ...
         self.dropped: Counter[str] = Counter()  # snapshots / KV dropped by the last tier, by reason
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(t for t, v in (("device", self.device), ("host", self.host), ("disk", self.disk)) if v)
+        return tuple(self.by_name)
+
+    @property
+    def device(self) -> Tier:
+        return self.tiers[0]
+
+    @property
+    def disk(self) -> Tier | None:
+        return self.by_name.get(DISK)
+
+    def page_allocators(self) -> dict:
+        """Tier name -> KV page allocator, for every page tier (the tree counts references on them)."""
+        return {tier.name: tier.pages for tier in self.tiers if tier.pages is not None}
+
+    def holding(self, copies: dict[str, Any]) -> list[Tier]:
+        """The tiers among `copies`' keys, fastest first (copies: a node's kv or a snapshot handle's copies)."""
+        return [tier for tier in self.tiers if tier.name in copies]
+
+    def _below(self, tier: Tier) -> list[Tier]:
+        return self.tiers[self.tiers.index(tier) + 1:]
+
+    # ---- reading a node's fastest copy (the `Source` a tier stores from) ---------------------------
+
+    def node_kv(self, node: Node) -> KV | None:
+        tier = self.holding(node.kv)[0]
+        return tier.read_kv(node)
+
+    def node_snapshot(self, node: Node) -> State | None:
+        if node.snapshot is None:
+            return None
+        handle: TieredSnapshot = node.snapshot.handle
+        for tier in self.holding(handle.copies):
+            state = tier.read_snapshot(handle.copies[tier.name])
+            if state is not None:
+                return state
+        return None
 
     # ---- snapshots --------------------------------------------------------------------------------
 
     def store_snapshot(self, states: StatePool, slot: int, logits: torch.Tensor | None) -> TieredSnapshot | None:
         """A device copy of states[slot], demoting device snapshots to make room; None if none can move."""
-        while not self.device.fits(logits is not None):
-            if not self._demote_one_snapshot("device"):
-                return None
-        stored = self.device.prepare_store(states, slot, logits).complete()
-        return TieredSnapshot(logits is not None, device=stored)
+        if not self._make_snapshot_room(self.device, logits is not None):
+            return None
+        return TieredSnapshot(logits is not None, {DEVICE: self.device.store(states, slot, logits)})
 
     def reserve_snapshot(self) -> TieredSnapshot | None:
         """A device slot for a state a model step will capture, demoting to make room; None if none can move."""
-        while not self.device.fits(False):
-            if not self._demote_one_snapshot("device"):
-                return None
-        return TieredSnapshot(False, device=self.device.reserve())
+        if not self._make_snapshot_room(self.device, False):
+            return None
+        return TieredSnapshot(False, {DEVICE: self.device.reserve()})
 
-    def _demote_one_snapshot(self, tier: str) -> bool:
-        node = self.tree.snapshot_victim(lambda e: getattr(e.handle, tier) is not None)
-        if node is None:
-            return False
-        self.demote_snapshot(node, tier)
+    def _make_snapshot_room(self, tier: Tier, with_logits: bool) -> bool:
+        """Demote `tier`'s snapshots in retention order until one more fits; False when none can move."""
+        victims = None
+        while not tier.fits(with_logits):
+            victims = victims or SnapshotVictims(self.tree, lambda e: tier.name in e.handle.copies)
+            node = victims.pop()
+            if node is None:
+                return False
+            self.demote_snapshot(node, tier)
         return True
 
-    def demote_snapshot(self, node: Node, tier: str) -> None:
-        """Move node's snapshot copy off `tier` (to the next tier down unless a slower one holds it)."""
+    def demote_snapshot(self, node: Node, tier: Tier) -> None:
+        """Move node's snapshot copy off `tier`: into the first slower tier that takes it, unless one holds it."""
         handle: TieredSnapshot = node.snapshot.handle
-        copy: StoredSnapshot = getattr(handle, tier)
-        below = self.names[self.names.index(tier) + 1:]
-        if not any(getattr(handle, t) is not None for t in below):
-            if tier == "device" and self.host is not None:
-                self._snapshot_to_host(handle, copy)
-            if (tier == "host" or handle.host is None) and self.disk is not None:
-                self._persist(node)
-        getattr(self, tier).free(copy)
-        setattr(handle, tier, None)
-        if not handle.tiers():
-            self.dropped[f"snapshot_{tier}_full"] += 1
+        below = self._below(tier)
+        if not any(t.name in handle.copies for t in below):
+            for slower in below:
+                if self._make_snapshot_room(slower, handle.has_logits):
+                    copy = slower.store_snapshot(node, self)
+                    if copy is not None:
+                        handle.copies[slower.name] = copy
+                        self.moved[f"snapshot {tier.name}->{slower.name}"] += 1
+                        break
+        tier.free_snapshot(handle.copies.pop(tier.name))
+        if not handle.copies:
+            self.dropped[f"snapshot_{tier.name}_full"] += 1
             self.tree.remove_snapshot(node, RELEASE_EVICTED)
 
-    def _snapshot_to_host(self, handle: TieredSnapshot, copy: StoredSnapshot) -> None:
-        while not self.host.fits(handle.has_logits):
-            if not self._demote_one_snapshot("host"):
-                return
-        pending = self.host.prepare_store(self.device.pool, copy.slot, copy.logits)
-        handle.host = pending.complete()
-        self.moved["snapshot device->host"] += 1
-
     def release(self, handle: TieredSnapshot) -> None:
-        """Free a snapshot's device and host copies (disk files stay, LRU there)."""
-        for tier in ("device", "host"):
-            copy = getattr(handle, tier)
-            if copy is not None:
-                getattr(self, tier).free(copy)
-                setattr(handle, tier, None)
+        """Free every copy of a snapshot the tree let go (a segment tier's file stays, LRU there)."""
+        for tier in self.holding(handle.copies):
+            tier.free_snapshot(handle.copies.pop(tier.name))
 
     def restore_snapshot(self, handle: TieredSnapshot, tier: str, states: StatePool, slot: int):
         """Copy the snapshot's `tier` copy into states[slot]; returns its logits (or None), or False when
-        the disk copy turned out unreadable (the caller marks the segment bad)."""
-        if tier in ("device", "host"):
-            return getattr(self, tier).restore(getattr(handle, tier), states, slot)
-        segment = self.disk.read(handle.disk)
-        snap = None if segment is None else self.disk.snapshot_of(segment)
-        if snap is None:
-            return False
-        states.write_slot(slot, snap.tensors)
-        return None if snap.logits is None else snap.logits.to(states.device)
+        that copy turned out unreadable (the caller marks the segment bad)."""
+        return self.by_name[tier].load_snapshot(handle.copies[tier], states, slot)
 
     # ---- KV ---------------------------------------------------------------------------------------
 
     def free_device_pages(self, num_pages: int) -> int:
         """Demote (or drop) least-recently-used device KV until num_pages pages are free; returns freed."""
         freed = 0
+        victims = {DEVICE: KVVictims(self.tree, DEVICE)}  # a slower tier's joins when it must make room
         while freed < num_pages:
-            node = self.tree.kv_victim("device")
+            node = victims[DEVICE].pop()
             if node is None:
                 break
-            if node.host_pages is None and node.disk is None:
-                self._kv_to_host(node)
-                if node.host_pages is None and self.disk is not None:
-                    self._persist(node)
-            if not node.host_pages and node.disk is None:
-                self.dropped["kv_device_full"] += 1
-            freed += self.tree.drop_kv(node, "device")
+            self._demote_kv(node, self.device, victims)
+            freed += self._drop_kv(node, DEVICE, victims)
         return freed
 
-    def _kv_to_host(self, node: Node) -> None:
-        if self.host_kv is None:
+    def _demote_kv(self, node: Node, tier: Tier, victims: dict[str, KVVictims]) -> None:
+        """Store node's KV into the first slower tier that takes it, unless a slower tier holds it already."""
+        below = self._below(tier)
+        if any(t.name in node.kv for t in below):
             return
-        while self.host_kv.allocator.num_free < len(node.pages):
-            victim = self.tree.kv_victim("host")
-            if victim is None or victim is node:
-                return
-            if victim.disk is None and self.disk is not None:
-                self._persist(victim)
-            if victim.disk is None:
-                self.dropped["kv_host_full"] += 1
-            self.tree.drop_kv(victim, "host")
-        pending = self.host_kv.prepare_copy_in(self.kv, node.pages)
-        self.tree.adopt_host_pages(node, pending.complete())
-        self.moved["kv device->host"] += 1
+        num_pages = len(page_indices(node.start, node.end, self.tree.page_size))
+        for slower in below:
+            if self._make_kv_room(slower, num_pages, victims):
+                copy = slower.store_kv(node, self)
+                if copy is not None:
+                    if slower.pages is not None:
+                        self.tree.adopt_pages(node, slower.name, copy)
+                        if slower.name in victims:
+                            victims[slower.name].push(node)
+                    self.moved[f"kv {tier.name}->{slower.name}"] += 1
+                    return
+        self.dropped[f"kv_{tier.name}_full"] += 1
 
-    def page_copy(self, node: Node, i: int, segments: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(k, v) of node's i-th page from its fastest non-device copy, or None when unreadable."""
-        if node.host_pages is not None:
-            p = node.host_pages[i]
-            return self.host_kv.k[:, p], self.host_kv.v[:, p]
-        key = node.disk.key
-        if key not in segments:
-            segment = self.disk.read(key)
-            segments[key] = None if segment is None else self.disk.kv_of(segment)
-        if segments[key] is None:
-            return None
-        k, v = segments[key]
-        j = node.start // self.kv.page_size + i - node.disk.segment_start // self.kv.page_size
-        return k[:, j], v[:, j]
+    def _make_kv_room(self, tier: Tier, num_pages: int, victims: dict[str, KVVictims]) -> bool:
+        """Demote (or drop) `tier`'s least-recently-used KV until num_pages pages fit there."""
+        while not tier.kv_fits(num_pages):
+            if tier.name not in victims:
+                victims[tier.name] = KVVictims(self.tree, tier.name)
+            victim = victims[tier.name].pop()
+            if victim is None:
+                return False
+            self._demote_kv(victim, tier, victims)
+            self._drop_kv(victim, tier.name, victims)
+        return True
 
-    # ---- disk -------------------------------------------------------------------------------------
+    def _drop_kv(self, node: Node, tier: str, victims: dict[str, KVVictims]) -> int:
+        """tree.drop_kv, then offer the parent to this call's victim queues (it may have become a candidate)."""
+        parent = node.parent
+        freed = self.tree.drop_kv(node, tier)
+        for queue in victims.values():
+            queue.push(parent)
+        return freed
 
-    def _persist(self, node: Node) -> None:
-        path = list(reversed(list(self.tree._ancestors(node))))
-        self.disk.persist(path, self._node_kv, self._node_snapshot)
-        self.moved["persisted"] += 1
+    def page_copy(self, node: Node, i: int, cache: dict) -> tuple[Tier, KV | None]:
+        """(the tier, (k, v) of node's i-th page) from node's fastest copy below the device; None: unreadable."""
+        tier = next(t for t in self.holding(node.kv) if t.name != DEVICE)
+        return tier, tier.read_page(node, i, cache)
 
-    def persist_path(self, node: Node) -> None:
-        """Write node and its ancestors to disk where they are not yet (write-through at request end)."""
-        if self.disk is not None and node is not self.tree.root:
-            self._persist(node)
-
-    def _node_kv(self, node: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(k, v) of node's pages from its fastest copy; None when that is a disk segment found unreadable."""
-        if node.pages is not None:
-            index = torch.tensor(node.pages, device=self.kv.k.device)
-            return self.kv.k[:, index], self.kv.v[:, index]
-        if node.host_pages is not None:
-            index = torch.tensor(node.host_pages)
-            return self.host_kv.k[:, index], self.host_kv.v[:, index]
-        segment = self.disk.read(node.disk.key)  # rewriting a segment to add the snapshot it lacks
-        return None if segment is None else self.disk.kv_of(segment)
-
-    def _node_snapshot(self, node: Node):
-        if node.snapshot is None:
-            return None
-        handle: TieredSnapshot = node.snapshot.handle
-        copy = handle.device or handle.host
-        if copy is None:
-            return None
-        pool = (self.device if copy is handle.device else self.host).pool
-        return pool.read_slot(copy.slot), copy.logits
+    def write_through(self, node: Node) -> None:
+        """Write node and its ancestors into every write-through segment tier (at a request's end)."""
+        for tier in self.tiers:
+            if tier.pages is None and tier.write_through and node is not self.tree.root:
+                tier.store_kv(node, self)

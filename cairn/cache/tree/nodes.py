@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 
 SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk")  # "disk": found at start-up
 MISS_REASONS = ("no_snapshot", "evicted", "budget", "needs_logits")
-RELEASE_EVICTED = "evicted"  # on_snapshot_released reason: lost to retention (evict_snapshots)
-RELEASE_KV_EVICTED = "kv_evicted"  # on_snapshot_released reason: its node's KV was evicted (evict_pages)
+DEVICE, HOST, DISK = "device", "host", "disk"  # tier names: the one place they are spelled (the factory names
+# the tiers with them; DEVICE is the tier whose pages a request's page table lists)
+RELEASE_EVICTED = "evicted"  # on_snapshot_released reason: its last copy lost to retention (TierSet demotion)
+RELEASE_KV_EVICTED = "kv_evicted"  # on_snapshot_released reason: its node lost its last KV copy
 
 
 @dataclass(eq=False)
@@ -33,9 +35,9 @@ class SnapshotEntry:
 
 @dataclass(frozen=True)
 class DiskRef:
-    """Where a node's KV lives on disk: a segment covering [segment_start, segment_end) ⊇ [start, end)."""
+    """A node's copy in a segment tier (disk): a segment covering [segment_start, segment_end) ⊇ [start, end)."""
 
-    key: bytes  # the segment's content address in the disk store
+    key: bytes  # the segment's content address in the store
     segment_start: int  # first position the segment holds
     segment_end: int  # one past its last position
 
@@ -49,21 +51,21 @@ class Node:
     start: int  # position of tokens[0]; == parent.end
     end: int  # one past the last position; > start except for the root
     parent: Node | None  # None for the root and for a node removed from the tree
-    pages: list[int] | None  # device page ids of page indices start // page_size .. (end - 1) // page_size;
-    # None when the KV is not on the device (then it is in host_pages and/or on disk)
+    # tier name -> this node's copy of its KV there: a page tier's page ids for page indices
+    # start // page_size .. (end - 1) // page_size (list[int]); a segment tier's DiskRef. Never empty
+    # below the root: a node that loses its last copy leaves the tree.
+    kv: dict[str, list[int] | DiskRef] = field(default_factory=dict)
     children: dict[int, Node] = field(default_factory=dict)  # keyed by child.tokens[0]
     snapshot: SnapshotEntry | None = None  # the snapshot at position end, if any
     snapshot_evicted: bool = False  # a snapshot at end was evicted and none attached since (miss tombstone)
     budget_miss: bool = False  # a snapshot due at end was not taken: its tier was full of locked snapshots
     lock_count: int = 0  # outstanding LockHandles whose locked path passes through this node; > 0: KV kept
     last_access: int = 0  # clock tick of the last lock/insert/attach whose path entered this node
-    host_pages: list[int] | None = None  # host-bank page ids, same page indices as `pages`; None: not on host
-    disk: DiskRef | None = None  # the disk segment holding this node's KV, if any
 
-    def kv_tiers(self) -> tuple[str, ...]:
-        """The tiers holding this node's KV, fastest first."""
-        return tuple(t for t, v in (("device", self.pages), ("host", self.host_pages), ("disk", self.disk))
-                     if v is not None)
+    @property
+    def pages(self) -> list[int] | None:
+        """The device page ids (what a request's page table shares), or None when the KV is not on the device."""
+        return self.kv.get(DEVICE)
 
     def path_tokens(self) -> tuple[int, ...]:
         """The token ids at positions [0, end): the concatenation of the tokens from the root down."""
@@ -82,13 +84,14 @@ class Node:
         if self.start != parent.end or self.end - self.start != len(self.tokens):
             raise AssertionError(f"{where}: parent ends at {parent.end}, {len(self.tokens)} tokens")
         spanned = len(page_indices(self.start, self.end, page_size))
-        for tier, pages in (("device", self.pages), ("host", self.host_pages)):
-            if pages is not None and len(pages) != spanned:
-                raise AssertionError(f"{where} lists {len(pages)} {tier} pages for {spanned} page indices")
-        if not self.kv_tiers():
+        if not self.kv:
             raise AssertionError(f"{where} holds its KV on no tier")
-        if self.disk is not None and not self.disk.segment_start <= self.start < self.end <= self.disk.segment_end:
-            raise AssertionError(f"{where} is not inside its disk segment {self.disk}")
+        for tier, copy in self.kv.items():
+            if isinstance(copy, DiskRef):
+                if not copy.segment_start <= self.start < self.end <= copy.segment_end:
+                    raise AssertionError(f"{where} is not inside its {tier} segment {copy}")
+            elif len(copy) != spanned:
+                raise AssertionError(f"{where} lists {len(copy)} {tier} pages for {spanned} page indices")
         if self.lock_count < 0 or (self.snapshot is not None and self.snapshot.lock_count < 0):
             raise AssertionError(f"{where}: negative lock count")
         if self.snapshot is not None and self.snapshot_evicted:

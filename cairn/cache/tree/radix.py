@@ -1,8 +1,9 @@
 """RadixTree: the token index of the hybrid prefix cache (KV pages per node, one optional snapshot per node).
 
 What it is: the bookkeeping that says, for a prompt, how much of it has attention KV in the tree and
-where a recurrent-state snapshot lets it resume (DESIGN §1, invariant 1), plus the KV and snapshot
-eviction orders (§4.2). It holds page ids (one `PageAllocator` reference per node and listed page)
+where a recurrent-state snapshot lets it resume (DESIGN §1, invariant 1). Eviction (§4.2) is in
+tiered.py (the victim queues) and tiers/tier_set.py (demote before drop), the one path that runs.
+It holds page ids (one `PageAllocator` reference per node and listed page)
 and opaque snapshot handles.
 
 What it is not: it never touches tensors or imports torch, never copies or frees snapshot memory
@@ -23,13 +24,11 @@ on the node's paths; positions after that may belong to another branch.
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
-from cairn.cache.policy.retention import rank_snapshots
 from cairn.cache.tree.nodes import (
-    RELEASE_EVICTED,
+    DEVICE,
     RELEASE_KV_EVICTED,
     SNAPSHOT_SOURCES,
     LockHandle,
@@ -47,31 +46,30 @@ class RadixTree:
 
     Every mutating call says what it mutates. The clock starts at 0; each lock, insert and
     attach_snapshot advances it by one and stamps with the new value. The tree holds exactly one
-    allocator reference per (node, listed page). Snapshots leave the tree only through
+    allocator reference per (node, listed page) on every page tier (`allocators`: tier name ->
+    PageAllocator, DEVICE first; a node's copy on any other tier is a segment reference, which the
+    tree only records). Snapshots leave the tree only through
     `on_snapshot_released(entry, reason)`, the single exit point for a storage tier to free or demote.
     """
 
     def __init__(
         self,
         page_size: int,
-        pages: PageAllocator,
+        allocators: dict[str, PageAllocator],
         on_snapshot_released: Callable[[SnapshotEntry, str], None],
-        host_pages: PageAllocator | None = None,
     ):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
-        self.pages = pages
+        self.allocators = allocators
         self.on_snapshot_released = on_snapshot_released
-        self.root = Node(node_id=0, tokens=(), start=0, end=0, parent=None, pages=[])
+        self.root = Node(node_id=0, tokens=(), start=0, end=0, parent=None)
         self.clock = 0  # logical time of the last lock/insert/attach
         self._next_node_id = 1
         self._num_nodes = 0  # nodes below the root
         self._num_snapshots = 0
         self._snapshot_bytes = 0
-        self.host_pages = host_pages  # the host KV bank's allocator, when there is a host tier
-        self._page_refs: Counter[int] = Counter()  # page id -> references the tree holds
-        self._host_refs: Counter[int] = Counter()  # host page id -> references the tree holds
+        self._refs: dict[str, Counter[int]] = {tier: Counter() for tier in allocators}  # page id -> references
         self._locks: set[LockHandle] = set()  # outstanding lock handles
 
     # ---- sizes ----------------------------------------------------------------------------------
@@ -92,11 +90,7 @@ class RadixTree:
 
     def page_refs(self) -> dict[int, int]:
         """Page id -> number of allocator references the tree holds on it (one per node listing it)."""
-        return dict(self._page_refs)
-
-    def host_page_refs(self) -> dict[int, int]:
-        """Host page id -> references the tree holds on it."""
-        return dict(self._host_refs)
+        return dict(self._refs[DEVICE])
 
     # ---- reading --------------------------------------------------------------------------------
 
@@ -120,17 +114,6 @@ class RadixTree:
         if resume_position < match_len:
             miss_reason = self._miss_reason(path, resume_position, match_len)
         return MatchResult(len(tokens), match_len, path, resume_position, resume_node, miss_reason)
-
-    def prefix_pages(self, result: MatchResult, num_tokens: int) -> list[int]:
-        """Device page table for positions [0, num_tokens) of a matched prompt; num_tokens <= result.match_len.
-
-        For each page index, the device page listed by the deepest node of result.path that starts
-        before num_tokens (-1 where that node's KV is not on the device). If num_tokens % page_size != 0
-        the last page holds valid KV only before num_tokens: the caller copies it before writing there.
-        Pure; takes no references.
-        """
-        return [node.pages[i] if node.pages is not None else -1
-                for node, i in self.prefix_page_sources(result, num_tokens)]
 
     def prefix_page_sources(self, result: MatchResult, num_tokens: int) -> list[tuple[Node, int]]:
         """For each page index of [0, num_tokens): (the deepest node of result.path listing it that starts
@@ -160,13 +143,6 @@ class RadixTree:
         for node in self.iter_nodes():
             if node.snapshot is not None:
                 yield node.end, node.snapshot, node
-
-    def snapshot_victim_order(self) -> list[SnapshotEntry]:
-        """Unlocked snapshots ranked by their current retention keys; the first is the next victim.
-
-        Keys are recomputed after each eviction, so this is the order of one eviction, not of many.
-        """
-        return [node.snapshot for _, node in sorted(rank_snapshots(self.root), key=lambda pair: pair[0])]
 
     # ---- locking --------------------------------------------------------------------------------
 
@@ -240,77 +216,37 @@ class RadixTree:
         self._snapshot_bytes += entry.nbytes
         return True
 
-    # ---- evicting -------------------------------------------------------------------------------
-
-    def evict_snapshots(self, num_entries: int) -> list[SnapshotEntry]:
-        """Evict up to num_entries unlocked snapshots in retention order (see policy/retention.py).
-
-        Mutates: removes each victim from its node, marks the node's tombstone (match then reports
-        "evicted") and calls on_snapshot_released(entry, "evicted"). KV and nodes stay.
-        Returns the victims in eviction order; fewer when fewer are unlocked. evict_snapshots(0) is a no-op.
-        """
-        victims = []
-        for _ in range(num_entries):
-            ranked = rank_snapshots(self.root)
-            if not ranked:
-                break
-            _, node = min(ranked, key=lambda pair: pair[0])
-            victims.append(node.snapshot)
-            node.snapshot_evicted = True
-            self._release_snapshot(node, RELEASE_EVICTED)
-        return victims
-
-    def evict_pages(self, num_pages: int) -> int:
-        """Remove unlocked leaves, least recently used first, until num_pages pages became free.
-
-        Order: ascending node.last_access, then deeper end first, then lower node_id. A parent left
-        without children (and unlocked) becomes a candidate. Stops when the allocator freed at least
-        num_pages pages or no unlocked leaf remains; a leaf whose pages are still shared frees 0
-        pages but is removed anyway. Mutates: decrefs the removed nodes' pages and releases their
-        snapshots with reason "kv_evicted". Returns the pages freed. evict_pages(0) is a no-op.
-        """
-        heap = [self._leaf_key(node) for node in self.iter_nodes() if self._evictable(node)]
-        heapq.heapify(heap)
-        num_freed = 0
-        while num_freed < num_pages and heap:
-            *_, node = heapq.heappop(heap)
-            parent = node.parent
-            num_freed += self._remove_leaf(node)
-            if parent is not self.root and self._evictable(parent):
-                heapq.heappush(heap, self._leaf_key(parent))
-        return num_freed
-
     # ---- integrity ------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any structural, page, lock or snapshot invariant is broken."""
-        refs: Counter[int] = Counter()
+        refs: dict[str, Counter[int]] = {tier: Counter() for tier in self.allocators}
         num_nodes = num_snapshots = snapshot_bytes = 0
-        host_refs: Counter[int] = Counter()
         for node in self.iter_nodes():
             node.check_integrity(self.page_size)
-            refs.update(node.pages or ())
-            host_refs.update(node.host_pages or ())
+            for tier, counter in refs.items():
+                counter.update(node.kv.get(tier, ()))
             num_nodes += 1
             if node.snapshot is not None:
                 num_snapshots += 1
                 snapshot_bytes += node.snapshot.nbytes
-        if self.root.snapshot is not None or self.root.pages or self.root.tokens or self.root.end != 0:
+        if self.root.snapshot is not None or self.root.kv or self.root.tokens or self.root.end != 0:
             raise AssertionError("the root must be empty: no tokens, pages or snapshot")
         if (num_nodes, num_snapshots, snapshot_bytes) != (self._num_nodes, self._num_snapshots, self._snapshot_bytes):
             raise AssertionError(
                 f"totals (nodes, snapshots, bytes) counted {(num_nodes, num_snapshots, snapshot_bytes)}, "
                 f"tracked {(self._num_nodes, self._num_snapshots, self._snapshot_bytes)}"
             )
-        if refs != self._page_refs:
-            raise AssertionError(f"page references listed by nodes {dict(refs)} != page_refs() {self.page_refs()}")
-        for page, count in refs.items():
-            if self.pages.refcount[page] < count:
-                raise AssertionError(f"page {page}: allocator refcount {self.pages.refcount[page]} < tree refs {count}")
-        if host_refs != self._host_refs:
-            raise AssertionError("host page references listed by nodes disagree with host_page_refs()")
-        if self.host_pages is not None:
-            self.host_pages.check_integrity(dict(host_refs))
+        for tier, counter in refs.items():
+            if counter != self._refs[tier]:
+                raise AssertionError(f"{tier} page references listed by nodes {dict(counter)} != the tree's count")
+        for page, count in refs[DEVICE].items():  # requests hold device pages too
+            if self.allocators[DEVICE].refcount[page] < count:
+                raise AssertionError(f"page {page}: allocator refcount {self.allocators[DEVICE].refcount[page]} "
+                                     f"< tree refs {count}")
+        for tier, allocator in self.allocators.items():
+            if tier != DEVICE:  # only the tree holds another tier's pages
+                allocator.check_integrity(dict(refs[tier]))
         self._check_locks()
 
     def _check_locks(self) -> None:
@@ -389,8 +325,8 @@ class RadixTree:
         """A leaf under parent for tokens[parent.end:], listing (and increfing) the caller's pages."""
         start, end = parent.end, len(tokens)
         pages = [page_table[i] for i in page_indices(start, end, self.page_size)]
-        self._incref(pages)  # first: raises on a free page before the tree changes
-        node = Node(self._next_node_id, tuple(tokens[start:end]), start, end, parent, pages)
+        self._incref(DEVICE, pages)  # first: raises on a free page before the tree changes
+        node = Node(self._next_node_id, tuple(tokens[start:end]), start, end, parent, {DEVICE: pages})
         self._next_node_id += 1
         parent.children[node.tokens[0]] = node
         self._num_nodes += 1
@@ -400,40 +336,38 @@ class RadixTree:
         """Cut node [s, e) at s < position < e; returns the new upper node [s, position).
 
         The lower node keeps its identity, children, snapshot and tombstone (they sit at e); the
-        upper node has no snapshot and copies lock_count and last_access. When position is mid-page
-        both halves list the page containing it, so the tree takes one more reference on it.
+        upper node has no snapshot and copies lock_count and last_access. Each page-tier copy is cut
+        by page index; when position is mid-page both halves list the page containing it, so the tree
+        takes one more reference on it. A segment reference covers both halves.
         """
         s, ps = node.start, self.page_size
         head = slice(0, (position - 1) // ps - s // ps + 1)
         tail = slice(position // ps - s // ps, None)
-        upper = Node(self._next_node_id, node.tokens[: position - s], s, position, node.parent,
-                     None if node.pages is None else node.pages[head])
-        upper.host_pages = None if node.host_pages is None else node.host_pages[head]
-        upper.disk = node.disk
+        upper = Node(self._next_node_id, node.tokens[: position - s], s, position, node.parent)
+        for tier, copy in node.kv.items():
+            paged = tier in self.allocators
+            upper.kv[tier] = copy[head] if paged else copy
+            node.kv[tier] = copy[tail] if paged else copy
+            if paged and position % ps != 0:
+                self._incref(tier, [node.kv[tier][0]])
         upper.lock_count, upper.last_access = node.lock_count, node.last_access
         self._next_node_id += 1
         node.parent.children[upper.tokens[0]] = upper
-        node.pages = None if node.pages is None else node.pages[tail]
-        node.host_pages = None if node.host_pages is None else node.host_pages[tail]
         node.tokens, node.start, node.parent = node.tokens[position - s :], position, upper
         upper.children[node.tokens[0]] = node
         self._num_nodes += 1
-        if position % ps != 0:  # both halves list the page holding the split point
-            if node.pages is not None:
-                self._incref([node.pages[0]])
-            if node.host_pages is not None:
-                self._host_incref([node.host_pages[0]])
         return upper
 
     def _remove_leaf(self, node: Node) -> int:
-        """Take an unlocked leaf out of the tree; returns the pages the allocator freed."""
+        """Take an unlocked leaf out of the tree; returns the device pages the allocator freed."""
         if node.snapshot is not None:
             self._release_snapshot(node, RELEASE_KV_EVICTED)
         del node.parent.children[node.tokens[0]]
         node.parent = None
         self._num_nodes -= 1
-        self._host_decref(node.host_pages or [])
-        return self._decref(node.pages or [])
+        freed = {tier: self._decref(tier, node.kv.pop(tier)) for tier in list(node.kv) if tier in self.allocators}
+        node.kv.clear()
+        return freed.get(DEVICE, 0)
 
     def _release_snapshot(self, node: Node, reason: str) -> None:
         """The single exit point of snapshots: unhook, update totals, tell the storage tier."""
@@ -443,13 +377,6 @@ class RadixTree:
         self._num_snapshots -= 1
         self._snapshot_bytes -= entry.nbytes
         self.on_snapshot_released(entry, reason)
-
-    def _evictable(self, node: Node) -> bool:
-        return not node.children and node.lock_count == 0
-
-    @staticmethod
-    def _leaf_key(node: Node) -> tuple[int, int, int, Node]:
-        return node.last_access, -node.end, node.node_id, node
 
     def _ancestors(self, node: Node | None) -> Iterator[Node]:
         """node and its ancestors, root excluded."""
@@ -462,26 +389,17 @@ class RadixTree:
             node = node.parent
         return node is self.root
 
-    def _incref(self, pages: list[int]) -> None:
-        self.pages.incref(pages)
-        self._page_refs.update(pages)
+    def _incref(self, tier: str, pages: list[int]) -> None:
+        self.allocators[tier].incref(pages)
+        self._refs[tier].update(pages)
 
-    def _host_incref(self, pages: list[int]) -> None:
-        self.host_pages.incref(pages)
-        self._host_refs.update(pages)
-
-    def _host_decref(self, pages: list[int]) -> int:
+    def _decref(self, tier: str, pages: list[int]) -> int:
+        """Drop the tree's references on `tier`'s pages; returns how many the allocator freed."""
         if not pages:
             return 0
-        self._host_refs.subtract(pages)
+        refs = self._refs[tier]
+        refs.subtract(pages)
         for page in pages:
-            if self._host_refs[page] == 0:
-                del self._host_refs[page]
-        return self.host_pages.decref(pages)
-
-    def _decref(self, pages: list[int]) -> int:
-        self._page_refs.subtract(pages)
-        for page in pages:
-            if self._page_refs[page] == 0:
-                del self._page_refs[page]
-        return self.pages.decref(pages)
+            if refs[page] == 0:
+                del refs[page]
+        return self.allocators[tier].decref(pages)

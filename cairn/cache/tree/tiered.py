@@ -1,21 +1,25 @@
-"""TieredRadixTree: the radix tree with each node's KV and snapshot placed on device, host and disk tiers.
+"""TieredRadixTree: the radix tree with each node's KV and snapshot copies held per tier, and the victim queues.
 
-What it is: the bookkeeping of where every node's KV pages and every snapshot live, and the victim
-choices of each tier (DESIGN §4.2-4.4): KV leaves least-recently-used first per tier, snapshots by
-retention value among those holding a copy on that tier. A node keeps its KV on at least one tier;
-one that loses its last copy leaves the tree with its whole subtree (their KV prefix is gone).
+What it is: the bookkeeping of where every node's KV lives (Node.kv: tier name -> page ids or a
+segment reference) and the victim choices of each tier (DESIGN §4.2-4.4), the one eviction that
+runs: `KVVictims` (KV least recently used first, per tier) and `SnapshotVictims` (retention value,
+policy/retention.py, among snapshots holding a copy on a tier), each ranked once per eviction call
+in a heap instead of a scan of the tree per victim. A node keeps its KV on at least one tier; one
+that loses its last copy leaves the tree with its whole subtree (their KV prefix is gone).
 
-What it is not: it copies no bytes and allocates nothing but page references; the cache moves the
+What it is not: it copies no bytes and allocates nothing but page references; TierSet moves the
 data and then records the move here. Snapshot handles stay opaque (the cache's TieredSnapshot).
 Torch-free, single-threaded.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
-from cairn.cache.policy.retention import rank_snapshots
+from cairn.cache.policy.retention import retention_key
 from cairn.cache.tree.nodes import (
+    DEVICE,
     RELEASE_EVICTED,
     RELEASE_KV_EVICTED,
     DiskRef,
@@ -26,61 +30,112 @@ from cairn.cache.tree.nodes import (
 )
 from cairn.cache.tree.radix import RadixTree
 
-TIERS = ("device", "host", "disk")
+
+class KVVictims:
+    """The KV victims of one tier for one eviction call, from a heap ranked once (DESIGN §4.2).
+
+    A candidate is an unlocked node holding KV on `tier` that no child holds KV on `tier` below:
+    least recently used first, then deeper end, then lower node_id. Within one call recency and
+    locks do not change, so a key never goes stale; a popped entry that stopped being a candidate
+    (dropped meanwhile, or a child gained a copy) is skipped. A node that becomes a candidate during
+    the call (its last child on the tier left, or it just gained a copy) must be `push`ed.
+    """
+
+    def __init__(self, tree: TieredRadixTree, tier: str):
+        self.tree, self.tier = tree, tier
+        self._heap = [self._key(node) for node in tree.iter_nodes() if self._candidate(node)]
+        heapq.heapify(self._heap)
+
+    def _candidate(self, node: Node) -> bool:
+        return (node.parent is not None and not node.lock_count and self.tree.holds(node, self.tier)
+                and not any(self.tree.holds(child, self.tier) for child in node.children.values()))
+
+    @staticmethod
+    def _key(node: Node) -> tuple[int, int, int, Node]:
+        return node.last_access, -node.end, node.node_id, node
+
+    def push(self, node: Node | None) -> None:
+        if node is not None and self._candidate(node):
+            heapq.heappush(self._heap, self._key(node))
+
+    def pop(self) -> Node | None:
+        """The next victim, or None when no candidate is left."""
+        while self._heap:
+            node = heapq.heappop(self._heap)[-1]
+            if self._candidate(node):
+                return node
+        return None
+
+
+class SnapshotVictims:
+    """The snapshot victims among those `eligible` for one eviction call, by retention key (policy/retention.py).
+
+    Recency is the key's first field and no eviction changes it, so the candidates wait in a heap of
+    last_access alone; only the least recent group (one operation's stamp: one chain of snapshots)
+    gets full keys. Evicting a snapshot only raises its neighbours' keys, so a group entry whose key
+    rose meanwhile goes back with its current key, and one whose key is unchanged is the minimum.
+    """
+
+    def __init__(self, tree: TieredRadixTree, eligible: Callable[[SnapshotEntry], bool]):
+        self.eligible = eligible
+        self._recency = [(node.snapshot.last_access, node.node_id, node) for node in tree.iter_nodes()
+                         if self._candidate(node, node.snapshot)]
+        heapq.heapify(self._recency)
+        self._group: list = []  # (RetentionKey, node_id, node, entry) of the least recent tick
+
+    def _candidate(self, node: Node, entry: SnapshotEntry | None) -> bool:
+        return entry is not None and node.snapshot is entry and not entry.lock_count and self.eligible(entry)
+
+    def pop(self) -> Node | None:
+        """The node whose snapshot goes next, or None when no unlocked eligible one is left."""
+        while self._group or self._recency:
+            if not self._group:
+                self._next_group()
+                continue
+            key, node_id, node, entry = self._group[0]
+            if not self._candidate(node, entry):
+                heapq.heappop(self._group)
+                continue
+            current = retention_key(node)
+            if current == key:
+                heapq.heappop(self._group)
+                return node
+            heapq.heapreplace(self._group, (current, node_id, node, entry))
+        return None
+
+    def _next_group(self) -> None:
+        tick = self._recency[0][0]
+        while self._recency and self._recency[0][0] == tick:
+            _, node_id, node = heapq.heappop(self._recency)
+            if self._candidate(node, node.snapshot):
+                self._group.append((retention_key(node), node_id, node, node.snapshot))
+        heapq.heapify(self._group)
 
 
 class TieredRadixTree(RadixTree):
-    # ---- victims (pure) -------------------------------------------------------------------------
-
-    def kv_victim(self, tier: str) -> Node | None:
-        """The unlocked node holding KV on `tier` that no child holds KV on `tier` below, least recently
-        used first (then deeper end, then lower node_id). None when there is none."""
-        best = None
-        for node in self.iter_nodes():
-            if node.lock_count or not self._holds(node, tier):
-                continue
-            if any(self._holds(child, tier) for child in node.children.values()):
-                continue
-            if best is None or self._leaf_key(node)[:3] < self._leaf_key(best)[:3]:
-                best = node
-        return best
-
-    def snapshot_victim(self, eligible: Callable[[SnapshotEntry], bool]) -> Node | None:
-        """The node whose unlocked, eligible snapshot the retention order gives up first. Pure."""
-        ranked = rank_snapshots(self.root, eligible)
-        return min(ranked, key=lambda pair: pair[0])[1] if ranked else None
-
     @staticmethod
-    def _holds(node: Node, tier: str) -> bool:
-        return {"device": node.pages, "host": node.host_pages, "disk": node.disk}[tier] is not None
+    def holds(node: Node, tier: str) -> bool:
+        """node keeps a copy of its KV on `tier`."""
+        return tier in node.kv
 
     # ---- recording moves ------------------------------------------------------------------------
 
-    def adopt_host_pages(self, node: Node, pages: list[int]) -> None:
-        """Record that node's KV is (also) in these freshly allocated host-bank pages; the tree takes over
-        the allocation's reference on each (the caller keeps none)."""
-        assert node.host_pages is None and len(pages) == len(page_indices(node.start, node.end, self.page_size))
-        self._host_refs.update(pages)
-        node.host_pages = list(pages)
-
-    def set_disk(self, node: Node, ref: DiskRef) -> None:
-        node.disk = ref
+    def adopt_pages(self, node: Node, tier: str, pages: list[int]) -> None:
+        """Record that node's KV is (also) in these freshly allocated pages of page tier `tier`; the tree takes
+        over the allocation's reference on each (the caller keeps none)."""
+        assert tier not in node.kv and len(pages) == len(page_indices(node.start, node.end, self.page_size))
+        self._refs[tier].update(pages)
+        node.kv[tier] = list(pages)
 
     def drop_kv(self, node: Node, tier: str) -> int:
-        """Forget node's KV copy on `tier` (must be unlocked); returns that tier's pages freed. A node left
-        with no copy leaves the tree with its subtree, their snapshots released as "kv_evicted"."""
+        """Forget node's KV copy on `tier` (must be unlocked); returns the device pages freed. A node left with
+        no copy leaves the tree with its subtree, their snapshots released as "kv_evicted"."""
         assert node.lock_count == 0, "dropping the KV of a locked node"
-        freed = 0
-        if tier == "device":
-            freed, node.pages = self._decref(node.pages), None
-        elif tier == "host":
-            freed, node.host_pages = self._host_decref(node.host_pages), None
-        else:
-            node.disk = None
-        if not node.kv_tiers():
-            node.pages = []  # a placeholder so the removal below decrefs nothing twice
-            freed += self.remove_subtree(node)
-        return freed
+        copy = node.kv.pop(tier)
+        freed = self._decref(tier, copy) if tier in self.allocators else 0
+        if tier != DEVICE:
+            freed = 0
+        return freed + (self.remove_subtree(node) if not node.kv else 0)
 
     def remove_subtree(self, node: Node) -> int:
         """Take node and everything below it out of the tree (none may be locked); returns device pages freed."""
@@ -116,15 +171,12 @@ class TieredRadixTree(RadixTree):
         if node is not self.root and node.snapshot is None:
             node.budget_miss = True
 
-    def nodes_on_disk(self, key: bytes) -> list[Node]:
-        """Nodes whose KV is in the disk segment `key` (a segment may back several nodes after splits)."""
-        return [node for node in self.iter_nodes() if node.disk is not None and node.disk.key == key]
-
     # ---- restart --------------------------------------------------------------------------------
 
-    def insert_from_disk(self, tokens: Sequence[int], start: int, ref: DiskRef) -> Node:
-        """Make tokens a path whose part [start, len(tokens)) lives in disk segment `ref`; [0, start) must
-        already be a path. Nodes created here hold only the disk copy. Returns the node ending at len(tokens)."""
+    def insert_from_segment(self, tier: str, tokens: Sequence[int], start: int, ref: DiskRef) -> Node:
+        """Make tokens a path whose part [start, len(tokens)) lives in segment `ref` of segment tier `tier`;
+        [0, start) must already be a path. Nodes created here hold only that copy. Returns the node ending
+        at len(tokens)."""
         node = self.root
         self.clock += 1
         while node.end < len(tokens):
@@ -132,8 +184,7 @@ class TieredRadixTree(RadixTree):
             if child is None:
                 if node.end < start:
                     raise ValueError(f"insert_from_disk: the path is missing before position {node.end}")
-                child = Node(self._next_node_id, tuple(tokens[node.end:]), node.end, len(tokens), node, None)
-                child.disk = ref
+                child = Node(self._next_node_id, tuple(tokens[node.end:]), node.end, len(tokens), node, {tier: ref})
                 self._next_node_id += 1
                 node.children[child.tokens[0]] = child
                 self._num_nodes += 1
@@ -141,11 +192,11 @@ class TieredRadixTree(RadixTree):
                 k = common_prefix_len(child.tokens, tokens, node.end)
                 if k < len(child.tokens):
                     child = self._split(child, child.start + k)
-                if child.disk is None and child.start >= start:
-                    child.disk = ref
+                if tier not in child.kv and child.start >= start:
+                    child.kv[tier] = ref
             child.last_access = self.clock
             node = child
         return node
 
 
-__all__ = ["TIERS", "TieredRadixTree", "RELEASE_KV_EVICTED"]
+__all__ = ["KVVictims", "SnapshotVictims", "TieredRadixTree", "RELEASE_KV_EVICTED"]

@@ -1,0 +1,36 @@
+"""CacheStats: what a prefix cache reports, as typed fields (server/metrics.py turns them into Prometheus).
+
+Counters are monotonic since start-up; gauges are levels. Each field says its metric; a dict field is
+one series per label value. NullCache reports None. Torch-free, a leaf module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    """The disk tier, when there is one."""
+
+    used_bytes: int  # gauge cairn_cache_disk_used_bytes
+    num_segments: int  # gauge cairn_cache_num_disk_segments
+    faults: dict[str, int] = field(default_factory=dict)  # counter cairn_cache_disk_faults_total{reason}
+    forgotten: dict[str, int] = field(default_factory=dict)  # counter ..._disk_segments_forgotten_total{reason}
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    # counters cairn_cache_<name>_total: snapshots_taken, snapshots_restored, cached_tokens, kv_pages_evicted, ...
+    counters: dict[str, int] = field(default_factory=dict)
+    taken_by_source: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_taken_by_total{source}
+    restored_by_tier: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_restored_from_total{tier}
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_dropped_total{reason}
+    tier_moves: dict[str, int] = field(default_factory=dict)  # counter cairn_cache_tier_moves_total{kind}
+    tier_drops: dict[str, int] = field(default_factory=dict)  # counter cairn_cache_tier_drops_total{reason}
+    snapshots_per_tier: dict[str, int] = field(default_factory=dict)  # gauge cairn_cache_num_snapshots{tier}
+    snapshot_used_bytes: dict[str, int] = field(default_factory=dict)  # gauge ..._snapshot_used_bytes{tier}
+    snapshot_budget_bytes: dict[str, int] = field(default_factory=dict)  # gauge ..._snapshot_budget_bytes{tier}
+    num_tree_nodes: int = 0  # gauge cairn_cache_num_tree_nodes
+    host_kv_used_bytes: int | None = None  # gauge cairn_cache_host_kv_used_bytes (with a host tier)
+    disk: DiskStats | None = None
