@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import time
 
+from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.segment import Segment, segment_key
 from cairn.cache.remote.client import connect
 from cairn.cache.remote.keys import prefix_keys
@@ -58,8 +59,10 @@ def timed(fn) -> float:
 
 def restore_figures(store: RedisSegmentStore, kv_mib: float, snapshot_mib: float, repeats: int) -> dict:
     tokens = list(range(1024))
+    snapshot_bytes = int(snapshot_mib * 2**20)
     segment = Segment(segment_key(None, tokens), None, 0, tokens, kv_bytes=os.urandom(int(kv_mib * 2**20)),
-                      snapshot_bytes=os.urandom(int(snapshot_mib * 2**20)), logits_bytes=os.urandom(4 * 1024))
+                      snapshot_bytes=os.urandom(snapshot_bytes), logits_bytes=os.urandom(4 * 1024),
+                      snapshot_meta=layout_meta([("state", "uint8", (snapshot_bytes,))]))
     assert store.put(segment) and store.flush(60)
     name = store.names.segment(segment.key)
     plain_client = connect(store.url, 30.0)
@@ -79,8 +82,10 @@ def lookup_figures(store: RedisSegmentStore, prompt_tokens: int, repeats: int) -
     half = prompt_tokens // 2
     parent = prefix_keys(tokens, [half])[half]
     first, second = tokens[:half], tokens[half:]
-    for seg in (Segment(segment_key(None, first), None, 0, first, b"k" * 64, snapshot_bytes=b"s"),
-                Segment(segment_key(parent, second), parent, half, second, b"k" * 64, snapshot_bytes=b"s")):
+    meta = layout_meta([("state", "uint8", (1,))])
+    for seg in (Segment(segment_key(None, first), None, 0, first, b"k" * 64, snapshot_bytes=b"s", snapshot_meta=meta),
+                Segment(segment_key(parent, second), parent, half, second, b"k" * 64, snapshot_bytes=b"s",
+                        snapshot_meta=meta)):
         assert store.put(seg)
     assert store.flush(60)
     reader = RedisSegmentStore(store.url, NAMESPACE, PAGE)

@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.segment import FORMAT_VERSION, Segment, encode_segment, segment_key
 from cairn.cache.remote.client import split_url
 from cairn.cache.remote.keys import chain_keys, prefix_keys
@@ -44,7 +45,8 @@ def chain(tokens, bounds, snapshot_at=()) -> list[Segment]:
     for (start, stop), key in zip(zip(bounds, bounds[1:], strict=False), keys, strict=True):
         snap = stop in snapshot_at
         out.append(Segment(key, parents.get(start), start, tokens[start:stop], kv_bytes=bytes([stop % 251]) * 64,
-                           snapshot_bytes=b"S" * 32 if snap else None, logits_bytes=b"L" * 8 if snap else None))
+                           snapshot_bytes=b"S" * 32 if snap else None, logits_bytes=b"L" * 8 if snap else None,
+                           snapshot_meta=layout_meta([("state", "uint8", (32,))]) if snap else {}))
     return out
 
 
