@@ -25,7 +25,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cairn"
 LAYERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     # the entry points: the public API's lazy re-exports, `cairn ...`, `python -m cairn.bench`
     "entry": (("cairn", "cairn.cli", "cairn.bench.__main__"), frozenset({"*"})),
-    # the router in front of several servers (cairn/router/, being built): it reads what each can resume
+    # the router in front of several servers (cairn/router/): it reads what each can resume
     "router": (("cairn.router",), frozenset({"server", "command_line", "cache", "request", "leaf"})),
     # `cairn bench`: a client of the engine (in-process) or of a server (over HTTP)
     "bench": (("cairn.bench",), frozenset({"command_line", "engine", "scheduler", "request", "leaf"})),
