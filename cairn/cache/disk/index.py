@@ -20,6 +20,7 @@ the store (store.py), the segment format, or the tier moves (tiers/tier_set.py);
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -47,7 +48,8 @@ class DiskIndex:
         self._gone: dict[bytes, str] = {}  # key -> reason: references to drop at the next forget()
         self._unreadable: set[bytes] = set()  # keys marked bad: a lookup never hangs them again
         self._last_scan_s = time.monotonic()
-        disk.store.on_evict = lambda key: self._gone.setdefault(key, EVICTED)
+        self._gone_lock = threading.Lock()  # a remote store reports failed writes from its writer thread
+        disk.store.on_evict = self._evicted
 
     # ---- start-up and rescans -------------------------------------------------------------------
 
@@ -107,6 +109,10 @@ class DiskIndex:
 
     # ---- bad and evicted segments ---------------------------------------------------------------
 
+    def _evicted(self, key: bytes) -> None:
+        with self._gone_lock:
+            self._gone.setdefault(key, EVICTED)
+
     def mark_bad(self, key: bytes) -> None:
         self._gone[key] = UNREADABLE
         if len(self._unreadable) >= MAX_UNREADABLE:
@@ -121,7 +127,8 @@ class DiskIndex:
         """Drop the tree's references to the segments that left the store, except what is locked."""
         if not self._gone:
             return
-        gone, self._gone = self._gone, {}
+        with self._gone_lock:
+            gone, self._gone = self._gone, {}
         name = self.disk.name
         for _, entry, node in list(self.tree.iter_snapshots()):
             copies = entry.handle.copies
