@@ -68,7 +68,7 @@ def test_a_conversation_continued_on_another_replica_resumes_from_redis_as_cold(
     with a, replica(redis_server.url) as b:
         assert len(remote(b).store) == 0  # B never saw the conversation: it finds it by the prompt alone
         out = run(b, prompt)
-        assert out.cache.resume_tier == REMOTE
+        assert out.cache.resume_tier == REMOTE and out.cache.resume_source == REMOTE
         assert out.cache.cached_tokens >= 0.95 * len(prompt)
         same_as_cold(cold, out, prompt)
         assert remote(b).counters["lookup_hits"] == 1 and b.engine.cache.stats().remote.faults == {}

@@ -87,7 +87,7 @@ class DiskIndex:
             if self.disk.name not in copies and node.snapshot.has_logits == has_logits:
                 copies[self.disk.name] = key
             return 0
-        entry = SnapshotEntry(self._snapshot_bytes(has_logits), "disk", has_logits,
+        entry = SnapshotEntry(self._snapshot_bytes(has_logits), self.disk.name, has_logits,  # "disk", "remote"
                               self._make_handle(has_logits, key))
         return int(self.tree.put_snapshot(node, entry))
 

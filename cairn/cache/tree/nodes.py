@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk")  # "disk": found at start-up
+SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk", "remote")  # "disk": found
+# in the disk store (start-up, rescans); "remote": found in the Redis tier by a lookup at admission
 MISS_REASONS = ("no_snapshot", "evicted", "budget", "needs_logits")
 DEVICE, HOST, DISK, REMOTE = "device", "host", "disk", "remote"  # tier names: the one place they are spelled (the
 # factory names the tiers with them; DEVICE is the tier whose pages a request's page table lists)
