@@ -101,8 +101,8 @@ class CacheOptions:
     disk_compression: str = _f("none", "compression of disk segments: none, zstd or lz4",
                                choices=("none", "zstd", "lz4"))
     remote_cache: str | None = _f(None, "Redis URL of a remote tier shared by replicas (redis://HOST:PORT/DB, "
-                                  "rediss://, redis+cluster://HOST:PORT or ?cluster=true); see README: the store is "
-                                  "built, its place in the tier list is not wired yet; none by default")
+                                  "rediss://, redis+cluster://HOST:PORT or ?cluster=true), the slowest tier, after "
+                                  "disk; none by default")
 
     @property
     def host_cache_bytes(self) -> int:

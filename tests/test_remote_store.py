@@ -18,7 +18,8 @@ from cairn.cache.remote.client import split_url
 from cairn.cache.remote.keys import chain_keys, prefix_keys
 from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.remote.tier import RemoteTier
-from cairn.cache.tree.nodes import Node, SnapshotEntry
+from cairn.cache.tiers.tier_set import TieredSnapshot
+from cairn.cache.tree.nodes import DEVICE, REMOTE, Node, SnapshotEntry
 from tests.redis_server import redis_or_skip
 from tests.server_process import free_port
 
@@ -225,30 +226,40 @@ def test_an_unknown_scheme_is_refused():
 def _path(tokens, cuts) -> list[Node]:
     nodes, parent = [], None
     for i, (start, stop) in enumerate(zip(cuts, cuts[1:], strict=False)):
-        node = Node(i + 1, tuple(tokens[start:stop]), start, stop, parent, pages=list(range(start // PAGE,
-                                                                                             -(-stop // PAGE))))
+        node = Node(i + 1, tuple(tokens[start:stop]), start, stop, parent,
+                    {DEVICE: list(range(start // PAGE, -(-stop // PAGE)))})
         nodes.append(node)
         parent = node
     return nodes
 
 
+class _Source:
+    """The tier protocol's Source over a hand-built path: KV filled with each node's start, one state."""
+
+    state = {"conv": torch.arange(6, dtype=torch.float32).reshape(2, 3), "recurrent": torch.ones(2, 2, 2)}
+
+    def __init__(self):
+        self.kv_reads = 0
+
+    def node_kv(self, node):
+        self.kv_reads += 1
+        n = len(node.kv[DEVICE])
+        return torch.full((2, n, PAGE, 1, 2), float(node.start)), torch.full((2, n, PAGE, 1, 2), -1.0)
+
+    def node_snapshot(self, node):
+        return (self.state, torch.arange(5.0) if node.end == 22 else None) if node.snapshot else None
+
+
 def test_remote_tier_persists_a_path_and_another_replica_resumes_its_snapshot(redis_server):
     tokens = list(range(300, 322))
     path = _path(tokens, [0, 9, 22])
-    path[0].snapshot = SnapshotEntry(8, "message", False, handle=None)
-    path[1].snapshot = SnapshotEntry(8, "prompt_end", True, handle=None)
-    state = {"conv": torch.arange(6, dtype=torch.float32).reshape(2, 3), "recurrent": torch.ones(2, 2, 2)}
-
-    def kv_pages(node):
-        n = len(node.pages)
-        return torch.full((2, n, PAGE, 1, 2), float(node.start)), torch.full((2, n, PAGE, 1, 2), -1.0)
-
-    def snapshot_of(node):
-        return (state, torch.arange(5.0) if node.end == 22 else None) if node.snapshot else None
-
+    path[0].snapshot = SnapshotEntry(8, "message", False, handle=TieredSnapshot(False))
+    path[1].snapshot = SnapshotEntry(8, "prompt_end", True, handle=TieredSnapshot(True))
+    source = _Source()
     writer = RemoteTier(make_store(redis_server.url), PAGE)
-    assert writer.persist(path, kv_pages, snapshot_of) == 2
-    assert writer.persist(path, kv_pages, snapshot_of) == 0  # already there
+    assert writer.persist(path, source) == 2
+    assert all(REMOTE in n.kv and REMOTE in n.snapshot.handle.copies for n in path)  # recorded on the tree
+    assert writer.persist(path, source) == 0 and source.kv_reads == 2  # already there: nothing read again
     assert writer.store.flush()
     reader = RemoteTier(make_store(redis_server.url), PAGE)
     found = reader.lookup(tokens + [1, 2], message_starts=[9])
@@ -256,10 +267,13 @@ def test_remote_tier_persists_a_path_and_another_replica_resumes_its_snapshot(re
                                                                                        (22, 9, True, True)]
     assert [(p, start, snap) for p, start, _, snap, _ in reader.stored_paths()] == \
         [(p, start, snap) for p, start, _, snap, _ in found]  # what the tree would be given, as the disk tier's
-    segment = reader.read(found[1][2].key)
-    snap = reader.snapshot_of(segment)
-    assert torch.equal(snap.tensors["conv"], state["conv"]) and torch.equal(snap.logits, torch.arange(5.0))
-    k, v = reader.kv_of(segment)
+    other_path = _path(tokens, [0, 9, 22])  # the reader's own tree: what a lookup found is not written again
+    for node in other_path:
+        node.snapshot = SnapshotEntry(8, "grid", node.end == 22, handle=TieredSnapshot(node.end == 22))
+    assert reader.persist(other_path, source) == 0 and source.kv_reads == 2
+    tensors, logits = reader.read_snapshot(found[1][2].key)
+    assert torch.equal(tensors["conv"], _Source.state["conv"]) and torch.equal(logits, torch.arange(5.0))
+    k, v = reader.read_kv(other_path[1])
     assert k.shape == (2, 4, PAGE, 1, 2) and torch.all(k == 9.0) and torch.all(v == -1.0)
     assert found[1][2].key == segment_key(prefix_keys(tokens, [9])[9], tokens[9:22])
     writer.store.close(), reader.store.close()

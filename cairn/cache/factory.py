@@ -2,7 +2,8 @@
 
 Device tier always (when the cache is on), host tier with host_cache_gib > 0 (page-locked on CUDA),
 disk tier with disk_cache set (its namespace is the compatibility digest the engine computed, see
-cairn/compat.py). Start-up speeds for the planner are measured here with real copies into device memory.
+cairn/compat.py), the Redis tier shared by replicas with remote_cache set (same namespace), last. Start-up
+speeds for the planner are measured here with real copies into device memory.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from cairn.cache.disk.tier import DiskTier
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
 from cairn.cache.policy.speeds import SpeedMeter, measure_copy_bytes_per_s
+from cairn.cache.remote.client import redacted
+from cairn.cache.remote.store import RedisSegmentStore
+from cairn.cache.remote.tier import RemoteTier
 from cairn.cache.tiers.pools import HostKVBank, PoolTier
 from cairn.cache.tiers.tier_set import TierSet
 from cairn.cache.tree.nodes import DEVICE, DISK, HOST
@@ -54,18 +58,25 @@ def build_cache(opts: CacheOptions, kv: KVPool, states: StatePool, vocab_size: i
                               pinned))
     if opts.disk_cache:
         tiers.append(_disk_tier(opts, kv.page_size, digest, model_name))
+    if opts.remote_cache:
+        tiers.append(RemoteTier(RedisSegmentStore(opts.remote_cache, _digest(digest), kv.page_size), kv.page_size))
     _measure(states, tiers)
-    log.info("prefix cache: %d device snapshot slots (%.1f MiB), host %s, disk %s, snapshot every %d tokens",
-             tiers[0].num_slots, opts.device_snapshot_bytes / 2**20,
+    log.info("prefix cache: %d device snapshot slots (%.1f MiB), host %s, disk %s, remote %s, snapshot every %d "
+             "tokens", tiers[0].num_slots, opts.device_snapshot_bytes / 2**20,
              f"{opts.host_cache_gib:g} GiB" if opts.host_cache_bytes > 0 else "off", opts.disk_cache or "off",
-             opts.snapshot_interval)
+             redacted(opts.remote_cache) if opts.remote_cache else "off", opts.snapshot_interval)
     return HybridPrefixCache(kv, states, TierSet(tiers), placement_options(opts, kv.page_size, prefill_block),
                              SpeedMeter({tier.name: tier.bandwidth for tier in tiers}))
 
 
-def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str | None) -> DiskTier:
+def _digest(digest: str) -> str:
     if not digest:
-        raise ValueError("a disk cache needs the compatibility digest of the model (cairn/compat.py)")
+        raise ValueError("a disk or remote cache needs the compatibility digest of the model (cairn/compat.py)")
+    return digest
+
+
+def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str | None) -> DiskTier:
+    digest = _digest(digest)
     store = DiskStore(opts.disk_cache, digest, opts.disk_cache_bytes,
                       compression=None if opts.disk_compression == "none" else opts.disk_compression,
                       create_parents=opts.disk_cache_create_parents, model_name=model_name)

@@ -36,7 +36,7 @@ from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
 from cairn.cache.stats import CacheStats, DiskStats
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
-from cairn.cache.tree.nodes import DISK, HOST, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
+from cairn.cache.tree.nodes import DISK, HOST, REMOTE, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
 from cairn.cache.tree.tiered import TieredRadixTree
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -121,9 +121,11 @@ class HybridPrefixCache(PrefixCache):
         return admission
 
     def _match(self, req: CacheRequest) -> MatchResult:
-        """The tree's match, after a rescan of a read-only disk store when the prompt is not all cached."""
+        """The tree's match, after a rescan of a read-only disk store and a lookup in the segment tiers that
+        find segments by prompt (remote) when the prompt is not all cached."""
         match = self.tree.match(req.token_ids)
-        if match.match_len < len(req.token_ids) and any([index.rescan() for index in self.indexes.values()]):
+        if match.match_len < len(req.token_ids) and any(
+                [index.rescan() or index.lookup(req.token_ids, req.message_starts) for index in self.indexes.values()]):
             match = self.tree.match(req.token_ids)
         return match
 
@@ -403,10 +405,7 @@ class HybridPrefixCache(PrefixCache):
             per_tier.update(list(entry.handle.copies))
         pools = self._page_tiers()
         host = self.tiers.by_name.get(HOST)
-        disk = None
-        if self.tiers.disk is not None:
-            store = self.tiers.disk.store
-            disk = DiskStats(store.used_bytes, len(store), dict(store.faults), dict(self.disk.forgotten))
+        disk, remote = (self._segment_stats(name) for name in (DISK, REMOTE))
         return CacheStats(
             counters=dict(self.counters), taken_by_source=dict(self.taken_by_source),
             restored_by_tier=dict(self.restored_by_tier), dropped_by_reason=dict(self.dropped_by_reason),
@@ -416,7 +415,14 @@ class HybridPrefixCache(PrefixCache):
             snapshot_budget_bytes={t.name: t.budget_bytes for t in pools},
             num_tree_nodes=self.tree.num_nodes,
             host_kv_used_bytes=host.kv.used_bytes if host is not None else None,
-            disk=disk)
+            disk=disk, remote=remote)
+
+    def _segment_stats(self, name: str) -> DiskStats | None:
+        index = self.indexes.get(name)
+        if index is None:
+            return None
+        store = self.tiers.by_name[name].store
+        return DiskStats(store.used_bytes, len(store), dict(store.faults), dict(index.forgotten))
 
     # ---- probing (the router's question) ------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class DiskStats:
-    """The disk tier, when there is one."""
+    """A segment tier (disk, remote), when there is one."""
 
     used_bytes: int  # gauge cairn_cache_disk_used_bytes
     num_segments: int  # gauge cairn_cache_num_disk_segments
@@ -34,3 +34,4 @@ class CacheStats:
     num_tree_nodes: int = 0  # gauge cairn_cache_num_tree_nodes
     host_kv_used_bytes: int | None = None  # gauge cairn_cache_host_kv_used_bytes (with a host tier)
     disk: DiskStats | None = None
+    remote: DiskStats | None = None  # the Redis tier: cairn_cache_remote_faults_total{reason}, ...

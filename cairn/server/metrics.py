@@ -94,7 +94,7 @@ def engine_families(s: EngineStats) -> Iterator[Metric]:
     yield from cache_families(s.cache)
 
 
-# (CacheStats field, or "disk.<field>"; metric name after cairn_cache_; label name or None; gauge?)
+# (CacheStats field, or "disk.<field>" / "remote.<field>"; metric name after cairn_cache_; label name or None; gauge?)
 CACHE_SERIES = (
     ("taken_by_source", "snapshots_taken_by", "source", False),
     ("restored_by_tier", "snapshots_restored_from", "tier", False),
@@ -110,6 +110,10 @@ CACHE_SERIES = (
     ("disk.num_segments", "num_disk_segments", None, True),
     ("disk.faults", "disk_faults", "reason", False),
     ("disk.forgotten", "disk_segments_forgotten", "reason", False),
+    ("remote.used_bytes", "remote_used_bytes", None, True),
+    ("remote.num_segments", "num_remote_segments", None, True),
+    ("remote.faults", "remote_faults", "reason", False),
+    ("remote.forgotten", "remote_segments_forgotten", "reason", False),
 )
 
 

@@ -7,6 +7,8 @@
                    file the store found, a key marked bad); a node or snapshot still locked by a running
                    request keeps its record until a later forget(), and `usable` says not to resume
                    through it meanwhile
+    lookup()       a store shared with other writers that finds segments by prompt (the remote tier) is
+                   asked, when a prompt is not all matched, for what it holds of that prompt
     rescan()       a read-only store (another server writes the namespace) is rescanned when a prompt
                    misses, at most every `rescan_interval_s`, so segments the writer adds later are
                    resumable here too
@@ -18,9 +20,10 @@ the store (store.py), the segment format, or the tier moves (tiers/tier_set.py);
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cairn.cache.disk.tier import DiskTier
 from cairn.cache.tree.nodes import Node, SnapshotEntry
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 
 EVICTED = "disk_evicted"  # the store let the segment go (budget, or a bad file it found itself)
 UNREADABLE = "disk_unreadable"  # the cache could not read a segment it planned to resume from
+MAX_UNREADABLE = 4096  # keys remembered as unreadable (then forgotten all at once)
 RESCAN_INTERVAL_S = 2.0  # a read-only store rescans its directory at most this often, on a miss
 
 
@@ -42,15 +46,36 @@ class DiskIndex:
         self.rescan_interval_s = rescan_interval_s
         self.forgotten: Counter[str] = Counter()  # segments whose references were dropped, by reason
         self._gone: dict[bytes, str] = {}  # key -> reason: references to drop at the next forget()
+        self._unreadable: set[bytes] = set()  # keys marked bad: a lookup never hangs them again
         self._last_scan_s = time.monotonic()
-        disk.store.on_evict = lambda key: self._gone.setdefault(key, EVICTED)
+        self._gone_lock = threading.Lock()  # a remote store reports failed writes from its writer thread
+        disk.store.on_evict = self._evicted
 
     # ---- start-up and rescans -------------------------------------------------------------------
 
     def index(self) -> int:
         """Hang the store's segments on the tree (idempotent); returns the snapshots newly hung."""
+        return self._hang(self.disk.stored_paths())
+
+    def lookup(self, token_ids: Sequence[int], message_starts: Sequence[int] = ()) -> bool:
+        """For a tier that finds segments by prompt (the remote tier: a shared store holds more than this
+        process indexed at start-up): hang what it holds for this prompt; True when it found any (match
+        again: nodes may have been split)."""
+        find = getattr(self.disk, "lookup", None)
+        if find is None:
+            return False
+        found = []
+        for entry in find(token_ids, message_starts):  # parents first: stop at a segment found unreadable before
+            if entry[2].key in self._unreadable or not self.usable(entry[2].key):
+                break
+            found.append(entry)
+        self._hang(found)
+        return bool(found)
+
+    def _hang(self, stored) -> int:
+        """Hang (path, start, ref, has_snapshot, has_logits) segments, parents first; the snapshots newly hung."""
         found = 0
-        for path, start, ref, has_snapshot, has_logits in self.disk.stored_paths():
+        for path, start, ref, has_snapshot, has_logits in stored:
             node = self.tree.insert_from_segment(self.disk.name, path, start, ref)
             if has_snapshot:
                 found += self._hang_snapshot(node, ref.key, has_logits)
@@ -62,7 +87,7 @@ class DiskIndex:
             if self.disk.name not in copies and node.snapshot.has_logits == has_logits:
                 copies[self.disk.name] = key
             return 0
-        entry = SnapshotEntry(self._snapshot_bytes(has_logits), "disk", has_logits,
+        entry = SnapshotEntry(self._snapshot_bytes(has_logits), self.disk.name, has_logits,  # "disk", "remote"
                               self._make_handle(has_logits, key))
         return int(self.tree.put_snapshot(node, entry))
 
@@ -84,8 +109,15 @@ class DiskIndex:
 
     # ---- bad and evicted segments ---------------------------------------------------------------
 
+    def _evicted(self, key: bytes) -> None:
+        with self._gone_lock:
+            self._gone.setdefault(key, EVICTED)
+
     def mark_bad(self, key: bytes) -> None:
         self._gone[key] = UNREADABLE
+        if len(self._unreadable) >= MAX_UNREADABLE:
+            self._unreadable.clear()
+        self._unreadable.add(key)  # a lookup does not hang it again (its index entries may outlive it)
 
     def usable(self, key: bytes | None) -> bool:
         """The segment may be read (it is not waiting to be forgotten)."""
@@ -95,7 +127,8 @@ class DiskIndex:
         """Drop the tree's references to the segments that left the store, except what is locked."""
         if not self._gone:
             return
-        gone, self._gone = self._gone, {}
+        with self._gone_lock:
+            gone, self._gone = self._gone, {}
         name = self.disk.name
         for _, entry, node in list(self.tree.iter_snapshots()):
             copies = entry.handle.copies

@@ -1,19 +1,18 @@
-"""RemoteTier: the disk tier's segments, written to and read from a shared Redis (RedisSegmentStore).
+"""RemoteTier: a segment tier (a `Tier`, tiers/base.py) over a shared Redis (RedisSegmentStore).
 
-Segments are exactly the disk tier's: same keys (segment_key(canonical parent key, tokens)), same
-format, same compatibility namespace, so a chain one replica wrote is read by any replica of the
-same weights. What differs from DiskTier:
+It is a DiskTier with its own name (REMOTE) and store: segments are exactly the disk tier's (same keys,
+segment_key(canonical parent key, tokens); same format; same compatibility namespace), so a chain one
+replica wrote is read by any replica of the same weights. What differs from DiskTier:
 
-    persist(path, kv_pages, snapshot_of)   writes what the store does not hold yet, judged by the
-                    segment keys themselves (it records nothing on the tree's nodes, whose `disk` field
-                    belongs to the disk tier); the store queues the writes behind the request
-    lookup(token_ids, message_starts)      what Redis holds for a prompt that no local tier resumes
-                    deeply: one pipelined probe of the prompt's page multiples, message starts and end;
-                    the deepest chain ending in a snapshot, in stored_paths()'s shape, to hang on the tree
-    read / kv_of / snapshot_of             as DiskTier's (every value fully verified by the store)
+    persist(path, source)   skips a node whose segment the store already knows (another replica wrote it,
+                    or a lookup found it) without reading its KV, recording the reference on the node; the
+                    store queues the writes behind the request (a background thread sends them)
+    lookup(token_ids, message_starts)   what Redis holds for a prompt: one pipelined probe of the prompt's
+                    page multiples, message starts and end; the deepest chain ending in a snapshot, in
+                    stored_paths()'s shape, for the cache's index to hang on the tree at admission
 
 What this is not: the decision of when to look up or what to write (the cache's, through the tier
-protocol), nor the Redis client, breaker or write queue (store.py, client.py).
+protocol and its index), nor the Redis client, breaker or write queue (store.py, client.py).
 """
 
 from __future__ import annotations
@@ -21,36 +20,56 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cairn.cache.disk.segment import segment_key
+from cairn.cache.disk.store import SegmentInfo
 from cairn.cache.disk.tier import DiskTier
 from cairn.cache.remote.store import RedisSegmentStore
-from cairn.cache.tree.nodes import DiskRef, Node
+from cairn.cache.tiers.base import Source
+from cairn.cache.tree.nodes import REMOTE, DiskRef, Node
+
+REMOTE_BANDWIDTH = 0.25e9  # bytes/s of a restore from Redis until measured (the planner then observes loads)
 
 
 class RemoteTier(DiskTier):
-    name = "remote"
+    def __init__(self, store: RedisSegmentStore, page_size: int, write_through: bool = True, name: str = REMOTE,
+                 bandwidth: float = REMOTE_BANDWIDTH):
+        super().__init__(store, page_size, write_through, name, bandwidth)  # type: ignore[arg-type] (same interface)
 
-    def __init__(self, store: RedisSegmentStore, page_size: int, write_through: bool = True):
-        super().__init__(store, page_size, write_through)  # type: ignore[arg-type]  (the same interface)
-
-    def persist(self, path: list[Node], kv_pages: callable, snapshot_of: callable) -> int:
-        """Queue every node of `path` (root to node) that the store lacks (or holds without the snapshot
-        the node now has); returns segments queued. Stops at the first refusal: a later node would be
+    def persist(self, path: list[Node], source: Source) -> int:
+        """Queue every node of `path` (root to node) that the store lacks (or holds without the snapshot the
+        node now has); returns segments queued. Stops at the first refusal: a later node would be
         unreachable without it."""
         queued = 0
         for node, parent_key in self._prefix_keys(path):
-            info = self.store.info(segment_key(parent_key, node.tokens))
-            if info is not None and (node.snapshot is None or info.has_snapshot):
+            if self._known(node, parent_key):
                 continue
-            kv = kv_pages(node)
+            kv = source.node_kv(node)
             if kv is None:
                 self.counters["write_unreadable"] += 1
                 return queued
-            if not self.store.put(self._segment(node, parent_key, kv, snapshot_of(node))):
+            segment = self._segment(node, parent_key, kv, source.node_snapshot(node))
+            if not self.store.put(segment):
                 self.counters["write_failed"] += 1
                 return queued
+            self._record(node, segment.key, segment.snapshot_bytes is not None)
             queued += 1
             self.counters["segments_written"] += 1
         return queued
+
+    def _known(self, node: Node, parent_key: bytes | None) -> bool:
+        """The store already holds node's segment, with its snapshot when it has one (recorded on the node)."""
+        if self.name in node.kv and (node.snapshot is None or self.name in node.snapshot.handle.copies):
+            return True
+        key = segment_key(parent_key, node.tokens)
+        info: SegmentInfo | None = self.store.info(key)
+        if info is None or (node.snapshot is not None and not _covers(info, node.snapshot.has_logits)):
+            return False
+        self._record(node, key, node.snapshot is not None)
+        return True
+
+    def _record(self, node: Node, key: bytes, with_snapshot: bool) -> None:
+        node.kv[self.name] = DiskRef(key, node.start, node.end)
+        if with_snapshot:
+            node.snapshot.handle.copies[self.name] = key
 
     def probe_positions(self, num_tokens: int, message_starts: Sequence[int] = ()) -> list[int]:
         """Where a prompt of num_tokens looks for index entries: page multiples, message starts, its end."""
@@ -67,3 +86,8 @@ class RemoteTier(DiskTier):
         return [(tuple(token_ids[: i.start_position + i.num_tokens]), i.start_position,
                  DiskRef(i.key, i.start_position, i.start_position + i.num_tokens), i.has_snapshot, i.has_logits)
                 for i in infos]
+
+
+def _covers(info: SegmentInfo, has_logits: bool) -> bool:
+    """A stored segment can stand for a node's snapshot: it holds one, with logits when the node's has them."""
+    return info.has_snapshot and (info.has_logits or not has_logits)

@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk")  # "disk": found at start-up
+SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk", "remote")  # "disk": found
+# in the disk store (start-up, rescans); "remote": found in the Redis tier by a lookup at admission
 MISS_REASONS = ("no_snapshot", "evicted", "budget", "needs_logits")
-DEVICE, HOST, DISK = "device", "host", "disk"  # tier names: the one place they are spelled (the factory names
-# the tiers with them; DEVICE is the tier whose pages a request's page table lists)
+DEVICE, HOST, DISK, REMOTE = "device", "host", "disk", "remote"  # tier names: the one place they are spelled (the
+# factory names the tiers with them; DEVICE is the tier whose pages a request's page table lists)
 RELEASE_EVICTED = "evicted"  # on_snapshot_released reason: its last copy lost to retention (TierSet demotion)
 RELEASE_KV_EVICTED = "kv_evicted"  # on_snapshot_released reason: its node lost its last KV copy
 

@@ -1,0 +1,110 @@
+"""The Redis tier wired into the engine's tier list: two engines (replicas) on one real redis-server.
+
+Each engine is an LLM of the demo model (fp32, greedy) with --remote-cache and no disk or host tier, so
+the only way one resumes what the other computed is through Redis. Checked against a cold engine:
+a conversation continued on the other replica resumes deep and decodes exactly as cold; a Redis killed
+between requests, and values corrupted in Redis, leave every request served (cold or from local tiers),
+the corrupted values never loaded and counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cairn.cache.tree.nodes import REMOTE
+from cairn.engine import LLM
+from cairn.sampling import SamplingParams
+from tests.redis_server import redis_or_skip
+
+G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
+TOL = 1e-4
+CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
+
+
+@pytest.fixture
+def redis_server():
+    server = redis_or_skip()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cold():
+    return LLM(**OPTS, prefix_cache=False)
+
+
+def replica(url: str) -> LLM:
+    return LLM(**OPTS, remote_cache=url)
+
+
+def remote(llm: LLM):
+    return llm.engine.cache.tiers.by_name[REMOTE]
+
+
+def run(llm: LLM, prompt):
+    out = llm.generate(prompt, G)[0]
+    llm.engine.check_integrity()
+    return out
+
+
+def same_as_cold(cold: LLM, out, prompt) -> None:
+    ref = cold.generate(prompt, G)[0]
+    assert out.token_ids == ref.token_ids
+    assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs, strict=True)) < TOL
+
+
+def served_on_a(url: str):
+    """Replica A serves the conversation's first turn and finishes writing it to Redis; (A, next prompt)."""
+    a = replica(url)
+    reply = run(a, CONVERSATION)
+    assert remote(a).store.flush()
+    assert remote(a).counters["segments_written"] >= 2
+    return a, CONVERSATION + reply.token_ids + [5, 6, 7]
+
+
+def test_a_conversation_continued_on_another_replica_resumes_from_redis_as_cold(redis_server, cold):
+    a, prompt = served_on_a(redis_server.url)
+    with a, replica(redis_server.url) as b:
+        assert len(remote(b).store) == 0  # B never saw the conversation: it finds it by the prompt alone
+        out = run(b, prompt)
+        assert out.cache.resume_tier == REMOTE and out.cache.resume_source == REMOTE
+        assert out.cache.cached_tokens >= 0.95 * len(prompt)
+        same_as_cold(cold, out, prompt)
+        assert remote(b).counters["lookup_hits"] == 1 and b.engine.cache.stats().remote.faults == {}
+
+
+def test_a_redis_killed_between_requests_leaves_every_request_served(redis_server, cold):
+    a, prompt = served_on_a(redis_server.url)
+    with a, replica(redis_server.url) as b:
+        redis_server.kill()
+        out = run(b, prompt)  # nothing local on B: cold
+        assert out.cache.cached_tokens == 0
+        same_as_cold(cold, out, prompt)
+        again = run(a, prompt)  # A resumes from its own device tier and its write-behind fails quietly
+        assert again.cache.cached_tokens > 0.9 * len(CONVERSATION) and again.cache.resume_tier == "device"
+        same_as_cold(cold, again, prompt)
+        assert sum(b.engine.cache.stats().remote.faults.values()) >= 1
+        remote(a).store.flush()  # A's failed writes reach its index from the writer thread: forgotten next
+        third = run(a, prompt + [9])
+        assert third.cache.cached_tokens >= len(prompt) - 1 and third.cache.resume_tier == "device"
+        assert sum(a.engine.cache.stats().remote.faults.values()) >= 1
+
+
+def test_a_value_corrupted_in_redis_is_never_loaded_and_is_counted(redis_server, cold):
+    a, prompt = served_on_a(redis_server.url)
+    r = redis_server.client()
+    prefix = remote(a).store.names.segment(b"")
+    names = [n for n in r.scan_iter(match=prefix + "*")]
+    assert len(names) >= 2
+    for name in names:  # flip one byte in the middle of every segment value
+        raw = bytearray(r.get(name))
+        raw[len(raw) // 2] ^= 0xFF
+        r.set(name, bytes(raw))
+    with a, replica(redis_server.url) as b:
+        out = run(b, prompt)
+        assert out.cache.cached_tokens == 0 and out.cache.miss_reason == "corrupt"
+        same_as_cold(cold, out, prompt)
+        faults = b.engine.cache.stats().remote.faults
+        assert 1 <= faults.get("checksum", 0) <= len(names), faults
+        assert run(b, prompt).cache.resume_position > 0  # it cached this run locally and serves it
