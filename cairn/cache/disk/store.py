@@ -46,6 +46,7 @@ from cairn.cache.disk.namespace import (
     write_model_name,
 )
 from cairn.cache.disk.offline import NamespaceSummary, VerifyResult, list_namespaces, purge_namespace, verify_store
+from cairn.cache.disk.pins import Pins
 from cairn.cache.disk.segment import (
     DEFAULT_LIMITS,
     Segment,
@@ -87,7 +88,7 @@ class _Entry:
 # ---------------------------------------------------------------------------------------------- store
 
 
-class DiskStore:
+class DiskStore(Pins):
     """Segments of one model namespace on disk, within `budget_bytes`.
 
     Contracts:
@@ -346,24 +347,7 @@ class DiskStore:
             return {"segments": len(self._index), "used_bytes": self._used_bytes, "budget_bytes": self.budget_bytes,
                     **self._counts, "readonly": self.readonly}
 
-    # ------------------------------------------------------------------------------------ pins
-
-    def pin(self, key: bytes) -> bool:
-        """Protect key from eviction until the matching unpin; False (no pin taken) if it is not indexed."""
-        with self._lock:
-            if key not in self._index:
-                return False
-            self._pins[key] = self._pins.get(key, 0) + 1
-            return True
-
-    def unpin(self, key: bytes) -> None:
-        """Release one successful pin(key); ValueError if there is none."""
-        with self._lock:
-            if key not in self._pins:
-                raise ValueError(f"unpin of a key that is not pinned: {key.hex()[:16]}")
-            self._pins[key] -= 1
-            if not self._pins[key]:
-                del self._pins[key]
+    # pin / unpin: see pins.py
 
     # ------------------------------------------------------------------------------------ writes
 

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import pairwise
 
+from cairn.cache.disk.pins import Pins
 from cairn.cache.disk.segment import (
     DEFAULT_LIMITS,
     Segment,
@@ -62,7 +63,7 @@ class _Write:
     entries: tuple[tuple[bytes, IndexEntry], ...]  # (canonical key of the entry's position, entry sans size)
 
 
-class RedisSegmentStore:
+class RedisSegmentStore(Pins):
     readonly = False  # every replica writes: Redis arbitrates, there is no lock
 
     def __init__(self, url: str, namespace: str, page_size: int, *, compression: str | None = None,
@@ -325,20 +326,6 @@ class RedisSegmentStore:
             return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._writer.num_queued,
                     **self._counts, "breaker_opened": self.redis.breaker.num_opened}
 
-    def pin(self, key: bytes) -> bool:
-        with self._lock:
-            if key not in self._index:
-                return False
-            self._pins[key] = self._pins.get(key, 0) + 1
-            return True
-
-    def unpin(self, key: bytes) -> None:
-        with self._lock:
-            if key not in self._pins:
-                raise ValueError(f"unpin of a key that is not pinned: {key.hex()[:16]}")
-            self._pins[key] -= 1
-            if not self._pins[key]:
-                del self._pins[key]
 
     def scan(self) -> None:
         """Forget the known segments Redis no longer holds (expired, evicted); nothing when it is down."""
