@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from cairn.engine import LLM
 from cairn.forward_batch import ForwardBatch
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
 from cairn.model.hybrid import HybridModel
+from cairn.sampling import SamplingParams
 
 
 def pools(model: HybridModel, num_pages: int = 64, page_size: int = 4, num_slots: int = 4):
@@ -65,3 +67,21 @@ def prefill(model: HybridModel, ids: list[int], cuts: list[int] = (), kv=None, s
         out.append(model(segment_batch(ids[:end], pos, page_table, slot, kv.page_size), kv, states))
         pos = end
     return torch.cat(out)
+
+
+# Greedy, 6 tokens, with logprobs: what the tier tests compare a resumed answer to a cold one with.
+G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+TOL = 1e-4  # largest logprob difference between a resumed and a cold answer (float32)
+
+
+def run(llm: LLM, prompt):
+    """One greedy answer, with the engine's bookkeeping checked after it."""
+    out = llm.generate(prompt, G)[0]
+    llm.engine.check_integrity()
+    return out
+
+
+def same_as_cold(cold: LLM, out, prompt) -> None:
+    ref = cold.generate(prompt, G)[0]
+    assert out.token_ids == ref.token_ids
+    assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs, strict=True)) < TOL

@@ -13,12 +13,10 @@ import pytest
 
 from cairn.cache.tree.nodes import REMOTE
 from cairn.engine import LLM
-from cairn.sampling import SamplingParams
+from tests.harness import run, same_as_cold
 from tests.redis_server import redis_or_skip
 
-G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
-TOL = 1e-4
 CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
 
 
@@ -41,17 +39,6 @@ def replica(url: str) -> LLM:
 def remote(llm: LLM):
     return llm.engine.cache.tiers.by_name[REMOTE]
 
-
-def run(llm: LLM, prompt):
-    out = llm.generate(prompt, G)[0]
-    llm.engine.check_integrity()
-    return out
-
-
-def same_as_cold(cold: LLM, out, prompt) -> None:
-    ref = cold.generate(prompt, G)[0]
-    assert out.token_ids == ref.token_ids
-    assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs, strict=True)) < TOL
 
 
 def served_on_a(url: str):

@@ -15,13 +15,10 @@ from cairn.cache.disk.segment import Segment
 from cairn.cache.tree.nodes import Node
 from cairn.engine import LLM
 from cairn.outputs import accumulate
-from cairn.sampling import SamplingParams
-from tests.harness import same_state, slot_copy, state_pool
+from tests.harness import G, run, same_as_cold, same_state, slot_copy, state_pool
 
-G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
 SLOT = 430_080  # bytes of one demo-model state slot
-TOL = 1e-4
 CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
 
 
@@ -36,17 +33,6 @@ def tiered(tmp_path=None, device_slots=3, host_slots=12, **kw) -> LLM:
         opts["disk_cache"] = str(tmp_path)
     return LLM(**{**opts, **kw})
 
-
-def run(llm: LLM, prompt):
-    out = llm.generate(prompt, G)[0]
-    llm.engine.check_integrity()
-    return out
-
-
-def same_as_cold(cold: LLM, out, prompt) -> None:
-    ref = cold.generate(prompt, G)[0]
-    assert out.token_ids == ref.token_ids
-    assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs, strict=True)) < TOL
 
 
 def handles(llm: LLM) -> dict[int, object]:
