@@ -139,18 +139,6 @@ def test_thinking_ended_by_the_model_is_not_forced_again(checkpoint_tokenizer):
     assert not mask[tok.eos_token_ids[0]] and mask.sum() > 200  # free text, but no stop inside the reasoning
 
 
-def test_tool_schema_keywords_llguidance_does_not_know_do_not_refuse_the_call():
-    """Agents' tool schemas carry $schema, formats and extensions: the call is still forced (leniently)."""
-    tok = ByteTokenizer()
-    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "x-origin": "mcp",
-              "properties": {"when": {"type": "string", "format": "no-such-format", "maxLength": 6}},
-              "required": ["when"], "additionalProperties": False}
-    for fmt in ("json", "xml"):
-        grammar = compile_calls(tok, fmt, parallel=False, tools={"f": schema})
-        (call,) = ToolCallParser({"f": schema}).feed(tok.decode(drive(tok, grammar, 0)))[1]
-        assert set(json.loads(call.arguments)) == {"when"}
-
-
 @pytest.mark.parametrize("which", ["demo", "checkpoint"])
 def test_strict_tools_leave_text_free_until_a_call_starts_then_constrain_it(which, checkpoint_tokenizer):
     """tool_choice auto with strict tools: free text; a `<tool_call>` (text on the demo, a special token on

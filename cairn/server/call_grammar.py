@@ -7,19 +7,22 @@ given functions:
 
     xml   <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
           (Qwen3.5). Parameters come in the order of the schema's `properties`, the required ones
-          always, the others optionally; a string parameter's VALUE is raw text (bounded by its
-          maxLength, never containing `</parameter>`; an enum or const is one of its strings), any
-          other parameter's VALUE is JSON following its sub-schema. A schema without `properties`
-          allows any parameter names with text values.
+          always, the others optionally; a string parameter's VALUE is raw text (never containing
+          `</parameter>`, held to its minLength / maxLength, `pattern` and `format` by
+          `string_regex`; an enum or const is one of its strings), any other parameter's VALUE is
+          JSON following its sub-schema. A schema without `properties` allows any parameter names,
+          with values following `additionalProperties` (text when it is absent or true, none when false).
     json  <tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>   (Qwen3 / Qwen3-Next)
           ARGS is JSON following the function's parameters schema.
 
 With `parallel` the answer is one or more calls separated by a newline (as the templates render
 them), else exactly one. With `optional` (tool_choice auto, a tool marked `strict`) the answer is
 free text in which a `<tool_call>` starts such a call (any number, or with `parallel` false one).
-JSON follows the same whitespace rule as response_format (cairn.grammar); schema keywords
-llguidance does not know are ignored, and a raw XML string value keeps only to its length bounds
-(not to a `pattern` or `format`).
+JSON follows the same whitespace rule as response_format (cairn.grammar). What a schema says is
+enforced or refused, never ignored: a keyword or format llguidance's `%json` cannot enforce fails to
+compile, and an XML-style parameters schema or raw string value may use only the keywords above and
+annotations (title, description, ...); either way the request gets a 400 naming the keyword. Only
+the call grammar refuses: with tool_choice auto and no `strict` tool, nothing is constrained.
 
 What this is not: the parsing of calls (`parsers`), or compiling the grammar (`cairn.grammar`).
 """
@@ -30,10 +33,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from cairn.errors import SamplingError
 from cairn.grammar import WHITESPACE
 from cairn.server.parsers import CALL_END, CALL_START
+from cairn.server.string_regex import ANNOTATIONS, lark_regex, string_regexes
 
 CLOSE_PARAMETER = "\n</parameter>\n"
+OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "$defs", "definitions"}
 
 
 def call_format(template_source: str) -> str:
@@ -78,25 +84,43 @@ def _function_json(rule: str, name: str, schema: dict, rules: list[str]) -> str:
 
 
 def _function_xml(rule: str, name: str, schema: dict, rules: list[str]) -> str:
+    _check_object_keywords(schema, name)
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else None
     required = [r for r in schema.get("required") or () if isinstance(r, str)]
-    if properties is None and not required:
-        rules.append(f"{rule}: {json.dumps(f'<function={name}>' + chr(10))} {rule}_any*")
-        rules.append(f'{rule}_any: "<parameter=" /[^<>\\n]+/ ">\\n" {rule}_text')
-        rules += _text_rules(f"{rule}_text", None)
+    head = json.dumps(f"<function={name}>" + chr(10))
+    if properties is None and not required:  # any parameter names, values following additionalProperties
+        extra = schema.get("additionalProperties", True)
+        if extra is False:
+            rules.append(f"{rule}: {head}")
+            return rule
+        rules.append(f"{rule}: {head} {rule}_any*")
+        rules.append(f'{rule}_any: "<parameter=" /[^<>\\n]+/ ">\\n" {rule}_v')
+        where = f"additionalProperties of {name}"
+        rules += _value_rules(f"{rule}_v", extra, schema, where) if isinstance(extra, dict) else \
+            _text_rules(f"{rule}_v", None, where)
         return rule
     names = list(properties or {}) + [r for r in required if r not in (properties or {})]
     parts = []
     for j, param in enumerate(names):
         sub = f"{rule}_p{j}"
         rules.append(f"{sub}: {json.dumps(f'<parameter={param}>' + chr(10))} {sub}_v")
-        rules.extend(_value_rules(f"{sub}_v", (properties or {}).get(param), schema))
+        rules.extend(_value_rules(f"{sub}_v", (properties or {}).get(param), schema, f"parameter {param} of {name}"))
         parts.append(sub if param in required else f"{sub}?")
-    rules.append(f"{rule}: {json.dumps(f'<function={name}>' + chr(10))} {' '.join(parts)}")
+    rules.append(f"{rule}: {head} {' '.join(parts)}")
     return rule
 
 
-def _value_rules(rule: str, schema: Any, parent: dict) -> list[str]:
+def _check_object_keywords(schema: dict, name: str) -> None:
+    """The parameters schema of an XML-style function may only use what the grammar above enforces."""
+    if schema.get("type", "object") != "object":
+        raise SamplingError(f"tools is not usable: the parameters of {name} must be an object schema")
+    unknown = sorted(k for k in schema if k not in OBJECT_KEYWORDS | ANNOTATIONS and not k.startswith("x-"))
+    if unknown:
+        raise SamplingError(f"tools is not usable: the parameters of {name}: the keyword {unknown[0]!r} cannot be "
+                            "enforced on XML-style calls; supported: " + ", ".join(sorted(OBJECT_KEYWORDS)))
+
+
+def _value_rules(rule: str, schema: Any, parent: dict, where: str) -> list[str]:
     """The rules of one XML parameter's value followed by its closing tag."""
     close = json.dumps(CLOSE_PARAMETER)
     schema = schema if isinstance(schema, dict) else {}
@@ -106,7 +130,7 @@ def _value_rules(rule: str, schema: Any, parent: dict) -> list[str]:
     if choices and (as_text or (kind is None and not any(_reads_as_json(c) for c in choices))):
         return [f"{rule}: ({' | '.join(json.dumps(c) for c in choices)}) {close}"]  # raw, as the template renders
     if as_text:
-        return _text_rules(rule, schema)
+        return _text_rules(rule, schema, where)
     return [f"{rule}: {rule}_json {close}", f"{rule}_json: %json {_json_schema(_with_defs(schema, parent))}"]
 
 
@@ -124,15 +148,23 @@ def _reads_as_json(text: str) -> bool:
     return True
 
 
-def _text_rules(rule: str, schema: dict | None) -> list[str]:
+def _text_rules(rule: str, schema: dict | None, where: str) -> list[str]:
     """A raw text value and its closing tag, as one lazy terminal (it ends at the first closing tag); the
-    text never contains `</parameter>` and keeps to the schema's length bounds."""
-    low = int((schema or {}).get("minLength", 0))
-    high = (schema or {}).get("maxLength")
-    length = f"{{{low},{int(high)}}}" if high is not None else f"{{{low},}}"
+    text never contains `</parameter>`, keeps to the schema's length bounds and matches its `pattern`
+    and `format` (`string_regex`; a keyword it cannot enforce is refused)."""
+    schema = schema or {}
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if not _is_count(low) or not (high is None or _is_count(high)):
+        raise SamplingError(f"tools is not usable: {where}: minLength and maxLength must be non-negative integers")
+    length = f"{{{low},{high}}}" if high is not None else f"{{{low},}}"
+    operands = [f"/(?s:.{length})/", "~/(?s:.*)<\\/parameter>(?s:.*)/"]
+    operands += [lark_regex(r) for r in string_regexes(schema, where)]
     terminal = rule.upper()
-    return [f"{rule}[lazy]: {terminal}",
-            f"{terminal}: (/(?s:.{length})/ & ~/(?s:.*)<\\/parameter>(?s:.*)/) {json.dumps(CLOSE_PARAMETER)}"]
+    return [f"{rule}[lazy]: {terminal}", f"{terminal}: ({' & '.join(operands)}) {json.dumps(CLOSE_PARAMETER)}"]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _with_defs(schema: dict, parent: dict) -> dict:
@@ -142,6 +174,6 @@ def _with_defs(schema: dict, parent: dict) -> dict:
 
 
 def _json_schema(schema: dict) -> str:
-    """A `%json` body. Lenient: keywords and formats llguidance does not know are ignored (tool schemas
-    come from agents' tool definitions; an exotic keyword should not make a forced call a 400)."""
-    return json.dumps({**schema, "x-guidance": {"whitespace_pattern": WHITESPACE, "lenient": True}})
+    """A `%json` body. Strict: a keyword or format llguidance cannot enforce makes the grammar fail to
+    compile, a 400 whose message names it (never silently ignored)."""
+    return json.dumps({**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}})

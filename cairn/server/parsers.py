@@ -134,7 +134,8 @@ def parse_call(block: str, tools: dict[str, dict], complete: bool) -> ParsedTool
         schema = tools.get(name)
         properties = schema.get("properties") if isinstance(schema, dict) else None
         properties = properties if isinstance(properties, dict) else {}
-        args = {p.strip(): _convert_value(v, properties.get(p.strip())) for p, v in _PARAMETER.findall(body)}
+        extra = schema.get("additionalProperties") if isinstance(schema, dict) else None
+        args = {p.strip(): _convert_value(v, properties.get(p.strip(), extra)) for p, v in _PARAMETER.findall(body)}
     elif text.startswith("{"):
         try:
             obj = json.loads(text)
