@@ -282,8 +282,9 @@ def _chat_chunks(gen: Generation, body: ChatCompletionRequest, out: RequestOutpu
     chunks = [chat_chunk(gen.header, d, None, logprobs if i == 0 else None, **(extra if i == 0 else {}))
               for i, d in enumerate(deltas)]
     if out.finished:
-        finish_extra = {"prompt_token_ids": out.prompt_token_ids} if body.return_token_ids else {}
-        chunks.append(chat_chunk(gen.header, {}, finish_reason, None, **finish_extra))
+        chunks.append(chat_chunk(gen.header, {}, finish_reason, None))
+        if body.return_token_ids:  # beside the choices, as in the whole response (vLLM's chunk field)
+            chunks[-1]["prompt_token_ids"] = out.prompt_token_ids
     return chunks
 
 

@@ -116,12 +116,13 @@ def chat_response(h: ResponseHeader, out: Completion, message: dict[str, Any], f
 
 def completion_response(h: ResponseHeader, out: Completion, logprobs: dict | None,
                         token_ids: bool = False) -> dict[str, Any]:
+    """A whole text_completion; `token_ids`: add the output's and the prompt's token ids to the choice (as
+    vLLM does, and as each choice's last chunk does when streamed)."""
     choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-    body = {**h.model_dump(), "object": "text_completion", "choices": [choice], "usage": usage_of(out).model_dump()}
     if token_ids:
         choice["token_ids"] = list(out.token_ids)
-        body["prompt_token_ids"] = out.prompt_token_ids
-    return body
+        choice["prompt_token_ids"] = out.prompt_token_ids
+    return {**h.model_dump(), "object": "text_completion", "choices": [choice], "usage": usage_of(out).model_dump()}
 
 
 def chat_chunk(h: ResponseHeader, delta: dict[str, Any], finish_reason: str | None = None,
