@@ -1,9 +1,13 @@
 """Message-start snapshots land at every message start of an agentic session whose assistant messages
 carry reasoning and tool calls (the `agentic` bench workload, real tool-call messages), on the demo
-model: a later request that shares the history up to any message start resumes exactly there.
+model: a later request that shares the history up to any message start resumes exactly there; in
+process and through a real `cairn serve`.
 """
 
 from __future__ import annotations
+
+import httpx
+import pytest
 
 from cairn.bench.conversation import Reply, WorkloadSizes
 from cairn.bench.text import TextSource
@@ -11,6 +15,7 @@ from cairn.bench.workloads import all_workloads
 from cairn.engine import LLM
 from cairn.sampling import SamplingParams
 from cairn.tokenizer import ByteTokenizer
+from tests.server_process import openai_client, start_server
 
 SIZES = WorkloadSizes(system_tokens=32, message_tokens=20, reply_tokens=2, compaction_context_tokens=320,
                       keep_fraction=0.55, instruction_tokens=8, agentic_turns=6, tool_result_tokens=20,
@@ -53,3 +58,28 @@ def test_every_message_start_of_an_agentic_session_with_reasoning_and_tool_calls
         assert ids[p] == im_start, k  # a boundary of the rendered conversation
         out = llm.generate(ids[:p] + llm.tokenizer.encode("Zz"), GREEDY)[0]
         assert out.cache.match_length == p and out.cache.resume_position == p, (k, messages[k]["role"])
+
+
+@pytest.fixture(scope="module")
+def served():
+    srv = start_server("--max-model-len", "2048", "--max-num-seqs", "2", "--log-level", "WARNING")
+    with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+        yield openai_client(srv), http
+    srv.stop()
+
+
+def test_served_streamed_chat_with_reasoning_and_tool_calls_resumes_at_every_message_start(served):
+    """The same through a real `cairn serve` and the openai client: the chat is streamed, then a token
+    prompt that leaves the history right after each message start resumes exactly there."""
+    client, http = served
+    messages = agentic_turn(3)
+    rendered = http.post("/tokenize", json={"messages": messages}).json()
+    ids, starts = rendered["tokens"], rendered["message_starts"]
+    assert len(starts) == len(messages)
+    chunks = list(client.chat.completions.create(model="cairn-demo", messages=messages, max_tokens=2, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert next(c.usage for c in chunks if c.usage).prompt_tokens == len(ids)
+    branch = http.post("/tokenize", json={"prompt": "Zz"}).json()["tokens"]
+    for k, p in enumerate(starts[1:], start=1):
+        r = client.completions.create(model="cairn-demo", prompt=ids[:p] + branch, max_tokens=1, temperature=0)
+        assert r.usage.model_extra["cairn"]["resume_position"] == p, (k, messages[k]["role"])
