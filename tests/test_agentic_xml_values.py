@@ -15,6 +15,7 @@ import datetime
 import ipaddress
 import json
 import re
+import string
 import urllib.parse
 import uuid
 
@@ -55,9 +56,18 @@ CHECKS = {  # format -> an independent check of a value
     "ipv4": ipaddress.IPv4Address,
     "ipv6": ipaddress.IPv6Address,
     "uuid": lambda v: str(uuid.UUID(v)) == v.lower(),
-    "uri": lambda v: urllib.parse.urlsplit(v).scheme and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", v.split(":")[0]),
+    "uri": lambda v: valid_uri(v),
 }
-PATTERNS = ["^[0-9]{3}-[0-9]{4}$", "ab", r"^\d+x|y\w$", "^(cat|dog)s?$", r"^https?://[a-z]+\.com/", "^.{2}$"]
+
+
+def valid_uri(text: str) -> bool:
+    parts = urllib.parse.urlsplit(text)
+    parts.port  # noqa: B018 (raises ValueError on a port that is not a number)
+    allowed = set("-._~!$&'()*+,;=:@/?#%") | set(string.ascii_letters + string.digits)
+    return bool(re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", parts.scheme)) and set(text) <= allowed \
+        and text.count("#") <= 1 and all(re.fullmatch("[0-9A-Fa-f]{2}", p[:2]) for p in text.split("%")[1:])
+PATTERNS = ["^[0-9]{3}-[0-9]{4}$", "ab", r"^\d+x|y\w$", "^(cat|dog)s?$", r"^https?://[a-z]+\.com/", "^.{2}$",
+            r"^[&~][\d_].$"]
 
 
 def one_call(tok, tools: dict, seed: int, fmt: str = "xml") -> dict:

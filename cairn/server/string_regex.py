@@ -6,11 +6,12 @@ gives the regexes (Rust `regex` syntax, as llguidance's Lark terminals read them
 whole text) that the value must match besides its length bounds:
 
     pattern   the ECMA-262 pattern, searched anywhere in the text as JSON Schema says: each top-level
-              alternative gets `.*` on a side it does not anchor with `^` / `$`; `\\d`, `\\w` and their
-              negations keep their ASCII meaning
-    format    date, time, date-time, duration (RFC 3339), email, hostname, ipv4, ipv6, uuid, uri:
-              a regex per format; a value it allows always passes the format's definition (it may
-              refuse a few exotic valid ones: IPv4-suffixed IPv6, an IPv6 host in a URI, a leap second)
+              alternative gets `.*` on a side it does not anchor with `^` / `$`; ECMA meanings are
+              kept where Rust's differ (`\\d`, `\\w` ASCII, `.` stops at any line terminator, `[[]`)
+    format    date, time, date-time, duration (RFC 3339), email (RFC 5322's dot-atom form), hostname
+              (RFC 1123, 253 characters at most), ipv4, ipv6 (RFC 4291), uuid, uri (RFC 3986): a regex
+              per format; a value it allows follows the format's grammar (not every valid value is
+              allowed: no IPv4-suffixed IPv6, no IPv6 host in a URI, no leap second, no quoted local part)
 
 A keyword it cannot enforce is refused (SamplingError, a 400 naming the keyword), never ignored:
 an unknown format, a pattern llguidance cannot compile (a back-reference, a look-around, an anchor
@@ -45,7 +46,11 @@ _TIME = ("(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]+)?"
 _N = "[0-9]+"
 _DUR_TIME = f"T(?:{_N}H(?:{_N}M(?:{_N}S)?)?|{_N}M(?:{_N}S)?|{_N}S)"
 _DUR_DATE = f"(?:{_N}D|{_N}M(?:{_N}D)?|{_N}Y(?:{_N}M(?:{_N}D)?)?)(?:{_DUR_TIME})?"
-_URI_CHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@\/?]|%[0-9A-Fa-f]{2})"
+_PCHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})"  # RFC 3986
+_AUTHORITY = (r"(?:(?:[A-Za-z0-9\-._~!$&'()*+,;=:]|%[0-9A-Fa-f]{2})*@)?"  # userinfo
+              r"(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%[0-9A-Fa-f]{2})*(?::[0-9]*)?")  # reg-name (or IPv4), port
+_HIER_PART = f"//{_AUTHORITY}(?:/{_PCHAR}*)*|/(?:{_PCHAR}+(?:/{_PCHAR}*)*)?|{_PCHAR}+(?:/{_PCHAR}*)*|"
+_QUERY = f"(?:{_PCHAR}|[/?])*"
 _LOCAL_CHAR = r"[A-Za-z0-9!#$%&'*+\/=?^_`{|}~\-]"
 
 FORMATS: dict[str, str | tuple[str, ...]] = {  # name -> the regex (or regexes) a value must match
@@ -58,8 +63,9 @@ FORMATS: dict[str, str | tuple[str, ...]] = {  # name -> the regex (or regexes) 
     "ipv4": _IPV4,
     "ipv6": f"(?:{_IPV6})",
     "uuid": "[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}",
-    "uri": rf"[A-Za-z][A-Za-z0-9+.\-]*:{_URI_CHAR}*(?:#{_URI_CHAR}*)?",
+    "uri": rf"[A-Za-z][A-Za-z0-9+.\-]*:(?:{_HIER_PART})(?:\?{_QUERY})?(?:#{_QUERY})?",
 }
+_DOT = "[^\\n\\r\\u2028\\u2029]"  # ECMA-262's `.`: anything but a line terminator
 # \d \w and their negations: ASCII in ECMA-262 (Unicode in Rust's regex); a nested class works in a class too
 _CLASS_ESCAPES = {"d": _DIGITS, "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
 
@@ -110,16 +116,23 @@ def lark_regex(regex: str) -> str:
 
 
 def _translate(pattern: str) -> str:
-    """ECMA-only escapes in Rust regex terms: \\d, \\w, \\D, \\W as ASCII classes; \\/ kept."""
-    out, i = [], 0
+    """ECMA-262 meanings in Rust regex terms: `\\d`, `\\w` and their negations as ASCII classes; `.` not
+    matching a line terminator; `[`, `&`, `~` literal inside a class (Rust reads nested classes and set
+    operations there)."""
+    out, in_class, i = [], False, 0
     while i < len(pattern):
         ch = pattern[i]
         if ch == "\\" and i + 1 < len(pattern):
-            nxt = pattern[i + 1]
-            out.append(_CLASS_ESCAPES.get(nxt, ch + nxt))
+            out.append(_CLASS_ESCAPES.get(pattern[i + 1], pattern[i:i + 2]))
             i += 2
             continue
-        out.append(ch)
+        if in_class:
+            in_class = ch != "]" or out[-1] in ("[", "[^")
+            out.append("\\" + ch if ch in "[&~" else ch)
+        else:
+            in_class = ch == "["
+            out.append(_DOT if ch == "." else "[^" if pattern[i:i + 2] == "[^" else ch)
+            i += 1 if pattern[i:i + 2] == "[^" else 0
         i += 1
     return "".join(out)
 
