@@ -4,7 +4,7 @@ every case streamed and not), against a real `cairn serve` through the official 
 
     return_token_ids            token_ids per chunk, prompt_token_ids on the last chunk (chat: beside the
                                 choices, as vLLM's chunks carry it; completions: in the choice)
-    tool history                the prompt the stream's usage counts is /tokenize's
+    tool history, tool_choice none   the prompt the stream's usage counts is /tokenize's; no calls
     min_tokens, include_stop_str_in_output, response_format json_object
     /v1/messages                system, tool_use / tool_result history, stop_sequences, cache usage
     --reasoning-parser none / --tool-call-parser none (a second server): content only, streamed too
@@ -86,6 +86,19 @@ def test_streamed_tool_history_renders_the_prompt_tokenize_gives(client, http):
     whole = client.chat.completions.create(**ask)
     assert usage.prompt_tokens == whole.usage.prompt_tokens == count
     assert content == (whole.choices[0].message.content or "")
+
+
+def test_tool_choice_none_still_renders_the_tools_and_returns_no_calls(client):
+    """As vLLM by default: the template still sees the tools; nothing is parsed into calls."""
+    auto = client.chat.completions.create(messages=ASK, tools=[WEATHER], **GREEDY)
+    whole = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice="none", **GREEDY)
+    content, finish, chunks = streamed(client, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                       stream_options={"include_usage": True}, **GREEDY)
+    usage = next(c.usage for c in chunks if c.usage)
+    assert whole.usage.prompt_tokens == auto.usage.prompt_tokens == usage.prompt_tokens
+    assert not whole.choices[0].message.tool_calls and whole.choices[0].finish_reason != "tool_calls"
+    assert (content, finish) == (whole.choices[0].message.content, whole.choices[0].finish_reason)
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
 
 
 def test_streamed_min_tokens_and_include_stop_str_in_output(client):
