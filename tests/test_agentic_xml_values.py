@@ -26,7 +26,7 @@ import pytest
 
 from cairn.errors import SamplingError
 from cairn.grammar import allowed_masks
-from cairn.server.parsers import ToolCallParser
+from cairn.server.parsers import ToolCallParser, parse_call
 from cairn.server.string_regex import FORMATS, pattern_regex
 from cairn.tokenizer import ByteTokenizer
 from tests.server_process import openai_client, start_server
@@ -144,6 +144,12 @@ def test_parameters_without_properties_follow_additional_properties(extra, check
     for seed in range(4):
         args = one_call(tok, {"f": schema}, seed)
         assert check(args) and len(args) < 8, args
+
+
+def test_values_of_parameters_outside_properties_are_read_by_additional_properties():
+    schema = {"type": "object", "additionalProperties": {"type": "string"}}
+    call = parse_call("<function=f>\n<parameter=zip>\n75001\n</parameter>\n</function>", {"f": schema}, True)
+    assert json.loads(call.arguments) == {"zip": "75001"}  # text, as the schema says (not the number 75001)
 
 
 def refusal(tools: dict, fmt: str = "xml") -> str:
