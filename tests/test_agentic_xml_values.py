@@ -70,6 +70,10 @@ PATTERNS = ["^[0-9]{3}-[0-9]{4}$", "ab", r"^\d+x|y\w$", "^(cat|dog)s?$", r"^http
             r"^[&~][\d_].$"]
 
 
+def schema_of(value: dict, **top) -> dict:
+    return {"type": "object", "properties": {"v": value}, "required": ["v"], **top}
+
+
 def one_call(tok, tools: dict, seed: int, fmt: str = "xml") -> dict:
     grammar = compile_calls(tok, fmt, parallel=False, tools=tools)
     text = tok.decode(drive(tok, grammar, seed, most=2000))
@@ -135,6 +139,16 @@ def test_xml_values_that_are_not_raw_text_follow_their_sub_schemas():
         assert re.search("^[a-z]{1,4}$", args["where"]["tag"]) and args["level"] == 4
 
 
+def test_xml_enum_values_are_exact_and_held_to_the_other_keywords():
+    """An enum's strings are written raw and exactly (regex syntax in them is literal); its pattern and
+    length bounds still apply, so only the strings that pass them can come out."""
+    tok = ByteTokenizer()
+    value = {"type": "string", "enum": ["a.b", "x/y", "1+1", "(c)", "zz[", "long one"], "pattern": "^[^z]",
+             "maxLength": 3}
+    seen = {one_call(tok, {"f": schema_of(value)}, seed)["v"] for seed in range(24)}
+    assert seen <= {"a.b", "x/y", "1+1", "(c)"} and len(seen) > 1, seen
+
+
 @pytest.mark.parametrize("extra,check", [(False, lambda args: args == {}),
                                          ({"type": "integer", "minimum": 0, "maximum": 9},
                                           lambda args: all(isinstance(v, int) and 0 <= v <= 9 for v in args.values()))])
@@ -160,10 +174,6 @@ def refusal(tools: dict, fmt: str = "xml") -> str:
     return message
 
 
-def schema_of(value: dict, **top) -> dict:
-    return {"type": "object", "properties": {"v": value}, "required": ["v"], **top}
-
-
 @pytest.mark.parametrize("fmt", ["xml", "json"])
 def test_unknown_format_is_refused_naming_it(fmt):
     assert "no-such-format" in refusal({"f": schema_of({"type": "string", "format": "no-such-format"})}, fmt)
@@ -171,6 +181,7 @@ def test_unknown_format_is_refused_naming_it(fmt):
 
 @pytest.mark.parametrize("schema,keyword", [
     (schema_of({"type": "string", "not": {"const": "x"}}), "not"),
+    (schema_of({"type": "string", "enum": ["x", "y"], "not": {"const": "x"}}), "not"),
     (schema_of({"type": "string", "anyOf": [{"format": "date"}, {"format": "uri"}]}), "anyOf"),
     (schema_of({"type": "string"}, minProperties=1), "minProperties"),
     (schema_of({"type": "string"}, oneOf=[{"required": ["v"]}]), "oneOf"),

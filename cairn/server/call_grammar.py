@@ -36,7 +36,7 @@ from typing import Any
 from cairn.errors import SamplingError
 from cairn.grammar import WHITESPACE
 from cairn.server.parsers import CALL_END, CALL_START
-from cairn.server.string_regex import ANNOTATIONS, lark_regex, string_regexes
+from cairn.server.string_regex import ANNOTATIONS, lark_regex, one_of, string_regexes
 
 CLOSE_PARAMETER = "\n</parameter>\n"
 OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "$defs", "definitions"}
@@ -128,7 +128,7 @@ def _value_rules(rule: str, schema: Any, parent: dict, where: str) -> list[str]:
     as_text = kind == "string" or (isinstance(kind, list) and "string" in kind)  # what the parser keeps as text
     choices = _string_choices(schema)
     if choices and (as_text or (kind is None and not any(_reads_as_json(c) for c in choices))):
-        return [f"{rule}: ({' | '.join(json.dumps(c) for c in choices)}) {close}"]  # raw, as the template renders
+        return _text_rules(rule, schema, where, choices)  # raw, as the template renders
     if as_text:
         return _text_rules(rule, schema, where)
     return [f"{rule}: {rule}_json {close}", f"{rule}_json: %json {_json_schema(_with_defs(schema, parent))}"]
@@ -148,17 +148,19 @@ def _reads_as_json(text: str) -> bool:
     return True
 
 
-def _text_rules(rule: str, schema: dict | None, where: str) -> list[str]:
+def _text_rules(rule: str, schema: dict | None, where: str, choices: list[str] | None = None) -> list[str]:
     """A raw text value and its closing tag, as one lazy terminal (it ends at the first closing tag); the
-    text never contains `</parameter>`, keeps to the schema's length bounds and matches its `pattern`
-    and `format` (`string_regex`; a keyword it cannot enforce is refused)."""
+    text never contains `</parameter>`, is one of `choices` (an enum or const) if given, keeps to the
+    schema's length bounds and matches its `pattern` and `format` (`string_regex`; a keyword it cannot
+    enforce is refused)."""
     schema = schema or {}
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     if not _is_count(low) or not (high is None or _is_count(high)):
         raise SamplingError(f"tools is not usable: {where}: minLength and maxLength must be non-negative integers")
     length = f"{{{low},{high}}}" if high is not None else f"{{{low},}}"
     operands = [f"/(?s:.{length})/", "~/(?s:.*)<\\/parameter>(?s:.*)/"]
-    operands += [lark_regex(r) for r in string_regexes(schema, where)]
+    regexes = string_regexes(schema, where) + ([one_of(choices)] if choices is not None else [])
+    operands += [lark_regex(r) for r in regexes]
     terminal = rule.upper()
     return [f"{rule}[lazy]: {terminal}", f"{terminal}: ({' & '.join(operands)}) {json.dumps(CLOSE_PARAMETER)}"]
 

@@ -29,6 +29,7 @@ HANDLED = {"type", "pattern", "format", "minLength", "maxLength", "enum", "const
 ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
                "readOnly", "writeOnly", "contentEncoding", "contentMediaType", "nullable"}
 ANY = "(?s:.*)"
+_META = set("\\.+*?()|[]{}^$#&-~/")  # what Rust's regex reads as syntax (and `/`, which ends a Lark regex)
 
 _DIGITS = "[0-9]"
 _DEC_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
@@ -102,6 +103,17 @@ def pattern_regex(pattern: str) -> str:
         body = alt[int(left): len(alt) - int(right)]
         alternatives.append(("" if left else ANY) + f"(?:{body})" + ("" if right else ANY))
     return "(?:" + "|".join(alternatives) + ")"
+
+
+def one_of(texts: list[str]) -> str:
+    """A regex matching exactly one of `texts`."""
+    return "(?:" + "|".join("".join(_literal(ch) for ch in text) for text in texts) + ")"
+
+
+def _literal(ch: str) -> str:
+    if ch in _META:
+        return "\\" + ch
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(ch, ch)
 
 
 def lark_regex(regex: str) -> str:
