@@ -52,7 +52,8 @@ def calls_grammar(tools: dict[str, dict], fmt: str, parallel: bool, tag: Callabl
     """Lark rules (top rule `answer`) for one call, or with `parallel` one or more, to the functions in
     `tools` (name -> parameters schema). `tag` writes `<tool_call>` / `</tool_call>` (cairn.grammar.lark_tag:
     a special token where the tokenizer has one). `optional` (tool_choice auto with `strict` tools): any
-    text, and whatever follows a `<tool_call>` in it is a call as above."""
+    text, and whatever follows a `<tool_call>` in it is a call as above. Raises SamplingError (a 400
+    naming the keyword) on an XML-style schema it cannot enforce; `%json` parts are checked when compiled."""
     rules: list[str] = []
     functions = [(_function_xml if fmt == "xml" else _function_json)(f"f{i}", name, schema or {}, rules)
                  for i, (name, schema) in enumerate(tools.items())]
