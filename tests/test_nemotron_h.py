@@ -2,7 +2,7 @@
 (which runs prefill, chunked, greedy, batched and state-copy checks on it) and the divergence patterns of
 test_cache_patterns.py (parametrised over it): its config keys, layer kinds and state, sharded and bf16
 loading, the MoE's latent width, the host and disk tiers with a restart, its own disk namespace, and
-`cairn bench` on a Nemotron-H-shaped checkpoint.
+`cairn bench` on a Nemotron-H-shaped checkpoint, and `cairn serve` on it across a restart.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import copy
 import json
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from cairn.model.families import config_from_hf
 from cairn.model.loader import load_checkpoint
 from tests.checkpoints import NEMOTRON_H, write_checkpoint
 from tests.harness import prefill, run, same_as_cold
+from tests.server_process import start_server
 from tests.test_bench import CONFIG, SIZES
 
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
@@ -193,3 +195,33 @@ def test_bench_runs_its_workloads_on_a_nemotron_h_shaped_checkpoint(tmp_path):
         assert all(r.cached_tokens == 0 for r in none.requests)
         assert sum(r.cached_tokens for r in cairn.requests) > 0
         assert all(r.cached_tokens <= r.oracle_tokens for r in cairn.requests)
+
+
+# ---- a real server ---------------------------------------------------------------------------------------
+
+def test_cairn_serve_loads_the_checkpoint_and_resumes_from_disk_after_a_restart(tmp_path, model_dir):
+    """`cairn serve --model DIR` on the unchanged checkpoint: a chat, a restart on the same --disk-cache, and the
+    follow-up resumes from disk with the cold answer."""
+    flags = ("--model", model_dir, "--snapshot-interval", "64", "--page-size", "8")
+    messages = [{"role": "system", "content": "You are terse. " + "Keep every answer short. " * 6},
+                {"role": "user", "content": "List three colours of the sky at dusk, please."}]
+
+    def chat(*extra: str, messages: list[dict]) -> dict:
+        server = start_server(*flags, *extra)
+        try:
+            client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+            name = client.models.list().data[0].id
+            reply = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+        finally:
+            assert server.stop() == 0
+        return reply
+
+    first = chat("--disk-cache", str(tmp_path), messages=messages)
+    follow_up = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                            {"role": "user", "content": "And at dawn?"}]
+    warm = chat("--disk-cache", str(tmp_path), messages=follow_up)
+    usage = warm.usage.model_dump()
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0 and usage["cairn"]["tier"] == "disk"
+    cold = chat("--no-prefix-cache", messages=follow_up)
+    assert warm.choices[0].message.content == cold.choices[0].message.content

@@ -15,6 +15,8 @@ checkpoint. `SIZES` holds the named sizes:
            attention 4 query / 2 KV heads of 64; squared-ReLU MLP 768), vocabulary 4096
     nemotron-h-4b    Nemotron-H-4B's dimensions: hidden 3072, 52 layers (24 Mamba2 of 112 heads x 64, state
            128, 8 groups; 4 attention of 32 / 8 KV heads of 128; 24 MLP of 12288), vocabulary 32k (not 131k)
+    nemotron-h-4b-slice  the same layers, 6 of them (M-M*M-: 3 Mamba2, 1 attention, 2 MLP): per-layer speed
+           at the 4B dimensions on a machine without room for two copies of the whole model
 
 What it is not: a model anyone should generate text with (the weights are random), nor the tests'
 tiny per-family checkpoints (tests/checkpoints.py).
@@ -45,6 +47,7 @@ _NEMOTRON_H = {
                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, mamba_num_heads=112,
                           mamba_head_dim=64, n_groups=8, ssm_state_size=128, chunk_size=128),
 }
+_NEMOTRON_H["nemotron-h-4b-slice"] = dict(_NEMOTRON_H["nemotron-h-4b"], hybrid_override_pattern="M-M*M-")
 SIZES = (*_QWEN, *_NEMOTRON_H)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
