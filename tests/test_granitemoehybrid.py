@@ -1,8 +1,10 @@
 """Granite-4.0-H (`granitemoehybrid`) against transformers on tiny random checkpoints the tests save.
 
 The config-key tables (every key transformers writes is classified; unimplemented keys and values are
-refused naming the key) and the feed-forward block (MoE + shared MLP, dense shared MLP) loaded from the
-saved checkpoint's own tensor names.
+refused naming the key), the feed-forward block (MoE + shared MLP, dense shared MLP) loaded from the
+saved checkpoint's own tensor names, and the whole model (fp32): one-pass prefill logits, chunked =
+one pass, 32 greedy tokens, batched = alone, a state copied at p resuming in another slot exactly;
+sharded, tied / untied and bf16 loading.
 """
 
 from __future__ import annotations
@@ -13,11 +15,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cairn.model.config import ConfigError
-from cairn.model.granitemoehybrid import GraniteMoE, SharedMLP, ffn_targets, read_config
+from cairn.engine import LLM
+from cairn.model.config import ConfigError, Mamba2Shape
+from cairn.model.families import config_from_hf
+from cairn.model.granitemoehybrid import GraniteMoE, SharedMLP, ffn_targets
+from cairn.model.loader import load_checkpoint
+from cairn.sampling import SamplingParams
 from tests.granite_checkpoint import FAMILIES, write_checkpoint
+from tests.harness import pools, prefill
 
-TOL = 1e-5
+TOL = 1e-5  # one block, fp32
+MODEL_TOL = 1e-4  # whole-model logits, fp32
 
 # The keys of a published Granite-4.0-H config.json (Tiny's dimensions).
 TINY = {
@@ -51,25 +59,28 @@ def config_of(path) -> dict:
 
 
 def test_published_config_reads_as_granite_tiny():
-    cfg = read_config(TINY)
-    assert cfg["layer_types"].count("attention") == 4 and len(cfg["layer_types"]) == 40
-    assert [i for i, t in enumerate(cfg["layer_types"]) if t == "attention"] == [5, 15, 25, 35]
-    assert cfg["rope_theta"] is None and cfg["attention_scale"] == 0.0078125 and cfg["head_dim"] == 128
-    assert cfg["mamba"] == dict(num_heads=48, head_dim=64, n_groups=1, state_size=128, conv_kernel=4, chunk_size=256,
-                                dt_limit=(0.0, float("inf")), conv_bias=True, proj_bias=False)
-    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["expert_intermediate_size"]) == (64, 6, 512)
+    cfg = config_from_hf(TINY)
+    assert cfg.family == "granitemoehybrid" and cfg.num_layers == 40
+    assert cfg.attention_layers == (5, 15, 25, 35) and len(cfg.mamba_layers) == 36
+    assert cfg.ffn_types == ("moe",) * 40 and not cfg.zero_centred_norms and not cfg.attention_gated
+    assert cfg.rotary_dim == 0 and cfg.attention_scale == 0.0078125 and cfg.head_dim == 128
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_multiplier) == (12.0, 0.22, 1 / 6)
+    assert cfg.mamba == Mamba2Shape(num_heads=48, head_dim=64, n_groups=1, state_size=128, conv_kernel=4,
+                                    chunk_size=256, norm_eps=1e-5, conv_bias=True)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (64, 6, 512)
+    assert cfg.shared_expert_intermediate_size == 1024 and cfg.tie_word_embeddings
 
 
 @pytest.mark.parametrize("layout", FAMILIES)
 def test_every_key_transformers_writes_is_classified(granite, layout):
     path, hf = granite[layout]
-    cfg = read_config(config_of(path))
-    assert cfg["layer_types"] == ("mamba", "mamba", "attention", "mamba", "attention", "mamba")
-    assert cfg["mamba"]["dt_limit"] == (0.0, float("inf"))  # written as {"__float__": "Infinity"}
-    assert cfg["embedding_multiplier"] == hf.config.embedding_multiplier
-    assert cfg["logits_scaling"] == hf.config.logits_scaling
-    assert cfg["num_experts"] == hf.config.num_local_experts
-    assert cfg["rope_theta"] == (5000.0 if layout == "granitemoehybrid_dense" else None)
+    cfg = config_from_hf(config_of(path))
+    assert cfg.layer_types == ("mamba2", "mamba2", "full_attention", "mamba2", "full_attention", "mamba2")
+    assert cfg.mamba.dt_limit == (0.0, float("inf"))  # written as {"__float__": "Infinity"}
+    assert cfg.embedding_multiplier == hf.config.embedding_multiplier
+    assert cfg.logits_multiplier == 1 / hf.config.logits_scaling
+    assert cfg.num_experts == hf.config.num_local_experts
+    assert cfg.rotary_dim == (16 if layout == "granitemoehybrid_dense" else 0)
 
 
 @pytest.mark.parametrize("key, value", [
@@ -80,12 +91,12 @@ def test_every_key_transformers_writes_is_classified(granite, layout):
 def test_unimplemented_config_key_is_refused_naming_it(key, value):
     name = "moe" if key == "layer_types" else key
     with pytest.raises(ConfigError, match=name):
-        read_config({**TINY, key: value})
+        config_from_hf({**TINY, key: value})
 
 
 def test_rope_other_than_default_is_refused():
     with pytest.raises(ConfigError, match="yarn"):
-        read_config({**TINY, "position_embedding_type": "rope", "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+        config_from_hf({**TINY, "position_embedding_type": "rope", "rope_scaling": {"rope_type": "yarn", "factor": 4}})
 
 
 def checkpoint_layer(path, layer: int) -> dict[str, torch.Tensor]:
@@ -101,13 +112,13 @@ def checkpoint_layer(path, layer: int) -> dict[str, torch.Tensor]:
 def test_feed_forward_block_matches_transformers(granite, layout):
     """The block loaded from the checkpoint's own tensor names equals transformers' moe(h) + shared(h)."""
     path, hf = granite[layout]
-    cfg = read_config(config_of(path))
-    hidden = cfg["hidden_size"]
-    if cfg["num_experts"]:
-        ours = GraniteMoE(hidden, cfg["num_experts"], cfg["num_experts_per_tok"], cfg["expert_intermediate_size"],
-                          cfg["shared_intermediate_size"])
+    cfg = config_from_hf(config_of(path))
+    hidden = cfg.hidden_size
+    if cfg.num_experts:
+        ours = GraniteMoE(hidden, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                          cfg.shared_expert_intermediate_size)
     else:
-        ours = SharedMLP(hidden, cfg["shared_intermediate_size"])
+        ours = SharedMLP(hidden, cfg.intermediate_size)
     params = dict(ours.named_parameters())
     placed = 0
     for rest, tensor in checkpoint_layer(path, 3).items():
@@ -122,3 +133,120 @@ def test_feed_forward_block_matches_transformers(granite, layout):
         if layer.has_experts:
             expected = expected + layer.block_sparse_moe(h)
         assert (ours(h[0]) - expected[0]).abs().max().item() < TOL
+
+
+# ---- the whole model, loaded by cairn's loader ---------------------------------------------------------
+
+
+def prompt(n: int, seed: int = 1, vocab: int = 256) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def load(path, dtype: str = "float32"):
+    return load_checkpoint(path, dtype, "cpu", show_progress=False)[0]
+
+
+def llm(path, **opts) -> LLM:
+    return LLM(model=str(path), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.02, **opts)
+
+
+@pytest.mark.parametrize("layout", FAMILIES)
+def test_prefill_logits_match_transformers(granite, layout):
+    path, hf = granite[layout]
+    ids = prompt(150)  # crosses the 16-token SSD chunks many times
+    assert (prefill(load(path), ids) - hf_logits(hf, ids)).abs().max().item() < MODEL_TOL
+
+
+@pytest.mark.parametrize("layout", FAMILIES)
+def test_chunked_prefill_equals_one_pass(granite, layout):
+    model = load(granite[layout][0])
+    ids = prompt(150, seed=2)
+    whole = prefill(model, ids)
+    for cuts in ([1], [15, 16, 17], [3, 4, 5, 100, 149], list(range(7, 150, 29))):
+        assert (prefill(model, ids, cuts) - whole).abs().max().item() < MODEL_TOL, cuts
+
+
+@pytest.mark.parametrize("layout", FAMILIES)
+def test_greedy_generation_matches_transformers(granite, layout):
+    path, hf = granite[layout]
+    ids = prompt(40, seed=3)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = llm(path).generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == expected[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("layout", FAMILIES)
+def test_request_decoded_in_batch_equals_decoded_alone(granite, layout):
+    engine = llm(granite[layout][0], max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompts = [prompt(n, seed=10 + n) for n in (5, 33, 70, 12)]
+    together = engine.generate(prompts, params)
+    for p, batched in zip(prompts, together, strict=True):
+        alone = engine.generate(p, params)[0]
+        assert batched.token_ids == alone.token_ids
+        assert max(abs(a - b) for a, b in zip(batched.logprobs, alone.logprobs, strict=True)) < MODEL_TOL
+
+
+@pytest.mark.parametrize("layout", FAMILIES)
+def test_state_copied_at_p_resumes_in_another_slot_exactly(granite, layout):
+    """Copy the working slot at p; let the original run on; restore the copy into a fresh slot with the KV
+    pages of [0, p) and continue: the logits equal those of never stopping at p (bitwise, same chunks)."""
+    model = load(granite[layout][0])
+    ids, p = prompt(90, seed=4), 37
+    kv, states = pools(model, num_pages=128, page_size=4)
+    never_stopped = prefill(model, ids, cuts=[p], kv=kv, states=states)
+
+    snapshots = states.like(states, 2, "cpu")
+    slot_a, table_a = states.alloc(), kv.allocator.alloc(-(-len(ids) // 4))
+    prefill(model, ids[:p], kv=kv, states=states, slot=slot_a, page_table=table_a)
+    states.copy_to(slot_a, snapshots, 0)
+    prefill(model, ids + prompt(20, seed=5), kv=kv, states=states, slot=slot_a,
+            page_table=table_a + kv.allocator.alloc(5), start=p)  # the original slot runs on
+
+    slot_b = states.alloc()
+    snapshots.copy_to(0, states, slot_b)
+    shared, partial = table_a[: p // 4], table_a[p // 4]
+    cow = kv.allocator.alloc(1)[0]
+    kv.copy_page(partial, cow)  # positions [36, 37) of the partly filled page
+    table_b = shared + [cow] + kv.allocator.alloc(-(-len(ids) // 4) - len(shared) - 1)
+    resumed = prefill(model, ids, kv=kv, states=states, slot=slot_b, page_table=table_b, start=p)
+    assert torch.equal(resumed, never_stopped[p:])
+
+
+def test_sharded_untied_and_tied_checkpoints_load(granite):
+    dense_path, _ = granite["granitemoehybrid_dense"]
+    assert (dense_path / "model.safetensors.index.json").is_file()
+    assert len(list(dense_path.glob("*.safetensors"))) > 2
+    dense, tied = load(dense_path), load(granite["granitemoehybrid"][0])
+    assert dense.lm_head.weight.data_ptr() != dense.embed.weight.data_ptr()
+    assert tied.lm_head.weight.data_ptr() == tied.embed.weight.data_ptr()
+
+
+@pytest.mark.parametrize("layout", FAMILIES)
+def test_bf16_loading_follows_transformers(granite, layout):
+    path, hf = granite[layout]
+    model = load(path, "bfloat16")
+    assert model.embed.weight.dtype == torch.bfloat16
+    ids = prompt(60, seed=6)
+    ours, ref = prefill(model, ids).float(), hf_logits(hf, ids)
+    assert (ours - ref).abs().max().item() < 0.1  # bf16 against the fp32 reference
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_unimplemented_key_in_a_checkpoint_is_refused_at_load(granite, tmp_path):
+    import shutil
+
+    path = tmp_path / "granite"
+    shutil.copytree(granite["granitemoehybrid"][0], path)
+    raw = config_of(path)
+    raw["mamba_rms_norm_group"] = 4
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="mamba_rms_norm_group"):
+        load(path)

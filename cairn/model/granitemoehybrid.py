@@ -73,104 +73,93 @@ import torch.nn.functional as F
 from torch import nn
 
 from cairn.layers.mlp import SwiGLU
-from cairn.model.config import ConfigError
-from cairn.model.hybrid import Target
+from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, eos_ids
+from cairn.model.hybrid import HybridModel, Target
 
-# ---- config keys of this family: read / required value / no effect; any other key is refused ----------
+MODEL_TYPES = ("granitemoehybrid",)
 
-READ_KEYS = frozenset({
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "layer_types",
-    "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
-    "position_embedding_type", "rope_parameters", "rope_theta", "rope_scaling",
-    "intermediate_size", "shared_intermediate_size", "num_local_experts", "num_experts_per_tok",
-    "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv", "mamba_expand",
-    "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
-    "bos_token_id", "eos_token_id", "pad_token_id",
-})
-# Keys cairn implements for exactly one value; any other value is refused, naming the key.
-REQUIRED_VALUES: dict[str, tuple[Any, ...]] = {
-    "hidden_act": ("silu",),
-    "attention_bias": (False,),
-    # transformers ignores this key and always builds RMSNorm; cairn refuses what it would silently misread
-    "normalization_function": ("rmsnorm",),
-    "quantization_config": (None,),
-}
-# Training knobs and bookkeeping: no effect on inference.
-NO_EFFECT_KEYS = frozenset({
-    "initializer_range", "init_method", "use_cache", "attention_dropout", "router_aux_loss_coef",
-    "output_router_logits", "model_type", "architectures", "transformers_version", "torch_dtype", "dtype",
-    "_name_or_path",
-})
-LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
-               "full_attention": "attention"}
+KEYS = KeyTable(
+    read=frozenset({
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "layer_types",
+        "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+        "position_embedding_type", "rope_parameters", "rope_theta", "rope_scaling",
+        "intermediate_size", "shared_intermediate_size", "num_local_experts", "num_experts_per_tok",
+        "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv", "mamba_expand",
+        "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
+        "bos_token_id", "eos_token_id", "pad_token_id",
+    }),
+    required={
+        "hidden_act": ("silu",),
+        "attention_bias": (False,),
+        # transformers ignores this key and always builds RMSNorm; cairn refuses what it would silently misread
+        "normalization_function": ("rmsnorm",),
+        "quantization_config": (None,),
+    },
+    # training knobs and bookkeeping
+    no_effect=frozenset({
+        "initializer_range", "init_method", "use_cache", "attention_dropout", "router_aux_loss_coef",
+        "output_router_logits", "model_type", "architectures", "transformers_version", "torch_dtype", "dtype",
+        "_name_or_path",
+    }),
+)
+# published names ("mamba", "attention") and transformers 5's ("linear_attention", "full_attention")
+LAYER_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "full_attention",
+               "full_attention": "full_attention"}
 POSITION_EMBEDDINGS = (None, "nope", "rope")
 
 
-def read_config(text: dict[str, Any]) -> dict[str, Any]:
-    """The family's values from a config.json dict, every key checked against the tables above.
-
-    Raises ConfigError naming the first key that is unknown, or whose value cairn does not implement.
-    """
-    _check_keys(text)
-    hidden = int(text["hidden_size"])
-    heads = int(text["num_attention_heads"])
-    n = int(text["num_hidden_layers"])
-    layer_types = _layer_types(text.get("layer_types"), n)
-    experts = int(text.get("num_local_experts", 8) or 0)
-    head_dim = int(text.get("head_dim") or hidden // heads)
-    eos = text.get("eos_token_id", 2)
-    return dict(
-        vocab_size=int(text.get("vocab_size", 32000)), hidden_size=hidden, layer_types=layer_types,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
-        num_attention_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
-        rope_theta=_rope_theta(text),  # None: no position embedding (NoPE)
-        attention_scale=float(text.get("attention_multiplier", 1.0)),
-        embedding_multiplier=float(text.get("embedding_multiplier", 1.0)),
-        residual_multiplier=float(text.get("residual_multiplier", 1.0)),
-        logits_scaling=float(text.get("logits_scaling", 1.0)),
-        mamba=_mamba(text, hidden),
-        shared_intermediate_size=int(text.get("shared_intermediate_size", 1024)),
-        num_experts=experts,
-        num_experts_per_tok=int(text.get("num_experts_per_tok", 2) or 0) if experts else 0,
-        expert_intermediate_size=int(text.get("intermediate_size", 11008)) if experts else 0,
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from a config.json dict, every key checked against KEYS (transformers' defaults for absent
+    keys). Raises ConfigError naming the first key that is unknown or holds a value cairn does not implement."""
+    KEYS.check(raw)
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    layer_types = _layer_types(raw.get("layer_types"), int(raw["num_hidden_layers"]))
+    experts = int(raw.get("num_local_experts", 8) or 0)
+    rope_theta = _rope_theta(raw)
+    cfg = ModelConfig(
+        family="granitemoehybrid", vocab_size=int(raw.get("vocab_size", 32000)), hidden_size=hidden,
+        layer_types=layer_types, ffn_types=("moe" if experts else "dense",) * len(layer_types),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(raw.get("tie_word_embeddings")),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        num_attention_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
+        rope_theta=rope_theta or 10000.0, rotary_dim=head_dim if rope_theta else 0,
+        attention_gated=False, attention_scale=float(raw.get("attention_multiplier", 1.0)),
+        mamba=_mamba(raw, hidden),
+        intermediate_size=int(raw.get("shared_intermediate_size", 1024)),  # the dense block is the shared MLP
+        num_experts=experts, num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)) if experts else 0,
+        moe_intermediate_size=int(raw.get("intermediate_size", 11008)) if experts else 0,
+        shared_expert_intermediate_size=int(raw.get("shared_intermediate_size", 1024)),
+        zero_centred_norms=False, embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+        logits_multiplier=1.0 / float(raw.get("logits_scaling", 1.0)), eos_token_ids=eos_ids(raw),
     )
+    cfg.validate()
+    if experts and not 0 < cfg.num_experts_per_tok <= experts:
+        raise ConfigError(f"config.json: num_experts_per_tok={cfg.num_experts_per_tok} for {experts} experts")
+    return cfg
 
 
-def _mamba(text: dict[str, Any], hidden: int) -> dict[str, Any]:
-    """The Mamba2 mixers' shape and options (transformers' defaults where a key is absent)."""
-    heads = int(text.get("mamba_n_heads", 128))
-    inner = int(text.get("mamba_expand", 2)) * hidden
-    head_dim = text.get("mamba_d_head", "auto")
+def _mamba(raw: dict[str, Any], hidden: int) -> Mamba2Shape:
+    """The Mamba2 mixers' shape and options: norm(y * silu(z)) per group, eps = rms_norm_eps."""
+    heads = int(raw.get("mamba_n_heads", 128))
+    inner = int(raw.get("mamba_expand", 2)) * hidden
+    head_dim = raw.get("mamba_d_head", "auto")
     head_dim = inner // heads if head_dim == "auto" else int(head_dim)
     if head_dim * heads != inner:
         raise ConfigError("config.json: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
-    return dict(num_heads=heads, head_dim=head_dim, n_groups=int(text.get("mamba_n_groups", 1)),
-                state_size=int(text.get("mamba_d_state", 256)), conv_kernel=int(text.get("mamba_d_conv", 4)),
-                chunk_size=int(text.get("mamba_chunk_size", 256)), dt_limit=_dt_limit(text),
-                conv_bias=bool(text.get("mamba_conv_bias", True)), proj_bias=bool(text.get("mamba_proj_bias", False)))
-
-
-def _check_keys(text: dict[str, Any]) -> None:
-    for key, value in text.items():
-        if key in READ_KEYS or key in NO_EFFECT_KEYS:
-            continue
-        if key not in REQUIRED_VALUES:
-            raise ConfigError(f"config.json: key {key!r} is not implemented by cairn for granitemoehybrid")
-        if value not in REQUIRED_VALUES[key]:
-            raise ConfigError(f"config.json: {key}={value!r} is not implemented by cairn "
-                              f"(supported: {REQUIRED_VALUES[key]})")
-    position = text.get("position_embedding_type")
-    if position not in POSITION_EMBEDDINGS:
-        raise ConfigError(f"config.json: position_embedding_type={position!r} is not implemented by cairn "
-                          f"(supported: {POSITION_EMBEDDINGS})")
+    bias = bool(raw.get("mamba_proj_bias", False))
+    return Mamba2Shape(
+        num_heads=heads, head_dim=head_dim, n_groups=int(raw.get("mamba_n_groups", 1)),
+        state_size=int(raw.get("mamba_d_state", 256)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
+        chunk_size=int(raw.get("mamba_chunk_size", 256)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        dt_limit=_dt_limit(raw), conv_bias=bool(raw.get("mamba_conv_bias", True)), in_proj_bias=bias,
+        out_proj_bias=bias, gated_norm=True, norm_before_gate=False)
 
 
 def _layer_types(types: list[str] | None, n: int) -> tuple[str, ...]:
-    """Per layer "mamba" or "attention"; transformers' default (no layer_types) is all Mamba2."""
+    """Per layer "mamba2" or "full_attention"; transformers' default (no layer_types) is all Mamba2."""
     types = ["mamba"] * n if types is None else types
     if len(types) != n:
         raise ConfigError(f"config.json: layer_types has {len(types)} entries for {n} layers")
@@ -180,23 +169,27 @@ def _layer_types(types: list[str] | None, n: int) -> tuple[str, ...]:
     return tuple(LAYER_TYPES[t] for t in types)
 
 
-def _rope_theta(text: dict[str, Any]) -> float | None:
-    """None without rope; else its theta (only the default rope type, over the whole head)."""
-    if text.get("position_embedding_type") != "rope":
+def _rope_theta(raw: dict[str, Any]) -> float | None:
+    """None without rope (None or "nope"); else its theta (the default rope type, over the whole head)."""
+    position = raw.get("position_embedding_type")
+    if position not in POSITION_EMBEDDINGS:
+        raise ConfigError(f"config.json: position_embedding_type={position!r} is not implemented by cairn "
+                          f"(supported: {POSITION_EMBEDDINGS})")
+    if position != "rope":
         return None
-    params = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(f"config.json: rope_type={rope_type!r} is not implemented by cairn (only 'default')")
     for key in params:
         if key not in ("rope_type", "type", "rope_theta"):
             raise ConfigError(f"config.json: rope_parameters.{key} is not implemented by cairn")
-    return float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
 
-def _dt_limit(text: dict[str, Any]) -> tuple[float, float]:
-    """`time_step_limit`; transformers writes infinity as {"__float__": "Infinity"}."""
-    limit = text.get("time_step_limit") or (0.0, float("inf"))
+def _dt_limit(raw: dict[str, Any]) -> tuple[float, float]:
+    """`time_step_limit` (absent or null: none); transformers writes infinity as {"__float__": "Infinity"}."""
+    limit = raw.get("time_step_limit") or (0.0, float("inf"))
     if len(limit) != 2:
         raise ConfigError(f"config.json: time_step_limit={limit!r} is not a (low, high) pair")
     return tuple(float(v["__float__"]) if isinstance(v, dict) else float(v) for v in limit)
@@ -267,3 +260,43 @@ FFN_TENSORS = {
 def ffn_targets(rest: str) -> list[Target] | None:
     """Where a layer's feed-forward tensor goes, or None when `rest` is not one."""
     return [Target(FFN_TENSORS[rest])] if rest in FFN_TENSORS else None
+
+
+# ---- the model -----------------------------------------------------------------------------------------
+
+_MAMBA_TENSORS = frozenset({"in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log",
+                            "D", "norm.weight", "out_proj.weight", "out_proj.bias"})
+_ATTENTION_TENSORS = frozenset({"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"})
+
+
+class GraniteMoeHybridForCausalLM(HybridModel):
+    """The HybridModel with plain norms, Mamba2 or plain attention per layer, and Granite's feed-forward block
+    (GraniteMoE, or the shared MLP alone); the multipliers are ModelConfig's."""
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        cfg = self.cfg
+        if cfg.ffn_types[layer] == "moe":
+            return GraniteMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                              cfg.shared_expert_intermediate_size)
+        return SharedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def layer_targets(self, layer: int, rest: str) -> list[Target] | None:
+        module, _, name = rest.partition(".")
+        if module == "mamba" and self.cfg.layer_types[layer] == "mamba2" and name in _MAMBA_TENSORS:
+            return [Target(f"mixer.{name}")] if self._has_parameter(f"layers.{layer}.mixer.{name}") else None
+        if module == "self_attn" and self.cfg.layer_types[layer] == "full_attention" and name in _ATTENTION_TENSORS:
+            return [Target(f"mixer.{name}")]
+        if rest.startswith("block_sparse_moe.") and self.cfg.ffn_types[layer] != "moe":
+            return None
+        return self.norm_targets(rest) or ffn_targets(rest)
+
+    def _has_parameter(self, name: str) -> bool:
+        """False for a bias the config says the layer does not have (the tensor then has no place)."""
+        try:
+            self.get_parameter(name)
+        except AttributeError:
+            return False
+        return True
+
+
+MODEL_CLASS = GraniteMoeHybridForCausalLM
