@@ -8,7 +8,8 @@ Two layouts, between them every option cairn implements for the family:
     granitemoehybrid_dense  dense (shared MLP only, as Granite-4.0-H-Micro), rope, untied lm_head,
                             Mamba2 with one group and biased projections, saved in shards
 
-The muP multipliers are set off 1 (as in the real checkpoints) so that a model ignoring one fails.
+The muP multipliers are set off 1 (as in the real checkpoints), and the weights transformers initialises
+to ones (norm scales, D, dt_bias) are drawn at random, so that a model ignoring or misplacing one fails.
 Each directory gets cairn's byte-level tokenizer (cairn.bench.checkpoint.write_tokenizer).
 """
 
@@ -44,7 +45,12 @@ def hf_model(layout: str, seed: int = 0):
     import transformers as tf
 
     torch.manual_seed(seed)
-    return tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**BASE, **LAYOUTS[layout]))
+    model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**BASE, **LAYOUTS[layout]))
+    with torch.no_grad():  # what transformers leaves at ones gets random values: a misplaced one then shows
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", ".D", "dt_bias")):
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def write_checkpoint(layout: str, path: Path, seed: int = 0, **save_kwargs):
