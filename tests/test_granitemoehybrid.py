@@ -304,3 +304,25 @@ def test_a_conversation_resumes_from_disk_after_a_restart(granite, cold, tmp_pat
         assert out.cache.cached_tokens == len(CONVERSATION) + len(reply.token_ids) - 1
         assert out.cache.resume_tier == "disk"
         same_as_cold(cold, out, prompt)
+
+
+def test_cairn_serve_loads_a_granite_checkpoint_and_resumes_its_conversation(granite):
+    """A real `cairn serve` subprocess on the checkpoint directory: a chat, then its next turn resumes."""
+    from tests.server_process import openai_client, start_server
+
+    path = granite["granitemoehybrid"][0]
+    server = start_server("--model", str(path), "--dtype", "float32", "--log-level", "WARNING")
+    try:
+        client = openai_client(server)
+        model = client.models.list().data[0].id
+        msgs = [{"role": "user", "content": "Hello, Granite"}]
+        first = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And again"}]
+        second = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    finally:
+        server.stop()
+    assert first.usage.completion_tokens == second.usage.completion_tokens == 6
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
