@@ -31,6 +31,7 @@ FALCON_H1 = dict(
 )
 VARIANTS = {
     "falcon_h1": dict(mamba_rms_norm=True, mamba_norm_before_gate=False, mamba_proj_bias=True,
+                      attention_bias=True,
                       projectors_bias=True, mamba_conv_bias=True, tie_word_embeddings=False),
     "falcon_h1_tied": dict(mamba_rms_norm=False, mamba_proj_bias=False, projectors_bias=False,
                            mamba_conv_bias=True, tie_word_embeddings=True),
