@@ -24,6 +24,7 @@ def demo_config(vocab_size: int) -> ModelConfig:
     return ModelConfig(
         family="qwen3_5", vocab_size=vocab_size, hidden_size=256,
         layer_types=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",),
+        ffn_types=("dense",) * 8,
         rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=65536,
         num_attention_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10_000_000.0, rotary_dim=16,
         linear_num_k_heads=2, linear_num_v_heads=4, linear_k_head_dim=64, linear_v_head_dim=64, conv_kernel=4,

@@ -143,7 +143,7 @@ class Engine:
     def _build_cache(self, opts: CacheOptions) -> PrefixCache:
         """The prefix cache, handed plain values: the compatibility digest is computed here, with a disk or
         remote cache."""
-        if not self.model_config.linear_layers:
+        if not self.model_config.recurrent_layers:
             return NullCache()
         digest = compat_digest(weights_digest(self.model), self.model_config, self.kv.k.dtype, self.kv.page_size,
                                self.prefill_block) if opts.disk_cache or opts.remote_cache else ""

@@ -49,7 +49,8 @@ def check_model(model: str | None) -> None:
 
 
 def _check_config(path: Path) -> None:
-    from cairn.model.config import ConfigError, ModelConfig
+    from cairn.model.config import ConfigError
+    from cairn.model.families import config_from_hf
 
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -61,7 +62,7 @@ def _check_config(path: Path) -> None:
     if not isinstance(raw, dict):
         raise UserError(f"--model {path}: config.json is not a JSON object")
     try:
-        ModelConfig.from_hf(raw)
+        config_from_hf(raw)
     except ConfigError as e:
         quantized = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
         if quantized:

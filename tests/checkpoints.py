@@ -2,7 +2,8 @@
 
 Every family and on-disk layout cairn loads: qwen3_5 (multimodal wrapper, weights under
 model.language_model.*), qwen3_5_text (flat), qwen3_5_moe (wrapper, per-expert tensors) and qwen3_next
-(interleaved Gated DeltaNet projections, MoE and dense layers mixed). Each directory also gets a
+(interleaved Gated DeltaNet projections, MoE and dense layers mixed); nemotron_h (Mamba2, attention,
+squared-ReLU MLP and grouped sigmoid-routed MoE single-op layers). Each directory also gets a
 byte-level tokenizer.json and a ChatML chat template (cairn.bench.checkpoint.write_tokenizer, which
 the benchmarks' named sizes use too), so cairn's loader sees a complete checkpoint.
 """
@@ -23,7 +24,14 @@ TEXT = dict(
 )
 MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next")
+NEMOTRON_H = dict(
+    vocab_size=320, hidden_size=64, hybrid_override_pattern="M-M*EM-*ME", num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
+    ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+    routed_scaling_factor=1.5, initializer_range=0.05, layer_norm_epsilon=1e-5, eos_token_id=2,
+)
+FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next", "nemotron_h")
 
 
 def hf_model(family: str, seed: int = 0):
@@ -39,7 +47,25 @@ def hf_model(family: str, seed: int = 0):
         return tf.Qwen3_5MoeForConditionalGeneration(cfg)
     if family == "qwen3_next":
         return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**TEXT, **MOE, decoder_sparse_step=1, mlp_only_layers=[1, 4]))
+    if family == "nemotron_h":
+        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**NEMOTRON_H))
+        _randomise_nemotron_h(model)
+        return model
     raise ValueError(family)
+
+
+def _randomise_nemotron_h(model) -> None:
+    """Weights transformers leaves at a constant (norm scales, D, dt_bias, the router and its score bias) get
+    random values, so a wrong mapping of them cannot pass unnoticed."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight", ".D", "dt_bias")):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight"):
+                p.normal_(0.0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
 
 
 def write_checkpoint(family: str, path: Path, seed: int = 0, **save_kwargs):

@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from cairn.model.config import ConfigError, ModelConfig
+from cairn.model.config import ConfigError
+from cairn.model.families import config_from_hf
 from cairn.model.hybrid import WeightError
 from cairn.model.loader import load_checkpoint
 from tests.checkpoints import hf_model, write_tokenizer
@@ -109,19 +110,19 @@ def test_unimplemented_config_key_is_refused_by_name(checkpoints, tmp_path, key,
     raw = json.loads((checkpoints["qwen3_5_text"][0] / "config.json").read_text())
     raw[key] = value
     with pytest.raises(ConfigError, match=key.split("_")[0]):
-        ModelConfig.from_hf(raw)
+        config_from_hf(raw)
 
 
 def test_multimodal_and_flat_layouts_parse_to_the_same_architecture(checkpoints):
     wrapped = json.loads((checkpoints["qwen3_5"][0] / "config.json").read_text())
     flat = json.loads((checkpoints["qwen3_5_text"][0] / "config.json").read_text())
-    a, b = ModelConfig.from_hf(wrapped), ModelConfig.from_hf(flat)
+    a, b = config_from_hf(wrapped), config_from_hf(flat)
     assert a.weight_prefix == "model.language_model." and b.weight_prefix == "model."
     assert (a.layer_types, a.hidden_size, a.rotary_dim) == (b.layer_types, b.hidden_size, b.rotary_dim)
 
 
 def test_qwen3_next_moe_and_dense_layers_follow_mlp_only_layers(checkpoints):
-    cfg = ModelConfig.from_hf(json.loads((checkpoints["qwen3_next"][0] / "config.json").read_text()))
+    cfg = config_from_hf(json.loads((checkpoints["qwen3_next"][0] / "config.json").read_text()))
     assert cfg.moe_layers == (True, False, True, True, False, True)
 
 

@@ -1,10 +1,14 @@
-"""Gated full attention over the paged KV pool.
+"""Full attention over the paged KV pool: Qwen's gated attention, and plain attention.
 
-Per head: q and k get a zero-centred RMSNorm over head_dim, then partial rotary; keys and values of
+GatedAttention, per head: q and k get a zero-centred RMSNorm over head_dim, then partial rotary; keys and values of
 the new tokens are written to the pool, then each query attends over its sequence's whole context.
 The output is scaled by sigmoid(gate), where the gate is the second half of each head's q_proj row
 block ([q_h | gate_h] per head), and projected back by o_proj. Grouped-query: num_heads is a multiple
 of num_kv_heads.
+
+Attention (Nemotron-H, Granite-4.0-H, Falcon-H1): q, k, v projections (optionally biased), rotary on
+q and k when the model has one (None: no positional encoding, as Granite-4.0-H's NoPE), the same paged
+attention with the spec's softmax scale, then o_proj. No q/k norm, no output gate.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     norm_eps: float  # of the q / k RMSNorms
+    bias: bool = False  # q/k/v/o projections have biases (plain Attention only)
+    scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (plain Attention only)
 
 
 class GatedAttention(nn.Module):
@@ -67,3 +73,49 @@ class GatedAttention(nn.Module):
                 q[row:row + new], k_pool, v_pool, batch.page_tables[i], context, self.scale)
         out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
         return self.o_proj(out)
+
+
+class Attention(nn.Module):
+    """Plain grouped-query attention: o_proj(attend(rotary(q_proj x), rotary(k_proj x), v_proj x))."""
+
+    def __init__(self, spec: AttentionSpec, pool_index: int, rotary: PartialRotary | None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, self.num_heads * self.head_dim, bias=spec.bias)
+        self.k_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.bias)
+        self.v_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=spec.bias)
+        self.rotary = rotary
+        self.pool_index = pool_index  # this layer's index in the KV pool's layer dimension
+        self.scale = spec.scale if spec.scale is not None else self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+                kv: KVPool, kernels: Kernels) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary.apply(q, *cos_sin), self.rotary.apply(k, *cos_sin)
+        out = paged_attention(q, k, v, batch, kv, self.pool_index, kernels, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv: KVPool,
+                    pool_index: int, kernels: Kernels, scale: float) -> torch.Tensor:
+    """Write the step's k, v [T, kv_heads, head_dim] into layer `pool_index` of the pool, then attend each
+    query [T, heads, head_dim] over its sequence's whole context: decode rows as one batch, each prefill
+    segment on its own. Returns [T, heads, head_dim]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_pool, v_pool = kv.k[pool_index], kv.v[pool_index]
+    k_pool.view(-1, num_kv_heads, head_dim)[batch.slot_mapping] = k
+    v_pool.view(-1, num_kv_heads, head_dim)[batch.slot_mapping] = v
+    out = torch.empty_like(q)
+    nd = batch.num_decode
+    if nd:
+        out[:nd] = kernels.paged_decode_attention(
+            q[:nd], k_pool, v_pool, batch.page_tables[:nd], batch.decode_context_lens(), scale)
+    for i, row, new, context in batch.prefill_segments():
+        out[row:row + new] = kernels.paged_prefill_attention(
+            q[row:row + new], k_pool, v_pool, batch.page_tables[i], context, scale)
+    return out

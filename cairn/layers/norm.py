@@ -1,4 +1,4 @@
-"""RMS norms of the Qwen hybrid family."""
+"""RMS norms: the Qwen hybrids' zero-centred one, the plain one of the Mamba2 hybrids, and a gated one."""
 
 from __future__ import annotations
 
@@ -34,3 +34,17 @@ class GatedRMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(dtype)
         return (out * nn.functional.silu(gate.float())).to(dtype)
+
+
+class PlainRMSNorm(nn.Module):
+    """RMSNorm with a plain scale: x / rms(x) * weight, the product in fp32 (Nemotron-H, Granite, Falcon-H1)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)

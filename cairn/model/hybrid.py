@@ -1,10 +1,14 @@
-"""HybridModel: the decoder stack shared by the Qwen hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
+"""HybridModel: the decoder stack shared by every family (Qwen3.5 / Qwen3-Next, Nemotron-H, ...).
 
-    embed -> [ x + mixer(norm(x)) ; x + mlp(norm(x)) ] * num_layers -> norm -> lm_head
+    embed * embedding_multiplier
+      -> [ x + r * mixer(norm(x)) ; x + r * ffn(norm(x)) ] * num_layers      (r: residual_multiplier)
+      -> norm -> lm_head * logits_multiplier
 
-where each layer's mixer is Gated DeltaNet ("linear_attention") or gated full attention
-("full_attention") and its MLP is dense SwiGLU or a sparse MoE. A family file subclasses this with
-the choice of MLP per layer and the map from its checkpoint's tensor names to these parameters.
+where each layer's mixer is Gated DeltaNet, full attention (Qwen's gated one or plain), Mamba2,
+attention and Mamba2 in parallel, or absent, and its FFN is a dense MLP, a sparse MoE, or absent
+(`cfg.layer_types`, `cfg.ffn_types`; a layer with only one of the two has only its norm). A family
+file subclasses this with its choice of modules (`make_mixer`, `make_mlp`, `make_norm`) and the map
+from its checkpoint's tensor names to these parameters (`targets`, `layer_targets`).
 
 Checkpoint tensors are copied straight into slices of the (possibly fused) parameters as they stream
 in; `finish_loading` then checks that every element of every parameter was written exactly once.
@@ -20,10 +24,11 @@ import torch
 from torch import nn
 
 from cairn.forward_batch import ForwardBatch
-from cairn.layers.attention import GatedAttention
+from cairn.layers.attention import Attention, GatedAttention
 from cairn.layers.gated_deltanet import GatedDeltaNet
+from cairn.layers.mamba2 import Mamba2Mixer
 from cairn.layers.mlp import SparseMoE, SwiGLU
-from cairn.layers.norm import RMSNorm
+from cairn.layers.norm import PlainRMSNorm, RMSNorm
 from cairn.layers.recurrent import RecurrentMixer
 from cairn.layers.rotary import PartialRotary
 from cairn.memory.kv_pool import KVPool
@@ -45,23 +50,48 @@ class Target:
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module):
+class ParallelAttentionMamba2(nn.Module):
+    """Attention and a Mamba2 mixer on the same input, their outputs summed (Falcon-H1's layers; a family
+    file subclasses it for its multipliers). `mamba.layer` names its state, `attention.pool_index` its KV."""
+
+    def __init__(self, attention: nn.Module, mamba: Mamba2Mixer):
         super().__init__()
-        self.is_recurrent = isinstance(mixer, RecurrentMixer)
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention, self.mamba = attention, mamba
+
+    def forward(self, h, batch: ForwardBatch, cos_sin, kv: KVPool, states: StatePool, kernels: Kernels):
+        return self.attention(h, batch, cos_sin, kv, kernels) + self.mamba(h, batch, states, kernels)
+
+
+class DecoderLayer(nn.Module):
+    """x + r * mixer(input_norm(x)), then x + r * mlp(post_norm(x)); a part that is None is skipped with its norm."""
+
+    def __init__(self, mixer: nn.Module | None, mlp: nn.Module | None, make_norm: Callable[[], nn.Module],
+                 residual_multiplier: float = 1.0):
+        super().__init__()
+        self.input_norm = make_norm() if mixer is not None else None
         self.mixer = mixer
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = make_norm() if mlp is not None else None
         self.mlp = mlp
+        self.residual_multiplier = residual_multiplier
+        self.mixer_kind = ("recurrent" if isinstance(mixer, RecurrentMixer)
+                           else "parallel" if isinstance(mixer, ParallelAttentionMamba2) else "attention")
 
     def forward(self, x, batch, cos_sin, kv: KVPool, states: StatePool, kernels: Kernels):
-        h = self.input_norm(x)
-        if self.is_recurrent:
-            h = self.mixer(h, batch, states, kernels)
-        else:
-            h = self.mixer(h, batch, cos_sin, kv, kernels)
-        x = x + h
-        return x + self.mlp(self.post_norm(x))
+        if self.mixer is not None:
+            h = self.input_norm(x)
+            if self.mixer_kind == "recurrent":
+                h = self.mixer(h, batch, states, kernels)
+            elif self.mixer_kind == "parallel":
+                h = self.mixer(h, batch, cos_sin, kv, states, kernels)
+            else:
+                h = self.mixer(h, batch, cos_sin, kv, kernels)
+            x = x + self._scaled(h)
+        if self.mlp is not None:
+            x = x + self._scaled(self.mlp(self.post_norm(x)))
+        return x
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
 
 class HybridModel(nn.Module):
@@ -69,39 +99,62 @@ class HybridModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
-        self.rotary = PartialRotary(cfg.rotary_dim, cfg.rope_theta)
+        self.rotary = PartialRotary(cfg.rotary_dim, cfg.rope_theta) if cfg.rotary_dim else None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        attention_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
-        layers = []
-        for i, kind in enumerate(cfg.layer_types):
-            if kind == "linear_attention":
-                mixer = GatedDeltaNet(cfg.gated_deltanet_spec(), i)
-            else:
-                mixer = GatedAttention(cfg.attention_spec(), attention_index[i], self.rotary)
-            layers.append(DecoderLayer(cfg, mixer, self.make_mlp(i)))
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._attention_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
+        self.layers = nn.ModuleList([
+            DecoderLayer(self.make_mixer(i), self.make_mlp(i), lambda: self.make_norm(cfg.hidden_size),
+                         cfg.residual_multiplier)
+            for i in range(cfg.num_layers)])
+        self.norm = self.make_norm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self._written: dict[str, int] = {}
 
-    def make_mlp(self, layer: int) -> nn.Module:
-        cfg = self.cfg
-        if cfg.moe_layers and cfg.moe_layers[layer]:
+    def make_norm(self, dim: int) -> nn.Module:
+        eps = self.cfg.rms_norm_eps
+        return RMSNorm(dim, eps) if self.cfg.zero_centred_norms else PlainRMSNorm(dim, eps)
+
+    def make_mixer(self, layer: int) -> nn.Module | None:
+        kind = self.cfg.layer_types[layer]
+        if kind == "linear_attention":
+            return GatedDeltaNet(self.cfg.gated_deltanet_spec(), layer)
+        if kind == "full_attention":
+            return self.make_attention(layer)
+        if kind == "mamba2":
+            return Mamba2Mixer(self.cfg.mamba2_spec(), layer)
+        if kind == "attention+mamba2":
+            return ParallelAttentionMamba2(self.make_attention(layer), Mamba2Mixer(self.cfg.mamba2_spec(), layer))
+        return None
+
+    def make_attention(self, layer: int) -> nn.Module:
+        spec, index = self.cfg.attention_spec(), self._attention_index[layer]
+        if self.cfg.attention_gated:
+            return GatedAttention(spec, index, self.rotary)
+        return Attention(spec, index, self.rotary)
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        cfg, kind = self.cfg, self.cfg.ffn_types[layer]
+        if kind == "moe":
             return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                              cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
-        return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        if kind == "dense":
+            return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        return None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(batch.logits_indices), vocab] and updates kv / states."""
+        cfg = self.cfg
         x = self.embed(batch.input_ids)
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        if cfg.embedding_multiplier != 1.0:
+            x = x * cfg.embedding_multiplier
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype) if self.rotary is not None else None
         for layer in self.layers:
             x = layer(x, batch, cos_sin, kv, states, self.kernels)
-        x = self.norm(x[batch.logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(self.norm(x[batch.logits_indices])).float()
+        return logits if cfg.logits_multiplier == 1.0 else logits * cfg.logits_multiplier
 
     # ---- checkpoint loading -------------------------------------------------------------------------
 
@@ -119,10 +172,13 @@ class HybridModel(nn.Module):
         if not m or int(m.group(1)) >= cfg.num_layers:
             return None
         layer, rest = int(m.group(1)), m.group(2)
-        prefix = f"layers.{layer}."
-        found = (self.norm_targets(rest) or self.attention_targets(rest)
-                 or self.linear_targets(rest) or self.mlp_targets(layer, rest))
-        return None if found is None else [Target(prefix + t.param, t.region, t.transform) for t in found]
+        found = self.layer_targets(layer, rest)
+        return None if found is None else [Target(f"layers.{layer}." + t.param, t.region, t.transform) for t in found]
+
+    def layer_targets(self, layer: int, rest: str) -> list[Target] | None:
+        """Where tensor `rest` of layer `layer` goes (parameter names relative to the layer)."""
+        return (self.norm_targets(rest) or self.attention_targets(rest)
+                or self.linear_targets(rest) or self.mlp_targets(layer, rest))
 
     @staticmethod
     def norm_targets(rest: str) -> list[Target] | None:
@@ -157,8 +213,7 @@ class HybridModel(nn.Module):
         if not rest.startswith("mlp."):
             return None
         rest = rest[len("mlp."):]
-        moe = bool(self.cfg.moe_layers and self.cfg.moe_layers[layer])
-        if not moe:
+        if self.cfg.ffn_types[layer] != "moe":
             return swiglu_targets(rest, "mlp.", self.cfg.intermediate_size)
         inner = self.cfg.moe_intermediate_size
         if rest == "gate.weight":

@@ -17,19 +17,12 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from cairn.model.config import ModelConfig
+from cairn.model.families import config_from_hf, model_class
 from cairn.model.hybrid import HybridModel, WeightError
-from cairn.model.qwen3_5 import Qwen3_5ForCausalLM
-from cairn.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
-from cairn.model.qwen3_next import Qwen3NextForCausalLM
 from cairn.ops import select_kernels
 
 log = logging.getLogger(__name__)
 
-MODEL_CLASSES: dict[str, type[HybridModel]] = {
-    "qwen3_5": Qwen3_5ForCausalLM,
-    "qwen3_5_moe": Qwen3_5MoeForCausalLM,
-    "qwen3_next": Qwen3NextForCausalLM,
-}
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -39,7 +32,7 @@ def read_config(path: Path) -> tuple[ModelConfig, dict]:
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face checkpoint directory?)")
     raw = json.loads(cfg_file.read_text())
-    return ModelConfig.from_hf(raw), raw
+    return config_from_hf(raw), raw
 
 
 def resolve_dtype(name: str, raw_config: dict) -> torch.dtype:
@@ -68,7 +61,7 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> HybridModel:
     """An uninitialised model of cfg's family on `device` (fill it with load_checkpoint or init)."""
-    cls = MODEL_CLASSES[cfg.family]
+    cls = model_class(cfg)
     with torch.device("meta"):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)

@@ -5,13 +5,24 @@ The same hybrid stack as Qwen3.5 with two checkpoint differences:
 - Gated DeltaNet projections are fused per key head: `in_proj_qkvz` holds, for each of the k heads,
   [q (Dk) | k (Dk) | v (r * Dv) | z (r * Dv)] with r = v_heads / k_heads, and `in_proj_ba` holds
   [b (r) | a (r)] per k head. They are regrouped at load time into cairn's [q | k | v | z | b | a].
+The config is parsed as Qwen3.5's (cairn.model.qwen3_5).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from cairn.model.config import ModelConfig
 from cairn.model.hybrid import HybridModel, Target
+from cairn.model.qwen3_5 import parse_qwen_config
+
+MODEL_TYPES = ("qwen3_next",)
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    return parse_qwen_config(raw, "qwen3_next")
 
 
 class Qwen3NextForCausalLM(HybridModel):
@@ -38,3 +49,6 @@ class Qwen3NextForCausalLM(HybridModel):
         r = cfg.linear_num_v_heads // cfg.linear_num_k_heads
         b, a = w.reshape(cfg.linear_num_k_heads, 2 * r, -1).split([r, r], dim=1)
         return torch.cat([b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])], dim=0)
+
+
+MODEL_CLASS = Qwen3NextForCausalLM
