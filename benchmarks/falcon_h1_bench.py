@@ -24,8 +24,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_throughput import (cairn_decode_tok_s, cairn_engine, cairn_prefill_s, hf_decode_tok_s,
-                                          hf_prefill_s, spread)
+from benchmarks.engine_throughput import (
+    cairn_decode_tok_s,
+    cairn_engine,
+    cairn_prefill_s,
+    hf_decode_tok_s,
+    hf_prefill_s,
+    spread,
+)
 from cairn.bench.checkpoint import write_tokenizer
 from cairn.model.falcon_h1 import parse_config
 
@@ -60,7 +66,8 @@ def size_config(name: str) -> dict:
 
 
 def snapshot_table(dtype: torch.dtype = torch.bfloat16) -> str:
-    lines = [f"| size | layers | snapshot bytes per slot ({str(dtype).removeprefix('torch.')}) | of which SSM (fp32) | KV bytes per token "
+    name = str(dtype).removeprefix("torch.")
+    lines = [f"| size | layers | snapshot bytes per slot ({name}) | of which SSM (fp32) | KV bytes per token "
              "| tokens of KV one snapshot weighs |", "|---|---:|---:|---:|---:|---:|"]
     itemsize = torch.empty((), dtype=dtype).element_size()
     for name in SIZES:
