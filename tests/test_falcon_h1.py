@@ -211,3 +211,39 @@ def test_mixer_multipliers_survive_a_meta_device_build():
     hidden = torch.randn(9, 32)
     with torch.no_grad():
         assert torch.equal(torch.cat(lazy._project(hidden), -1), torch.cat(eager._project(hidden), -1))
+
+
+# ---- host and disk tiers: demoted snapshots and a restart resume to the cold answer ---------------------------
+
+CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
+
+
+def tiered(falcon, disk, device_slots: int = 3, host_slots: int = 12) -> LLM:
+    slot_bytes = config_from_hf(saved_config(falcon)).state_spec(torch.float32).slot_bytes
+    disk_opts = {} if disk is None else {"disk_cache": str(disk)}
+    return LLM(model=str(falcon["falcon_h1"][0]), dtype="float32", **patterns.OPTS, snapshot_interval=64,
+               device_snapshot_gib=device_slots * slot_bytes / 2**30,
+               host_cache_gib=2 * host_slots * slot_bytes / 2**30, **disk_opts)
+
+
+def test_snapshot_demoted_to_host_resumes_to_the_cold_answer(falcon, cold_falcon):
+    llm = tiered(falcon, None)
+    patterns.run(llm, CONVERSATION)
+    assert llm.engine.cache.stats().tier_moves["snapshot device->host"] >= 1
+    on_host = sorted(pos for pos, entry, _ in llm.engine.cache.tree.iter_snapshots()
+                     if set(entry.handle.copies) == {"host"})
+    prompt = CONVERSATION[: on_host[-1] + 20] + [3, 4, 5]
+    out = patterns.run(llm, prompt)
+    assert out.cache.resume_position == on_host[-1] and out.cache.resume_tier == "host"
+    patterns.assert_same_as_cold(cold_falcon, out, prompt)
+
+
+def test_conversation_resumes_from_disk_after_a_restart(falcon, cold_falcon, tmp_path):
+    with tiered(falcon, tmp_path) as first:
+        reply = patterns.run(first, CONVERSATION)
+    with tiered(falcon, tmp_path) as second:  # a new process sees the same: nothing in memory, the disk indexed
+        prompt = CONVERSATION + reply.token_ids + [5, 6, 7]
+        out = patterns.run(second, prompt)
+        assert out.cache.resume_tier == "disk"
+        assert out.cache.cached_tokens == len(CONVERSATION) + len(reply.token_ids) - 1
+        patterns.assert_same_as_cold(cold_falcon, out, prompt)
