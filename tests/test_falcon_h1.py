@@ -22,6 +22,7 @@ from cairn.sampling import SamplingParams
 from tests import test_cache_patterns as patterns
 from tests.falcon_h1_checkpoint import VARIANTS, write_falcon_h1
 from tests.harness import pools, prefill
+from tests.server_process import openai_client, start_server
 
 TOL = 1e-4
 
@@ -247,3 +248,23 @@ def test_conversation_resumes_from_disk_after_a_restart(falcon, cold_falcon, tmp
         assert out.cache.resume_tier == "disk"
         assert out.cache.cached_tokens == len(CONVERSATION) + len(reply.token_ids) - 1
         patterns.assert_same_as_cold(cold_falcon, out, prompt)
+
+
+def test_cairn_serve_loads_the_checkpoint_and_a_follow_up_resumes(falcon):
+    """The real server (preflight, loader, engine thread, HTTP) on the unchanged checkpoint directory."""
+    server = start_server("--model", str(falcon["falcon_h1"][0]), "--dtype", "float32", "--snapshot-interval", "64",
+                          "--page-size", "8")
+    try:
+        client = openai_client(server)
+        name = client.models.list().data[0].id
+        messages = [{"role": "system", "content": "Be brief. " * 20}, {"role": "user", "content": "Hello there"}]
+        first = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        follow_up = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                                {"role": "user", "content": "And then?"}]
+        second = client.chat.completions.create(model=name, messages=follow_up, max_tokens=6, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    finally:
+        assert server.stop() == 0
+    assert first.usage.completion_tokens == 6
+    assert second.usage.model_dump()["prompt_tokens_details"]["cached_tokens"] > 0
