@@ -31,6 +31,9 @@ Mamba2 mixer (cairn.layers.mamba2 with the Falcon-H1 options of its Mamba2Spec):
     in_proj rows = inner (z) + conv channels (x, B, C) + n_heads (dt).
     transformers clamps dt by time_step_limit in its chunked prefill but not in its decode step; cairn
     clamps in both (one recurrence), which equals transformers whenever the limit is (0, inf), the default.
+    In half precision transformers' `mup_vector` is an fp32 buffer, so the rest of its mixer runs on fp32
+    activations; cairn scales in fp32 and rounds once to the model dtype (the logits differ from
+    transformers' by about as much as transformers' half-precision logits differ from its fp32 ones).
 
 Attention (plain grouped-query attention, no q/k norm, no output gate):
 
