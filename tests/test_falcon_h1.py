@@ -2,7 +2,8 @@
 tiny random checkpoints the tests save (fp32 unless a test says otherwise): one-pass prefill logits,
 chunked = one pass, greedy generation, batched = alone, a state copied at p and restored into another
 slot; sharded and half-precision checkpoints; config keys cairn does not implement are refused by name;
-and through the real engine, every cache divergence pattern resumed warm equals a cold run.
+and through the real engine, every cache divergence pattern, the host tier and the disk tier after a
+restart resume to the cold answer; the real `cairn serve` loads the checkpoint directory.
 """
 
 from __future__ import annotations
@@ -178,6 +179,23 @@ def test_shipped_config_keys_are_known(falcon):
     raw.pop("rope_parameters")
     cfg = config_from_hf({**raw, "rope_theta": 1e11})
     assert cfg.family == "falcon_h1" and cfg.rope_theta == 1e11
+
+
+@pytest.mark.parametrize("widths", [
+    {"mamba_d_ssm": 96, "mamba_n_heads": 12, "mamba_d_head": "auto"},  # head dim derived: 8
+    {"mamba_d_ssm": None, "mamba_expand": 2, "mamba_n_heads": 16},  # inner = expand * hidden = 128
+    {"mamba_n_heads": 128},  # mamba_d_ssm absent: transformers' default 1024, head dim 8
+])
+def test_mamba_widths_are_those_transformers_derives(falcon, widths):
+    import transformers as tf
+
+    raw = {k: v for k, v in saved_config(falcon).items() if k not in ("mamba_d_ssm", "mamba_d_head")}
+    raw.update(widths)
+    theirs = tf.FalconH1Config(**{k: v for k, v in raw.items() if k != "time_step_limit"})
+    inner = theirs.mamba_d_ssm if theirs.mamba_d_ssm is not None else theirs.mamba_expand * theirs.hidden_size
+    ours = config_from_hf(raw).mamba
+    assert (ours.num_heads, ours.head_dim) == (theirs.mamba_n_heads, theirs.mamba_d_head)
+    assert ours.num_heads * ours.head_dim == inner
 
 
 # ---- through the real engine: warm == cold on every divergence pattern --------------------------------------
