@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from cairn.bench.checkpoint import write_tokenizer
+from tests.falcon_h1_checkpoint import hf_falcon_h1
 
 TEXT = dict(
     vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -31,7 +32,7 @@ NEMOTRON_H = dict(
     moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
     routed_scaling_factor=1.5, initializer_range=0.05, layer_norm_epsilon=1e-5, eos_token_id=2,
 )
-FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next", "nemotron_h")
+FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next", "nemotron_h", "falcon_h1")
 
 
 def hf_model(family: str, seed: int = 0):
@@ -51,6 +52,8 @@ def hf_model(family: str, seed: int = 0):
         model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**NEMOTRON_H))
         _randomise_nemotron_h(model)
         return model
+    if family == "falcon_h1":
+        return hf_falcon_h1(seed=seed)  # tests/falcon_h1_checkpoint.py: every multiplier set
     raise ValueError(family)
 
 

@@ -111,10 +111,9 @@ class Mamba2Mixer(RecurrentMixer):
         self.norm = (GroupedGatedRMSNorm(inner, spec.n_groups, spec.norm_eps, spec.norm_before_gate)
                      if spec.gated_norm else None)
         self.out_proj = nn.Linear(inner, spec.hidden_size, bias=spec.out_proj_bias)
-        if spec.zxbcdt_multipliers is not None:  # derived from the config, not a checkpoint tensor
-            self.register_buffer("zxbcdt_scale", self._zxbcdt_scale(spec), persistent=False)
-        else:
-            self.zxbcdt_scale = None
+        # Derived from the config, never loaded: a plain fp32 attribute, not a buffer, because the loader builds
+        # the model on the meta device and `to_empty` would leave a buffer uninitialised (see PartialRotary).
+        self.zxbcdt_scale = self._zxbcdt_scale(spec) if spec.zxbcdt_multipliers is not None else None
 
     def state_entries(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
         return self.spec.state_entries(dtype)
@@ -191,8 +190,10 @@ class Mamba2Mixer(RecurrentMixer):
         if self.spec.input_multiplier != 1.0:
             hidden = hidden * self.spec.input_multiplier
         projected = self.in_proj(hidden)
-        if self.zxbcdt_scale is not None:
-            projected = projected * self.zxbcdt_scale
+        if self.zxbcdt_scale is not None:  # scaled in fp32 (as transformers does), rounded once
+            if self.zxbcdt_scale.device != projected.device:
+                self.zxbcdt_scale = self.zxbcdt_scale.to(projected.device)
+            projected = (projected * self.zxbcdt_scale).to(projected.dtype)
         spec = self.spec
         return projected.split([spec.intermediate_size, spec.conv_dim, spec.num_heads], dim=-1)
 
@@ -218,4 +219,4 @@ class Mamba2Mixer(RecurrentMixer):
         groups = spec.n_groups * spec.state_size
         sizes = [spec.intermediate_size, spec.intermediate_size, groups, groups, spec.num_heads]
         scales = zip(sizes, spec.zxbcdt_multipliers, strict=True)
-        return torch.cat([torch.full((size,), float(m)) for size, m in scales])
+        return torch.cat([torch.full((size,), float(m), dtype=torch.float32, device="cpu") for size, m in scales])

@@ -16,11 +16,11 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from cairn.model import granitemoehybrid, nemotron_h, qwen3_5, qwen3_5_moe, qwen3_next
+from cairn.model import falcon_h1, granitemoehybrid, nemotron_h, qwen3_5, qwen3_5_moe, qwen3_next
 from cairn.model.config import ConfigError, ModelConfig
 from cairn.model.hybrid import HybridModel
 
-FAMILY_FILES: tuple[ModuleType, ...] = (qwen3_5, qwen3_5_moe, qwen3_next, nemotron_h, granitemoehybrid)
+FAMILY_FILES: tuple[ModuleType, ...] = (qwen3_5, qwen3_5_moe, qwen3_next, nemotron_h, granitemoehybrid, falcon_h1)
 
 _BY_MODEL_TYPE = {t: f for f in FAMILY_FILES for t in f.MODEL_TYPES}
 _BY_NAME = {f.__name__.rsplit(".", 1)[-1]: f for f in FAMILY_FILES}

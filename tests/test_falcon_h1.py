@@ -1,0 +1,290 @@
+"""Falcon-H1 (parallel attention + Mamba2 in every layer, with its multipliers) against transformers on
+tiny random checkpoints the tests save (fp32 unless a test says otherwise): one-pass prefill logits,
+chunked = one pass, greedy generation, batched = alone, a state copied at p and restored into another
+slot; sharded and half-precision checkpoints; config keys cairn does not implement are refused by name;
+and through the real engine, every cache divergence pattern, the host tier and the disk tier after a
+restart resume to the cold answer; the real `cairn serve` loads the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from cairn.engine import LLM
+from cairn.layers.mamba2 import Mamba2Mixer, Mamba2Spec
+from cairn.model.config import ConfigError
+from cairn.model.families import config_from_hf
+from cairn.model.loader import load_checkpoint
+from cairn.sampling import SamplingParams
+from tests import test_cache_patterns as patterns
+from tests.falcon_h1_checkpoint import VARIANTS, write_falcon_h1
+from tests.harness import pools, prefill
+from tests.server_process import openai_client, start_server
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def falcon(checkpoints, tmp_path_factory):
+    """{variant: (path, transformers model)}: the session's `falcon_h1` checkpoint (tests/checkpoints.py, on which
+    test_model_vs_transformers.py runs the prefill, chunked and greedy contracts) and the tied variant."""
+    path = tmp_path_factory.mktemp("falcon_h1_tied")
+    return {"falcon_h1": checkpoints["falcon_h1"], "falcon_h1_tied": (path, write_falcon_h1(path, "falcon_h1_tied"))}
+
+
+def prompt(n: int, seed: int = 1, vocab: int = 256) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def small_llm(path, **overrides) -> LLM:
+    opts = dict(dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+    return LLM(model=str(path), **{**opts, **overrides})
+
+
+@pytest.mark.parametrize("variant", ["falcon_h1_tied"])  # falcon_h1: test_model_vs_transformers.py
+def test_prefill_logits_match_transformers(falcon, variant):
+    path, hf = falcon[variant]
+    model, cfg = load_checkpoint(path, "float32", "cpu", show_progress=False)
+    assert cfg.family == "falcon_h1"
+    ids = prompt(150)
+    assert (prefill(model, ids) - hf_logits(hf, ids)).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("variant", ["falcon_h1_tied"])  # falcon_h1: test_model_vs_transformers.py
+def test_chunked_prefill_equals_one_pass(falcon, variant):
+    path, _ = falcon[variant]
+    model, _ = load_checkpoint(path, "float32", "cpu", show_progress=False)
+    ids = prompt(150, seed=2)
+    whole = prefill(model, ids)
+    for cuts in ([1], [15, 16, 17, 64], [3, 4, 5, 100, 149], list(range(7, 150, 29))):
+        assert (prefill(model, ids, cuts) - whole).abs().max().item() < TOL, cuts
+
+
+@pytest.mark.parametrize("variant", ["falcon_h1_tied"])  # falcon_h1: test_model_vs_transformers.py
+def test_greedy_generation_matches_transformers(falcon, variant):
+    path, hf = falcon[variant]
+    ids = prompt(40, seed=3)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = small_llm(path).generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == expected[0, len(ids):].tolist()
+
+
+def test_request_decoded_in_batch_equals_decoded_alone(falcon):
+    path, _ = falcon["falcon_h1"]
+    llm = small_llm(path, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompts = [prompt(n, seed=10 + n) for n in (5, 33, 70, 12)]
+    together = llm.generate(prompts, params)
+    for p, batched in zip(prompts, together, strict=True):
+        alone = llm.generate(p, params)[0]
+        assert batched.token_ids == alone.token_ids
+        assert max(abs(a - b) for a, b in zip(batched.logprobs, alone.logprobs, strict=True)) < TOL
+
+
+def test_state_copied_at_p_resumes_in_another_slot_exactly(falcon):
+    """Copy the working slot at p; let the original run on; restore the copy into a fresh slot with the KV
+    pages of [0, p) and continue: the logits equal those of never stopping at p (bitwise, same chunks)."""
+    path, _ = falcon["falcon_h1"]
+    model, _ = load_checkpoint(path, "float32", "cpu", show_progress=False)
+    ids = prompt(90, seed=4)
+    p = 37
+    kv, states = pools(model, num_pages=128, page_size=4)
+    never_stopped = prefill(model, ids, cuts=[p], kv=kv, states=states)
+
+    snapshots = states.like(states, 2, "cpu")
+    slot_a, table_a = states.alloc(), kv.allocator.alloc(-(-len(ids) // 4))
+    prefill(model, ids[:p], kv=kv, states=states, slot=slot_a, page_table=table_a)
+    states.copy_to(slot_a, snapshots, 0)
+    prefill(model, ids + prompt(20, seed=5), kv=kv, states=states, slot=slot_a,
+            page_table=table_a + kv.allocator.alloc(5), start=p)  # the original slot runs on
+
+    slot_b = states.alloc()
+    snapshots.copy_to(0, states, slot_b)
+    shared, partial = table_a[: p // 4], table_a[p // 4]
+    cow = kv.allocator.alloc(1)[0]
+    kv.copy_page(partial, cow)  # positions [36, 37) of the partly filled page
+    table_b = shared + [cow] + kv.allocator.alloc(-(-len(ids) // 4) - len(shared) - 1)
+    resumed = prefill(model, ids, kv=kv, states=states, slot=slot_b, page_table=table_b, start=p)
+    assert torch.equal(resumed, never_stopped[p:])
+
+
+def test_sharded_checkpoint_loads_the_same_logits(falcon, tmp_path):
+    path, hf = falcon["falcon_h1"]
+    hf.save_pretrained(str(tmp_path), max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    ids = prompt(60, seed=6)
+    sharded, _ = load_checkpoint(tmp_path, "float32", "cpu", show_progress=False)
+    whole, _ = load_checkpoint(path, "float32", "cpu", show_progress=False)
+    assert torch.equal(prefill(sharded, ids), prefill(whole, ids))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoint_loads_in_its_own_dtype(falcon, variant, dtype, tmp_path):
+    """Saved in half precision, loaded with --dtype auto: the model computes in that dtype, and its logits
+    are no further from transformers' in that dtype than transformers' own half-precision logits are from
+    its fp32 ones (twice that, for rounding in other places)."""
+    fp32 = falcon[variant][1]
+    half = copy.deepcopy(fp32).to(dtype)
+    half.save_pretrained(str(tmp_path))
+    ids = prompt(50, seed=7)
+    expected = hf_logits(half, ids)
+    rounding = (expected - hf_logits(fp32, ids)).abs().max().item()
+    model, _ = load_checkpoint(tmp_path, "auto", "cpu", show_progress=False)
+    assert model.embed.weight.dtype == dtype
+    got = prefill(model, ids)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert rounding > 0 and (got - expected).abs().max().item() < 2 * rounding
+
+
+def saved_config(falcon, variant: str = "falcon_h1") -> dict:
+    return json.loads((falcon[variant][0] / "config.json").read_text())
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("mlp_bias", True), ("mamba_use_mlp", False), ("attn_layer_indices", [0, 2]),
+    ("hidden_act", "gelu"), ("quantization_config", {"quant_method": "fp8"}), ("sliding_window", 512),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+])
+def test_unimplemented_config_key_is_refused_naming_it(falcon, key, value):
+    raw = {**saved_config(falcon), key: value}
+    with pytest.raises(ConfigError, match=key.split("_parameters")[0]):
+        config_from_hf(raw)
+
+
+def test_every_key_of_a_saved_config_is_known(falcon):
+    """Each key transformers writes for this family is read, pinned or of no effect: nothing unknown."""
+    for variant in VARIANTS:
+        assert config_from_hf(saved_config(falcon, variant)).family == "falcon_h1"
+
+
+def test_shipped_config_keys_are_known(falcon):
+    """The keys of the released Falcon-H1 configs that transformers does not write itself (their original
+    training code's) parse: initialisation-only values, and switches at the one value implemented."""
+    raw = {**saved_config(falcon), "mamba_use_mlp": True, "attn_layer_indices": None, "mlp_expansion_factor": 8,
+           "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1e-4, "rope_scaling": None,
+           "time_step_limit": [0.0, float("inf")]}
+    raw.pop("rope_parameters")
+    cfg = config_from_hf({**raw, "rope_theta": 1e11})
+    assert cfg.family == "falcon_h1" and cfg.rope_theta == 1e11
+
+
+@pytest.mark.parametrize("widths", [
+    {"mamba_d_ssm": 96, "mamba_n_heads": 12, "mamba_d_head": "auto"},  # head dim derived: 8
+    {"mamba_d_ssm": None, "mamba_expand": 2, "mamba_n_heads": 16},  # inner = expand * hidden = 128
+    {"mamba_n_heads": 128},  # mamba_d_ssm absent: transformers' default 1024, head dim 8
+])
+def test_mamba_widths_are_those_transformers_derives(falcon, widths):
+    import transformers as tf
+
+    raw = {k: v for k, v in saved_config(falcon).items() if k not in ("mamba_d_ssm", "mamba_d_head")}
+    raw.update(widths)
+    theirs = tf.FalconH1Config(**{k: v for k, v in raw.items() if k != "time_step_limit"})
+    inner = theirs.mamba_d_ssm if theirs.mamba_d_ssm is not None else theirs.mamba_expand * theirs.hidden_size
+    ours = config_from_hf(raw).mamba
+    assert (ours.num_heads, ours.head_dim) == (theirs.mamba_n_heads, theirs.mamba_d_head)
+    assert ours.num_heads * ours.head_dim == inner
+
+
+# ---- through the real engine: warm == cold on every divergence pattern --------------------------------------
+
+PATTERNS = [patterns.append, patterns.stripped_reasoning, patterns.compaction, patterns.edit, patterns.regenerate,
+            patterns.interleave, patterns.shared_system_prompt]
+
+
+@pytest.fixture(scope="module")
+def cold_falcon(falcon):
+    return LLM(model=str(falcon["falcon_h1"][0]), dtype="float32", **patterns.OPTS, prefix_cache=False)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.__name__)
+def test_divergence_pattern_resumed_warm_equals_cold(falcon, cold_falcon, pattern):
+    warm = LLM(model=str(falcon["falcon_h1"][0]), dtype="float32", **patterns.OPTS, device_snapshot_gib=0.1,
+               snapshot_interval=64)
+    final = pattern(warm)
+    out = patterns.run(warm, final)
+    assert out.cache.cached_tokens > 0 and out.cache.resume_position > 0
+    patterns.assert_same_as_cold(cold_falcon, out, final)
+
+
+def test_mixer_multipliers_survive_a_meta_device_build():
+    """The loader builds models on the meta device and materialises them with `to_empty`: the Mamba2 mixer's
+    ssm_multipliers scale (derived from the config, never loaded) must come out of that intact."""
+    spec = Mamba2Spec(32, 4, 8, 2, 16, 4, 16, zxbcdt_multipliers=(0.5, 1.5, 0.8, 1.2, 0.9))
+    torch.manual_seed(0)
+    eager = Mamba2Mixer(spec)
+    with torch.device("meta"):
+        lazy = Mamba2Mixer(spec)
+    lazy = lazy.to_empty(device="cpu")
+    lazy.load_state_dict(eager.state_dict())
+    hidden = torch.randn(9, 32)
+    with torch.no_grad():
+        assert torch.equal(torch.cat(lazy._project(hidden), -1), torch.cat(eager._project(hidden), -1))
+
+
+# ---- host and disk tiers: demoted snapshots and a restart resume to the cold answer ---------------------------
+
+CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
+
+
+def tiered(falcon, disk, device_slots: int = 3, host_slots: int = 12) -> LLM:
+    slot_bytes = config_from_hf(saved_config(falcon)).state_spec(torch.float32).slot_bytes
+    disk_opts = {} if disk is None else {"disk_cache": str(disk)}
+    return LLM(model=str(falcon["falcon_h1"][0]), dtype="float32", **patterns.OPTS, snapshot_interval=64,
+               device_snapshot_gib=device_slots * slot_bytes / 2**30,
+               host_cache_gib=2 * host_slots * slot_bytes / 2**30, **disk_opts)
+
+
+def test_snapshot_demoted_to_host_resumes_to_the_cold_answer(falcon, cold_falcon):
+    llm = tiered(falcon, None)
+    patterns.run(llm, CONVERSATION)
+    assert llm.engine.cache.stats().tier_moves["snapshot device->host"] >= 1
+    on_host = sorted(pos for pos, entry, _ in llm.engine.cache.tree.iter_snapshots()
+                     if set(entry.handle.copies) == {"host"})
+    prompt = CONVERSATION[: on_host[-1] + 20] + [3, 4, 5]
+    out = patterns.run(llm, prompt)
+    assert out.cache.resume_position == on_host[-1] and out.cache.resume_tier == "host"
+    patterns.assert_same_as_cold(cold_falcon, out, prompt)
+
+
+def test_conversation_resumes_from_disk_after_a_restart(falcon, cold_falcon, tmp_path):
+    with tiered(falcon, tmp_path) as first:
+        reply = patterns.run(first, CONVERSATION)
+    with tiered(falcon, tmp_path) as second:  # a new process sees the same: nothing in memory, the disk indexed
+        prompt = CONVERSATION + reply.token_ids + [5, 6, 7]
+        out = patterns.run(second, prompt)
+        assert out.cache.resume_tier == "disk"
+        assert out.cache.cached_tokens == len(CONVERSATION) + len(reply.token_ids) - 1
+        patterns.assert_same_as_cold(cold_falcon, out, prompt)
+
+
+def test_cairn_serve_loads_the_checkpoint_and_a_follow_up_resumes(falcon):
+    """The real server (preflight, loader, engine thread, HTTP) on the unchanged checkpoint directory."""
+    server = start_server("--model", str(falcon["falcon_h1"][0]), "--dtype", "float32", "--snapshot-interval", "64",
+                          "--page-size", "8")
+    try:
+        client = openai_client(server)
+        name = client.models.list().data[0].id
+        messages = [{"role": "system", "content": "Be brief. " * 20}, {"role": "user", "content": "Hello there"}]
+        first = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        follow_up = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                                {"role": "user", "content": "And then?"}]
+        second = client.chat.completions.create(model=name, messages=follow_up, max_tokens=6, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    finally:
+        assert server.stop() == 0
+    assert first.usage.completion_tokens == 6
+    assert second.usage.model_dump()["prompt_tokens_details"]["cached_tokens"] > 0
