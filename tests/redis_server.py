@@ -1,7 +1,7 @@
 """Test helper: a real `redis-server` on a free loopback port, without persistence.
 
-`start_redis()` starts it, waits until it answers PING and returns a `RedisServer` (url, stop(), kill());
-`redis_or_skip()` does the same but skips the calling test, with the reason, when redis-server is not
+`start_redis()` starts it, waits until it answers PING and returns a `RedisServer` (url, stop(), kill(),
+pause() / resume() by SIGSTOP / SIGCONT); `redis_or_skip()` does the same but skips the calling test, with the reason, when redis-server is not
 installed (scripts/setup installs it). Not a test module: it holds no assertions.
 """
 
@@ -37,8 +37,16 @@ class RedisServer:
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
+    def pause(self) -> None:
+        """SIGSTOP: connections are still accepted by the kernel, but nothing is answered (a slow Redis)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.resume()
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(10)
