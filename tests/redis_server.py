@@ -1,8 +1,9 @@
 """Test helper: a real `redis-server` on a free loopback port, without persistence.
 
 `start_redis()` starts it, waits until it answers PING and returns a `RedisServer` (url, stop(), kill(),
-pause() / resume() by SIGSTOP / SIGCONT); `redis_or_skip()` does the same but skips the calling test, with the reason, when redis-server is not
-installed (scripts/setup installs it). Not a test module: it holds no assertions.
+pause() / resume() by SIGSTOP / SIGCONT); `redis_or_skip()` does the same but skips the calling test,
+with the reason, when redis-server is not installed (scripts/setup installs it).
+Not a test module: it holds no assertions.
 """
 
 from __future__ import annotations
