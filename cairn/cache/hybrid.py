@@ -460,6 +460,7 @@ class HybridPrefixCache(PrefixCache):
         Redis: what the remote tier's lookup of the prompt found (started by prefetch, or here, for a later
         probe) is hung on the tree as admission would, and counted in the plan. Call it on the engine thread
         (between steps), like every other method here."""
+        self._forget_stale_disk_keys()
         req = CacheRequest(token_ids, state_slot=-1)
         chosen = self._plan(self._match(req, wait=False), len(token_ids))
         return ProbeResult(chosen.position, chosen.estimated_s, chosen.snapshot_tier, self._remote_position(token_ids))
