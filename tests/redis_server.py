@@ -21,6 +21,7 @@ import pytest
 from tests.server_process import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
 
 
 @dataclass
@@ -85,3 +86,44 @@ def redis_or_skip(*args: str) -> RedisServer:
         pytest.skip("redis-server is not installed (scripts/setup installs it with apt-get when it can)")
     pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
     return start_redis(20.0, *args)
+
+
+@dataclass
+class RedisClusterServers:
+    """Real redis-server nodes in cluster mode, joined by `redis-cli --cluster create` (no replicas)."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def cluster_or_skip(num_nodes: int = 3, timeout_s: float = 60.0) -> RedisClusterServers:
+    """A Redis Cluster of num_nodes masters on free loopback ports, its slots all assigned and its state ok;
+    skips the calling test when redis-server or redis-cli is not installed."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server and redis-cli are needed for a Redis Cluster (scripts/setup installs them)")
+    pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
+    cluster = RedisClusterServers([])
+    try:
+        for _ in range(num_nodes):
+            conf = Path(tempfile.mkdtemp(prefix="cairn-redis-cluster-")) / "nodes.conf"
+            cluster.nodes.append(start_redis(20.0, "--cluster-enabled", "yes", "--cluster-config-file", str(conf),
+                                             "--cluster-port", str(free_port())))  # (not port + 10000: may be > 65535)
+        addresses = [f"127.0.0.1:{node.port}" for node in cluster.nodes]
+        subprocess.run([REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while any(n.client().execute_command("CLUSTER INFO")["cluster_state"] != "ok" for n in cluster.nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster

@@ -14,7 +14,7 @@ import pytest
 from cairn.cache.tree.nodes import REMOTE
 from cairn.engine import LLM
 from tests.harness import run, same_as_cold
-from tests.redis_server import redis_or_skip
+from tests.redis_server import cluster_or_skip, redis_or_skip
 
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
 CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
@@ -123,3 +123,18 @@ def test_the_known_segments_and_the_nodes_only_in_redis_stay_within_the_cap(redi
         assert store.stats()["forgotten"] >= 4 and cache.stats().remote.forgotten.get("disk_evicted", 0) >= 4
         out = run(b, prompts[0] + [7])  # forgotten here, still in Redis: found again
         assert out.cache.resume_tier == REMOTE and out.cache.cached_tokens >= 128
+
+
+def test_a_conversation_continued_on_another_replica_resumes_from_a_redis_cluster_as_cold(cold):
+    cluster = cluster_or_skip(3)
+    try:
+        a, prompt = served_on_a(cluster.url)
+        with a, replica(cluster.url) as b:
+            out = run(b, prompt)
+            assert out.cache.resume_tier == REMOTE and out.cache.cached_tokens >= 0.95 * len(prompt)
+            same_as_cold(cold, out, prompt)
+            assert b.engine.cache.stats().remote.faults == {}
+        nodes_holding = [n.client().dbsize() for n in cluster.nodes]
+        assert sum(1 for n in nodes_holding if n) >= 2, nodes_holding  # the keys spread over the cluster's slots
+    finally:
+        cluster.stop()
