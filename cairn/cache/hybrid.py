@@ -131,13 +131,14 @@ class HybridPrefixCache(PrefixCache):
         return admission
 
     def _match(self, req: CacheRequest, wait: bool = True) -> MatchResult | None:
-        """The tree's match, after a rescan of a read-only disk store and, when the prompt is not all cached,
-        hanging what the remote tier's lookup of it found. The lookup runs off the engine thread (prefetch):
-        None while it runs (`wait`; else the match without it), and one is started if none was."""
+        """The tree's match, after a rescan of a read-only disk store (when `wait`: not for a probe) and, when
+        the prompt is not all cached, hanging what the remote tier's lookup of it found. The lookup runs off
+        the engine thread (prefetch): None while it runs (`wait`; else the match without it), and one is
+        started if none was."""
         match = self.tree.match(req.token_ids)
         if match.match_len == len(req.token_ids):
             return match
-        hung = any([index.rescan() for index in self.indexes.values()])
+        hung = wait and any([index.rescan() for index in self.indexes.values()])
         for name, lookups in self.lookups.items():
             found = lookups.answer(req.token_ids)
             if found is None:

@@ -21,13 +21,14 @@ What this is not: the lookup itself (RemoteTier.lookup) or what the cache does w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 from cairn.cache.disk.segment import _tokens_to_bytes
 
@@ -85,7 +86,7 @@ class RemoteLookups:
         finally:
             with self._lock:
                 self._num_in_flight -= 1
-        future.set_result(found)
+        _settle(future, found)
 
     def answer(self, token_ids: Sequence[int]):
         """The found segments, PENDING, or None (see the module docstring)."""
@@ -103,4 +104,14 @@ class RemoteLookups:
         return len(self._answers)
 
     def close(self) -> None:
+        """Stop the lookup threads; every lookup not done answers [] (nobody waits on one for ever)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            futures = [future for _, future in self._answers.values()]
+        for future in futures:
+            _settle(future, [])
+
+
+def _settle(future: Future, found: list) -> None:
+    with contextlib.suppress(InvalidStateError):  # already settled by close()
+        future.set_result(found)
