@@ -468,9 +468,4 @@ class HybridPrefixCache(PrefixCache):
 
     def _remote_position(self, token_ids: list[int]) -> int:
         """The deepest snapshot the remote tier's answer for this prompt holds (0 when none or not in yet)."""
-        depth = 0
-        for lookups in self.lookups.values():
-            found = lookups.answer(token_ids)
-            if found is not None and found is not PENDING:
-                depth = max([depth, *(len(path) for path, _, _, has_snapshot, _ in found if has_snapshot)])
-        return depth
+        return max([0, *(lookups.deepest_snapshot(token_ids) for lookups in self.lookups.values())])

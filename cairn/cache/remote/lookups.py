@@ -10,7 +10,7 @@ small pool of lookup threads, and admission only reads the answer:
                      reaches the engine queue, so admission finds it there)
     answer(token_ids)  any thread (the engine's, at admission): the found segments (a list, [] on a miss or
                      while Redis is down) when the lookup is done, PENDING while it runs, None when none was
-                     started (or its answer expired)
+                     started (or its answer expired); deepest_snapshot(token_ids) reads it for a probe
 
 The answer of a lookup is kept ANSWER_TTL_S (an old answer may miss segments written since) and at most
 MAX_ANSWERS prompts are remembered (the oldest are forgotten first). While MAX_IN_FLIGHT lookups are
@@ -98,6 +98,14 @@ class RemoteLookups:
         if not future.done():
             return PENDING
         return future.result() if time.monotonic() - started < self.ttl_s else None
+
+    def deepest_snapshot(self, token_ids: Sequence[int]) -> int:
+        """The end of the deepest found segment holding a snapshot, in the answer for this prompt (0: none,
+        or no answer yet)."""
+        found = self.answer(token_ids)
+        if found is None or found is PENDING:
+            return 0
+        return max([0, *(len(path) for path, _, _, has_snapshot, _ in found if has_snapshot)])
 
     @property
     def num_answers(self) -> int:
