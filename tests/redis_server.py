@@ -1,8 +1,9 @@
 """Test helper: a real `redis-server` on a free loopback port, without persistence.
 
-`start_redis()` starts it, waits until it answers PING and returns a `RedisServer` (url, stop(), kill());
-`redis_or_skip()` does the same but skips the calling test, with the reason, when redis-server is not
-installed (scripts/setup installs it). Not a test module: it holds no assertions.
+`start_redis()` starts it, waits until it answers PING and returns a `RedisServer` (url, stop(), kill(),
+pause() / resume() by SIGSTOP / SIGCONT); `redis_or_skip()` does the same but skips the calling test,
+with the reason, when redis-server is not installed (scripts/setup installs it).
+Not a test module: it holds no assertions.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 from tests.server_process import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
 
 
 @dataclass
@@ -37,8 +39,16 @@ class RedisServer:
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
+    def pause(self) -> None:
+        """SIGSTOP: connections are still accepted by the kernel, but nothing is answered (a slow Redis)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.resume()
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(10)
@@ -76,3 +86,44 @@ def redis_or_skip(*args: str) -> RedisServer:
         pytest.skip("redis-server is not installed (scripts/setup installs it with apt-get when it can)")
     pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
     return start_redis(20.0, *args)
+
+
+@dataclass
+class RedisClusterServers:
+    """Real redis-server nodes in cluster mode, joined by `redis-cli --cluster create` (no replicas)."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def cluster_or_skip(num_nodes: int = 3, timeout_s: float = 60.0) -> RedisClusterServers:
+    """A Redis Cluster of num_nodes masters on free loopback ports, its slots all assigned and its state ok;
+    skips the calling test when redis-server or redis-cli is not installed."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server and redis-cli are needed for a Redis Cluster (scripts/setup installs them)")
+    pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
+    cluster = RedisClusterServers([])
+    try:
+        for _ in range(num_nodes):
+            conf = Path(tempfile.mkdtemp(prefix="cairn-redis-cluster-")) / "nodes.conf"
+            cluster.nodes.append(start_redis(20.0, "--cluster-enabled", "yes", "--cluster-config-file", str(conf),
+                                             "--cluster-port", str(free_port())))  # (not port + 10000: may be > 65535)
+        addresses = [f"127.0.0.1:{node.port}" for node in cluster.nodes]
+        subprocess.run([REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while any(n.client().execute_command("CLUSTER INFO")["cluster_state"] != "ok" for n in cluster.nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster

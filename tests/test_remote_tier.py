@@ -14,7 +14,7 @@ import pytest
 from cairn.cache.tree.nodes import REMOTE
 from cairn.engine import LLM
 from tests.harness import run, same_as_cold
-from tests.redis_server import redis_or_skip
+from tests.redis_server import cluster_or_skip, redis_or_skip
 
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
 CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
@@ -33,7 +33,11 @@ def cold():
 
 
 def replica(url: str) -> LLM:
-    return LLM(**OPTS, remote_cache=url)
+    """A replica whose Redis calls wait up to 5 s (not the default 0.5 s: on a loaded test machine a round
+    trip can take that long, and these tests check what is found, not the breaker)."""
+    llm = LLM(**OPTS, remote_cache=url)
+    remote(llm).store.redis.timeout_s = 5.0  # before its first call: the client is made then
+    return llm
 
 
 def remote(llm: LLM):
@@ -95,3 +99,42 @@ def test_a_value_corrupted_in_redis_is_never_loaded_and_is_counted(redis_server,
         faults = b.engine.cache.stats().remote.faults
         assert 1 <= faults.get("checksum", 0) <= len(names), faults
         assert run(b, prompt).cache.resume_position > 0  # it cached this run locally and serves it
+
+
+def keys_only_in_redis(llm: LLM) -> set[bytes]:
+    """The segments of the tree's nodes whose only KV copy is in Redis."""
+    return {node.kv[REMOTE].key for node in llm.engine.cache.tree.iter_nodes() if list(node.kv) == [REMOTE]}
+
+
+def test_the_known_segments_and_the_nodes_only_in_redis_stay_within_the_cap(redis_server):
+    prompts = [[t + 50 * i for t in CONVERSATION[:140]] for i in range(3)]  # 3 conversations, 3+ segments each
+    with replica(redis_server.url) as a, replica(redis_server.url) as b:
+        for prompt in prompts:
+            run(a, prompt)
+        assert remote(a).store.flush()
+        store, cache = remote(b).store, b.engine.cache
+        store.max_segments = 4
+        for prompt in prompts:  # B hangs what Redis holds for each (the probe's lookup): nodes only in Redis
+            cache.prefetch(prompt, []).result(timeout=60)
+            assert cache.probe(prompt).remote_position >= 128
+            cache._forget_stale_disk_keys()  # what the next admission, release or probe does first
+            assert len(store) <= 4 and len(keys_only_in_redis(b)) <= 4
+            cache.check_integrity()
+        assert store.stats()["forgotten"] >= 4 and cache.stats().remote.forgotten.get("disk_evicted", 0) >= 4
+        out = run(b, prompts[0] + [7])  # forgotten here, still in Redis: found again
+        assert out.cache.resume_tier == REMOTE and out.cache.cached_tokens >= 128
+
+
+def test_a_conversation_continued_on_another_replica_resumes_from_a_redis_cluster_as_cold(cold):
+    cluster = cluster_or_skip(3)
+    try:
+        a, prompt = served_on_a(cluster.url)
+        with a, replica(cluster.url) as b:
+            out = run(b, prompt)
+            assert out.cache.resume_tier == REMOTE and out.cache.cached_tokens >= 0.95 * len(prompt)
+            same_as_cold(cold, out, prompt)
+            assert b.engine.cache.stats().remote.faults == {}
+        nodes_holding = [n.client().dbsize() for n in cluster.nodes]
+        assert sum(1 for n in nodes_holding if n) >= 2, nodes_holding  # the keys spread over the cluster's slots
+    finally:
+        cluster.stop()

@@ -17,11 +17,14 @@ the separate `NullCache`, not a flag inside a real one.
     release(adm, req, finished)  when req stops running (finished, aborted or preempted); a finished
                       request's path is inserted before the scheduler frees its pages and slot.
     evict_pages(n)    free at least n KV pages if it can; returns how many it freed.
+    prefetch(ids, starts)  from any thread, before the request is queued: start the lookups admission would
+                      otherwise wait for (the remote tier's); admit returns None while one is running.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +77,16 @@ class Admission:
     state: object | None = None  # the cache's private bookkeeping (lock on the matched path, captures in flight)
 
 
+@dataclass(frozen=True)
+class ProbeResult:
+    """The cache's answer to a probe (the router's question: where would this prompt resume here?)."""
+
+    position: int = 0  # resume position the planner would choose now (0: cold prefill)
+    estimated_s: float | None = None  # the planner's estimated seconds to the first token (None: unknown)
+    tier: str | None = None  # tier the chosen snapshot comes from (None: cold)
+    remote_position: int = 0  # deepest snapshot the remote tier holds for the prompt (0: none, or not asked)
+
+
 class PrefixCache(ABC):
     @abstractmethod
     def admit(self, req: CacheRequest) -> Admission | None:
@@ -108,11 +121,15 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None:  # noqa: B027 (optional hook: a cache with no bookkeeping has nothing to check)
         """Raise AssertionError if the cache's bookkeeping is inconsistent."""
 
-    def probe(self, token_ids: list[int]) -> tuple[int, float | None, str | None]:
-        """(resume position, estimated seconds to the first token or None when unknown, snapshot tier) that
-        admitting this prompt now would plan; locks, copies and loads nothing. A cache that caches
-        nothing resumes nowhere."""
-        return 0, None, None
+    def probe(self, token_ids: list[int]) -> ProbeResult:
+        """What admitting this prompt now would plan (ProbeResult); locks, copies and loads nothing. A
+        cache that caches nothing resumes nowhere."""
+        return ProbeResult()
+
+    def prefetch(self, token_ids: list[int], message_starts: list[int]) -> Future | None:
+        """Any thread: start looking this prompt up in a tier that is slow to ask (the remote tier), so that
+        admission finds the answer ready; a Future done when it is in, or None (nothing to look up)."""
+        return None
 
     def stats(self) -> CacheStats | None:
         """Counters and gauges (cache/stats.py); None: nothing to report."""

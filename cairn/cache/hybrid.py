@@ -25,15 +25,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from cairn.cache.base import Admission, CacheReport, CacheRequest, PrefixCache
+from cairn.cache.base import Admission, CacheReport, CacheRequest, PrefixCache, ProbeResult
 from cairn.cache.disk.index import DiskIndex
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
+from cairn.cache.remote.lookups import PENDING, RemoteLookups
+from cairn.cache.remote.tier import RemoteTier
 from cairn.cache.stats import CacheStats, DiskStats
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
 from cairn.cache.tree.nodes import DISK, HOST, REMOTE, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
@@ -69,9 +72,12 @@ class HybridPrefixCache(PrefixCache):
         self.restored_by_tier: Counter[str] = Counter()
         self.dropped_by_reason: Counter[str] = Counter()
         self.indexes: dict[str, DiskIndex] = {}  # segment tier name -> its index of the store's segments
+        self.lookups: dict[str, RemoteLookups] = {}  # segment tier that finds segments by prompt -> its lookups
         for tier in tiers.tiers:
             if tier.pages is None:
                 self.indexes[tier.name] = self._index(tier)
+            if isinstance(tier, RemoteTier):
+                self.lookups[tier.name] = RemoteLookups(tier.lookup)
 
     def _index(self, tier) -> DiskIndex:
         """Hang a segment tier's stored segments on the tree (start-up)."""
@@ -95,11 +101,14 @@ class HybridPrefixCache(PrefixCache):
         self._forget_stale_disk_keys()
         if not req.cache_prompt:
             return Admission(report=CacheReport(miss_reason="opted_out"))
+        match = self._match(req)
+        if match is None:
+            self.counters["admissions_awaiting_remote"] += 1
+            return None  # a remote lookup is running off this thread: admit when its answer is in
         state = _RequestState(places={})
         admission = Admission(state=state)
         report = admission.report
         for _ in range(MAX_PLANS):  # a copy found unreadable is marked bad (never planned again): plan again
-            match = self._match(req)
             chosen = self._plan(match, len(req.token_ids))
             if chosen.position == 0:
                 break
@@ -110,6 +119,7 @@ class HybridPrefixCache(PrefixCache):
                 break
             report.miss_reason = "corrupt"
             self._forget_stale_disk_keys()
+            match = self.tree.match(req.token_ids)
         report.match_length = match.match_len
         if report.miss_reason is None:
             report.miss_reason = self._miss_reason(match, chosen)
@@ -120,14 +130,32 @@ class HybridPrefixCache(PrefixCache):
         admission.snapshot_positions = tuple(sorted(state.places))
         return admission
 
-    def _match(self, req: CacheRequest) -> MatchResult:
-        """The tree's match, after a rescan of a read-only disk store and a lookup in the segment tiers that
-        find segments by prompt (remote) when the prompt is not all cached."""
+    def _match(self, req: CacheRequest, wait: bool = True) -> MatchResult | None:
+        """The tree's match, after a rescan of a read-only disk store (when `wait`: not for a probe) and, when
+        the prompt is not all cached, hanging what the remote tier's lookup of it found. The lookup runs off
+        the engine thread (prefetch): None while it runs (`wait`; else the match without it), and one is
+        started if none was."""
         match = self.tree.match(req.token_ids)
-        if match.match_len < len(req.token_ids) and any(
-                [index.rescan() or index.lookup(req.token_ids, req.message_starts) for index in self.indexes.values()]):
-            match = self.tree.match(req.token_ids)
-        return match
+        if match.match_len == len(req.token_ids):
+            return match
+        hung = wait and any([index.rescan() for index in self.indexes.values()])
+        for name, lookups in self.lookups.items():
+            found = lookups.answer(req.token_ids)
+            if found is None:
+                lookups.start(req.token_ids, req.message_starts)
+                found = PENDING
+            if found is PENDING:
+                if wait:
+                    return None
+                continue
+            hung = self.indexes[name].hang_found(found) or hung
+        return self.tree.match(req.token_ids) if hung else match
+
+    def prefetch(self, token_ids: list[int], message_starts: list[int]) -> Future | None:
+        """Any thread: start the remote tier's lookup of this prompt, so that admission (or a probe) finds the
+        answer ready instead of waiting for Redis; a Future done when it is in (None: no remote tier)."""
+        futures = [lookups.start(token_ids, message_starts) for lookups in self.lookups.values()]
+        return futures[0] if futures else None
 
     def _plan(self, match: MatchResult, prompt_len: int) -> Plan:
         """The planner's choice among the usable snapshots on the matched path (a copy in a disk segment
@@ -369,6 +397,8 @@ class HybridPrefixCache(PrefixCache):
         self.speeds.observe_prefill(num_tokens, seconds)
 
     def close(self) -> None:
+        for lookups in self.lookups.values():
+            lookups.close()
         for name in self.indexes:
             self.tiers.by_name[name].store.close()
 
@@ -426,9 +456,16 @@ class HybridPrefixCache(PrefixCache):
 
     # ---- probing (the router's question) ------------------------------------------------------------
 
-    def probe(self, token_ids: list[int]) -> tuple[int, float, str | None]:
-        """(resume position, estimated seconds to the first token, tier of the snapshot) that admitting
-        this prompt now would plan. Pure: locks, copies, loads and rescans nothing; call it on the engine
-        thread (between steps), like every other method here."""
-        chosen = self._plan(self.tree.match(token_ids), len(token_ids))
-        return chosen.position, chosen.estimated_s, chosen.snapshot_tier
+    def probe(self, token_ids: list[int]) -> ProbeResult:
+        """What admitting this prompt now would plan. Locks, copies and loads nothing, and never waits for
+        Redis: what the remote tier's lookup of the prompt found (started by prefetch, or here, for a later
+        probe) is hung on the tree as admission would, and counted in the plan. Call it on the engine thread
+        (between steps), like every other method here."""
+        self._forget_stale_disk_keys()
+        req = CacheRequest(token_ids, state_slot=-1)
+        chosen = self._plan(self._match(req, wait=False), len(token_ids))
+        return ProbeResult(chosen.position, chosen.estimated_s, chosen.snapshot_tier, self._remote_position(token_ids))
+
+    def _remote_position(self, token_ids: list[int]) -> int:
+        """The deepest snapshot the remote tier's answer for this prompt holds (0 when none or not in yet)."""
+        return max([0, *(lookups.deepest_snapshot(token_ids) for lookups in self.lookups.values())])

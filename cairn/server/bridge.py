@@ -192,6 +192,7 @@ class EngineBridge:
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         prompt = await self.tokenize(sub)
+        await self.prefetch(prompt, sub.params)
         try:
             await self.call(lambda engine: self._add(engine, sub, prompt, (loop, outputs)))
         except asyncio.CancelledError:
@@ -209,6 +210,14 @@ class EngineBridge:
             if "shutdown" not in str(e):
                 raise
             raise ServerShuttingDown("The server is shutting down and takes no new requests.") from None
+
+    async def prefetch(self, prompt: TokenizedPrompt, params: SamplingParams) -> None:
+        """Wait for the cache's lookup of the prompt in a slow tier (the remote one), started here, off the
+        engine thread: admission then finds the answer ready and never waits on Redis (PrefixCache.prefetch
+        is safe from any thread; a Redis that is down or slow answers a miss within its timeout)."""
+        future = self.engine.cache.prefetch(prompt.token_ids, prompt.message_starts) if params.cache_prompt else None
+        if future is not None:
+            await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         """Abort a request and free its memory, unless it already finished (then nothing happens)."""

@@ -2,12 +2,15 @@
 
 Body: the very body of a /v1/chat/completions (with "messages") or /v1/completions request. Nothing is
 generated, locked, loaded or queued: the prompt is rendered and tokenized as the real request would be
-(off the event loop), and the cache's planner answers on the engine thread between two steps.
+(off the event loop), the remote tier (with --remote-cache) is asked what it holds of the prompt (off the
+engine thread: that answer is then counted in the plan), and the cache's planner answers on the engine
+thread between two steps.
 
     {"tokens": 1234,              prompt length in tokens
      "position": 1024,            resume position the planner would choose now (0: cold prefill)
      "tier": "host",              the tier its snapshot comes from (null when cold)
      "est_ttft_s": 0.041,         the planner's estimate of the time to the first token (null without a cache)
+     "remote_position": 1024,     the deepest snapshot the remote tier (Redis) holds for it (0: none or no tier)
      "waiting": 0, "running": 2}  requests queued and running on this replica
 
 The estimate ignores the wait behind queued requests: the router weighs `waiting` and `running` itself.
@@ -50,6 +53,7 @@ async def probe(ctx: ServingContext, body: ChatCompletionRequest | CompletionReq
     ctx.check_model(body.model)
     sub = _submission(body)
     prompt = await ctx.bridge.tokenize(sub)
+    await ctx.bridge.prefetch(prompt, sub.params)  # the remote tier's lookup, off the engine thread
     answer = await ctx.bridge.call(lambda engine: _answer(engine, prompt.token_ids))
     return JSONResponse({"tokens": len(prompt.token_ids), **answer})
 
@@ -65,6 +69,6 @@ def _submission(body: ChatCompletionRequest | CompletionRequest) -> Submission:
 
 def _answer(engine: Engine, token_ids: list[int]) -> dict:
     """On the engine thread: the cache's plan for these tokens, and the queue."""
-    position, est_s, tier = engine.cache.probe(token_ids)
-    return {"position": position, "tier": tier, "est_ttft_s": est_s, "waiting": engine.num_waiting,
-            "running": engine.num_running}
+    found = engine.cache.probe(token_ids)
+    return {"position": found.position, "tier": found.tier, "est_ttft_s": found.estimated_s,
+            "remote_position": found.remote_position, "waiting": engine.num_waiting, "running": engine.num_running}

@@ -7,8 +7,8 @@
                    file the store found, a key marked bad); a node or snapshot still locked by a running
                    request keeps its record until a later forget(), and `usable` says not to resume
                    through it meanwhile
-    lookup()       a store shared with other writers that finds segments by prompt (the remote tier) is
-                   asked, when a prompt is not all matched, for what it holds of that prompt
+    hang_found()   what a store shared with other writers found for a prompt (the remote tier's lookup,
+                   run off the engine thread) is hung on the tree at admission
     rescan()       a read-only store (another server writes the namespace) is rescanned when a prompt
                    misses, at most every `rescan_interval_s`, so segments the writer adds later are
                    resumable here too
@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from cairn.cache.disk.tier import DiskTier
 from cairn.cache.tree.nodes import Node, SnapshotEntry
@@ -57,20 +57,18 @@ class DiskIndex:
         """Hang the store's segments on the tree (idempotent); returns the snapshots newly hung."""
         return self._hang(self.disk.stored_paths())
 
-    def lookup(self, token_ids: Sequence[int], message_starts: Sequence[int] = ()) -> bool:
-        """For a tier that finds segments by prompt (the remote tier: a shared store holds more than this
-        process indexed at start-up): hang what it holds for this prompt; True when it found any (match
-        again: nodes may have been split)."""
-        find = getattr(self.disk, "lookup", None)
-        if find is None:
-            return False
-        found = []
-        for entry in find(token_ids, message_starts):  # parents first: stop at a segment found unreadable before
+    def hang_found(self, found) -> bool:
+        """Hang what a lookup by prompt found in a store shared with other writers (the remote tier, which
+        holds more than this process indexed at start-up): (path, start, ref, has_snapshot, has_logits)
+        segments, parents first, stopping at one found unreadable before. True when it hung any (match
+        again: nodes may have been split). No I/O: the lookup ran elsewhere (cache/remote/lookups.py)."""
+        usable = []
+        for entry in found:
             if entry[2].key in self._unreadable or not self.usable(entry[2].key):
                 break
-            found.append(entry)
-        self._hang(found)
-        return bool(found)
+            usable.append(entry)
+        self._hang(usable)
+        return bool(usable)
 
     def _hang(self, stored) -> int:
         """Hang (path, start, ref, has_snapshot, has_logits) segments, parents first; the snapshots newly hung."""

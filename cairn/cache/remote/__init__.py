@@ -3,5 +3,6 @@
 keys.py (Redis key names, index entries, canonical prefix keys), client.py (URL forms, timeouts, the
 circuit breaker), writer.py (the write-behind thread and its bounded queue), store.py
 (RedisSegmentStore: DiskStore's interface over Redis), tier.py (RemoteTier: the disk tier's logic over
-that store, plus lookup by prompt). Not yet in the cache's tier list (see README).
+that store, plus lookup by prompt), lookups.py (RemoteLookups: those lookups on threads of their own, so
+the engine thread never waits on Redis). The cache puts the tier last in its tier list (cache/factory.py).
 """

@@ -9,7 +9,9 @@
                      positions of a prompt (see keys.py); the deepest chain ending in a snapshot is
                      registered here and returned, parents first
     info / keys / get_tokens / pin / unpin / scan / len / used_bytes / close    as DiskStore's, over the
-                     segments this process knows of (those it wrote or looked up): Redis may hold more
+                     segments this process knows of (those it wrote or looked up): Redis may hold more.
+                     At most max_segments are known: beyond, the least recently used are forgotten here
+                     (on_evict is told; Redis keeps them, a later lookup finds them again)
 
 Writes happen behind the request: `put` only records the segment here and queues it; a background
 thread encodes it (segment.py, every section checksummed) and sends it with its index entries in one
@@ -47,6 +49,7 @@ from cairn.cache.remote.writer import WriteBehind
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)
+DEFAULT_MAX_SEGMENTS = 1 << 16  # segments known here (written or looked up); the least recently used go first
 
 
 @dataclasses.dataclass
@@ -69,13 +72,15 @@ class RedisSegmentStore(Pins):
     def __init__(self, url: str, namespace: str, page_size: int, *, compression: str | None = None,
                  limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cooldown_s: float = DEFAULT_COOLDOWN_S,
-                 queue_segments: int = DEFAULT_QUEUE_SEGMENTS, ttl_s: int | None = None, client=None):
+                 queue_segments: int = DEFAULT_QUEUE_SEGMENTS, ttl_s: int | None = None, client=None,
+                 max_segments: int = DEFAULT_MAX_SEGMENTS):
         self.url, self.compat_digest, self.page_size = url, namespace, page_size
         self.compression, self.limits, self.on_evict, self.ttl_s = compression, limits, on_evict, ttl_s
         self.names = KeyNames(namespace)
+        self.max_segments = max_segments  # cap on the segments known here (Redis may hold many more)
         self.faults: dict[str, int] = {}  # reason -> occurrences
         self.redis = GuardedRedis(url, timeout_s, cooldown_s, self._fault, client)
-        self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0}
+        self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0, "forgotten": 0}
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._by_end: dict[bytes, bytes] = {}  # canonical key of a segment's end -> its key
         self._pending: dict[bytes, Segment] = {}  # queued, not yet written
@@ -118,6 +123,7 @@ class RedisSegmentStore(Pins):
             self._pending[segment.key] = segment
             self._register(_Entry(info, bounds, segment.tokens, end_hash))
             self._counts["puts"] += 1
+        self._trim(keep={segment.key})
         return True
 
     def _chain_of(self, segment: Segment) -> tuple[tuple[int, ...], object] | None:
@@ -185,8 +191,8 @@ class RedisSegmentStore(Pins):
             self._counts["gets"] += 1
             if key in self._pending:
                 return self._pending[key]
-            if key not in self._index:
-                return None
+        # (a key not known here, say forgotten by _trim since a lookup found it, is read all the same: the
+        # value is verified against the key)
         value = self.redis.call(lambda c: c.get(self.names.segment(key)))
         if value is FAILED:
             return None
@@ -246,6 +252,7 @@ class RedisSegmentStore(Pins):
                 bad.append(name)  # bounds that do not lead to its key: garbage
         if bad:
             self._forget_entries(bad)
+        self._trim(keep={info.key for info in infos})
         return infos
 
     def _forget_entries(self, names: list[str]) -> None:
@@ -277,6 +284,21 @@ class RedisSegmentStore(Pins):
         self._index[entry.info.key] = entry
         self._index.move_to_end(entry.info.key)
         self._by_end[entry.end_hash.digest()] = entry.info.key
+
+    def _trim(self, keep: set[bytes]) -> None:
+        """Forget the least recently used known segments beyond max_segments (never one queued for writing,
+        pinned, or in `keep`: the chain just written or found), telling on_evict: the cache then drops the
+        tree's references to them, so neither this index nor the nodes whose only copy is in Redis grow
+        without bound. Redis keeps the segments: a later lookup finds them again. Counted in
+        stats()["forgotten"]."""
+        with self._lock:
+            excess = len(self._index) - self.max_segments
+            if excess <= 0:
+                return
+            keys = [k for k in self._index if k not in self._pending and k not in self._pins and k not in keep]
+            keys = keys[:excess]
+            self._counts["forgotten"] += len(keys)
+        self._drop(keys)
 
     def _reject(self, key: bytes, reason: str) -> None:
         self._fault(reason)
