@@ -88,6 +88,8 @@ if kind == "chat":
 else:
     path, body = "/v1/completions", {"prompt": text, "max_tokens": 1}
 data = json.dumps(body).encode()
+print("ready", flush=True)
+sys.stdin.readline()  # built before the measured window starts: only the sending is inside it
 t0 = time.monotonic()
 r = httpx.post(url + path, content=data, headers={"content-type": "application/json"}, timeout=600)
 print(r.status_code, time.monotonic() - t0)
@@ -96,7 +98,7 @@ print(r.status_code, time.monotonic() - t0)
 
 def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
     """The big request is sent by another process, so that building and sending it does not slow
-    down this process's reading of the stream."""
+    down this process's reading of the stream; it is built before the measured window starts."""
     times: list[float] = []
     stop = threading.Event()
     thread = threading.Thread(target=stream_times, args=(url, times, stop), daemon=True)
@@ -106,11 +108,14 @@ def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the stream did not start")
         time.sleep(0.01)
+    sender = subprocess.Popen([sys.executable, "-c", SEND_BIG, url, str(mib), kind], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    if sender.stdout.readline().strip() != "ready":
+        raise RuntimeError("the sender did not start")
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", SEND_BIG, url, str(mib), kind], capture_output=True, text=True,
-                          check=True)
+    out, _ = sender.communicate("go\n")
     t1 = time.monotonic()
-    status, big_s = done.stdout.split()
+    status, big_s = out.split()
     time.sleep(0.2)  # a few more tokens: a gap that ends after the answer counts too
     stop.set()
     thread.join(30)
@@ -128,7 +133,7 @@ def main() -> int:
     p.add_argument("--big-kind", choices=("chat", "completion"), default="chat")
     p.add_argument("--warmup-tokens", type=int, default=40)
     ns = p.parse_args()
-    repos = ns.repo or [REPO_ROOT]
+    repos = [repo.resolve() for repo in ns.repo or [REPO_ROOT]]
     servers = {repo: start(repo) for repo in repos}
     results: dict[Path, list[Round]] = {repo: [] for repo in repos}
     try:
