@@ -152,6 +152,9 @@ def main() -> int:
         for r in rounds:
             print(f"| {repo.name} | {r.normal_gap_s * 1e3:.1f} | {r.max_gap_s * 1e3:.1f} | {r.ratio:.1f} | "
                   f"{r.big_s:.2f}, {r.big_status} |")
+    for repo, rounds in results.items():
+        print(f"\n{repo.name}: median ratio {statistics.median(r.ratio for r in rounds):.1f}, "
+              f"largest gap median {statistics.median(r.max_gap_s for r in rounds) * 1e3:.1f} ms")
     print(f"\nCPU: {os.cpu_count()} cores; command: python benchmarks/stall_bench.py "
           + " ".join(sys.argv[1:]))
     return 0

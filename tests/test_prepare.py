@@ -15,7 +15,7 @@ from cairn.prompt import tokenize_prompt
 from cairn.server.errors import APIError
 from cairn.server.generate import ServingContext
 from cairn.server.offload import Offload
-from cairn.server.prepare import Prepared, prepare, prepare_here
+from cairn.server.prepare import TEXT_FIELDS, Prepared, prepare, prepare_here
 from cairn.tokenizer import ByteTokenizer
 
 MAX_MODEL_LEN = 1000
@@ -29,6 +29,9 @@ CHAT = {"model": "cairn-demo", "max_tokens": 4, "messages": [
     {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
     "tools": [TOOL], "tool_choice": "required", "chat_template_kwargs": {"enable_thinking": True}}
 COMPLETION = {"prompt": "once upon a time", "max_tokens": 3, "stop": ["end"]}
+ANTHROPIC = {"model": "cairn-demo", "max_tokens": 5, "system": "be brief", "stop_sequences": ["end"],
+             "messages": [{"role": "user", "content": [{"type": "text", "text": "héllo"}]}],
+             "tools": [{"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}]}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,8 @@ def in_worker(offload: Offload, body: bytes, kind: str) -> Prepared:
     return asyncio.run(prepare(CTX, offload, chunks, kind, "req-1"))
 
 
-@pytest.mark.parametrize(("kind", "request_body"), [("chat", CHAT), ("completion", COMPLETION)])
+@pytest.mark.parametrize(("kind", "request_body"), [("chat", CHAT), ("completion", COMPLETION),
+                                                    ("messages", ANTHROPIC)])
 def test_worker_prepares_the_same_submission_and_token_ids_as_the_server_process(offload, kind, request_body):
     body = json.dumps(request_body).encode()
     local, tokenized = here(body, kind)
@@ -63,9 +67,9 @@ def test_worker_prepares_the_same_submission_and_token_ids_as_the_server_process
     assert remote.submission.params == local.submission.params
     assert remote.submission.request_id == "req-1" and remote.plan == local.plan
     assert (remote.submission.prompt, remote.submission.messages) == (None, None)  # tokens only, no text
-    text_field = "messages" if kind == "chat" else "prompt"
-    assert not getattr(remote.body, text_field)
-    assert remote.body.model_dump(exclude={text_field}) == local.body.model_dump(exclude={text_field})
+    text_fields = set(TEXT_FIELDS[kind])
+    assert not any(getattr(remote.body, name) for name in text_fields)
+    assert remote.body.model_dump(exclude=text_fields) == local.body.model_dump(exclude=text_fields)
 
 
 def test_chat_prepared_in_a_worker_keeps_the_forced_call_prefix_and_message_starts(offload):
@@ -94,6 +98,8 @@ def _error(fn):
     ("chat", json.dumps({"messages": [{"role": "assistant", "content": "", "tool_calls": [{
         "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}).encode()),
     ("completion", json.dumps({"prompt": "x" * 100_000}).encode()),
+    ("messages", json.dumps({**ANTHROPIC, "messages": []}).encode()),
+    ("messages", json.dumps({**ANTHROPIC, "tool_choice": {"type": "tool"}}).encode()),
     ("completion", json.dumps({"prompt": ["a", "b"]}).encode()),
     ("completion", json.dumps({"prompt": "a", "stop_token_ids": [999]}).encode()),
 ])

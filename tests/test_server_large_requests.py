@@ -25,6 +25,8 @@ CHAT = {"model": MODEL, "max_tokens": 4, "temperature": 0, "return_token_ids": T
         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo there"}]}
 COMPLETION = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 4, "temperature": 0,
               "return_token_ids": True}
+ANTHROPIC = {"model": MODEL, "max_tokens": 4, "temperature": 0, "system": "be brief",
+             "messages": [{"role": "user", "content": "héllo there"}]}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,23 @@ def test_large_body_gets_the_same_error_as_a_small_one(http, body):
     small = post(http, "/v1/chat/completions", json.dumps(body).encode())
     large = post(http, "/v1/chat/completions", padded(body))
     assert small.status_code in (400, 404) and (large.status_code, large.json()) == (small.status_code, small.json())
+
+
+def test_large_anthropic_body_gets_the_same_answer_as_a_small_one(http):
+    small = post(http, "/v1/messages", json.dumps(ANTHROPIC).encode())
+    large = post(http, "/v1/messages", padded(ANTHROPIC))
+    assert small.status_code == large.status_code == 200, large.text
+    assert large.json()["content"] == small.json()["content"]
+    assert large.json()["usage"]["cache_read_input_tokens"] > 0  # the same prompt tokens, resumed from the cache
+
+
+@pytest.mark.parametrize("body", [{k: v for k, v in ANTHROPIC.items() if k != "max_tokens"},
+                                  {**ANTHROPIC, "tool_choice": {"type": "tool"}}])
+def test_large_anthropic_body_gets_the_same_error_as_a_small_one(http, body):
+    small = post(http, "/v1/messages", json.dumps(body).encode())
+    large = post(http, "/v1/messages", padded(body))
+    assert small.status_code == 400 and small.json()["type"] == "error"  # Anthropic's error shape
+    assert (large.status_code, large.json()) == (small.status_code, small.json())
 
 
 def test_large_body_that_is_not_json_is_400_invalid_json(http):

@@ -147,9 +147,14 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def complete(request: Request) -> Response:
         return await guarded(completion_request(request), "prompt")
 
+    async def messages_request(request: Request) -> Response:
+        start_s = time.monotonic()
+        p = await prepare(ctx, offload, await body_chunks(request), "messages", generate.new_request_id("msg"))
+        return await anthropic.messages(ctx, p.submission, p.plan, p.body, request, start_s)
+
     @app.post("/v1/messages")
-    async def messages(body: anthropic.MessagesRequest, request: Request) -> Response:
-        return await anthropic.guarded(anthropic.messages(ctx, body, request))
+    async def messages(request: Request) -> Response:
+        return await anthropic.guarded(messages_request(request))
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> Response:

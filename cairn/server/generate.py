@@ -186,7 +186,8 @@ def _indexed(chunk: dict, index: int) -> dict:
     return chunk
 
 
-async def _start(ctx: ServingContext, sub: Submission, start_s: float) -> Generation:
+async def start_generation(ctx: ServingContext, sub: Submission, start_s: float) -> Generation:
+    """Submit a prepared request to the engine bridge (which tokenizes it unless a worker did)."""
     stream = await ctx.bridge.submit(sub)
     header = ResponseHeader(id=sub.request_id, created=int(time.time()), model=ctx.served_model)
     return Generation(ctx, stream, header, start_s, sub.params.n)
@@ -203,7 +204,7 @@ def new_request_id(prefix: str) -> str:
 async def chat_completions(ctx: ServingContext, sub: Submission, plan: ChatPlan, body: ChatCompletionRequest,
                            request: Request, start_s: float) -> Response:
     """A chat prepared by `prepare_chat` (`body`: its sampling and output fields), answered whole or streamed."""
-    gen, shaper = await _start(ctx, sub, start_s), ChatShaper(plan)
+    gen, shaper = await start_generation(ctx, sub, start_s), ChatShaper(plan)
     if body.stream:
         return SSEResponse(_chat_events(gen, body, shaper), gen.close)
     outs = await gen.final_outputs(request)
@@ -217,14 +218,6 @@ def _chat_body(gen: Generation, body: ChatCompletionRequest, shaper: ChatShaper,
                 if body.logprobs else None)
     return chat_response(gen.header, out, openai_message(shaper.message), shaper.finish_reason(out.finish_reason),
                          logprobs, body.return_token_ids)
-
-
-async def start_chat(ctx: ServingContext, body: ChatCompletionRequest, start_s: float,
-                     id_prefix: str) -> tuple[Generation, ChatShaper]:
-    """Validate a chat request, submit it, and return its generation and the shaper of its output
-    (of its first choice; `ChatShaper(shaper.plan)` makes one for each other choice)."""
-    sub, plan = prepare_chat(ctx, body, new_request_id(id_prefix))
-    return await _start(ctx, sub, start_s), ChatShaper(plan)
 
 
 def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: str) -> tuple[Submission, ChatPlan]:
@@ -316,7 +309,7 @@ def prepare_completion(ctx: ServingContext, body: CompletionRequest, request_id:
 async def completions(ctx: ServingContext, sub: Submission, body: CompletionRequest, request: Request,
                       start_s: float) -> Response:
     """A completion prepared by `prepare_completion` (`body`: its sampling and output fields)."""
-    gen = await _start(ctx, sub, start_s)
+    gen = await start_generation(ctx, sub, start_s)
     if body.stream:
         return SSEResponse(_completion_events(gen, body), gen.close)
     outs = await gen.final_outputs(request)

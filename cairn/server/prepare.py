@@ -1,5 +1,5 @@
-"""Request preparation for /v1/chat/completions and /v1/completions: from the body's bytes to what the
-engine bridge takes (a Submission and, for a chat, the plan its output is shaped by).
+"""Request preparation for /v1/chat/completions, /v1/completions and /v1/messages: from the body's bytes
+to what the engine bridge takes (a Submission and, for a chat, the plan its output is shaped by).
 
     body chunks ──(small)──> here: json.loads, validate, check ──> Submission (text; the bridge tokenizes it
                                                                     in a thread)
@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.prompt import tokenize_prompt
+from cairn.server.anthropic import MessagesRequest
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatPlan
 from cairn.server.generate import ServingContext, prepare_chat, prepare_completion
@@ -34,12 +35,13 @@ from cairn.server.offload import Offload
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
 
 M = TypeVar("M", bound=BaseModel)
+TEXT_FIELDS = {"chat": {"messages": []}, "completion": {"prompt": ""}, "messages": {"messages": [], "system": None}}
 
 
 @dataclass(frozen=True)
 class Prepared:
-    body: ChatCompletionRequest | CompletionRequest  # validated; from a worker without its text (messages
-    #   or prompt emptied: the submission holds their tokens)
+    body: ChatCompletionRequest | CompletionRequest | MessagesRequest  # validated; from a worker without its
+    #   text (TEXT_FIELDS emptied: the submission holds their tokens)
     submission: Submission
     plan: ChatPlan | None = None  # a chat's output plan
 
@@ -65,13 +67,16 @@ def invalid_json(e: ValueError) -> RequestValidationError:
 
 
 def prepare_here(ctx: ServingContext, body: bytes, kind: str, request_id: str) -> Prepared:
-    """Parse, validate and check a `kind` ("chat" or "completion") request; its prompt is tokenized later."""
-    if kind == "chat":
-        chat = parse_body(ChatCompletionRequest, body)
-        sub, plan = prepare_chat(ctx, chat, request_id)
-        return Prepared(chat, sub, plan)
-    completion = parse_body(CompletionRequest, body)
-    return Prepared(completion, prepare_completion(ctx, completion, request_id))
+    """Parse, validate and check a `kind` request ("chat", "completion" or "messages": Anthropic's,
+    prepared as the equivalent chat); its prompt is tokenized later."""
+    if kind == "completion":
+        completion = parse_body(CompletionRequest, body)
+        return Prepared(completion, prepare_completion(ctx, completion, request_id))
+    if kind == "messages":
+        anthropic_body = parse_body(MessagesRequest, body)
+        return Prepared(anthropic_body, *prepare_chat(ctx, anthropic_body.to_chat(), request_id))
+    chat = parse_body(ChatCompletionRequest, body)
+    return Prepared(chat, *prepare_chat(ctx, chat, request_id))
 
 
 def prepare_in_worker(ctx: ServingContext, body: bytes, kind: str, request_id: str) -> Prepared:
@@ -85,7 +90,7 @@ def prepare_in_worker(ctx: ServingContext, body: bytes, kind: str, request_id: s
     except PromptTooLong as e:
         raise RequestTooLarge(str(e)) from None
     sub = replace(sub, prompt=None, messages=None, template_kwargs=None, message_starts=None, tokenized=tokenized)
-    text = {"messages": []} if kind == "chat" else {"prompt": ""}
+    text = TEXT_FIELDS[kind]
     return replace(prepared, body=prepared.body.model_copy(update=text), submission=sub)
 
 
