@@ -73,6 +73,12 @@ def test_large_json_body_is_parsed_in_a_worker_process_from_its_chunks(offload):
         asyncio.run(offload.parse_json([b'{"messages": [', b" " * 100]))
 
 
+def test_chunks_are_let_go_as_they_are_sent_so_no_single_free_releases_the_whole_body(workers):
+    chunks = [b"a" * 1000, b"b" * 1000, b"c"]
+    assert asyncio.run(workers.run(slow_echo, chunks, 0.0)) == b"a" * 1000 + b"b" * 1000 + b"c"
+    assert chunks == []
+
+
 def test_worker_that_dies_fails_only_its_own_job_and_is_replaced(workers):
     async def both():
         return await asyncio.gather(workers.run(slow_echo, [b"still ", b"here"], 1.0), workers.run(die, []),

@@ -19,6 +19,7 @@ set stays bounded.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import hmac
 import re
@@ -80,12 +81,13 @@ class BodySizeLimit:
             return await send_error(send, _too_slow(self.timeout_s))
         if body is None:
             return await send_error(send, _too_large(self.max_bytes))
-        chunks = enumerate(body or [b""])
-        last = max(0, len(body) - 1)
+        chunks = collections.deque(body or [b""])
+        del body  # (the app gets the chunks, and frees each once it is done with it: see `workers`)
 
         async def replay() -> Message:
-            for i, chunk in chunks:  # the next chunk, one per call
-                return {"type": "http.request", "body": chunk, "more_body": i < last}
+            if chunks:
+                chunk = chunks.popleft()
+                return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
             return await receive()
 
         await self.app(scope, replay, send)

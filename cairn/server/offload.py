@@ -72,11 +72,11 @@ class Offload:
     def is_large(self, chunks: Sequence[bytes]) -> bool:
         return sum(len(c) for c in chunks) >= self.large_input_bytes
 
-    async def run(self, fn, chunks: Sequence[bytes], *args) -> Any:
-        """fn(worker context, b"".join(chunks), *args) in a worker process (see `workers`)."""
+    async def run(self, fn, chunks: list[bytes], *args) -> Any:
+        """fn(worker context, b"".join(chunks), *args) in a worker process; empties `chunks` (see `workers`)."""
         return await self.workers.run(fn, chunks, *args)
 
-    async def parse_json(self, chunks: Sequence[bytes]) -> Any:
+    async def parse_json(self, chunks: list[bytes]) -> Any:
         """json.loads of the body; raises json.JSONDecodeError (a ValueError)."""
         if not self.is_large(chunks):
             return json.loads(b"".join(chunks))

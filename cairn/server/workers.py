@@ -3,11 +3,14 @@ running one job at a time, so that its CPU time and its big objects stay out of 
 (whose interpreter lock the engine thread and the event loop share).
 
     workers = ProcessWorkers(num_processes, context)   # context: picklable, handed to every job
-    result = await workers.run(fn, chunks, *args)       # fn(context, b"".join(chunks), *args), in a worker
+    result = await workers.run(fn, chunks, *args)       # fn(context, b"".join(chunks), *args), in a worker;
+                                                        #   empties `chunks`
 
 What crosses the process boundary, and what it costs the server process:
 - `chunks` (a request body as it arrived): each written to the worker's pipe as it is, never joined
-  or copied here, and the write releases the interpreter lock;
+  or copied here (the write releases the interpreter lock), and dropped from the list once written,
+  first to last, so that its memory is freed piece by piece: freeing megabytes at once (a list's
+  last chunk first, as `del` does) holds the lock for tens of milliseconds while the heap shrinks;
 - `fn` and `args`, the result, or the exception the job raised: pickled, so keep them small.
 
 A worker that dies (killed, crashed) fails only the job it was running (WorkerDied) and is replaced;
@@ -24,7 +27,7 @@ import logging
 import multiprocessing
 import os
 import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
@@ -68,11 +71,12 @@ class _Worker:
         self.process.start()
         child.close()  # else the pipe would stay open when the worker dies, and recv() would never end
 
-    def run(self, fn: Callable, chunks: Sequence[bytes], args: tuple) -> Any:
+    def run(self, fn: Callable, chunks: list[bytes], args: tuple) -> Any:
+        """fn(context, b"".join(chunks), *args) in the worker; empties `chunks` as it sends them."""
         try:
             self.conn.send((fn, args, len(chunks)))
-            for chunk in chunks:
-                self.conn.send_bytes(chunk)
+            while chunks:
+                self.conn.send_bytes(chunks.pop(0))
             status, value = self.conn.recv()
         except (EOFError, OSError) as e:
             self.process.join(1.0)
@@ -106,14 +110,15 @@ class ProcessWorkers:
             for _ in range(self.num_processes):
                 self._idle.put(_Worker(self._mp, self._context))
 
-    async def run(self, fn: Callable, chunks: Sequence[bytes], *args) -> Any:
+    async def run(self, fn: Callable, chunks: list[bytes], *args) -> Any:
         """fn(context, b"".join(chunks), *args) in a worker process: its result, or the exception it
-        raised; WorkerDied if the worker died meanwhile; RuntimeError once closed."""
+        raised; WorkerDied if the worker died meanwhile; RuntimeError once closed. `chunks` is emptied
+        (see above): pass a list nothing else holds the chunks of."""
         if self._closed:
             raise RuntimeError("cannot schedule new jobs after shutdown")
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._run, fn, chunks, args)
 
-    def _run(self, fn: Callable, chunks: Sequence[bytes], args: tuple) -> Any:
+    def _run(self, fn: Callable, chunks: list[bytes], args: tuple) -> Any:
         self.start()
         worker = self._idle.get()
         if not worker.process.is_alive():  # it died while idle (killed): this job need not fail
