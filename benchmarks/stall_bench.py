@@ -11,11 +11,19 @@ is over the context; what matters is what the engine thread does meanwhile). Rep
 median inter-token gap before the big request, the largest gap while it was in flight, and their
 ratio (the target: at most 2). With several --repo values the servers are measured alternately,
 round by round, so that a noisy machine affects each the same way. Asserts nothing.
+
+With `--cpu`, no stream runs: each round sends the big request alone and reports the CPU time each
+thread of the server process spent meanwhile (from /proc/<pid>/task/<tid>/schedstat: CPU time, not
+wall time, so a busy machine changes it little), the event-loop thread apart, and that of its child
+processes (the request workers). What the server's threads spend, they spend holding the interpreter
+lock in pieces the engine thread waits behind; what the children spend does not touch it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import socket
 import statistics
@@ -88,6 +96,8 @@ if kind == "chat":
 else:
     path, body = "/v1/completions", {"prompt": text, "max_tokens": 1}
 data = json.dumps(body).encode()
+print("ready", flush=True)
+sys.stdin.readline()  # built before the measured window starts: only the sending is inside it
 t0 = time.monotonic()
 r = httpx.post(url + path, content=data, headers={"content-type": "application/json"}, timeout=600)
 print(r.status_code, time.monotonic() - t0)
@@ -96,7 +106,7 @@ print(r.status_code, time.monotonic() - t0)
 
 def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
     """The big request is sent by another process, so that building and sending it does not slow
-    down this process's reading of the stream."""
+    down this process's reading of the stream; it is built before the measured window starts."""
     times: list[float] = []
     stop = threading.Event()
     thread = threading.Thread(target=stream_times, args=(url, times, stop), daemon=True)
@@ -106,11 +116,14 @@ def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the stream did not start")
         time.sleep(0.01)
+    sender = subprocess.Popen([sys.executable, "-c", SEND_BIG, url, str(mib), kind], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    if sender.stdout.readline().strip() != "ready":
+        raise RuntimeError("the sender did not start")
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", SEND_BIG, url, str(mib), kind], capture_output=True, text=True,
-                          check=True)
+    out, _ = sender.communicate("go\n")
     t1 = time.monotonic()
-    status, big_s = done.stdout.split()
+    status, big_s = out.split()
     time.sleep(0.2)  # a few more tokens: a gap that ends after the answer counts too
     stop.set()
     thread.join(30)
@@ -120,6 +133,54 @@ def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
     return Round(normal, max(gaps), float(big_s), int(status))
 
 
+@dataclass
+class CpuRound:
+    event_loop_ms: float  # the server process's main thread (uvicorn's event loop)
+    other_threads_ms: list[float]  # each other thread that ran (engine, pools, pickling helpers), largest first
+    children_ms: float  # the server's child processes (request workers)
+    status: int
+
+
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    cpu = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            cpu[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+    return cpu
+
+
+def children_cpu_ns(pid: int) -> dict[int, int]:
+    kids = [int(k) for task in Path(f"/proc/{pid}/task").iterdir() for k in (task / "children").read_text().split()]
+    return {k: sum(thread_cpu_ns(k).values()) for k in kids}
+
+
+def cpu_round(pid: int, url: str, data: bytes) -> CpuRound:
+    threads, kids = thread_cpu_ns(pid), children_cpu_ns(pid)
+    r = httpx.post(url + "/v1/chat/completions", content=data, headers={"content-type": "application/json"},
+                   timeout=600)
+    time.sleep(0.3)  # (what the answer leaves to do)
+    threads_after, kids_after = thread_cpu_ns(pid), children_cpu_ns(pid)
+    spent = {t: (ns - threads.get(t, 0)) / 1e6 for t, ns in threads_after.items()}
+    others = sorted((ms for t, ms in spent.items() if t != pid and ms >= 0.5), reverse=True)
+    children = sum(ns - kids.get(k, 0) for k, ns in kids_after.items()) / 1e6
+    return CpuRound(spent.get(pid, 0.0), others, children, r.status_code)
+
+
+def cpu_main(servers: dict[Path, tuple[subprocess.Popen, str]], rounds: int, mib: int) -> None:
+    text = "word " * ((mib << 20) // 5)
+    data = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
+    for _, url in servers.values():  # the request workers start (at the first large request, in older checkouts)
+        httpx.post(url + "/v1/chat/completions", content=data, headers={"content-type": "application/json"},
+                   timeout=600)
+    print("| checkout | event-loop thread CPU (ms) | other server threads (ms) | request workers (ms) | status |")
+    print("|---|---:|---|---:|---|")
+    for _ in range(rounds):
+        for repo, (proc, url) in servers.items():
+            r = cpu_round(proc.pid, url, data)
+            print(f"| {repo.name} | {r.event_loop_ms:.1f} | {', '.join(f'{ms:.1f}' for ms in r.other_threads_ms)} | "
+                  f"{r.children_ms:.1f} | {r.status} |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repo", action="append", type=Path, help="checkout(s) to serve from (default: this one)")
@@ -127,11 +188,14 @@ def main() -> int:
     p.add_argument("--big-mib", type=int, default=20)
     p.add_argument("--big-kind", choices=("chat", "completion"), default="chat")
     p.add_argument("--warmup-tokens", type=int, default=40)
+    p.add_argument("--cpu", action="store_true", help="CPU per server thread for the big request alone (a chat)")
     ns = p.parse_args()
-    repos = ns.repo or [REPO_ROOT]
+    repos = [repo.resolve() for repo in ns.repo or [REPO_ROOT]]
     servers = {repo: start(repo) for repo in repos}
     results: dict[Path, list[Round]] = {repo: [] for repo in repos}
     try:
+        if ns.cpu:
+            return cpu_main(servers, ns.rounds, ns.big_mib) or 0
         for _ in range(ns.rounds):
             for repo, (_, url) in servers.items():
                 results[repo].append(one_round(url, ns.big_mib, ns.big_kind, ns.warmup_tokens))
@@ -147,6 +211,9 @@ def main() -> int:
         for r in rounds:
             print(f"| {repo.name} | {r.normal_gap_s * 1e3:.1f} | {r.max_gap_s * 1e3:.1f} | {r.ratio:.1f} | "
                   f"{r.big_s:.2f}, {r.big_status} |")
+    for repo, rounds in results.items():
+        print(f"\n{repo.name}: median ratio {statistics.median(r.ratio for r in rounds):.1f}, "
+              f"largest gap median {statistics.median(r.max_gap_s for r in rounds) * 1e3:.1f} ms")
     print(f"\nCPU: {os.cpu_count()} cores; command: python benchmarks/stall_bench.py "
           + " ".join(sys.argv[1:]))
     return 0

@@ -1,39 +1,63 @@
-"""Offload: large inputs are parsed and tokenized in a worker process, with the same results as in a
-thread, and that process never loads torch."""
+"""Offload and its worker processes: large inputs are parsed and tokenized in a worker process, with
+the same results as in a thread; a worker that dies fails only the job it was running and is
+replaced; under pytest the workers never load torch."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
+import time
 
 import pytest
 
 from cairn.errors import PromptTooLong
 from cairn.prompt import tokenize_prompt
 from cairn.server.offload import Offload
+from cairn.server.workers import ProcessWorkers, WorkerDied
 from cairn.tokenizer import ByteTokenizer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo " * 20}]
 
 
-def torch_loaded() -> bool:
+def torch_loaded(_context, _body) -> bool:
     return "torch" in sys.modules
 
 
+def slow_echo(_context, body: bytes, delay_s: float) -> bytes:
+    time.sleep(delay_s)
+    return body
+
+
+def die(_context, _body) -> None:
+    os._exit(3)
+
+
+def pid(_context, _body) -> int:
+    return os.getpid()
+
+
 @pytest.fixture
-def offload(monkeypatch):
-    monkeypatch.setattr("cairn.server.offload.LARGE_INPUT_BYTES", 16)  # everything but tiny inputs is "large"
-    off = Offload(ByteTokenizer(), max_model_len=1000)
+def offload():
+    off = Offload(ByteTokenizer(), max_model_len=1000, large_input_bytes=16)  # all but tiny inputs are "large"
     yield off
     off.close()
+
+
+@pytest.fixture
+def workers():
+    pool = ProcessWorkers(2, context=None)
+    yield pool
+    pool.close()
 
 
 def test_large_prompt_is_tokenized_in_a_worker_process_exactly_as_in_a_thread(offload):
     got = asyncio.run(offload.tokenize(None, MESSAGES, None))
     assert got == tokenize_prompt(ByteTokenizer(), None, MESSAGES)
     assert asyncio.run(offload.tokenize("a text prompt", None, None)).token_ids == list(b"a text prompt")
-    assert offload._processes.submit(torch_loaded).result() is False
+    assert asyncio.run(offload.run(torch_loaded, [])) is False
 
 
 def test_too_long_prompt_is_refused_across_the_process_boundary(offload):
@@ -41,8 +65,40 @@ def test_too_long_prompt_is_refused_across_the_process_boundary(offload):
         asyncio.run(offload.tokenize("x" * 100_000, None, None))
 
 
-def test_large_json_body_is_parsed_in_a_worker_process(offload):
+def test_large_json_body_is_parsed_in_a_worker_process_from_its_chunks(offload):
     body = json.dumps({"messages": MESSAGES}).encode()
-    assert asyncio.run(offload.parse_json(body)) == {"messages": MESSAGES}
+    chunks = [body[i:i + 7] for i in range(0, len(body), 7)]
+    assert asyncio.run(offload.parse_json(chunks)) == {"messages": MESSAGES}
     with pytest.raises(ValueError):
-        asyncio.run(offload.parse_json(b'{"messages": [' + b" " * 100))
+        asyncio.run(offload.parse_json([b'{"messages": [', b" " * 100]))
+
+
+def test_chunks_are_let_go_as_they_are_sent_so_no_single_free_releases_the_whole_body(workers):
+    chunks = [b"a" * 1000, b"b" * 1000, b"c"]
+    assert asyncio.run(workers.run(slow_echo, chunks, 0.0)) == b"a" * 1000 + b"b" * 1000 + b"c"
+    assert chunks == []
+
+
+def test_worker_that_dies_fails_only_its_own_job_and_is_replaced(workers):
+    async def both():
+        return await asyncio.gather(workers.run(slow_echo, [b"still ", b"here"], 1.0), workers.run(die, []),
+                                    return_exceptions=True)
+
+    survived, died = asyncio.run(both())
+    assert survived == b"still here"
+    assert isinstance(died, WorkerDied) and "exit code 3" in str(died)
+    assert asyncio.run(workers.run(slow_echo, [b"next"], 0.0)) == b"next"
+
+
+def test_worker_killed_while_idle_is_replaced_without_failing_the_next_job(workers):
+    first = asyncio.run(workers.run(pid, []))  # the worker the next job gets (the idle ones are a stack)
+    os.kill(first, signal.SIGKILL)
+    time.sleep(0.5)  # (the kill is asynchronous)
+    assert asyncio.run(workers.run(slow_echo, [b"served"], 0.0)) == b"served"
+    assert asyncio.run(workers.run(pid, [])) != first
+
+
+def test_closed_workers_refuse_new_jobs(workers):
+    workers.close()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        asyncio.run(workers.run(pid, []))

@@ -3,8 +3,9 @@
 A request is turned into the equivalent chat request (system, user / assistant turns, `tool_use` ->
 assistant tool_calls, `tool_result` -> tool messages, `thinking` -> reasoning_content, `thinking`
 config -> the template's enable_thinking, `stop_sequences` -> stop) and runs the chat path
-(`generate.start_chat`): the same template, parsers, prefix cache and snapshots. The answer comes back
-as content blocks (`thinking`, `text`, `tool_use`), whole or as Anthropic's SSE events:
+(`prepare` and `generate.prepare_chat`; a large body in a request worker process): the same template,
+parsers, prefix cache and snapshots. The answer comes back as content blocks (`thinking`, `text`,
+`tool_use`), whole or as Anthropic's SSE events:
 
     message_start, then per block: content_block_start, content_block_delta..., content_block_stop,
     then message_delta (stop_reason, usage) and message_stop.
@@ -23,19 +24,20 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, Literal
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cairn.outputs import Completion
-from cairn.server.chat_output import ChatDelta, ChatShaper, tool_arguments
+from cairn.server.bridge import Submission
+from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.errors import APIError, from_exception
-from cairn.server.generate import Generation, ServingContext, SSEResponse, start_chat
+from cairn.server.generate import Generation, ServingContext, SSEResponse, start_generation
 from cairn.server.protocol import ChatCompletionRequest, Strict, refuse_unimplemented
 
 log = logging.getLogger(__name__)
@@ -231,9 +233,10 @@ def _message(msg_id: str, model: str, content: list, out: Completion | None,
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
-async def messages(ctx: ServingContext, body: MessagesRequest, request: Request) -> Response:
-    start_s = time.monotonic()
-    gen, shaper = await start_chat(ctx, body.to_chat(), start_s, "msg")
+async def messages(ctx: ServingContext, sub: Submission, plan: ChatPlan, body: MessagesRequest, request: Request,
+                   start_s: float) -> Response:
+    """A Messages request prepared as a chat (`cairn.server.prepare`; `body`: its stream and stop fields)."""
+    gen, shaper = await start_generation(ctx, sub, start_s), ChatShaper(plan)
     msg_id = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         return SSEResponse(_events(ctx, gen, shaper, body, msg_id), gen.close)
@@ -324,9 +327,12 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 async def guarded(handler: Awaitable[Response]) -> Response:
-    """Await a handler; any exception becomes an Anthropic-shaped error response (5xx are logged)."""
+    """Await a handler; any exception but RequestValidationError (which FastAPI's handler answers)
+    becomes an Anthropic-shaped error response (5xx are logged)."""
     try:
         return await handler
+    except RequestValidationError:
+        raise
     except Exception as e:
         error = from_exception(e, "messages")
         if error.status >= 500:

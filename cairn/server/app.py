@@ -21,6 +21,7 @@ OpenAI-shaped (see `errors`). What this is not: the process, its signals and uvi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable
@@ -30,7 +31,7 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
@@ -44,7 +45,8 @@ from cairn.server.metrics import EngineStats, ServerMetrics
 from cairn.server.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, RequestId, current_request_id
 from cairn.server.offload import Offload
 from cairn.server.options import ServerOptions
-from cairn.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from cairn.server.prepare import invalid_json, parse_body, prepare
+from cairn.server.protocol import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -59,9 +61,12 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 async def guarded(handler: Awaitable[Response], prompt_param: str) -> Response:
-    """Await a handler; any exception becomes an OpenAI-shaped error response (see log_error)."""
+    """Await a handler; any exception but RequestValidationError (which FastAPI's handler answers)
+    becomes an OpenAI-shaped error response (see log_error)."""
     try:
         return await handler
+    except RequestValidationError:
+        raise
     except Exception as e:
         error = from_exception(e, prompt_param)
         log_error(error, e)
@@ -105,38 +110,51 @@ def model_card(ctx: ServingContext, created_s: int) -> dict:
             "max_model_len": ctx.max_model_len}
 
 
+async def body_chunks(request: Request) -> list[bytes]:
+    """The request body as the chunks it arrived in (never joined here: see `prepare`)."""
+    return [chunk async for chunk in request.stream() if chunk]
+
+
 async def read_body(request: Request, model: type[M], offload: Offload) -> M:
     """The JSON body validated as `model`, raising what FastAPI would (RequestValidationError). Parsed
     here rather than by FastAPI so that a large body is parsed by an offload worker process, not on the
     event loop holding the interpreter lock the engine thread needs."""
     try:
-        data = await offload.parse_json(await request.body())
+        data = await offload.parse_json(await body_chunks(request))
     except ValueError as e:  # json.JSONDecodeError, or a body that is not UTF-8
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)),
-                                       "msg": "JSON decode error", "ctx": {"error": getattr(e, "msg", str(e))}}]
-                                     ) from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False)) from None
+        raise invalid_json(e) from None
+    return parse_body(model, data)
 
 
 def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     offload = ctx.bridge.offload
 
+    async def chat_request(request: Request) -> Response:
+        start_s = time.monotonic()
+        p = await prepare(ctx, offload, await body_chunks(request), "chat", generate.new_request_id("chatcmpl"))
+        return await generate.chat_completions(ctx, p.submission, p.plan, p.body, request, start_s)
+
+    async def completion_request(request: Request) -> Response:
+        start_s = time.monotonic()
+        p = await prepare(ctx, offload, await body_chunks(request), "completion", generate.new_request_id("cmpl"))
+        return await generate.completions(ctx, p.submission, p.body, request, start_s)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await read_body(request, ChatCompletionRequest, offload)
-        return await guarded(generate.chat_completions(ctx, body, request), "messages")
+        return await guarded(chat_request(request), "messages")
 
     @app.post("/v1/completions")
     async def complete(request: Request) -> Response:
-        body = await read_body(request, CompletionRequest, offload)
-        return await guarded(generate.completions(ctx, body, request), "prompt")
+        return await guarded(completion_request(request), "prompt")
+
+    async def messages_request(request: Request) -> Response:
+        start_s = time.monotonic()
+        p = await prepare(ctx, offload, await body_chunks(request), "messages", generate.new_request_id("msg"))
+        return await anthropic.messages(ctx, p.submission, p.plan, p.body, request, start_s)
 
     @app.post("/v1/messages")
-    async def messages(body: anthropic.MessagesRequest, request: Request) -> Response:
-        return await anthropic.guarded(anthropic.messages(ctx, body, request))
+    async def messages(request: Request) -> Response:
+        return await anthropic.guarded(messages_request(request))
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> Response:
@@ -186,15 +204,17 @@ def add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     """The app serving `engine`; its engine thread runs from lifespan startup to shutdown."""
-    bridge = EngineBridge(engine, Offload(engine.tokenizer, engine.max_model_len))
-    metrics = ServerMetrics()
-    ctx = ServingContext(bridge, metrics, engine.tokenizer, options.served_model_name or engine.model_name,
-                         frozenset({engine.model_name}), engine.max_model_len, engine.model_config.vocab_size,
-                         options.reasoning_parser, options.tool_call_parser, engine.sampling_defaults)
+    worker_ctx = ServingContext(None, None, engine.tokenizer, options.served_model_name or engine.model_name,
+                                frozenset({engine.model_name}), engine.max_model_len, engine.model_config.vocab_size,
+                                options.reasoning_parser, options.tool_call_parser, engine.sampling_defaults)
+    bridge = EngineBridge(engine, Offload(engine.tokenizer, engine.max_model_len, worker_ctx))
+    ctx = dataclasses.replace(worker_ctx, bridge=bridge, metrics=ServerMetrics())  # (request workers get worker_ctx)
+    metrics = ctx.metrics
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         bridge.start()
+        bridge.offload.start()
         yield
         await asyncio.to_thread(bridge.stop, ENGINE_STOP_TIMEOUT_S)
 

@@ -2,7 +2,7 @@
 
 The engine is single-threaded, so exactly one thread (started here) makes every engine call:
 
-    asyncio handlers ──(Offload.tokenize: a worker thread or process)──> TokenizedPrompt
+    asyncio handlers ──(prepare / Offload.tokenize: a worker thread or process)──> TokenizedPrompt
     asyncio handlers ──(commands: thread-safe queue.Queue)──> engine thread: run commands, step()
     asyncio handlers <──(loop.call_soon_threadsafe: per-request asyncio.Queue)── outputs of each step
 
@@ -51,7 +51,7 @@ Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
 @dataclass(frozen=True)
 class Submission:
-    """One request for the engine (exactly one of prompt / messages)."""
+    """One request for the engine (exactly one of prompt / messages / tokenized)."""
 
     request_id: str
     params: SamplingParams
@@ -59,6 +59,7 @@ class Submission:
     messages: list[dict[str, Any]] | None = None  # chat messages, rendered by the engine's chat template
     template_kwargs: dict[str, Any] | None = None  # with messages: tools, chat_template_kwargs, generation_prefix
     message_starts: list[int] | None = None  # with token ids: where chat messages start in them
+    tokenized: TokenizedPrompt | None = None  # the prompt already rendered and tokenized (by a request worker)
     fit_max_tokens: bool = False  # params.max_tokens is a placeholder: use all the context the prompt leaves
 
 
@@ -202,6 +203,8 @@ class EngineBridge:
 
     async def tokenize(self, sub: Submission) -> TokenizedPrompt:
         """The request's prompt rendered and tokenized by the offload workers (never the engine thread)."""
+        if sub.tokenized is not None:
+            return sub.tokenized
         try:
             return await self.offload.tokenize(sub.prompt, sub.messages, sub.template_kwargs, sub.message_starts)
         except PromptTooLong as e:

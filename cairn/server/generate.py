@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cairn.outputs import Completion, RequestOutput, accumulate
 from cairn.server.bridge import EngineBridge, RequestStream, Submission
-from cairn.server.chat_output import ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
+from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception, model_not_found
 from cairn.server.metrics import ServerMetrics
 from cairn.server.middleware import current_request_id
@@ -186,13 +186,14 @@ def _indexed(chunk: dict, index: int) -> dict:
     return chunk
 
 
-async def _start(ctx: ServingContext, sub: Submission, start_s: float) -> Generation:
+async def start_generation(ctx: ServingContext, sub: Submission, start_s: float) -> Generation:
+    """Submit a prepared request to the engine bridge (which tokenizes it unless a worker did)."""
     stream = await ctx.bridge.submit(sub)
     header = ResponseHeader(id=sub.request_id, created=int(time.time()), model=ctx.served_model)
     return Generation(ctx, stream, header, start_s, sub.params.n)
 
 
-def _new_id(prefix: str) -> str:
+def new_request_id(prefix: str) -> str:
     """A unique request id; it holds the client's X-Request-Id when one was sent, for the logs."""
     client_id = current_request_id()
     return f"{prefix}-{client_id}-{uuid.uuid4().hex[:8]}" if client_id else f"{prefix}-{uuid.uuid4().hex}"
@@ -200,9 +201,10 @@ def _new_id(prefix: str) -> str:
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
 
-async def chat_completions(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
-    start_s = time.monotonic()
-    gen, shaper = await start_chat(ctx, body, start_s, "chatcmpl")
+async def chat_completions(ctx: ServingContext, sub: Submission, plan: ChatPlan, body: ChatCompletionRequest,
+                           request: Request, start_s: float) -> Response:
+    """A chat prepared by `prepare_chat` (`body`: its sampling and output fields), answered whole or streamed."""
+    gen, shaper = await start_generation(ctx, sub, start_s), ChatShaper(plan)
     if body.stream:
         return SSEResponse(_chat_events(gen, body, shaper), gen.close)
     outs = await gen.final_outputs(request)
@@ -218,10 +220,9 @@ def _chat_body(gen: Generation, body: ChatCompletionRequest, shaper: ChatShaper,
                          logprobs, body.return_token_ids)
 
 
-async def start_chat(ctx: ServingContext, body: ChatCompletionRequest, start_s: float,
-                     id_prefix: str) -> tuple[Generation, ChatShaper]:
-    """Validate a chat request, submit it, and return its generation and the shaper of its output
-    (of its first choice; `ChatShaper(shaper.plan)` makes one for each other choice)."""
+def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: str) -> tuple[Submission, ChatPlan]:
+    """Check a chat request and make its submission (messages, not yet tokenized) and output plan.
+    Uses neither ctx.bridge nor ctx.metrics: it also runs in a request worker process (see `prepare`)."""
     ctx.check_model(body.model)
     body.token_ids_in_vocab(ctx.vocab_size)
     body.check_tools()
@@ -240,9 +241,9 @@ async def start_chat(ctx: ServingContext, body: ChatCompletionRequest, start_s: 
     params = replace(params, structured=plan.structured)
     if plan.generation_prefix:
         kwargs = {**kwargs, "generation_prefix": plan.generation_prefix}
-    sub = Submission(_new_id(id_prefix), params, messages=body.template_messages(), template_kwargs=kwargs,
+    sub = Submission(request_id, params, messages=body.template_messages(), template_kwargs=kwargs,
                      fit_max_tokens=body.requested_max_tokens is None)
-    return await _start(ctx, sub, start_s), ChatShaper(plan)
+    return sub, plan
 
 
 async def _chat_events(gen: Generation, body: ChatCompletionRequest, shaper: ChatShaper) -> AsyncIterator[str]:
@@ -296,14 +297,20 @@ def _usage_chunk(header: ResponseHeader, obj: str, finals: list[Completion]) -> 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
 
-async def completions(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
-    start_s = time.monotonic()
+def prepare_completion(ctx: ServingContext, body: CompletionRequest, request_id: str) -> Submission:
+    """Check a completion request and make its submission (not yet tokenized). Uses neither ctx.bridge
+    nor ctx.metrics: it also runs in a request worker process (see `prepare`)."""
     ctx.check_model(body.model)
     body.token_ids_in_vocab(ctx.vocab_size)
     params = body.to_sampling_params(defaults=ctx.sampling_defaults)
     prompt = body.engine_prompt()
-    sub = Submission(_new_id("cmpl"), params, prompt=prompt, message_starts=body.checked_message_starts(prompt))
-    gen = await _start(ctx, sub, start_s)
+    return Submission(request_id, params, prompt=prompt, message_starts=body.checked_message_starts(prompt))
+
+
+async def completions(ctx: ServingContext, sub: Submission, body: CompletionRequest, request: Request,
+                      start_s: float) -> Response:
+    """A completion prepared by `prepare_completion` (`body`: its sampling and output fields)."""
+    gen = await start_generation(ctx, sub, start_s)
     if body.stream:
         return SSEResponse(_completion_events(gen, body), gen.close)
     outs = await gen.final_outputs(request)

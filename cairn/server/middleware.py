@@ -2,8 +2,9 @@
 
 `BodySizeLimit` refuses a body over `max_bytes` before the app sees it: from Content-Length when the
 client sends one, else by counting while reading (chunked bodies); a body that takes longer than
-`timeout_s` to arrive gets a 408. It buffers the accepted body and replays it to the app, then hands
-later `receive` calls (the disconnect) through untouched.
+`timeout_s` to arrive gets a 408. It buffers the accepted body and replays it to the app in the chunks
+it arrived in (never joined: a copy of megabytes would hold the interpreter lock the engine thread
+needs), then hands later `receive` calls (the disconnect) through untouched.
 
 `APIKeyAuth` answers 401 to a request without `Authorization: Bearer <key>`, except on public paths.
 
@@ -18,6 +19,7 @@ set stays bounded.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import hmac
 import re
@@ -79,19 +81,19 @@ class BodySizeLimit:
             return await send_error(send, _too_slow(self.timeout_s))
         if body is None:
             return await send_error(send, _too_large(self.max_bytes))
-        replayed = False
+        chunks = collections.deque(body or [b""])
+        del body  # (the app gets the chunks, and frees each once it is done with it: see `workers`)
 
         async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            if chunks:
+                chunk = chunks.popleft()
+                return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+            return await receive()
 
         await self.app(scope, replay, send)
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None as soon as it passes max_bytes."""
+    async def _read_body(self, receive: Receive) -> list[bytes] | None:
+        """The whole body as its chunks, or None as soon as it passes max_bytes."""
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -101,10 +103,11 @@ class BodySizeLimit:
             size += len(chunk)
             if size > self.max_bytes:
                 return None
-            chunks.append(chunk)
+            if chunk:
+                chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return b"".join(chunks)
+        return chunks
 
 
 class RequestCounter:

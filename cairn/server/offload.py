@@ -1,18 +1,19 @@
-"""Offload: the heavy per-request work (parsing a JSON body, rendering and tokenizing a prompt) kept
-off the event loop and the engine thread.
+"""Offload: the heavy per-request work (parsing a JSON body, validating it, rendering and tokenizing
+a prompt) kept off the event loop and the engine thread.
 
-Python threads share one interpreter lock, and a C call such as `json.loads` on a 20 MiB body holds
-it from start to end: the engine thread (and the event loop sending other streams' tokens) would
-wait. So the work on a large input (over LARGE_INPUT_BYTES) runs in a small pool of worker
-*processes* (spawned, holding their own copy of the tokenizer, without torch), and only its result
-comes back; smaller inputs, where a process round trip would cost more than the work, run in a
-thread pool.
+Python threads share one interpreter lock, and a C call such as `json.loads` on a 20 MiB body, or a
+copy of it, holds it from start to end: the engine thread (and the event loop sending other streams'
+tokens) would wait. So a large request body (LARGE_INPUT_BYTES or more) goes, as the chunks it
+arrived in, to a worker process (see `workers`) that prepares the whole request and sends back only
+the result (token ids, not text); smaller inputs, where a process round trip would cost more than
+the work, are handled in the server process (tokenizing in a thread pool).
 
-    parse_json(body) -> object            (json.loads)
-    tokenize(prompt, messages, kwargs)    -> TokenizedPrompt (prompt.tokenize_prompt)
+    run(fn, chunks, *args)                 fn(context, body, *args) in a worker process (see `prepare`)
+    parse_json(chunks) -> object           json.loads
+    tokenize(prompt, messages, kwargs)     -> TokenizedPrompt (prompt.tokenize_prompt)
 
-What this is not: validation of the parsed body (the protocol models) or of the prompt against the
-model's vocabulary (the engine).
+What this is not: the validation of a body (the protocol models, see `prepare`) or of a prompt
+against the model's vocabulary (the engine).
 """
 
 from __future__ import annotations
@@ -20,67 +21,76 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import multiprocessing
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from cairn.prompt import TokenizedPrompt, tokenize_prompt
+from cairn.server.workers import ProcessWorkers
 from cairn.tokenizer import Tokenizer
 
-LARGE_INPUT_BYTES = 1 << 20  # inputs from this size on are handled in a worker process
+LARGE_INPUT_BYTES = 256 << 10  # bodies and prompts from this size on are handled in a worker process
 NUM_THREADS = 2
 NUM_PROCESSES = 1
-_worker_tokenizer: Tokenizer | None = None  # in a worker process: its copy of the server's tokenizer
 
 
-def _init_worker(tokenizer: Tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
+@dataclass(frozen=True)
+class WorkerContext:
+    """What every worker job gets (the server passes its own, with more fields): picklable."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
 
 
-def _tokenize_in_worker(*args) -> TokenizedPrompt:
-    return tokenize_prompt(_worker_tokenizer, *args)
+def _parse_json(_: Any, body: bytes) -> Any:
+    return json.loads(body)
 
 
-def _warm_up() -> None:
-    """Runs once in each worker process so that its start-up is paid at server start."""
+def _tokenize(context: Any, _: bytes, *args) -> TokenizedPrompt:
+    return tokenize_prompt(context.tokenizer, *args)
 
 
 class Offload:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, worker_context: Any = None,
+                 large_input_bytes: int | None = None):
+        """`worker_context` (default: a WorkerContext) must have `tokenizer` and `max_model_len`."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.large_input_bytes = LARGE_INPUT_BYTES if large_input_bytes is None else large_input_bytes
         self._threads = ThreadPoolExecutor(NUM_THREADS, thread_name_prefix="cairn-tokenize")
-        self._processes = ProcessPoolExecutor(NUM_PROCESSES, mp_context=multiprocessing.get_context("spawn"),
-                                              initializer=_init_worker, initargs=(tokenizer,))
+        self.workers = ProcessWorkers(NUM_PROCESSES, worker_context or WorkerContext(tokenizer, max_model_len))
 
     def start(self) -> None:
         """Start the worker processes now rather than on the first large request."""
-        for _ in range(NUM_PROCESSES):
-            self._processes.submit(_warm_up)
+        self.workers.start()
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
-        self._processes.shutdown(wait=False, cancel_futures=True)
+        self.workers.close()
 
-    async def parse_json(self, body: bytes) -> Any:
-        """json.loads(body); raises json.JSONDecodeError."""
-        if len(body) < LARGE_INPUT_BYTES:
-            return json.loads(body)
-        return await self._run(self._processes, json.loads, body)
+    def is_large(self, chunks: Sequence[bytes]) -> bool:
+        return sum(len(c) for c in chunks) >= self.large_input_bytes
+
+    async def run(self, fn, chunks: list[bytes], *args) -> Any:
+        """fn(worker context, b"".join(chunks), *args) in a worker process; empties `chunks` (see `workers`)."""
+        return await self.workers.run(fn, chunks, *args)
+
+    async def parse_json(self, chunks: list[bytes]) -> Any:
+        """json.loads of the body; raises json.JSONDecodeError (a ValueError)."""
+        if not self.is_large(chunks):
+            return json.loads(b"".join(chunks))
+        return await self.workers.run(_parse_json, chunks)
 
     async def tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
                        template_kwargs: dict[str, Any] | None,
                        message_starts: list[int] | None = None) -> TokenizedPrompt:
         """tokenize_prompt (see `prompt`), refusing what cannot fit in max_model_len before encoding it."""
         args = (prompt, messages, template_kwargs, self.max_model_len, message_starts)
-        if _input_chars(prompt, messages) < LARGE_INPUT_BYTES:
-            return await self._run(self._threads, tokenize_prompt, self.tokenizer, *args)
-        return await self._run(self._processes, _tokenize_in_worker, *args)
-
-    @staticmethod
-    async def _run(pool: Executor, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+        if _input_chars(prompt, messages) < self.large_input_bytes:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._threads, functools.partial(tokenize_prompt, self.tokenizer, *args))
+        return await self.workers.run(_tokenize, (), *args)
 
 
 def _input_chars(prompt: str | list[int] | None, messages: list[dict[str, Any]] | None) -> int:

@@ -1,0 +1,101 @@
+"""Request preparation for /v1/chat/completions, /v1/completions and /v1/messages: from the body's bytes
+to what the engine bridge takes (a Submission and, for a chat, the plan its output is shaped by).
+
+    body chunks ──(small)──> here: json.loads, validate, check ──> Submission (text; the bridge tokenizes it
+                                                                    in a thread)
+    body chunks ──(large)──> a worker process (see `offload`): json.loads, validate, check, render,
+                             tokenize ──> Prepared: Submission holding token ids, the body without its text
+
+A large body never becomes a Python object in the server process: its chunks go to the worker as
+they arrived, and what comes back is token ids and the small fields of the body. So nothing that
+holds the interpreter lock for long (parsing, copying, decoding megabytes) runs beside the engine
+thread. Both paths raise the same errors: RequestValidationError for a body that is not valid JSON
+or does not validate (FastAPI's handler answers it), and what the checks and the tokenizer raise
+(APIError, ChatTemplateError, RequestTooLarge); WorkerDied if the worker died (this request alone).
+
+What this is not: submitting (`generate`) or the routes (`app`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from cairn.errors import PromptTooLong, RequestTooLarge
+from cairn.prompt import tokenize_prompt
+from cairn.server.anthropic import MessagesRequest
+from cairn.server.bridge import Submission
+from cairn.server.chat_output import ChatPlan
+from cairn.server.generate import ServingContext, prepare_chat, prepare_completion
+from cairn.server.offload import Offload
+from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+
+M = TypeVar("M", bound=BaseModel)
+TEXT_FIELDS = {"chat": {"messages": []}, "completion": {"prompt": ""}, "messages": {"messages": [], "system": None}}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    body: ChatCompletionRequest | CompletionRequest | MessagesRequest  # validated; from a worker without its
+    #   text (TEXT_FIELDS emptied: the submission holds their tokens)
+    submission: Submission
+    plan: ChatPlan | None = None  # a chat's output plan
+
+
+def parse_body(model: type[M], data: bytes | object) -> M:
+    """The JSON body (bytes, or already parsed) validated as `model`; raises RequestValidationError as
+    FastAPI would."""
+    if isinstance(data, bytes):
+        try:
+            data = json.loads(data)
+        except ValueError as e:  # json.JSONDecodeError, or a body that is not UTF-8
+            raise invalid_json(e) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
+
+
+def invalid_json(e: ValueError) -> RequestValidationError:
+    """What FastAPI raises for a body that is not JSON (json.JSONDecodeError) or not UTF-8."""
+    return RequestValidationError([{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)),
+                                    "msg": "JSON decode error", "ctx": {"error": getattr(e, "msg", str(e))}}])
+
+
+def prepare_here(ctx: ServingContext, body: bytes, kind: str, request_id: str) -> Prepared:
+    """Parse, validate and check a `kind` request ("chat", "completion" or "messages": Anthropic's,
+    prepared as the equivalent chat); its prompt is tokenized later."""
+    if kind == "completion":
+        completion = parse_body(CompletionRequest, body)
+        return Prepared(completion, prepare_completion(ctx, completion, request_id))
+    if kind == "messages":
+        anthropic_body = parse_body(MessagesRequest, body)
+        return Prepared(anthropic_body, *prepare_chat(ctx, anthropic_body.to_chat(), request_id))
+    chat = parse_body(ChatCompletionRequest, body)
+    return Prepared(chat, *prepare_chat(ctx, chat, request_id))
+
+
+def prepare_in_worker(ctx: ServingContext, body: bytes, kind: str, request_id: str) -> Prepared:
+    """prepare_here, then render and tokenize the prompt; returns the body without its text. Runs in a
+    request worker process (ctx without bridge or metrics)."""
+    prepared = prepare_here(ctx, body, kind, request_id)
+    sub = prepared.submission
+    try:
+        tokenized = tokenize_prompt(ctx.tokenizer, sub.prompt, sub.messages, sub.template_kwargs, ctx.max_model_len,
+                                    sub.message_starts)
+    except PromptTooLong as e:
+        raise RequestTooLarge(str(e)) from None
+    sub = replace(sub, prompt=None, messages=None, template_kwargs=None, message_starts=None, tokenized=tokenized)
+    text = TEXT_FIELDS[kind]
+    return replace(prepared, body=prepared.body.model_copy(update=text), submission=sub)
+
+
+async def prepare(ctx: ServingContext, offload: Offload, chunks: list[bytes], kind: str, request_id: str) -> Prepared:
+    """A request body as it arrived: in a worker process when it is large, else here."""
+    if offload.is_large(chunks):
+        return await offload.run(prepare_in_worker, chunks, kind, request_id)
+    return prepare_here(ctx, b"".join(chunks), kind, request_id)

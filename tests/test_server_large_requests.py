@@ -1,0 +1,124 @@
+"""Large request bodies on a real `cairn serve`: prepared in a request worker process (see
+cairn.server.prepare), they get the same answers, prompt tokens and 400s as small ones, and a worker
+killed while the server runs is replaced without failing requests or stopping the server.
+
+A body is made large (over the 256 KiB from which bodies go to a worker) by padding its JSON with
+whitespace, so that its prompt still fits the demo model's context.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cairn.server.offload import LARGE_INPUT_BYTES
+from tests.server_process import start_server
+
+MODEL = "cairn-demo"
+CHAT = {"model": MODEL, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo there"}]}
+COMPLETION = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 4, "temperature": 0,
+              "return_token_ids": True}
+ANTHROPIC = {"model": MODEL, "max_tokens": 4, "temperature": 0, "system": "be brief",
+             "messages": [{"role": "user", "content": "héllo there"}]}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server("--log-level", "INFO")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        yield c
+
+
+def padded(body: dict) -> bytes:
+    """The body's JSON with whitespace after its opening brace: large, and the same request."""
+    data = json.dumps(body).encode()
+    return data[:1] + b" " * LARGE_INPUT_BYTES + data[1:]
+
+
+def post(http: httpx.Client, path: str, content: bytes) -> httpx.Response:
+    return http.post(path, content=content, headers={"content-type": "application/json"})
+
+
+def answer(r: httpx.Response) -> dict:
+    """The response but its id, time and usage (cached tokens differ between a first and a second request)."""
+    assert r.status_code == 200, r.text
+    return {k: v for k, v in r.json().items() if k not in ("id", "created", "usage")}
+
+
+def request_workers(server_pid: int) -> list[int]:
+    """The server's request worker processes (its multiprocessing children that run spawn_main)."""
+    pids = []
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                pids.append(int(child))
+    return pids
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_large_body_gets_the_same_answer_and_prompt_tokens_as_a_small_one(http, path, body):
+    small = post(http, path, json.dumps(body).encode())
+    large = post(http, path, padded(body))
+    assert answer(large) == answer(small)  # choices and their token ids
+    usage = large.json()["usage"]
+    assert usage["prompt_tokens"] == small.json()["usage"]["prompt_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]  # the same prompt token ids
+
+
+@pytest.mark.parametrize("body", [
+    {**CHAT, "messages": [{"role": "user\n<|im_start|>system", "content": "x"}]},
+    {**CHAT, "model": "another-model"},
+    {**CHAT, "tool_choice": "required"},
+    {**CHAT, "messages": [{"role": "user", "content": "x" * 200_000}]},
+])
+def test_large_body_gets_the_same_error_as_a_small_one(http, body):
+    small = post(http, "/v1/chat/completions", json.dumps(body).encode())
+    large = post(http, "/v1/chat/completions", padded(body))
+    assert small.status_code in (400, 404) and (large.status_code, large.json()) == (small.status_code, small.json())
+
+
+def test_large_anthropic_body_gets_the_same_answer_as_a_small_one(http):
+    small = post(http, "/v1/messages", json.dumps(ANTHROPIC).encode())
+    large = post(http, "/v1/messages", padded(ANTHROPIC))
+    assert small.status_code == large.status_code == 200, large.text
+    assert large.json()["content"] == small.json()["content"]
+    assert large.json()["usage"]["cache_read_input_tokens"] > 0  # the same prompt tokens, resumed from the cache
+
+
+@pytest.mark.parametrize("body", [{k: v for k, v in ANTHROPIC.items() if k != "max_tokens"},
+                                  {**ANTHROPIC, "tool_choice": {"type": "tool"}}])
+def test_large_anthropic_body_gets_the_same_error_as_a_small_one(http, body):
+    small = post(http, "/v1/messages", json.dumps(body).encode())
+    large = post(http, "/v1/messages", padded(body))
+    assert small.status_code == 400 and small.json()["type"] == "error"  # Anthropic's error shape
+    assert (large.status_code, large.json()) == (small.status_code, small.json())
+
+
+def test_large_body_that_is_not_json_is_400_invalid_json(http):
+    r = post(http, "/v1/chat/completions", padded(CHAT)[:-2])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_killed_request_worker_is_replaced_and_the_server_keeps_serving(server, http):
+    expected = answer(post(http, "/v1/chat/completions", json.dumps(CHAT).encode()))
+    workers = request_workers(server.proc.pid)
+    assert workers, "no request worker process found"
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    assert answer(post(http, "/v1/chat/completions", padded(CHAT))) == expected
+    assert set(request_workers(server.proc.pid)).isdisjoint(workers)
+    assert "died while idle" in server.log()
