@@ -13,6 +13,7 @@ import logging
 import torch
 
 from cairn.cache.base import NullCache, PrefixCache
+from cairn.cache.disk.namespace import ReadBuffer
 from cairn.cache.disk.store import DiskStore
 from cairn.cache.disk.tier import DiskTier
 from cairn.cache.hybrid import HybridPrefixCache
@@ -82,7 +83,7 @@ def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str 
                       create_parents=opts.disk_cache_create_parents, model_name=model_name)
     log.info("disk cache: %s/%s (%.1f GiB budget%s)", opts.disk_cache, digest[:16], opts.disk_cache_gib,
              ", read-only: another server manages it" if store.readonly else "")
-    return DiskTier(store, page_size, opts.disk_write_through, DISK, DISK_BANDWIDTH)
+    return DiskTier(store, page_size, opts.disk_write_through, DISK, DISK_BANDWIDTH, ReadBuffer())
 
 
 def _measure(states: StatePool, tiers: list) -> None:

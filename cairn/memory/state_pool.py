@@ -29,7 +29,7 @@ class OutOfSlots(RuntimeError):
 class StatePool:
     def __init__(self, spec: StateSpec, num_slots: int, device: torch.device | str = "cpu", pin_memory: bool = False):
         self.spec = spec
-        groups = spec.groups()
+        self._specs = groups = spec.groups()
         # Uninitialised: alloc() zeroes a working slot, and a snapshot slot is always copied into first.
         self._groups = [torch.empty((len(g.members), num_slots, *g.shape), dtype=g.dtype, device=device,
                                     pin_memory=pin_memory) for g in groups]
@@ -96,13 +96,23 @@ class StatePool:
 
     def write_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
         """self[slot] <- tensors (named as read_slot names them, each of its shape; copied, converted to the
-        pool's device and dtypes). Raises ValueError when a tensor is missing or misshapen."""
-        for name, dst in self.read_slot(slot).items():
-            src = tensors.get(name)
-            if src is None or src.shape != dst.shape:
-                raise ValueError(f"state tensor {name}: expected shape {tuple(dst.shape)}, got "
-                                 f"{None if src is None else tuple(src.shape)}")
-            dst.copy_(src.to(dst.device, dst.dtype))
+        pool's device and dtypes). Raises ValueError when a tensor is missing or misshapen.
+
+        A group's tensors that lie evenly spaced in one buffer (a snapshot read from disk: every layer's
+        conv and recurrent state, alternating) are copied as one strided tensor, one copy per group."""
+        key = self.spec.key
+        for group, stacked in zip(self._specs, self._groups, strict=True):
+            sources = [tensors.get(key(layer, name)) for layer, name in group.members]
+            for (layer, name), src in zip(group.members, sources, strict=True):
+                if src is None or src.shape != group.shape:
+                    raise ValueError(f"state tensor {key(layer, name)}: expected shape {group.shape}, got "
+                                     f"{None if src is None else tuple(src.shape)}")
+            whole = _evenly_spaced(sources)
+            if whole is not None:
+                stacked[:, slot].copy_(whole)
+            else:
+                for dst, src in zip(stacked[:, slot], sources, strict=True):
+                    dst.copy_(src)
 
     def copy_to(self, src: int, dst_pool: StatePool, dst: int, non_blocking: bool = False) -> None:
         """dst_pool[dst] <- self[src], every layer (dst_pool has the same spec); the source is left untouched."""
@@ -110,3 +120,17 @@ class StatePool:
             raise ValueError("copy between state pools of different specs")
         for mine, theirs in zip(self._groups, dst_pool._groups, strict=True):
             theirs[:, dst].copy_(mine[:, src], non_blocking=non_blocking)
+
+
+def _evenly_spaced(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one strided view [len(tensors), *shape] when they are contiguous, of one dtype, and
+    evenly spaced in one storage (tensor i at the first's address + i * step); None otherwise."""
+    first = tensors[0]
+    if not all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device
+               and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors):
+        return None
+    step = tensors[1].storage_offset() - first.storage_offset() if len(tensors) > 1 else first.numel()
+    if step < first.numel() or any(t.storage_offset() != first.storage_offset() + i * step
+                                   for i, t in enumerate(tensors)):
+        return None
+    return first.as_strided((len(tensors), *first.shape), (step, *first.stride()))

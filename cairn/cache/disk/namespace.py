@@ -27,14 +27,12 @@ import os
 import re
 import secrets
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import NamedTuple
 
 from cairn.cache.disk.segment import (
     END_BYTES,
     HEADER_BYTES,
-    SectionHasher,
     Segment,
     SegmentError,
     SegmentLimits,
@@ -123,41 +121,52 @@ def open_regular(dir_fd: int, name: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def read_segment_file(dir_fd: int, name: str, compat_digest: str, limits: SegmentLimits) -> Segment:
-    """Read and fully verify one segment file; raises SegmentError, UnusableEntry or OSError."""
+class ReadBuffer:
+    """One buffer that segment files are read into, again and again: no allocation and no page faults per
+    read, which a fresh 20 MiB buffer costs as much as a tenth of the read. Grown to the largest file read,
+    never shrunk. A segment read into it is valid only until the next read: for a caller that copies the
+    bytes out at once (a snapshot restore), from one thread at a time."""
+
+    def __init__(self):
+        self._data = bytearray()
+
+    def view(self, nbytes: int) -> memoryview:
+        if len(self._data) < nbytes:
+            self._data = bytearray(nbytes)  # a view of the old one may still be held: replace, never resize
+        return memoryview(self._data)[:nbytes]
+
+
+def read_segment_file(dir_fd: int, name: str, compat_digest: str, limits: SegmentLimits,
+                      buffer: ReadBuffer | None = None) -> Segment:
+    """Read and fully verify one segment file; raises SegmentError, UnusableEntry or OSError.
+
+    The segment's KV, snapshot and logits are views of the bytes read: of `buffer` when given (valid until
+    its next read), else of a buffer of their own."""
     fd, st = open_regular(dir_fd, name)
     try:
         if st.st_size == 0 or st.st_size > limits.max_file_bytes:
             read_header(b"", compat_digest, st.st_size, limits)  # raises empty / oversized
-        view = memoryview(bytearray(st.st_size))
-        hasher, got = _read_hashing(fd, view)
+        view = buffer.view(st.st_size) if buffer is not None else memoryview(bytearray(st.st_size))
+        got = _read_into(fd, view)
     finally:
         os.close(fd)
-    segment = decode_segment(view[:got] if got < view.nbytes else view, compat_digest, limits, hasher)
+    segment = decode_segment(view[:got], compat_digest, limits)
     if segment_file_name(segment.key) != name:
         raise SegmentError("malformed", "the key differs from the file name")
     return segment
 
 
 # Reads of this size overlap with the kernel's readahead, where one read of the whole file waits for
-# it (measured: 16 ms against 20-25 ms for a 20 MiB file not in the page cache), and hand the
-# checksum thread work early.
+# it (measured: 16 ms against 20-25 ms for a 20 MiB file not in the page cache).
 READ_BLOCK_BYTES = 1 << 20
-_verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-segment-verify")
 
 
-def _read_hashing(fd: int, view: memoryview) -> tuple[SectionHasher, int]:
-    """Read the file into `view` block by block while a worker thread checksums the sections that have
-    arrived (both release the GIL): verifying a restore costs little more than reading it."""
-    hasher, got, pending = SectionHasher(view), 0, None
-    try:
-        while got < view.nbytes and (n := os.readv(fd, [view[got : got + READ_BLOCK_BYTES]])):
-            got += n
-            pending = _verifier.submit(hasher.advance, got)
-    finally:
-        if pending is not None:
-            pending.result()  # in order: the worker runs one task at a time
-    return hasher, got
+def _read_into(fd: int, view: memoryview) -> int:
+    """Read the file into `view`, block by block, until it is full or the file ends; returns bytes read."""
+    got = 0
+    while got < view.nbytes and (n := os.readv(fd, [view[got : got + READ_BLOCK_BYTES]])):
+        got += n
+    return got
 
 
 def read_segment_tokens(dir_fd: int, name: str, compat_digest: str, limits: SegmentLimits) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ only mutated under a lock. A get that races an eviction returns None, never wron
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import stat
@@ -32,6 +33,7 @@ from cairn.cache.disk.namespace import (
     SEGMENT_NAME,
     TEMP_NAME,
     DiskStoreError,
+    ReadBuffer,
     StoreLockedError,
     UnusableEntry,
     open_namespace,
@@ -257,12 +259,13 @@ class DiskStore(Pins):
 
     # ------------------------------------------------------------------------------------ reads
 
-    def get(self, key: bytes) -> Segment | None:
-        """The segment stored under key, with every checksum verified, or None (see class docstring)."""
+    def get(self, key: bytes, buffer: ReadBuffer | None = None) -> Segment | None:
+        """The segment stored under key, with every checksum verified, or None (see class docstring).
+        With `buffer`, its bytes are read into it and valid until that buffer's next read."""
         with self._lock:
             self._check_open()
             self._counts["gets"] += 1
-        segment = self._read(key, read_segment_file)
+        segment = self._read(key, functools.partial(read_segment_file, buffer=buffer))
         if segment is not None:
             with self._lock:
                 self._counts["hits"] += 1

@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import threading
 from collections import Counter
 from collections.abc import Iterator
 
 import torch
 
 from cairn.cache.disk.named_bytes import layout_meta, read_layout
+from cairn.cache.disk.namespace import ReadBuffer
 from cairn.cache.disk.segment import ROOT_KEY, Segment, _tokens_to_bytes, segment_key
 from cairn.cache.disk.store import DiskStore
 from cairn.cache.tiers.base import KV, Source, State
@@ -49,14 +51,25 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def _from_bytes(data: bytes | memoryview, meta: dict) -> torch.Tensor:
-    """A tensor over `data` (no copy when it is a writable view, as segments read from disk are)."""
-    dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
-    if not len(data):
-        return torch.empty(meta["shape"], dtype=dtype)
+def _byte_tensor(data: bytes | memoryview) -> torch.Tensor:
+    """A uint8 tensor over `data`: a view when it is writable (as segments read from disk are), else a copy."""
     if not (isinstance(data, memoryview) and not data.readonly):
         data = bytearray(data)
-    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(meta["shape"])
+    return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+def _from_bytes(data: bytes | memoryview, meta: dict) -> torch.Tensor:
+    """A tensor over `data` (no copy when it is a writable view)."""
+    return _typed(_byte_tensor(data), meta["dtype"], meta["shape"])
+
+
+def _typed(raw: torch.Tensor, dtype_name: str, shape) -> torch.Tensor:
+    """The bytes `raw` (a uint8 tensor) as a tensor of that dtype and shape: a view when `raw` starts at a
+    multiple of the dtype's size in its storage, else a copy."""
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(shape)
 
 
 def snapshot_fields(tensors: dict[str, torch.Tensor]) -> dict:
@@ -85,15 +98,21 @@ class DiskTier:
     The disk tier is one instance (name DISK over a DiskStore); another store of segments (a shared
     remote one) is another instance with its own name and store. Segments never hold a working
     slot (`reserve` gives none) and their budget is the store's (`fits` is always true: the store
-    evicts least-recently-used segments itself and reports them through on_evict)."""
+    evicts least-recently-used segments itself and reports them through on_evict).
+
+    `restore_buffer`: a store of files (DiskStore) reads the segment of a snapshot being restored into this
+    one reused buffer (no allocation or page faults per restore); the snapshot is copied out of it before
+    load_snapshot returns. None: each read gets its own bytes (a store whose values arrive whole)."""
 
     pages = None  # no page allocator: nodes reference segments
 
     def __init__(self, store: DiskStore, page_size: int, write_through: bool = True, name: str = DISK,
-                 bandwidth: float = 0.5e9):
+                 bandwidth: float = 0.5e9, restore_buffer: ReadBuffer | None = None):
         self.name, self.store, self.page_size, self.bandwidth = name, store, page_size, bandwidth
         self.write_through = write_through  # persist every finished request (else only host evictions)
         self.counters: Counter[str] = Counter()
+        self._restore_buffer = restore_buffer
+        self._restore_lock = threading.Lock()  # one restore at a time uses the buffer
 
     @property
     def used_bytes(self) -> int:
@@ -125,12 +144,15 @@ class DiskTier:
         return node.kv.get(self.name)
 
     def load_snapshot(self, key: bytes, dst: StatePool, slot: int) -> torch.Tensor | None | bool:
-        state = self.read_snapshot(key)
-        if state is None:
-            return False
-        tensors, logits = state
-        dst.write_slot(slot, tensors)
-        return None if logits is None else logits.to(dst.device)
+        """Read the segment (into the restore buffer when there is one), verify it and copy its snapshot
+        into dst[slot]; its logits are a copy of their own. False when the segment is missing or bad."""
+        with self._restore_lock:
+            segment = self.read(key, self._restore_buffer)
+            snap = None if segment is None else self.snapshot_of(segment)
+            if snap is None:
+                return False
+            dst.write_slot(slot, snap.tensors)
+            return None if snap.logits is None else snap.logits.to(dst.device, copy=True)
 
     def read_snapshot(self, key: bytes) -> State | None:
         segment = self.read(key)
@@ -214,13 +236,14 @@ class DiskTier:
 
     # ---- reading ----------------------------------------------------------------------------------
 
-    def read(self, key: bytes) -> Segment | None:
-        """The verified segment, pinned while read; None (counted) when missing or bad."""
+    def read(self, key: bytes, buffer: ReadBuffer | None = None) -> Segment | None:
+        """The verified segment, pinned while read; None (counted) when missing or bad. Its bytes are read
+        into `buffer` when given (valid until that buffer's next read)."""
         if not self.store.pin(key):
             self.counters["read_missing"] += 1
             return None
         try:
-            segment = self.store.get(key)
+            segment = self.store.get(key) if buffer is None else self.store.get(key, buffer)
         finally:
             self.store.unpin(key)
         self.counters["read_ok" if segment is not None else "read_bad"] += 1
@@ -236,9 +259,10 @@ class DiskTier:
     def snapshot_of(segment: Segment) -> SnapshotTensors | None:
         if segment.snapshot_bytes is None:
             return None
-        data = segment.snapshot_bytes  # its layout was checked when the segment was decoded
-        tensors = {t.name: _from_bytes(data[t.offset:t.offset + t.nbytes], {"dtype": t.dtype, "shape": t.shape})
-                   for t in read_layout(segment.snapshot_meta, len(data))}
+        data = _byte_tensor(segment.snapshot_bytes)  # its layout was checked when the segment was decoded
+        # views of one storage, so that StatePool.write_slot copies each group of equal tensors at once
+        tensors = {t.name: _typed(data[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
+                   for t in read_layout(segment.snapshot_meta, data.numel())}
         logits = None if segment.logits_bytes is None else _from_bytes(segment.logits_bytes, segment.logits_meta)
         return SnapshotTensors(tensors, logits)
 
