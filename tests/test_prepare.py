@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.prompt import tokenize_prompt
-from cairn.server.errors import APIError
+from cairn.server.errors import APIError, ServerShuttingDown
 from cairn.server.generate import ServingContext
 from cairn.server.offload import Offload
 from cairn.server.prepare import TEXT_FIELDS, Prepared, prepare, prepare_here
@@ -111,3 +111,10 @@ def test_worker_raises_the_same_errors_as_the_server_process(offload, kind, body
         assert remote.errors() == local.errors()
     if isinstance(local, APIError):
         assert vars(remote) == vars(local)
+
+
+def test_large_body_after_the_workers_closed_is_refused_as_shutting_down():
+    closed = Offload(CTX.tokenizer, MAX_MODEL_LEN, worker_context=CTX, large_input_bytes=0)
+    closed.close()
+    with pytest.raises(ServerShuttingDown):
+        asyncio.run(prepare(CTX, closed, [json.dumps(CHAT).encode()], "chat", "req-1"))

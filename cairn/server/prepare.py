@@ -11,7 +11,8 @@ they arrived, and what comes back is token ids and the small fields of the body.
 holds the interpreter lock for long (parsing, copying, decoding megabytes) runs beside the engine
 thread. Both paths raise the same errors: RequestValidationError for a body that is not valid JSON
 or does not validate (FastAPI's handler answers it), and what the checks and the tokenizer raise
-(APIError, ChatTemplateError, RequestTooLarge); WorkerDied if the worker died (this request alone).
+(APIError, ChatTemplateError, RequestTooLarge); WorkerDied if the worker died (this request alone, a
+500); ServerShuttingDown once the workers are closed.
 
 What this is not: submitting (`generate`) or the routes (`app`).
 """
@@ -30,9 +31,11 @@ from cairn.prompt import tokenize_prompt
 from cairn.server.anthropic import MessagesRequest
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatPlan
+from cairn.server.errors import ServerShuttingDown
 from cairn.server.generate import ServingContext, prepare_chat, prepare_completion
 from cairn.server.offload import Offload
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.workers import WorkersClosed
 
 M = TypeVar("M", bound=BaseModel)
 TEXT_FIELDS = {"chat": {"messages": []}, "completion": {"prompt": ""}, "messages": {"messages": [], "system": None}}
@@ -96,6 +99,9 @@ def prepare_in_worker(ctx: ServingContext, body: bytes, kind: str, request_id: s
 
 async def prepare(ctx: ServingContext, offload: Offload, chunks: list[bytes], kind: str, request_id: str) -> Prepared:
     """A request body as it arrived: in a worker process when it is large, else here."""
-    if offload.is_large(chunks):
+    if not offload.is_large(chunks):
+        return prepare_here(ctx, b"".join(chunks), kind, request_id)
+    try:
         return await offload.run(prepare_in_worker, chunks, kind, request_id)
-    return prepare_here(ctx, b"".join(chunks), kind, request_id)
+    except WorkersClosed:
+        raise ServerShuttingDown("The server is shutting down and takes no new requests.") from None
