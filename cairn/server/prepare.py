@@ -39,6 +39,7 @@ from cairn.server.workers import WorkersClosed
 
 M = TypeVar("M", bound=BaseModel)
 TEXT_FIELDS = {"chat": {"messages": []}, "completion": {"prompt": ""}, "messages": {"messages": [], "system": None}}
+#   what a body prepared in a worker has in place of its text (the fields are read no more once prepared)
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,7 @@ def prepare_in_worker(ctx: ServingContext, body: bytes, kind: str, request_id: s
     except PromptTooLong as e:
         raise RequestTooLarge(str(e)) from None
     sub = replace(sub, prompt=None, messages=None, template_kwargs=None, message_starts=None, tokenized=tokenized)
-    text = TEXT_FIELDS[kind]
-    return replace(prepared, body=prepared.body.model_copy(update=text), submission=sub)
+    return replace(prepared, body=prepared.body.model_copy(update=TEXT_FIELDS[kind]), submission=sub)
 
 
 async def prepare(ctx: ServingContext, offload: Offload, chunks: list[bytes], kind: str, request_id: str) -> Prepared:
