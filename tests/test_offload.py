@@ -16,7 +16,7 @@ import pytest
 from cairn.errors import PromptTooLong
 from cairn.prompt import tokenize_prompt
 from cairn.server.offload import Offload
-from cairn.server.workers import ProcessWorkers, WorkerDied
+from cairn.server.workers import ProcessWorkers, WorkerDied, WorkersClosed
 from cairn.tokenizer import ByteTokenizer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo " * 20}]
@@ -100,5 +100,5 @@ def test_worker_killed_while_idle_is_replaced_without_failing_the_next_job(worke
 
 def test_closed_workers_refuse_new_jobs(workers):
     workers.close()
-    with pytest.raises(RuntimeError, match="shutdown"):
+    with pytest.raises(WorkersClosed, match="shutdown"):
         asyncio.run(workers.run(pid, []))

@@ -5,6 +5,7 @@ process, and comes back without its text."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -12,10 +13,10 @@ from fastapi.exceptions import RequestValidationError
 
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.prompt import tokenize_prompt
-from cairn.server.errors import APIError
+from cairn.server.errors import APIError, ServerShuttingDown
 from cairn.server.generate import ServingContext
 from cairn.server.offload import Offload
-from cairn.server.prepare import TEXT_FIELDS, Prepared, prepare, prepare_here
+from cairn.server.prepare import TEXT_FIELDS, UNPACK_IDS, Prepared, prepare, prepare_here
 from cairn.tokenizer import ByteTokenizer
 
 MAX_MODEL_LEN = 1000
@@ -64,6 +65,7 @@ def test_worker_prepares_the_same_submission_and_token_ids_as_the_server_process
     local, tokenized = here(body, kind)
     remote = in_worker(offload, body, kind)
     assert remote.submission.tokenized == tokenized  # token ids, message starts, user message starts
+    assert remote.packed_ids is None
     assert remote.submission.params == local.submission.params
     assert remote.submission.request_id == "req-1" and remote.plan == local.plan
     assert (remote.submission.prompt, remote.submission.messages) == (None, None)  # tokens only, no text
@@ -111,3 +113,22 @@ def test_worker_raises_the_same_errors_as_the_server_process(offload, kind, body
         assert remote.errors() == local.errors()
     if isinstance(local, APIError):
         assert vars(remote) == vars(local)
+
+
+def test_large_body_after_the_workers_closed_is_refused_as_shutting_down():
+    closed = Offload(CTX.tokenizer, MAX_MODEL_LEN, worker_context=CTX, large_input_bytes=0)
+    closed.close()
+    with pytest.raises(ServerShuttingDown):
+        asyncio.run(prepare(CTX, closed, [json.dumps(CHAT).encode()], "chat", "req-1"))
+
+
+def test_long_prompt_token_ids_come_back_whole_and_in_order():
+    """More ids than one unpacking slice (UNPACK_IDS), across the process boundary."""
+    ctx = dataclasses.replace(CTX, max_model_len=1 << 20)
+    prompt = "".join(chr(32 + i % 90) for i in range(3 * UNPACK_IDS + 5))
+    off = Offload(ctx.tokenizer, ctx.max_model_len, worker_context=ctx, large_input_bytes=0)
+    try:
+        got = asyncio.run(prepare(ctx, off, [json.dumps({"prompt": prompt}).encode()], "completion", "req-1"))
+    finally:
+        off.close()
+    assert got.submission.tokenized.token_ids == ctx.tokenizer.encode(prompt)

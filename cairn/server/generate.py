@@ -1,4 +1,6 @@
-"""The generation endpoints: validate, submit to the engine bridge, answer whole or as an SSE stream.
+"""The generation endpoints: check a validated request and make its Submission (`prepare_chat`,
+`prepare_completion`: pure, so a request worker process runs them too, see `prepare`), submit it to
+the engine bridge, answer whole or as an SSE stream.
 
 A request is submitted before any response byte is sent, so every error add_request raises becomes
 a 4xx JSON error with the right status. After that:
@@ -48,11 +50,11 @@ from cairn.tokenizer import Tokenizer
 
 @dataclass
 class ServingContext:
-    """What the endpoints need from the app."""
+    """What the endpoints need from the app. The request workers get a copy without bridge and metrics."""
 
     bridge: EngineBridge
     metrics: ServerMetrics
-    tokenizer: Tokenizer  # only decode() is used here, for logprob token texts (pure, thread-safe)
+    tokenizer: Tokenizer  # decode() for logprob token texts; the chat plan reads the template (pure, thread-safe)
     served_model: str  # the name clients send and responses carry
     model_aliases: frozenset[str]  # other names accepted for the same model
     max_model_len: int

@@ -7,18 +7,23 @@ to what the engine bridge takes (a Submission and, for a chat, the plan its outp
                              tokenize ──> Prepared: Submission holding token ids, the body without its text
 
 A large body never becomes a Python object in the server process: its chunks go to the worker as
-they arrived, and what comes back is token ids and the small fields of the body. So nothing that
-holds the interpreter lock for long (parsing, copying, decoding megabytes) runs beside the engine
-thread. Both paths raise the same errors: RequestValidationError for a body that is not valid JSON
-or does not validate (FastAPI's handler answers it), and what the checks and the tokenizer raise
-(APIError, ChatTemplateError, RequestTooLarge); WorkerDied if the worker died (this request alone).
+they arrived, and what comes back is token ids (packed, made into a list a slice at a time) and the
+small fields of the body. So nothing that holds the interpreter lock for long (parsing, copying,
+decoding megabytes) runs beside the engine thread.
+
+Both paths raise the same errors: RequestValidationError for a body that is not valid JSON or does
+not validate (FastAPI's handler answers it), and what the checks and the tokenizer raise (APIError,
+ChatTemplateError, RequestTooLarge); WorkerDied if the worker died (this request alone, a 500);
+ServerShuttingDown once the workers are closed.
 
 What this is not: submitting (`generate`) or the routes (`app`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from array import array
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -30,12 +35,16 @@ from cairn.prompt import tokenize_prompt
 from cairn.server.anthropic import MessagesRequest
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatPlan
+from cairn.server.errors import ServerShuttingDown
 from cairn.server.generate import ServingContext, prepare_chat, prepare_completion
 from cairn.server.offload import Offload
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.workers import WorkersClosed
 
 M = TypeVar("M", bound=BaseModel)
+UNPACK_IDS = 1 << 14  # token ids turned into Python ints at a time, back from a worker (about a millisecond)
 TEXT_FIELDS = {"chat": {"messages": []}, "completion": {"prompt": ""}, "messages": {"messages": [], "system": None}}
+#   what a body prepared in a worker has in place of its text (the fields are read no more once prepared)
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,8 @@ class Prepared:
     #   text (TEXT_FIELDS emptied: the submission holds their tokens)
     submission: Submission
     plan: ChatPlan | None = None  # a chat's output plan
+    packed_ids: array | None = None  # in transit from a worker: the token ids (submission.tokenized has none
+    #   yet), as machine integers that unpickle in one copy, unlike a list of Python ints
 
 
 def parse_body(model: type[M], data: bytes | object) -> M:
@@ -89,13 +100,29 @@ def prepare_in_worker(ctx: ServingContext, body: bytes, kind: str, request_id: s
                                     sub.message_starts)
     except PromptTooLong as e:
         raise RequestTooLarge(str(e)) from None
-    sub = replace(sub, prompt=None, messages=None, template_kwargs=None, message_starts=None, tokenized=tokenized)
-    text = TEXT_FIELDS[kind]
-    return replace(prepared, body=prepared.body.model_copy(update=text), submission=sub)
+    packed_ids = array("q", tokenized.token_ids)
+    sub = replace(sub, prompt=None, messages=None, template_kwargs=None, message_starts=None,
+                  tokenized=replace(tokenized, token_ids=[]))
+    return Prepared(prepared.body.model_copy(update=TEXT_FIELDS[kind]), sub, prepared.plan, packed_ids)
 
 
 async def prepare(ctx: ServingContext, offload: Offload, chunks: list[bytes], kind: str, request_id: str) -> Prepared:
     """A request body as it arrived: in a worker process when it is large, else here."""
-    if offload.is_large(chunks):
-        return await offload.run(prepare_in_worker, chunks, kind, request_id)
-    return prepare_here(ctx, b"".join(chunks), kind, request_id)
+    if not offload.is_large(chunks):
+        return prepare_here(ctx, b"".join(chunks), kind, request_id)
+    try:
+        prepared = await offload.run(prepare_in_worker, chunks, kind, request_id)
+    except WorkersClosed:
+        raise ServerShuttingDown("The server is shutting down and takes no new requests.") from None
+    tokenized = replace(prepared.submission.tokenized, token_ids=await unpack_ids(prepared.packed_ids))
+    return replace(prepared, submission=replace(prepared.submission, tokenized=tokenized), packed_ids=None)
+
+
+async def unpack_ids(packed: array) -> list[int]:
+    """The ids as a list, made UNPACK_IDS at a time with a pause between: making a quarter of a million
+    Python ints in one call holds the interpreter lock for tens of milliseconds."""
+    ids: list[int] = []
+    for start in range(0, len(packed), UNPACK_IDS):
+        ids.extend(packed[start:start + UNPACK_IDS].tolist())
+        await asyncio.sleep(0)
+    return ids

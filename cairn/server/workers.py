@@ -40,6 +40,10 @@ class WorkerDied(RuntimeError):
     """The worker process running the job ended before answering (killed, out of memory, crashed)."""
 
 
+class WorkersClosed(RuntimeError):
+    """The pool was closed (the server is shutting down)."""
+
+
 def _worker_main(conn: Connection, context: Any, nice: int) -> None:
     """A worker's loop: (fn, args, number of chunks), then the chunks; answers ("ok", result) or ("error", e)."""
     with contextlib.suppress(OSError):
@@ -112,11 +116,15 @@ class ProcessWorkers:
 
     async def run(self, fn: Callable, chunks: list[bytes], *args) -> Any:
         """fn(context, b"".join(chunks), *args) in a worker process: its result, or the exception it
-        raised; WorkerDied if the worker died meanwhile; RuntimeError once closed. `chunks` is emptied
+        raised; WorkerDied if the worker died meanwhile; WorkersClosed once closed. `chunks` is emptied
         (see above): pass a list nothing else holds the chunks of."""
         if self._closed:
-            raise RuntimeError("cannot schedule new jobs after shutdown")
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self._run, fn, chunks, args)
+            raise WorkersClosed("cannot schedule new jobs after shutdown")
+        try:
+            job = asyncio.get_running_loop().run_in_executor(self._threads, self._run, fn, chunks, args)
+        except RuntimeError:  # closed meanwhile (the thread pool refuses new work)
+            raise WorkersClosed("cannot schedule new jobs after shutdown") from None
+        return await job
 
     def _run(self, fn: Callable, chunks: list[bytes], args: tuple) -> Any:
         self.start()
@@ -142,7 +150,7 @@ class ProcessWorkers:
                 self._idle.put(worker)
 
     def close(self) -> None:
-        """Stop the workers; a job running now fails (WorkerDied), later ones raise RuntimeError."""
+        """Stop the workers; a job running now still ends, later ones raise WorkersClosed."""
         self._closed = True
         self._threads.shutdown(wait=False, cancel_futures=True)
         while True:
