@@ -1,4 +1,5 @@
-"""End to end on the demo model (fp32): every divergence pattern real clients produce resumes at the
+"""End to end on the demo model (Gated DeltaNet + gated attention) and on a tiny Nemotron-H checkpoint
+(Mamba2 + plain attention + MLP / MoE layers), fp32: every divergence pattern real clients produce resumes at the
 deepest position the placement rules allow, and its greedy output equals a cold run of the same prompt,
 with log-probabilities within 1e-4.
 
@@ -19,14 +20,22 @@ OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, max_num_batche
 TOL = 1e-4
 
 
+@pytest.fixture(scope="module", params=["demo", "nemotron_h"])
+def model_dir(request):
+    """None (the built-in demo model) or a tiny checkpoint of the family: the patterns hold for every family."""
+    if request.param == "demo":
+        return None
+    return str(request.getfixturevalue("checkpoints")[request.param][0])
+
+
 @pytest.fixture
-def warm():
-    return LLM(**OPTS, device_snapshot_gib=0.1, snapshot_interval=64)
+def warm(model_dir):
+    return LLM(model_dir, **OPTS, device_snapshot_gib=0.1, snapshot_interval=64)
 
 
 @pytest.fixture(scope="module")
-def cold():
-    return LLM(**OPTS, prefix_cache=False)
+def cold(model_dir):
+    return LLM(model_dir, **OPTS, prefix_cache=False)
 
 
 def text(n: int, seed: int) -> str:
@@ -181,8 +190,8 @@ HALF = ("bfloat16", "float16")
 
 
 @pytest.fixture(scope="module")
-def cold_half():
-    return {dtype: LLM(**OPTS, dtype=dtype, prefix_cache=False) for dtype in HALF}
+def cold_half(model_dir):
+    return {dtype: LLM(model_dir, **OPTS, dtype=dtype, prefix_cache=False) for dtype in HALF}
 
 
 def append(llm):
@@ -241,8 +250,9 @@ def shared_system_prompt(llm):
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("pattern", [append, stripped_reasoning, compaction, edit, regenerate,
                                      resend_of_whole_blocks, interleave, shared_system_prompt])
-def test_half_precision_resume_gives_the_cold_logits_bit_for_bit(pattern, dtype, cold_half, sampled_logits):
-    warm = LLM(**OPTS, dtype=dtype, device_snapshot_gib=0.1, snapshot_interval=64)
+def test_half_precision_resume_gives_the_cold_logits_bit_for_bit(pattern, dtype, model_dir, cold_half,
+                                                                 sampled_logits):
+    warm = LLM(model_dir, **OPTS, dtype=dtype, device_snapshot_gib=0.1, snapshot_interval=64)
     assert warm.engine.prefill_block == 64
     prompt = pattern(warm)
     sampled_logits.clear()

@@ -1,7 +1,8 @@
 """`cairn bench` / `python -m cairn.bench`: run the workloads under each cache policy and write the record.
 
-    cairn bench [--workloads all|a,b] [--policies all|a,b] [--preset smoke|published] [--size demo|tiny|0.8b]
-                [--out DIR] [--url URL [--tokenizer DIR]] [engine flags...]
+    cairn bench [--workloads all|a,b] [--policies all|a,b] [--preset smoke|published]
+                [--size demo|tiny|0.8b|nemotron-h-tiny|nemotron-h-4b] [--out DIR]
+                [--url URL [--tokenizer DIR]] [engine flags...]
 
 In-process (the default), every (workload, policy) pair gets a fresh Engine built from the same
 engine flags (same weights, pools, budgets and chunk size; `--snapshot-policy` and
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from cairn.bench.checkpoint import make_checkpoint
+from cairn.bench.checkpoint import SIZES, make_checkpoint
 from cairn.bench.conversation import PRESETS, Workload, WorkloadSizes
 from cairn.bench.policies import LABELS, POLICIES, SMOKE_MIN_GAP_TOKENS, parse_names, policy_config
 from cairn.bench.record import SCHEMA, BenchRecord, WorkloadResult, evaluate_targets
@@ -54,8 +55,8 @@ class BenchOptions:
     policies: str = _f("all", "comma-separated cache policies, or all: " + ", ".join(POLICIES))
     preset: str = _f("smoke", "workload sizes", choices=tuple(PRESETS))
     size: str = _f("demo", "model: the demo model (or --model DIR), or random weights at these dimensions "
-                   "(0.8b = Qwen3.5-0.8B; cairn.bench.checkpoint makes them, as for benchmarks/)",
-                   choices=("demo", "tiny", "0.8b"))
+                   "(0.8b = Qwen3.5-0.8B, nemotron-h-4b = Nemotron-H-4B; cairn.bench.checkpoint makes them, "
+                   "as for benchmarks/)", choices=("demo", *SIZES))
     checkpoint_dir: str | None = _f(None, "where the --size checkpoint is written and reused; default: a temp dir")
     workload_seed: int = _f(0, "seed of the workloads' text (the demo weights' seed is --demo-seed)")
     out: str = _f("benchmarks/out/bench", "directory for record.json, report.md and the PNGs")
