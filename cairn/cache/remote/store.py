@@ -191,8 +191,8 @@ class RedisSegmentStore(Pins):
             self._counts["gets"] += 1
             if key in self._pending:
                 return self._pending[key]
-        # (a key not known here, say forgotten by _trim since a lookup found it, is read all the same: the
-        # value is verified against the key)
+            if key not in self._index:
+                return None
         value = self.redis.call(lambda c: c.get(self.names.segment(key)))
         if value is FAILED:
             return None
