@@ -3,9 +3,13 @@ test_parallel_choices.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+import cairn.engine
 from cairn.choices import ChoiceGroups
+from cairn.engine import LLM
 from cairn.sampling import SamplingParams
 from cairn.sequence import Sequence, Status
 
@@ -75,3 +79,25 @@ def test_a_choice_of_an_unknown_request_finishes_it_alone():
     seq = request("r", 1)[0]
     finish(seq)
     assert ChoiceGroups().finish(seq)
+
+
+def test_a_choice_failing_in_sampling_finishes_its_whole_request_and_frees_everything(monkeypatch):
+    llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_seqs=4)
+    real = cairn.engine.sample_isolated
+
+    def second_row_fails(logits, params, generators, contexts=None):
+        sampled = real(logits, params, generators, contexts)
+        if len(sampled) > 1:  # the first step with two choices in the batch: fault injected into the second
+            sampled[1] = dataclasses.replace(sampled[1], error="injected")
+        return sampled
+
+    monkeypatch.setattr(cairn.engine, "sample_isolated", second_row_fails)
+    engine = llm.engine
+    rid = engine.add_request(list(range(20, 60)), SamplingParams(max_tokens=20, temperature=1.0, n=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    # the failed choice reports the error and the end of the request; its siblings were aborted with it
+    assert [(o.finish_reason, o.request_finished) for o in outs if o.finished] == [("error", True)]
+    assert rid not in engine.choices and len(engine.choices) == 0
+    engine.check_integrity()
