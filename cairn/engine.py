@@ -28,6 +28,7 @@ import torch
 from cairn.activity import ActivityLog
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
+from cairn.choices import ChoiceGroups
 from cairn.compat import compat_digest, weights_digest
 from cairn.config import CacheOptions, EngineConfig
 from cairn.demo import DEMO_NAME, build_demo
@@ -133,8 +134,7 @@ class Engine:
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
         self._seqs: dict[str, Sequence] = {}  # by sequence id: every unfinished choice
-        self._groups: dict[str, list[Sequence]] = {}  # request id -> its choices, until all have finished
-        self._held: dict[str, list[Sequence]] = {}  # request id -> choices queued once the first has prefilled
+        self.choices = ChoiceGroups()  # each request's choices (n > 1), and those held for the first's prefill
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -199,7 +199,7 @@ class Engine:
             raise RequestTooLarge("the prompt is empty")
         self._check_token_ids(params)
         request_id = request_id or self.new_request_id()
-        if request_id in self._groups:
+        if request_id in self.choices:
             raise ValueError(f"request id {request_id!r} is already in use")
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
@@ -212,16 +212,13 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestTooLarge(f"prompt token ids must be in [0, {vocab})")
-        self.scheduler.add(seqs[0])
-        if self._shares_prompt(params):
-            self._held[request_id] = seqs[1:]
-        else:
-            for seq in seqs[1:]:
-                self.scheduler.add(seq)
+        hold = self._shares_prompt(params)
+        for seq in seqs[:1] if hold else seqs:
+            self.scheduler.add(seq)
         for seq in seqs:
             self._seqs[seq.request_id] = seq
             self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        self._groups[request_id] = seqs
+        self.choices.add(request_id, seqs, hold)
         return request_id
 
     def _check_token_ids(self, params: SamplingParams) -> None:
@@ -237,14 +234,13 @@ class Engine:
 
     def _release_held(self, request_id: str) -> None:
         """The first choice has computed the prompt: queue the others next (they resume from the cache)."""
-        held = self._held.pop(request_id, [])
+        held = self.choices.release(request_id)
         if held:
             self.scheduler.add_next(held)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort every unfinished choice of the request; the output of the first one aborted (None: unknown)."""
-        self._held.pop(request_id, None)
-        outs = [self._abort_choice(seq) for seq in list(self._groups.get(request_id, [])) if not seq.is_finished]
+        outs = [self._abort_choice(seq) for seq in self.choices.cancel(request_id)]
         return outs[0] if outs else None
 
     def _abort_choice(self, seq: Sequence) -> RequestOutput:
@@ -303,9 +299,8 @@ class Engine:
         group_ids = list(dict.fromkeys(seq.group_id for seq in seqs))
         queued = {id(s) for s in [*self.scheduler.waiting, *self.scheduler.running]}
         doomed = list(seqs)
-        for gid in group_ids:
-            self._held.pop(gid, None)  # choices waiting for the first: never scheduled, hold nothing
-            doomed += [s for s in self._groups.pop(gid, []) if all(s is not d for d in doomed) and id(s) in queued]
+        for gid in group_ids:  # held choices (never scheduled) hold nothing: only the queued ones are dropped
+            doomed += [s for s in self.choices.forget(gid) if all(s is not d for d in doomed) and id(s) in queued]
         for seq in doomed:
             try:
                 self.scheduler.drop(seq)
@@ -344,9 +339,8 @@ class Engine:
     def _fail_request(self, seq: Sequence, error: str) -> RequestOutput:
         """Finish seq's whole request with finish_reason "error" (the rest of the batch is untouched)."""
         log.warning("request %s failed in sampling: %s", seq.group_id, error)
-        self._held.pop(seq.group_id, None)
-        for other in self._groups.get(seq.group_id, []):
-            if other is not seq and not other.is_finished:
+        for other in self.choices.cancel(seq.group_id):
+            if other is not seq:
                 self._abort_choice(other)
         self.scheduler.finish(seq, "error")
         self._log_finished(seq)
@@ -391,10 +385,7 @@ class Engine:
         if finished:
             self._seqs.pop(seq.request_id, None)
             delta += self._detok.pop(seq.request_id).flush()
-            group = self._groups.get(seq.group_id, [seq])
-            request_finished = all(other.is_finished for other in group) and seq.group_id not in self._held
-            if request_finished:
-                self._groups.pop(seq.group_id, None)
+            request_finished = self.choices.finish(seq)
         ttft = None if seq.first_token_s is None else seq.first_token_s - seq.arrival_s
         return RequestOutput(
             request_id=seq.group_id, delta_text=delta, delta_token_ids=[] if s is None else [s.token],

@@ -86,7 +86,7 @@ def assert_never_loaded(env: Env, reason: str, store: DiskStore | None = None, c
     store = store or DiskStore(env.root, DIGEST, BUDGET_BYTES)
     with store:
         assert store.get(env.victim.key) is None
-        assert not store.contains(env.victim.key)
+        assert store.info(env.victim.key) is None
         assert store.faults.get(reason) == count, store.faults
         assert store.get(env.other.key) == env.other
         fresh = make_segment(300)
@@ -185,7 +185,7 @@ def test_read_only_store_skips_the_links_it_rejected_when_it_rescans(env):
         with DiskStore(env.root, DIGEST, BUDGET_BYTES) as reader:
             assert reader.readonly and reader.get(env.victim.key) is None
             reader.scan()
-            assert not reader.contains(env.victim.key) and reader.faults == {"symlink": 1}
+            assert reader.info(env.victim.key) is None and reader.faults == {"symlink": 1}
             assert env.victim_path.is_symlink()  # a read-only store moves nothing
         assert writer.get(env.other.key) == env.other
 

@@ -62,7 +62,7 @@ def test_put_then_get_returns_the_identical_segment(root, compression):
     with DiskStore(root, DIGEST, 1 << 20, compression=compression) as store:
         seg = make_segment(1)
         assert store.put(seg)
-        assert store.contains(seg.key) and len(store) == 1
+        assert store.info(seg.key) is not None and len(store) == 1
         assert store.get(seg.key) == seg
         info = store.info(seg.key)
         assert (info.parent_key, info.start_position, info.num_tokens, info.has_snapshot, info.has_logits) == (
@@ -325,7 +325,7 @@ def test_read_only_rescan_indexes_what_the_writer_adds_and_forgets_what_it_remov
         assert writer.put(first)
         gone = []
         with DiskStore(root, DIGEST, 1 << 20, on_evict=gone.append) as reader:
-            assert reader.readonly and reader.contains(first.key)
+            assert reader.readonly and reader.info(first.key) is not None
             assert writer.put(second)
             (root / DIGEST / f"{first.key.hex()}.seg").unlink()  # as the writer's eviction would
             reads = []
@@ -333,7 +333,7 @@ def test_read_only_rescan_indexes_what_the_writer_adds_and_forgets_what_it_remov
             monkeypatch.setattr(disk_store, "read_index_header", lambda fd, name, *a: reads.append(name) or
                                 original(fd, name, *a))
             reader.scan()
-            assert reader.get(second.key) == second and not reader.contains(first.key)
+            assert reader.get(second.key) == second and reader.info(first.key) is None
             assert gone == [first.key]
             reader.scan()  # unchanged files are not read again
             assert reads == [f"{second.key.hex()}.seg"]

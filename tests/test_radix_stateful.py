@@ -48,6 +48,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tests.tiny_tiers import VOCAB, TinyCache
 
+
+def path_tokens(node) -> tuple[int, ...]:
+    """The token ids at positions [0, node.end): the tokens of every node from the root down."""
+    runs = []
+    while node is not None:
+        runs.append(node.tokens)
+        node = node.parent
+    return tuple(token for run in reversed(runs) for token in run)
+
 PAGE_SIZE = 4
 MAX_LEN = 24
 NUM_PAGES = 512
@@ -211,7 +220,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.stamp(tokens)
         if tokens:
             self.stored.add(tokens)
-        assert node.end == len(tokens) and node.path_tokens() == tokens
+        assert node.end == len(tokens) and path_tokens(node) == tokens
         if keep:
             self.held.append(table)
         else:
@@ -318,7 +327,7 @@ class RadixMachine(RuleBasedStateMachine):
             node.last_access,
             node.lock_count,
             tuple(node.pages),
-            node.path_tokens(),
+            path_tokens(node),
             handle,
         )
 
@@ -342,13 +351,13 @@ class RadixMachine(RuleBasedStateMachine):
 
     @invariant()
     def leaves_are_the_maximal_stored_paths(self):
-        leaves = {node.path_tokens() for node in self.tree.iter_nodes() if not node.children}
+        leaves = {path_tokens(node) for node in self.tree.iter_nodes() if not node.children}
         maximal = {s for s in self.stored if not any(len(t) > len(s) and is_prefix(s, t) for t in self.stored)}
         assert leaves == maximal
 
     @invariant()
     def snapshots_equal_the_model(self):
-        tree_snaps = {node.path_tokens(): entry for _, entry, node in self.tree.iter_snapshots()}
+        tree_snaps = {path_tokens(node): entry for _, entry, node in self.tree.iter_snapshots()}
         assert set(tree_snaps) == set(self.snaps)
         resumed = Counter(lock.resume for lock in self.locks)
         for prefix, entry in tree_snaps.items():
@@ -362,14 +371,14 @@ class RadixMachine(RuleBasedStateMachine):
             assert entry.lock_count == resumed[prefix]
         assert self.tree.num_snapshots == len(self.snaps)
         assert self.tree.snapshot_bytes == sum(snap.nbytes for snap in self.snaps.values())
-        tombstones = {node.path_tokens() for node in self.tree.iter_nodes() if node.snapshot_evicted}
+        tombstones = {path_tokens(node) for node in self.tree.iter_nodes() if node.snapshot_evicted}
         assert tombstones == self.tombstones
 
     @invariant()
     def node_recency(self):
         """A node's last_access is at least the tick of the last op whose tokens reached into it."""
         for node in self.tree.iter_nodes():
-            path = node.path_tokens()
+            path = path_tokens(node)
             reached = [tick for tick, tokens in self.ops if lcp(tokens, path) > node.start]
             assert node.last_access >= max(reached, default=0)
         assert self.tree.clock == self.clock

@@ -319,10 +319,6 @@ class DiskStore(Pins):
             self._index[key].last_used = time.time()
             self._index.move_to_end(key)
 
-    def contains(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._index
-
     def info(self, key: bytes) -> SegmentInfo | None:
         with self._lock:
             entry = self._index.get(key)

@@ -3,7 +3,7 @@
 What it is: the dataclasses that the tree hands to the planner, the scheduler and the storage tiers,
 each field stating its meaning and unit, plus the page-index rule every node follows.
 
-What it is not: no behaviour beyond reading a node (`Node.path_tokens`, `Node.check_integrity`).
+What it is not: no behaviour beyond checking a node (`Node.check_integrity`).
 The tree (radix.py) is the only writer of these fields, except the first four of `SnapshotEntry`,
 which the creator of a snapshot fills in. Torch-free.
 """
@@ -67,15 +67,6 @@ class Node:
     def pages(self) -> list[int] | None:
         """The device page ids (what a request's page table shares), or None when the KV is not on the device."""
         return self.kv.get(DEVICE)
-
-    def path_tokens(self) -> tuple[int, ...]:
-        """The token ids at positions [0, end): the concatenation of the tokens from the root down."""
-        runs = []
-        node: Node | None = self
-        while node is not None:
-            runs.append(node.tokens)
-            node = node.parent
-        return tuple(token for run in reversed(runs) for token in run)
 
     def check_integrity(self, page_size: int) -> None:
         """Raise AssertionError unless this (non-root) node agrees with its parent and its own fields."""
