@@ -16,9 +16,12 @@ time is summed and the step is split into exclusive parts:
     runner build / sample / engine   the ForwardBatch(es), the sampler, scheduler and bookkeeping
 
     PYTHONPATH=. python benchmarks/decode_profile.py --dtype bfloat16 --batch 1 --layout packed
+    PYTHONPATH=. python benchmarks/decode_profile.py --layout packed --threads 1 --clock cpu --batch 16
 
 The profiler adds a few microseconds per op, which inflates the many small ops against the matmuls;
-the step time printed first is measured without it. A benchmark, not a test: asserts nothing.
+the step time printed first is measured without it. On a shared machine the profiler's ranges hold
+other processes' time slices too: `--clock cpu --threads 1` sums this process's CPU time per range
+instead (BENCHMARKS.md's figures). A benchmark, not a test: asserts nothing.
 """
 
 from __future__ import annotations

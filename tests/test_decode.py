@@ -139,3 +139,36 @@ def test_auto_layout_is_chosen_per_machine_and_logged(caplog):
     with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
         LLM(dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
     assert any("weight layout: plain" in r.getMessage() for r in caplog.records)
+
+
+def _scattered(pool: torch.Tensor, pages: list[int], at: list[int]) -> torch.Tensor:
+    """A copy of `pool` whose pages `at` hold what `pages` hold in `pool` (the rest is noise)."""
+    out = torch.randn_like(pool)
+    out[at] = pool[pages]
+    return out
+
+
+@pytest.mark.parametrize("context_len", [1, 9, 12])
+def test_attention_reads_consecutive_pages_in_place_with_the_gathered_result(context_len):
+    """A sequence whose pages are consecutive reads them as a view of the pool, and gets bit for bit
+    what the same keys and values give when gathered from scattered pages."""
+    from cairn.ops.attention import gather_pages, paged_decode_attention, paged_prefill_attention
+
+    gen = torch.Generator().manual_seed(context_len)
+    k_pool, v_pool = (torch.randn(8, 4, 2, 16, generator=gen) for _ in range(2))  # pages of 4 tokens
+    pages, scattered = [2, 3, 4], [6, 0, 5]
+    num_pages = -(-context_len // 4)
+    k_far, v_far = _scattered(k_pool, pages, scattered), _scattered(v_pool, pages, scattered)
+    near, far = torch.tensor(pages[:num_pages]), torch.tensor(scattered[:num_pages])
+
+    keys = gather_pages(k_pool, near, context_len)
+    assert keys.untyped_storage().data_ptr() == k_pool.untyped_storage().data_ptr()  # a view, no copy
+    assert torch.equal(keys, gather_pages(k_far, far, context_len))
+
+    q = torch.randn(1, 4, 16, generator=gen)
+    lens = torch.tensor([context_len])
+    assert torch.equal(paged_decode_attention(q, k_pool, v_pool, near[None], lens, 0.25),
+                       paged_decode_attention(q, k_far, v_far, far[None], lens, 0.25))
+    q_new = torch.randn(min(context_len, 5), 4, 16, generator=gen)
+    assert torch.equal(paged_prefill_attention(q_new, k_pool, v_pool, near, context_len, 0.25),
+                       paged_prefill_attention(q_new, k_far, v_far, far, context_len, 0.25))

@@ -17,8 +17,11 @@ provided the matmul kernel streams the weights at that speed. The layouts:
 `auto` picks plain, and the choice is logged: on a quiet 2-core Xeon with AMX (two torch threads,
 0.8B dimensions, bf16) packed decoded slower than plain (7.1 against 9.2 tok/s at batch 1, 26.4
 against 36.9 at batch 4; BENCHMARKS.md), although it was 1.9x faster than plain in one-thread runs
-on the same machine under heavy load. Packed stays a choice (`--weight-layout packed`) until a
-start-up measurement can pick per machine. Quantization changes the model's numbers, so it is applied before the prefix
+on the same machine under heavy load. Not a thread clash: oneDNN runs on ATen's OpenMP pool, the
+packed weight is not re-blocked per call at 1, 4 or 16 rows, and alone at two threads it streamed
+at 90% of a plain read (BENCHMARKS.md, decode_profile section). Packed stays a choice
+(`--weight-layout packed`) until a quiet side-by-side run of the engine settles the difference.
+Quantization changes the model's numbers, so it is applied before the prefix
 cache digests the weights (a disk cache of the float model is not resumed by the int8 one); packing
 does not, and is applied after.
 """
