@@ -98,6 +98,21 @@ def test_streamed_tool_call_is_reassembled_by_the_openai_client(client):
         [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
 
 
+def test_malformed_tool_call_comes_back_as_content_streamed_and_not(client):
+    """The random model is made to write a malformed call (a `<tool_call>` tag around text that is not
+    JSON) through a JSON-schema `const`: with tools offered, the call is not parsed and the text comes
+    back as content, whole and streamed, never a 500."""
+    malformed = "<tool_call>{not json}</tool_call>"
+    fmt = {"type": "json_schema", "json_schema": {"name": "m", "schema": {"type": "string", "const": malformed}}}
+    ask = dict(messages=ASK, tools=[WEATHER], response_format=fmt, model=MODEL, temperature=0, max_tokens=64)
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.message.tool_calls is None and whole.finish_reason == "stop"
+    assert json.loads(whole.message.content) == malformed
+    with client.chat.completions.stream(**ask) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.message.content == whole.message.content and not streamed.message.tool_calls
+
+
 def test_tool_history_is_accepted_and_renders_in_the_prompt(client, http):
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
