@@ -3,7 +3,9 @@
 Every family and on-disk layout cairn loads: qwen3_5 (multimodal wrapper, weights under
 model.language_model.*), qwen3_5_text (flat), qwen3_5_moe (wrapper, per-expert tensors) and qwen3_next
 (interleaved Gated DeltaNet projections, MoE and dense layers mixed); nemotron_h (Mamba2, attention,
-squared-ReLU MLP and grouped sigmoid-routed MoE single-op layers). Each directory also gets a
+squared-ReLU MLP and grouped sigmoid-routed MoE single-op layers); falcon_h1 and falcon_h1_tied
+(tests/falcon_h1_checkpoint.py); granitemoehybrid (MoE) and granitemoehybrid_dense (sharded, rope)
+(tests/granite_checkpoint.py). Each directory also gets a
 byte-level tokenizer.json and a ChatML chat template (cairn.bench.checkpoint.write_tokenizer, which
 the benchmarks' named sizes use too), so cairn's loader sees a complete checkpoint.
 """
@@ -15,6 +17,8 @@ from pathlib import Path
 import torch
 
 from cairn.bench.checkpoint import write_tokenizer
+from tests import granite_checkpoint
+from tests.falcon_h1_checkpoint import VARIANTS as FALCON_H1_VARIANTS
 from tests.falcon_h1_checkpoint import hf_falcon_h1
 
 TEXT = dict(
@@ -32,7 +36,8 @@ NEMOTRON_H = dict(
     moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
     routed_scaling_factor=1.5, initializer_range=0.05, layer_norm_epsilon=1e-5, eos_token_id=2,
 )
-FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next", "nemotron_h", "falcon_h1")
+FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next", "nemotron_h", *FALCON_H1_VARIANTS,
+            *granite_checkpoint.FAMILIES)
 
 
 def hf_model(family: str, seed: int = 0):
@@ -52,8 +57,10 @@ def hf_model(family: str, seed: int = 0):
         model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**NEMOTRON_H))
         _randomise_nemotron_h(model)
         return model
-    if family == "falcon_h1":
-        return hf_falcon_h1(seed=seed)  # tests/falcon_h1_checkpoint.py: every multiplier set
+    if family in FALCON_H1_VARIANTS:
+        return hf_falcon_h1(family, seed=seed)  # tests/falcon_h1_checkpoint.py: every multiplier set
+    if family in granite_checkpoint.FAMILIES:
+        return granite_checkpoint.hf_model(family, seed)
     raise ValueError(family)
 
 
@@ -73,6 +80,8 @@ def _randomise_nemotron_h(model) -> None:
 
 def write_checkpoint(family: str, path: Path, seed: int = 0, **save_kwargs):
     """Save a random tiny model of `family` (fp32) plus tokenizer to `path`; returns the HF model."""
+    if family in granite_checkpoint.FAMILIES:  # its own layout: shards, the published layer names
+        return granite_checkpoint.write_checkpoint(family, path, seed, **save_kwargs)
     model = hf_model(family, seed).eval()
     model.save_pretrained(str(path), **save_kwargs)
     write_tokenizer(path)

@@ -22,6 +22,16 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture
+def redis_server():
+    """A real redis-server subprocess on a free port (the test is skipped where none is installed)."""
+    from tests.redis_server import redis_or_skip
+
+    server = redis_or_skip()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def sampled_logits(monkeypatch):
     """Every logits row the engine samples from, in order (fp32 rows; use with one request at a time)."""
     import cairn.engine

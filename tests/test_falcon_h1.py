@@ -1,7 +1,6 @@
-"""Falcon-H1 (parallel attention + Mamba2 in every layer, with its multipliers) against transformers on
-tiny random checkpoints the tests save (fp32 unless a test says otherwise): one-pass prefill logits,
-chunked = one pass, greedy generation, batched = alone, a state copied at p and restored into another
-slot; sharded and half-precision checkpoints; config keys cairn does not implement are refused by name;
+"""Falcon-H1 (parallel attention + Mamba2 in every layer, with its multipliers) on tiny random checkpoints
+(the transformers contracts, prefill to state copy, run on both variants in test_model_vs_transformers.py):
+sharded and half-precision checkpoints; config keys cairn does not implement are refused by name;
 and through the real engine, every cache divergence pattern, the host tier and the disk tier after a
 restart resume to the cold answer; the real `cairn serve` loads the checkpoint directory.
 """
@@ -19,21 +18,19 @@ from cairn.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from cairn.model.config import ConfigError
 from cairn.model.families import config_from_hf
 from cairn.model.loader import load_checkpoint
-from cairn.sampling import SamplingParams
 from tests import test_cache_patterns as patterns
-from tests.falcon_h1_checkpoint import VARIANTS, write_falcon_h1
-from tests.harness import pools, prefill
+from tests.falcon_h1_checkpoint import VARIANTS
+from tests.harness import prefill
 from tests.server_process import openai_client, start_server
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def falcon(checkpoints, tmp_path_factory):
-    """{variant: (path, transformers model)}: the session's `falcon_h1` checkpoint (tests/checkpoints.py, on which
-    test_model_vs_transformers.py runs the prefill, chunked and greedy contracts) and the tied variant."""
-    path = tmp_path_factory.mktemp("falcon_h1_tied")
-    return {"falcon_h1": checkpoints["falcon_h1"], "falcon_h1_tied": (path, write_falcon_h1(path, "falcon_h1_tied"))}
+def falcon(checkpoints):
+    """{variant: (path, transformers model)}: the session's checkpoints of both variants (tests/checkpoints.py,
+    on which test_model_vs_transformers.py runs the prefill, chunked, greedy, batched and state-copy contracts)."""
+    return {variant: checkpoints[variant] for variant in VARIANTS}
 
 
 def prompt(n: int, seed: int = 1, vocab: int = 256) -> list[int]:
@@ -43,80 +40,6 @@ def prompt(n: int, seed: int = 1, vocab: int = 256) -> list[int]:
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def small_llm(path, **overrides) -> LLM:
-    opts = dict(dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
-    return LLM(model=str(path), **{**opts, **overrides})
-
-
-@pytest.mark.parametrize("variant", ["falcon_h1_tied"])  # falcon_h1: test_model_vs_transformers.py
-def test_prefill_logits_match_transformers(falcon, variant):
-    path, hf = falcon[variant]
-    model, cfg = load_checkpoint(path, "float32", "cpu", show_progress=False)
-    assert cfg.family == "falcon_h1"
-    ids = prompt(150)
-    assert (prefill(model, ids) - hf_logits(hf, ids)).abs().max().item() < TOL
-
-
-@pytest.mark.parametrize("variant", ["falcon_h1_tied"])  # falcon_h1: test_model_vs_transformers.py
-def test_chunked_prefill_equals_one_pass(falcon, variant):
-    path, _ = falcon[variant]
-    model, _ = load_checkpoint(path, "float32", "cpu", show_progress=False)
-    ids = prompt(150, seed=2)
-    whole = prefill(model, ids)
-    for cuts in ([1], [15, 16, 17, 64], [3, 4, 5, 100, 149], list(range(7, 150, 29))):
-        assert (prefill(model, ids, cuts) - whole).abs().max().item() < TOL, cuts
-
-
-@pytest.mark.parametrize("variant", ["falcon_h1_tied"])  # falcon_h1: test_model_vs_transformers.py
-def test_greedy_generation_matches_transformers(falcon, variant):
-    path, hf = falcon[variant]
-    ids = prompt(40, seed=3)
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = small_llm(path).generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == expected[0, len(ids):].tolist()
-
-
-def test_request_decoded_in_batch_equals_decoded_alone(falcon):
-    path, _ = falcon["falcon_h1"]
-    llm = small_llm(path, max_num_batched_tokens=64)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
-    prompts = [prompt(n, seed=10 + n) for n in (5, 33, 70, 12)]
-    together = llm.generate(prompts, params)
-    for p, batched in zip(prompts, together, strict=True):
-        alone = llm.generate(p, params)[0]
-        assert batched.token_ids == alone.token_ids
-        assert max(abs(a - b) for a, b in zip(batched.logprobs, alone.logprobs, strict=True)) < TOL
-
-
-def test_state_copied_at_p_resumes_in_another_slot_exactly(falcon):
-    """Copy the working slot at p; let the original run on; restore the copy into a fresh slot with the KV
-    pages of [0, p) and continue: the logits equal those of never stopping at p (bitwise, same chunks)."""
-    path, _ = falcon["falcon_h1"]
-    model, _ = load_checkpoint(path, "float32", "cpu", show_progress=False)
-    ids = prompt(90, seed=4)
-    p = 37
-    kv, states = pools(model, num_pages=128, page_size=4)
-    never_stopped = prefill(model, ids, cuts=[p], kv=kv, states=states)
-
-    snapshots = states.like(states, 2, "cpu")
-    slot_a, table_a = states.alloc(), kv.allocator.alloc(-(-len(ids) // 4))
-    prefill(model, ids[:p], kv=kv, states=states, slot=slot_a, page_table=table_a)
-    states.copy_to(slot_a, snapshots, 0)
-    prefill(model, ids + prompt(20, seed=5), kv=kv, states=states, slot=slot_a,
-            page_table=table_a + kv.allocator.alloc(5), start=p)  # the original slot runs on
-
-    slot_b = states.alloc()
-    snapshots.copy_to(0, states, slot_b)
-    shared, partial = table_a[: p // 4], table_a[p // 4]
-    cow = kv.allocator.alloc(1)[0]
-    kv.copy_page(partial, cow)  # positions [36, 37) of the partly filled page
-    table_b = shared + [cow] + kv.allocator.alloc(-(-len(ids) // 4) - len(shared) - 1)
-    resumed = prefill(model, ids, kv=kv, states=states, slot=slot_b, page_table=table_b, start=p)
-    assert torch.equal(resumed, never_stopped[p:])
 
 
 def test_sharded_checkpoint_loads_the_same_logits(falcon, tmp_path):

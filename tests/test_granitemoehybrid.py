@@ -2,10 +2,10 @@
 
 The config-key tables (every key transformers writes is classified; unimplemented keys and values are
 refused naming the key), the feed-forward block (MoE + shared MLP, dense shared MLP) loaded from the
-saved checkpoint's own tensor names, and the whole model (fp32): one-pass prefill logits, chunked =
-one pass, 32 greedy tokens, batched = alone, a state copied at p resuming in another slot exactly;
-sharded, tied / untied and bf16 loading; and the prefix cache through the real engine: every divergence
-pattern of tests/test_cache_patterns.py, each tier, and a restart resume warm == cold.
+saved checkpoint's own tensor names (the whole-model transformers contracts, prefill to state copy, run
+on both layouts in test_model_vs_transformers.py); sharded, tied / untied and bf16 loading; and the
+prefix cache through the real engine: every divergence pattern of tests/test_cache_patterns.py, each
+tier, and a restart resume warm == cold.
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ from cairn.model.config import ConfigError, Mamba2Shape
 from cairn.model.families import config_from_hf
 from cairn.model.granitemoehybrid import GraniteMoE, SharedMLP, ffn_targets
 from cairn.model.loader import load_checkpoint
-from cairn.sampling import SamplingParams
 from tests import test_cache_patterns as patterns
-from tests.granite_checkpoint import FAMILIES, write_checkpoint
-from tests.harness import pools, prefill, run, same_as_cold
+from tests.granite_checkpoint import FAMILIES
+from tests.harness import prefill, run, same_as_cold
 
 TOL = 1e-5  # one block, fp32
-MODEL_TOL = 1e-4  # whole-model logits, fp32
 
 # The keys of a published Granite-4.0-H config.json (Tiny's dimensions).
 TINY = {
@@ -47,13 +45,9 @@ TINY = {
 
 
 @pytest.fixture(scope="module")
-def granite(tmp_path_factory):
-    """{layout: (path, transformers model)} for both Granite layouts."""
-    made = {}
-    for layout in FAMILIES:
-        path = tmp_path_factory.mktemp(layout)
-        made[layout] = (path, write_checkpoint(layout, path))
-    return made
+def granite(checkpoints):
+    """{layout: (path, transformers model)} for both Granite layouts: the session's (tests/checkpoints.py)."""
+    return {layout: checkpoints[layout] for layout in FAMILIES}
 
 
 def config_of(path) -> dict:
@@ -151,75 +145,6 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 
 def load(path, dtype: str = "float32"):
     return load_checkpoint(path, dtype, "cpu", show_progress=False)[0]
-
-
-def llm(path, **opts) -> LLM:
-    return LLM(model=str(path), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.02, **opts)
-
-
-@pytest.mark.parametrize("layout", FAMILIES)
-def test_prefill_logits_match_transformers(granite, layout):
-    path, hf = granite[layout]
-    ids = prompt(150)  # crosses the 16-token SSD chunks many times
-    assert (prefill(load(path), ids) - hf_logits(hf, ids)).abs().max().item() < MODEL_TOL
-
-
-@pytest.mark.parametrize("layout", FAMILIES)
-def test_chunked_prefill_equals_one_pass(granite, layout):
-    model = load(granite[layout][0])
-    ids = prompt(150, seed=2)
-    whole = prefill(model, ids)
-    for cuts in ([1], [15, 16, 17], [3, 4, 5, 100, 149], list(range(7, 150, 29))):
-        assert (prefill(model, ids, cuts) - whole).abs().max().item() < MODEL_TOL, cuts
-
-
-@pytest.mark.parametrize("layout", FAMILIES)
-def test_greedy_generation_matches_transformers(granite, layout):
-    path, hf = granite[layout]
-    ids = prompt(40, seed=3)
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = llm(path).generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == expected[0, len(ids):].tolist()
-
-
-@pytest.mark.parametrize("layout", FAMILIES)
-def test_request_decoded_in_batch_equals_decoded_alone(granite, layout):
-    engine = llm(granite[layout][0], max_num_batched_tokens=64)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
-    prompts = [prompt(n, seed=10 + n) for n in (5, 33, 70, 12)]
-    together = engine.generate(prompts, params)
-    for p, batched in zip(prompts, together, strict=True):
-        alone = engine.generate(p, params)[0]
-        assert batched.token_ids == alone.token_ids
-        assert max(abs(a - b) for a, b in zip(batched.logprobs, alone.logprobs, strict=True)) < MODEL_TOL
-
-
-@pytest.mark.parametrize("layout", FAMILIES)
-def test_state_copied_at_p_resumes_in_another_slot_exactly(granite, layout):
-    """Copy the working slot at p; let the original run on; restore the copy into a fresh slot with the KV
-    pages of [0, p) and continue: the logits equal those of never stopping at p (bitwise, same chunks)."""
-    model = load(granite[layout][0])
-    ids, p = prompt(90, seed=4), 37
-    kv, states = pools(model, num_pages=128, page_size=4)
-    never_stopped = prefill(model, ids, cuts=[p], kv=kv, states=states)
-
-    snapshots = states.like(states, 2, "cpu")
-    slot_a, table_a = states.alloc(), kv.allocator.alloc(-(-len(ids) // 4))
-    prefill(model, ids[:p], kv=kv, states=states, slot=slot_a, page_table=table_a)
-    states.copy_to(slot_a, snapshots, 0)
-    prefill(model, ids + prompt(20, seed=5), kv=kv, states=states, slot=slot_a,
-            page_table=table_a + kv.allocator.alloc(5), start=p)  # the original slot runs on
-
-    slot_b = states.alloc()
-    snapshots.copy_to(0, states, slot_b)
-    shared, partial = table_a[: p // 4], table_a[p // 4]
-    cow = kv.allocator.alloc(1)[0]
-    kv.copy_page(partial, cow)  # positions [36, 37) of the partly filled page
-    table_b = shared + [cow] + kv.allocator.alloc(-(-len(ids) // 4) - len(shared) - 1)
-    resumed = prefill(model, ids, kv=kv, states=states, slot=slot_b, page_table=table_b, start=p)
-    assert torch.equal(resumed, never_stopped[p:])
 
 
 def test_sharded_untied_and_tied_checkpoints_load(granite):

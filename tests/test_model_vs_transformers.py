@@ -1,7 +1,7 @@
 """cairn's models against transformers on the same tiny random checkpoints (fp32).
 
-Each family and on-disk layout: one-pass prefill logits, prefill chunked at arbitrary points, greedy
-generation, batched decode, and resuming from a copied recurrent state.
+Each family and on-disk layout of tests/checkpoints.py FAMILIES: one-pass prefill logits, prefill chunked
+at arbitrary points, greedy generation, batched decode, and resuming from a copied recurrent state.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from cairn.layers import recurrent
 from cairn.model.loader import load_checkpoint
 from cairn.sampling import SamplingParams
 from tests.checkpoints import FAMILIES
+from tests.granite_checkpoint import FAMILIES as GRANITE
 from tests.harness import pools, prefill
 
 TOL = 1e-4
@@ -43,7 +44,7 @@ def test_chunked_prefill_equals_one_pass(checkpoints, family):
     model, _ = load_checkpoint(path, "float32", "cpu", show_progress=False)
     ids = prompt(150, seed=2)
     whole = prefill(model, ids)
-    for cuts in ([1], [17, 64, 65], [3, 4, 5, 100, 149], list(range(7, 150, 29))):
+    for cuts in ([1], [15, 16, 17, 64, 65], [3, 4, 5, 100, 149], list(range(7, 150, 29))):  # 16: SSD chunks
         assert (prefill(model, ids, cuts) - whole).abs().max().item() < TOL, cuts
 
 
@@ -66,15 +67,15 @@ def test_greedy_generation_matches_transformers(checkpoints, family):
         expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = expected[0, len(ids):].tolist()
-    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.02)
     out = llm.generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == expected
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "falcon_h1", *GRANITE])  # tens of seconds each
 def test_request_decoded_in_batch_equals_decoded_alone(checkpoints, family):
     path, _ = checkpoints[family]
-    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
+    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.02,
               max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
     prompts = [prompt(n, seed=10 + n) for n in (5, 33, 70, 12)]
@@ -85,7 +86,7 @@ def test_request_decoded_in_batch_equals_decoded_alone(checkpoints, family):
         assert max(abs(a - b) for a, b in zip(batched.logprobs, alone.logprobs, strict=True)) < TOL
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_state_copied_at_p_resumes_in_another_slot_exactly(checkpoints, family):
     """Copy the working slot at p; let the original run on; restore the copy into a fresh slot with the KV
     pages of [0, p) and continue: the logits equal those of never stopping at p (bitwise, same chunks)."""

@@ -16,17 +16,9 @@ from cairn.cache.tree.nodes import REMOTE
 from cairn.engine import LLM
 from cairn.sampling import SamplingParams
 from tests.harness import G, run, same_as_cold
-from tests.redis_server import redis_or_skip
 from tests.test_remote_tier import CONVERSATION, OPTS, remote, replica, served_on_a
 
 STREAM = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture
-def redis_server():
-    server = redis_or_skip()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

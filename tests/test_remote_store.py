@@ -20,18 +20,10 @@ from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.remote.tier import RemoteTier
 from cairn.cache.tiers.tier_set import TieredSnapshot
 from cairn.cache.tree.nodes import DEVICE, REMOTE, Node, SnapshotEntry
-from tests.redis_server import redis_or_skip
 from tests.server_process import free_port
 
 NS = "ab" * 32
 PAGE = 4
-
-
-@pytest.fixture
-def redis_server():
-    server = redis_or_skip()
-    yield server
-    server.stop()
 
 
 def make_store(url, **kw) -> RedisSegmentStore:

@@ -14,17 +14,10 @@ import pytest
 from cairn.cache.tree.nodes import REMOTE
 from cairn.engine import LLM
 from tests.harness import run, same_as_cold
-from tests.redis_server import cluster_or_skip, redis_or_skip
+from tests.redis_server import cluster_or_skip
 
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
 CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
-
-
-@pytest.fixture
-def redis_server():
-    server = redis_or_skip()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

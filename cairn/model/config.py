@@ -241,3 +241,16 @@ def eos_ids(text: dict[str, Any]) -> tuple[int, ...]:
     """`eos_token_id` (an int, a list or absent) as a tuple."""
     eos = text.get("eos_token_id")
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def default_rope_theta(raw: dict[str, Any]) -> float:
+    """rope_theta from `rope_parameters` / `rope_scaling` or the flat key, for families whose rotary covers the
+    whole head with default rope only: any other rope type or parameter is refused naming it."""
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"config.json: rope_type={rope_type!r} is not implemented by cairn (only 'default')")
+    for key in params:
+        if key not in ("rope_type", "type", "rope_theta"):
+            raise ConfigError(f"config.json: rope_parameters.{key} is not implemented by cairn")
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))

@@ -98,7 +98,7 @@ from cairn.layers.mamba2 import Mamba2Mixer
 from cairn.layers.mlp import SwiGLU
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
-from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, eos_ids
+from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, default_rope_theta, eos_ids
 from cairn.model.hybrid import HybridModel, ParallelAttentionMamba2, Target, swiglu_targets
 from cairn.ops import Kernels
 
@@ -155,7 +155,7 @@ def parse_config(raw: dict[str, Any]) -> FalconH1Config:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), tie_word_embeddings=bool(raw.get("tie_word_embeddings")),
         max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
         num_attention_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
-        rope_theta=_rope_theta(raw), rotary_dim=head_dim, attention_gated=False,
+        rope_theta=default_rope_theta(raw), rotary_dim=head_dim, attention_gated=False,
         attention_bias=bool(raw.get("attention_bias", False)), mamba=_mamba_shape(raw, hidden),
         intermediate_size=int(raw["intermediate_size"]), zero_centred_norms=False,
         embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
@@ -195,18 +195,6 @@ def _floats(values: Any, key: str, count: int) -> tuple[float, ...]:
     if not isinstance(values, (list, tuple)) or len(values) != count:
         raise ConfigError(f"config.json: {key} must be a list of {count} numbers, not {values!r}")
     return tuple(float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v) for v in values)
-
-
-def _rope_theta(raw: dict[str, Any]) -> float:
-    """rope_theta from `rope_parameters` or the flat key; rotary covers the whole head, default rope only."""
-    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"config.json: rope_type={rope_type!r} is not implemented by cairn (only 'default')")
-    for key in params:
-        if key not in ("rope_type", "type", "rope_theta"):
-            raise ConfigError(f"config.json: rope_parameters.{key} is not implemented by cairn")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
 
 class KeyScaledAttention(Attention):
@@ -286,16 +274,10 @@ class FalconH1ForCausalLM(HybridModel):
         m = re.fullmatch(r"(self_attn|mamba)\.(.+)", rest)
         if m:  # attention and Mamba2 parameters carry the checkpoint's own names
             param = ("mixer.attention." if m.group(1) == "self_attn" else "mixer.mamba.") + m.group(2)
-            return [Target(param)] if _has_parameter(self, f"layers.{layer}.{param}") else None
+            return [Target(param)] if self.has_parameter(f"layers.{layer}.{param}") else None
         return None
 
 
-def _has_parameter(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_parameter(name)
-    except AttributeError:
-        return False
-    return True
 
 
 MODEL_CLASS = FalconH1ForCausalLM

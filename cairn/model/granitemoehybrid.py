@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cairn.layers.mlp import SwiGLU
-from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, eos_ids
+from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, default_rope_theta, eos_ids
 from cairn.model.hybrid import HybridModel, Target
 
 MODEL_TYPES = ("granitemoehybrid",)
@@ -177,14 +177,7 @@ def _rope_theta(raw: dict[str, Any]) -> float | None:
                           f"(supported: {POSITION_EMBEDDINGS})")
     if position != "rope":
         return None
-    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"config.json: rope_type={rope_type!r} is not implemented by cairn (only 'default')")
-    for key in params:
-        if key not in ("rope_type", "type", "rope_theta"):
-            raise ConfigError(f"config.json: rope_parameters.{key} is not implemented by cairn")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    return default_rope_theta(raw)
 
 
 def _dt_limit(raw: dict[str, Any]) -> tuple[float, float]:
@@ -283,20 +276,12 @@ class GraniteMoeHybridForCausalLM(HybridModel):
     def layer_targets(self, layer: int, rest: str) -> list[Target] | None:
         module, _, name = rest.partition(".")
         if module == "mamba" and self.cfg.layer_types[layer] == "mamba2" and name in _MAMBA_TENSORS:
-            return [Target(f"mixer.{name}")] if self._has_parameter(f"layers.{layer}.mixer.{name}") else None
+            return [Target(f"mixer.{name}")] if self.has_parameter(f"layers.{layer}.mixer.{name}") else None
         if module == "self_attn" and self.cfg.layer_types[layer] == "full_attention" and name in _ATTENTION_TENSORS:
             return [Target(f"mixer.{name}")]
         if rest.startswith("block_sparse_moe.") and self.cfg.ffn_types[layer] != "moe":
             return None
         return self.norm_targets(rest) or ffn_targets(rest)
-
-    def _has_parameter(self, name: str) -> bool:
-        """False for a bias the config says the layer does not have (the tensor then has no place)."""
-        try:
-            self.get_parameter(name)
-        except AttributeError:
-            return False
-        return True
 
 
 MODEL_CLASS = GraniteMoeHybridForCausalLM

@@ -180,6 +180,14 @@ class HybridModel(nn.Module):
         return (self.norm_targets(rest) or self.attention_targets(rest)
                 or self.linear_targets(rest) or self.mlp_targets(layer, rest))
 
+    def has_parameter(self, name: str) -> bool:
+        """False for a tensor the config says the model does not have (an absent bias: it then has no place)."""
+        try:
+            self.get_parameter(name)
+        except AttributeError:
+            return False
+        return True
+
     @staticmethod
     def norm_targets(rest: str) -> list[Target] | None:
         names = {"input_layernorm.weight": "input_norm.weight", "post_attention_layernorm.weight": "post_norm.weight"}

@@ -182,15 +182,8 @@ class NemotronHForCausalLM(HybridModel):
         if not rest.startswith("mixer."):
             return None
         if has_mixer:  # Mamba2 and attention parameters carry the checkpoint's own names
-            return [Target(rest)] if self._has_parameter(f"layers.{layer}.{rest}") else None
+            return [Target(rest)] if self.has_parameter(f"layers.{layer}.{rest}") else None
         return _ffn_targets(rest[len("mixer."):])
-
-    def _has_parameter(self, name: str) -> bool:
-        try:
-            self.get_parameter(name)
-        except AttributeError:
-            return False
-        return True
 
 
 _MOE_NAMES = {
