@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import platform
 import statistics
@@ -29,26 +30,23 @@ from pathlib import Path
 
 import torch
 
-from cairn.bench.checkpoint import SIZES
+from cairn.bench.checkpoint import SIZES, hf_config
 from cairn.cache.disk.namespace import ReadBuffer
-from cairn.layers.gated_deltanet import GatedDeltaNetSpec
 from cairn.memory.state_pool import StatePool
-from cairn.memory.state_spec import LayerState, StateSpec
+from cairn.memory.state_spec import StateSpec
+from cairn.model.families import config_from_hf
 
 DIGEST = "ab" * 32
 REPO = Path(__file__).resolve().parents[1]
 
 
 def size_spec(size: str) -> tuple[StateSpec, int, int]:
-    """(state spec, KV bytes per token, vocabulary) of a named checkpoint size (Qwen3.5: 3 of 4 layers linear)."""
-    d = SIZES[size]
-    gdn = GatedDeltaNetSpec(d["hidden_size"], d["linear_num_key_heads"], d["linear_num_value_heads"],
-                            d["linear_key_head_dim"], d["linear_value_head_dim"], 4, 1e-6)
-    layers = d["num_hidden_layers"]
-    linear = [i for i in range(layers) if (i + 1) % 4]
-    kv_token_bytes = 2 * (layers - len(linear)) * d["num_key_value_heads"] * d["head_dim"] * 4
-    return StateSpec(tuple(LayerState(i, gdn.state_entries(torch.float32)) for i in linear)), kv_token_bytes, \
-        d["vocab_size"]
+    """(state spec, KV bytes per token, vocabulary) of a named checkpoint size, from the config cairn parses."""
+    with tempfile.TemporaryDirectory() as tmp:  # the config.json a checkpoint of this size has
+        hf_config(size).save_pretrained(tmp)
+        cfg = config_from_hf(json.loads((Path(tmp) / "config.json").read_text()))
+    kv_token_bytes = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * 4
+    return cfg.state_spec(torch.float32), kv_token_bytes, cfg.vocab_size
 
 
 def disk_package(rev: str, into: Path) -> str:
