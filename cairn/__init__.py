@@ -12,10 +12,14 @@ __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
 
 
 def __getattr__(name):
-    if name in ("LLM", "Engine"):
-        from cairn import engine
+    if name == "LLM":
+        from cairn.llm import LLM
 
-        return getattr(engine, name)
+        return LLM
+    if name == "Engine":
+        from cairn.engine import Engine
+
+        return Engine
     if name == "SamplingParams":
         from cairn.sampling import SamplingParams
 

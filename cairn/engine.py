@@ -1,6 +1,6 @@
 """Engine: model, memory pools, scheduler, prefix cache and runner behind add_request / step / abort.
 
-The engine is single-threaded: one caller drives `step()` (the offline `LLM` below, or the server's
+The engine is single-threaded: one caller drives `step()` (the offline `LLM` in cairn/llm.py, or the server's
 engine thread). Each step schedules a batch, runs it, has the scheduler apply it, samples, and returns
 a RequestOutput for every request that produced text or finished: what the step added (its token, text
 and logprobs), never the whole answer again, so a step's output does not grow with the answer's
@@ -42,7 +42,7 @@ from cairn.model.layout import apply_layout, quantize
 from cairn.model.loader import load_checkpoint
 from cairn.ops import select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
-from cairn.outputs import Completion, Detokenizer, RequestOutput, accumulate
+from cairn.outputs import Detokenizer, RequestOutput
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
 from cairn.sampling import Sampled, SamplingParams, generation_defaults, sample_isolated
@@ -433,53 +433,3 @@ class Engine:
         if not self.scheduler.has_work and self.states.num_free != self.states.num_slots:
             raise AssertionError("an idle engine holds working state slots")
 
-
-class LLM:
-    """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
-
-    `model=None` is the built-in demo model. Keyword arguments override fields of the option groups
-    of EngineConfig (e.g. `kv_cache_gib=2`, `page_size=32`, `max_num_seqs=8`).
-    """
-
-    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides):
-        from cairn.config import config_with_overrides
-
-        self.engine = Engine(config_with_overrides(config or EngineConfig(), model=model, **overrides))
-        self.tokenizer = self.engine.tokenizer
-
-    def generate(self, prompts: str | list[int] | list, params: SamplingParams | None = None) -> list[Completion]:
-        """Outputs in prompt order (with n > 1, the n choices of each prompt in index order).
-        `prompts`: one prompt or a list of strings / token-id lists."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        ids = [self.engine.add_request(p, params or SamplingParams()) for p in prompts]
-        return self._run(ids)
-
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[Completion]:
-        """One output per conversation (a list of {"role", "content"} messages)."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        ids = [self.engine.add_request(None, params or SamplingParams(), messages=m) for m in conversations]
-        return self._run(ids)
-
-    def close(self) -> None:
-        self.engine.close()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _run(self, ids: list[str]) -> list[Completion]:
-        """The finished answers of these requests: in request order, each request's choices by index."""
-        done: dict[tuple[str, int], Completion] = {}
-        remaining = set(ids)
-        while remaining:
-            for out in self.engine.step():
-                accumulate(done, out)
-                if out.request_finished:
-                    remaining.discard(out.request_id)
-        order = {request_id: i for i, request_id in enumerate(ids)}
-        finished = [c for c in done.values() if c.finished and c.request_id in order]
-        return sorted(finished, key=lambda c: (order[c.request_id], c.index))

@@ -12,7 +12,7 @@ import pytest
 from cairn.bench.conversation import Reply, WorkloadSizes
 from cairn.bench.text import TextSource
 from cairn.bench.workloads import all_workloads
-from cairn.engine import LLM
+from cairn.llm import LLM
 from cairn.sampling import SamplingParams
 from cairn.tokenizer import ByteTokenizer
 from tests.server_process import openai_client, start_server

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cairn.engine import LLM
+from cairn.llm import LLM
 from cairn.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)

@@ -9,7 +9,7 @@ import pytest
 
 import cairn.engine
 from cairn.choices import ChoiceGroups
-from cairn.engine import LLM
+from cairn.llm import LLM
 from cairn.sampling import SamplingParams
 from cairn.sequence import Sequence, Status
 

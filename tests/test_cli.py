@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cairn.cli import COMMANDS, build_parser, config_from_args
-from cairn.engine import LLM
+from cairn.llm import LLM
 from cairn.sampling import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -6,8 +6,9 @@ import pytest
 
 from cairn.cache.base import Admission, CacheRequest, NullCache
 from cairn.config import EngineConfig
-from cairn.engine import LLM, Engine
+from cairn.engine import Engine
 from cairn.errors import RequestTooLarge
+from cairn.llm import LLM
 from cairn.outputs import RequestOutput, accumulate
 from cairn.sampling import SamplingParams
 

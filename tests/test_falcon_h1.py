@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from cairn.engine import LLM
 from cairn.layers.mamba2 import Mamba2Mixer, Mamba2Spec
+from cairn.llm import LLM
 from cairn.model.config import ConfigError
 from cairn.model.families import config_from_hf
 from cairn.model.loader import load_checkpoint

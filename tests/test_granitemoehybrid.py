@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cairn.engine import LLM
+from cairn.llm import LLM
 from cairn.model.config import ConfigError, Mamba2Shape
 from cairn.model.families import config_from_hf
 from cairn.model.granitemoehybrid import GraniteMoE, SharedMLP, ffn_targets

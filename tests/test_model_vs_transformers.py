@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cairn.engine import LLM
 from cairn.layers import recurrent
+from cairn.llm import LLM
 from cairn.model.loader import load_checkpoint
 from cairn.sampling import SamplingParams
 from tests.checkpoints import FAMILIES

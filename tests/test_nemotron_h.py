@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cairn.bench.cli import BenchOptions, bench
-from cairn.engine import LLM
+from cairn.llm import LLM
 from cairn.model.config import ConfigError
 from cairn.model.families import config_from_hf
 from cairn.model.loader import load_checkpoint

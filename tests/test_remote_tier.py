@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from cairn.cache.tree.nodes import REMOTE
-from cairn.engine import LLM
+from cairn.llm import LLM
 from tests.harness import run, same_as_cold
 from tests.redis_server import cluster_or_skip
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cairn.engine import LLM
 from cairn.errors import SamplingError
+from cairn.llm import LLM
 from cairn.logits import RowContext, process_rows
 from cairn.sampling import SamplingParams, _filter_rows, generation_defaults, sample
 

@@ -9,7 +9,7 @@ import torch
 
 from cairn import sizing
 from cairn.config import GIB, EngineConfig, config_with_overrides
-from cairn.engine import LLM
+from cairn.llm import LLM
 from cairn.sizing import CHECKPOINT_DEFAULTS, DEMO_DEFAULTS, default_host_gib, resolve_sizes
 
 CPU = torch.device("cpu")

@@ -9,9 +9,9 @@ import jsonschema
 import pytest
 import torch
 
-from cairn.engine import LLM
 from cairn.errors import SamplingError
 from cairn.grammar import GrammarCompiler, allowed_masks
+from cairn.llm import LLM
 from cairn.sampling import SamplingParams, StructuredOutput
 from cairn.tokenizer import HFTokenizer
 from tests.checkpoints import write_tokenizer

@@ -13,7 +13,7 @@ import torch
 
 from cairn.cache.disk.segment import Segment
 from cairn.cache.tree.nodes import Node
-from cairn.engine import LLM
+from cairn.llm import LLM
 from cairn.outputs import accumulate
 from tests.harness import G, run, same_as_cold, same_state, slot_copy, state_pool
 

@@ -1,0 +1,61 @@
+"""LLM: the offline facade over one Engine: add requests, step until they finish, return whole answers.
+
+What this is not: the engine (cairn/engine.py drives the model, scheduler and cache step by step) or
+the server (cairn/server/ streams the same RequestOutputs over HTTP).
+"""
+
+from __future__ import annotations
+
+from cairn.config import EngineConfig, config_with_overrides
+from cairn.engine import Engine
+from cairn.outputs import Completion, accumulate
+from cairn.sampling import SamplingParams
+
+
+class LLM:
+    """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+    `model=None` is the built-in demo model. Keyword arguments override fields of the option groups
+    of EngineConfig (e.g. `kv_cache_gib=2`, `page_size=32`, `max_num_seqs=8`).
+    """
+
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides):
+        self.engine = Engine(config_with_overrides(config or EngineConfig(), model=model, **overrides))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list, params: SamplingParams | None = None) -> list[Completion]:
+        """Outputs in prompt order (with n > 1, the n choices of each prompt in index order).
+        `prompts`: one prompt or a list of strings / token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.engine.add_request(p, params or SamplingParams()) for p in prompts]
+        return self._run(ids)
+
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[Completion]:
+        """One output per conversation (a list of {"role", "content"} messages)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        ids = [self.engine.add_request(None, params or SamplingParams(), messages=m) for m in conversations]
+        return self._run(ids)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _run(self, ids: list[str]) -> list[Completion]:
+        """The finished answers of these requests: in request order, each request's choices by index."""
+        done: dict[tuple[str, int], Completion] = {}
+        remaining = set(ids)
+        while remaining:
+            for out in self.engine.step():
+                accumulate(done, out)
+                if out.request_finished:
+                    remaining.discard(out.request_id)
+        order = {request_id: i for i, request_id in enumerate(ids)}
+        finished = [c for c in done.values() if c.finished and c.request_id in order]
+        return sorted(finished, key=lambda c: (order[c.request_id], c.index))
