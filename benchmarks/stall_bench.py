@@ -9,8 +9,14 @@ For each round: start one streamed /v1/completions request (ignore_eos, many tok
 that much text, or with `--big-kind completion` a text prompt) and wait for its answer (a 400: it
 is over the context; what matters is what the engine thread does meanwhile). Reports the stream's
 median inter-token gap before the big request, the largest gap while it was in flight, and their
-ratio (the target: at most 2). With several --repo values the servers are measured alternately,
-round by round, so that a noisy machine affects each the same way. Asserts nothing.
+ratio (the target: at most 2), and as a control the largest gap in the CONTROL_S just before the big
+request was sent (the stream alone: what the machine's noise does without any big request). Every
+token is an event of the stream (return_token_ids), so that a gap is a step's lateness, not text the
+detokenizer held back. The sender opens its connection before the window starts, so that only the
+sending is inside it; with `--sender-idle` it runs as SCHED_IDLE, on CPU nothing else wants, as a
+client on another machine would (the kernel's work moving the bytes still counts). With several
+--repo values the servers are measured alternately, round by round, so that a noisy machine affects
+each the same way. Asserts nothing.
 
 With `--cpu`, no stream runs: each round sends the big request alone and reports the CPU time each
 thread of the server process spent meanwhile (from /proc/<pid>/task/<tid>/schedstat: CPU time, not
@@ -38,6 +44,7 @@ from pathlib import Path
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+CONTROL_S = 0.5  # the control window: the stream alone, just before the big request is sent
 FLAGS = ("--kv-cache-gib", "0.05", "--state-cache-gib", "0.05", "--max-request-bytes", str(64 << 20),
          "--log-level", "WARNING")
 
@@ -45,6 +52,7 @@ FLAGS = ("--kv-cache-gib", "0.05", "--state-cache-gib", "0.05", "--max-request-b
 @dataclass
 class Round:
     normal_gap_s: float  # median inter-token gap before the big request
+    control_gap_s: float  # largest gap in the CONTROL_S just before the big request (nothing else sent): the noise
     max_gap_s: float  # largest gap between two tokens while the big request was in flight
     big_s: float  # the big request's response time
     big_status: int
@@ -78,7 +86,7 @@ def start(repo: Path) -> tuple[subprocess.Popen, str]:
 
 
 def stream_times(url: str, times: list[float], stop: threading.Event) -> None:
-    body = {"prompt": "a story", "max_tokens": 20000, "stream": True, "ignore_eos": True}
+    body = {"prompt": "a story", "max_tokens": 20000, "stream": True, "ignore_eos": True, "return_token_ids": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -88,25 +96,31 @@ def stream_times(url: str, times: list[float], stop: threading.Event) -> None:
 
 
 SEND_BIG = """
-import json, sys, time, httpx
-url, mib, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+import json, os, sys, time, httpx
+url, mib, kind, idle = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "idle"
+if idle:  # it runs only on a core nothing else wants: as if the client were another machine
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 text = "word " * ((mib << 20) // 5)
 if kind == "chat":
     path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
 else:
     path, body = "/v1/completions", {"prompt": text, "max_tokens": 1}
 data = json.dumps(body).encode()
+client = httpx.Client(timeout=600)  # (its TLS context takes tens of ms of CPU to build)
+client.get(url + "/health")  # the connection is open and kept: the window holds the sending alone
 print("ready", flush=True)
 sys.stdin.readline()  # built before the measured window starts: only the sending is inside it
 t0 = time.monotonic()
-r = httpx.post(url + path, content=data, headers={"content-type": "application/json"}, timeout=600)
+r = client.post(url + path, content=data, headers={"content-type": "application/json"})
 print(r.status_code, time.monotonic() - t0)
 """
 
 
-def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
+def one_round(url: str, mib: int, kind: str, warmup_tokens: int, sender_idle: bool) -> Round:
     """The big request is sent by another process, so that building and sending it does not slow
-    down this process's reading of the stream; it is built before the measured window starts."""
+    down this process's reading of the stream; it is built, and its connection opened, before the
+    measured window starts. Every token is an event of the stream (return_token_ids), so a gap is
+    time without a step's output, not a character the detokenizer held back."""
     times: list[float] = []
     stop = threading.Event()
     thread = threading.Thread(target=stream_times, args=(url, times, stop), daemon=True)
@@ -116,10 +130,12 @@ def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the stream did not start")
         time.sleep(0.01)
-    sender = subprocess.Popen([sys.executable, "-c", SEND_BIG, url, str(mib), kind], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    sender = subprocess.Popen([sys.executable, "-c", SEND_BIG, url, str(mib), kind, "idle" if sender_idle else "-"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if sender.stdout.readline().strip() != "ready":
         raise RuntimeError("the sender did not start")
+    control_t0 = time.monotonic()
+    time.sleep(CONTROL_S)
     t0 = time.monotonic()
     out, _ = sender.communicate("go\n")
     t1 = time.monotonic()
@@ -128,9 +144,13 @@ def one_round(url: str, mib: int, kind: str, warmup_tokens: int) -> Round:
     stop.set()
     thread.join(30)
     before = [t for t in times if t < t0]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b >= t0 and a <= t1 + 0.1]
     normal = statistics.median(b - a for a, b in zip(before[5:], before[6:], strict=False))
-    return Round(normal, max(gaps), float(big_s), int(status))
+    return Round(normal, max_gap(times, control_t0, t0), max_gap(times, t0, t1 + 0.1), float(big_s), int(status))
+
+
+def max_gap(times: list[float], start: float, end: float) -> float:
+    """The largest gap between two consecutive tokens of which one falls within [start, end]."""
+    return max(b - a for a, b in zip(times, times[1:], strict=False) if b >= start and a <= end)
 
 
 @dataclass
@@ -189,6 +209,9 @@ def main() -> int:
     p.add_argument("--big-kind", choices=("chat", "completion"), default="chat")
     p.add_argument("--warmup-tokens", type=int, default=40)
     p.add_argument("--cpu", action="store_true", help="CPU per server thread for the big request alone (a chat)")
+    p.add_argument("--sender-idle", action="store_true",
+                   help="send the big request from a SCHED_IDLE process: its CPU then competes with nothing, as "
+                        "if the client were another machine (the kernel's work receiving it still counts)")
     ns = p.parse_args()
     repos = [repo.resolve() for repo in ns.repo or [REPO_ROOT]]
     servers = {repo: start(repo) for repo in repos}
@@ -198,22 +221,24 @@ def main() -> int:
             return cpu_main(servers, ns.rounds, ns.big_mib) or 0
         for _ in range(ns.rounds):
             for repo, (_, url) in servers.items():
-                results[repo].append(one_round(url, ns.big_mib, ns.big_kind, ns.warmup_tokens))
+                results[repo].append(one_round(url, ns.big_mib, ns.big_kind, ns.warmup_tokens, ns.sender_idle))
                 print(f"{repo}: {results[repo][-1]}", file=sys.stderr, flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
-    print(f"| checkout | normal gap (ms) | largest gap while a {ns.big_mib} MiB {ns.big_kind} request is in flight "
-          "(ms) | ratio | big request (s, status) |")
-    print("|---|---|---|---|---|")
+    print(f"| checkout | normal gap (ms) | largest gap, {CONTROL_S:g} s alone before (ms) | largest gap while a "
+          f"{ns.big_mib} MiB {ns.big_kind} request is in flight (ms) | ratio | big request (s, status) |")
+    print("|---|---|---|---|---|---|")
     for repo, rounds in results.items():
         for r in rounds:
-            print(f"| {repo.name} | {r.normal_gap_s * 1e3:.1f} | {r.max_gap_s * 1e3:.1f} | {r.ratio:.1f} | "
-                  f"{r.big_s:.2f}, {r.big_status} |")
+            print(f"| {repo.name} | {r.normal_gap_s * 1e3:.1f} | {r.control_gap_s * 1e3:.1f} | "
+                  f"{r.max_gap_s * 1e3:.1f} | {r.ratio:.1f} | {r.big_s:.2f}, {r.big_status} |")
     for repo, rounds in results.items():
         print(f"\n{repo.name}: median ratio {statistics.median(r.ratio for r in rounds):.1f}, "
-              f"largest gap median {statistics.median(r.max_gap_s for r in rounds) * 1e3:.1f} ms")
+              f"largest gap median {statistics.median(r.max_gap_s for r in rounds) * 1e3:.1f} ms, "
+              f"control median {statistics.median(r.control_gap_s for r in rounds) * 1e3:.1f} ms "
+              f"(ratio {statistics.median(r.control_gap_s / r.normal_gap_s for r in rounds):.1f})")
     print(f"\nCPU: {os.cpu_count()} cores; command: python benchmarks/stall_bench.py "
           + " ".join(sys.argv[1:]))
     return 0

@@ -44,7 +44,7 @@ from cairn.server.generate import ServingContext
 from cairn.server.metrics import EngineStats, ServerMetrics
 from cairn.server.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, RequestId, current_request_id
 from cairn.server.offload import Offload
-from cairn.server.options import ServerOptions
+from cairn.server.options import MIB, ServerOptions
 from cairn.server.prepare import invalid_json, parse_body, prepare
 from cairn.server.protocol import DetokenizeRequest, TokenizeRequest
 
@@ -231,7 +231,8 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
 def add_middlewares(app: FastAPI, options: ServerOptions, metrics: ServerMetrics) -> None:
     """From the outside in: request counter (counts every answer, 401s and 413s included), CORS (answers
     preflights), X-Request-Id, API key, body limits (so an unauthorized body is never read), the app."""
-    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes, timeout_s=options.body_timeout_s)
+    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes, timeout_s=options.body_timeout_s,
+                       max_bytes_per_s=options.body_read_mib_per_s * MIB)
     if options.api_key:
         public = ("/health", "/metrics") if options.metrics_public else ("/health",)
         app.add_middleware(APIKeyAuth, api_key=options.api_key, public_paths=public)

@@ -4,7 +4,8 @@
 client sends one, else by counting while reading (chunked bodies); a body that takes longer than
 `timeout_s` to arrive gets a 408. It buffers the accepted body and replays it to the app in the chunks
 it arrived in (never joined: a copy of megabytes would hold the interpreter lock the engine thread
-needs), then hands later `receive` calls (the disconnect) through untouched.
+needs), then hands later `receive` calls (the disconnect) through untouched. Past its first
+PACE_AFTER_BYTES, a body is read no faster than `max_bytes_per_s` (see `_pace`).
 
 `APIKeyAuth` answers 401 to a request without `Authorization: Bearer <key>`, except on public paths.
 
@@ -37,6 +38,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("cairn_request_id", default=None)
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 MAX_REQUEST_ID_CHARS = 64  # of a client's X-Request-Id, as used in ids and logs
+PACE_AFTER_BYTES = 256 << 10  # a body's first bytes, read at full speed (every body up to this size)
 
 
 def current_request_id() -> str | None:
@@ -63,10 +65,11 @@ def _too_slow(timeout_s: float) -> APIError:
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 0.0):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 0.0, max_bytes_per_s: float = 0.0):
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s  # 0: no deadline
+        self.max_bytes_per_s = max_bytes_per_s  # past PACE_AFTER_BYTES, the fastest a body is read; 0: no limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,6 +98,7 @@ class BodySizeLimit:
     async def _read_body(self, receive: Receive) -> list[bytes] | None:
         """The whole body as its chunks, or None as soon as it passes max_bytes."""
         chunks, size = [], 0
+        start_s = asyncio.get_running_loop().time()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -107,7 +111,25 @@ class BodySizeLimit:
                 chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+            await self._pace(size, start_s)
         return chunks
+
+    async def _pace(self, size: int, start_s: float) -> None:
+        """Sleep while the body read so far is ahead of max_bytes_per_s (its first PACE_AFTER_BYTES free).
+
+        Receiving a body costs the event loop CPU in pieces (uvicorn reads 256 KiB at a time and copies
+        each twice), holding the interpreter lock the engine thread takes back after every torch op. Over
+        loopback or a fast link, megabytes arrive back to back: the loop then runs without a pause and
+        the engine's steps around it take 2-3 times as long. While the loop sleeps here, uvicorn stops
+        reading the socket (its flow control pauses above 64 KiB not taken by the app), so the client
+        waits on TCP and the cost is spread over time. At 128 MiB/s a 20 MiB body takes 160 ms more at
+        most; a client sending slower than the limit (most networks) never waits.
+        """
+        if self.max_bytes_per_s <= 0 or size <= PACE_AFTER_BYTES:
+            return
+        ahead_s = (size - PACE_AFTER_BYTES) / self.max_bytes_per_s - (asyncio.get_running_loop().time() - start_s)
+        if ahead_s > 0:
+            await asyncio.sleep(ahead_s)
 
 
 class RequestCounter:

@@ -29,6 +29,9 @@ class ServerOptions:
     header_timeout_s: float = _f(10.0, "seconds a client may take to send a request's line and headers; then 408 "
                                        "and the connection is closed (0: no limit)")
     body_timeout_s: float = _f(60.0, "seconds a client may take to send a request body; then 408 (0: no limit)")
+    body_read_mib_per_s: float = _f(128.0, "past its first 256 KiB, read a request body at most this fast (MiB/s), "
+                                           "so that receiving a huge one does not slow the running streams (0: no "
+                                           "limit)")
     max_connections: int = _f(1024, "open connections allowed at once; one more gets 503 and is closed (0: no cap)")
     api_key: str | None = field(default=None, repr=False, metadata={  # (a secret: kept out of repr)
         "help": "require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise); the "
@@ -51,6 +54,8 @@ class ServerOptions:
             raise ValueError("shutdown_timeout_s must be >= 0")
         if self.header_timeout_s < 0 or self.body_timeout_s < 0:
             raise ValueError("header_timeout_s and body_timeout_s must be >= 0")
+        if self.body_read_mib_per_s < 0:
+            raise ValueError("body_read_mib_per_s must be >= 0")
         if self.max_connections < 0:
             raise ValueError("max_connections must be >= 0")
         if self.api_key is not None and not self.api_key.strip():
