@@ -3,14 +3,15 @@
 
     python benchmarks/stall_bench.py                          # this checkout, 3 rounds
     python benchmarks/stall_bench.py --repo /tmp/cairn-before  # also an older checkout, alternating
+    python benchmarks/stall_bench.py --out benchmarks/out/stall_bench.json  # the rounds as JSON too
 
 For each round: start one streamed /v1/completions request (ignore_eos, many tokens), let it run
 `--warmup-tokens` tokens, then send one `--big-mib` MiB request (a chat whose one message holds
 that much text, or with `--big-kind completion` a text prompt) and wait for its answer (a 400: it
 is over the context; what matters is what the engine thread does meanwhile). Reports the stream's
 median inter-token gap before the big request, the largest gap while it was in flight, and their
-ratio (the target: at most 2), and as a control the largest gap in the CONTROL_S just before the big
-request was sent (the stream alone: what the machine's noise does without any big request). Every
+ratio (the target: at most 2), and as a control the largest gap in an equal window just before the
+big request was sent (the stream alone: the gaps the machine makes without any big request). Every
 token is an event of the stream (return_token_ids), so that a gap is a step's lateness, not text the
 detokenizer held back. The sender opens its connection before the window starts, so that only the
 sending is inside it; with `--sender-idle` it runs as SCHED_IDLE, on CPU nothing else wants, as a
@@ -38,13 +39,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONTROL_S = 0.5  # the control window: the stream alone, just before the big request is sent
+CONTROL_S = 1.0  # the control window: the stream alone, just before the big request is sent
 FLAGS = ("--kv-cache-gib", "0.05", "--state-cache-gib", "0.05", "--max-request-bytes", str(64 << 20),
          "--log-level", "WARNING")
 
@@ -52,7 +53,8 @@ FLAGS = ("--kv-cache-gib", "0.05", "--state-cache-gib", "0.05", "--max-request-b
 @dataclass
 class Round:
     normal_gap_s: float  # median inter-token gap before the big request
-    control_gap_s: float  # largest gap in the CONTROL_S just before the big request (nothing else sent): the noise
+    control_gap_s: float  # largest gap just before the big request (nothing else sent), in a window as long as the
+    #   measured one (at most CONTROL_S): what the stream's gaps are without a big request
     max_gap_s: float  # largest gap between two tokens while the big request was in flight
     big_s: float  # the big request's response time
     big_status: int
@@ -145,6 +147,7 @@ def one_round(url: str, mib: int, kind: str, warmup_tokens: int, sender_idle: bo
     thread.join(30)
     before = [t for t in times if t < t0]
     normal = statistics.median(b - a for a, b in zip(before[5:], before[6:], strict=False))
+    control_t0 = max(control_t0, t0 - (t1 + 0.1 - t0))  # as long as the measured window (when it is shorter)
     return Round(normal, max_gap(times, control_t0, t0), max_gap(times, t0, t1 + 0.1), float(big_s), int(status))
 
 
@@ -209,6 +212,7 @@ def main() -> int:
     p.add_argument("--big-kind", choices=("chat", "completion"), default="chat")
     p.add_argument("--warmup-tokens", type=int, default=40)
     p.add_argument("--cpu", action="store_true", help="CPU per server thread for the big request alone (a chat)")
+    p.add_argument("--out", type=Path, help="write the rounds as JSON here")
     p.add_argument("--sender-idle", action="store_true",
                    help="send the big request from a SCHED_IDLE process: its CPU then competes with nothing, as "
                         "if the client were another machine (the kernel's work receiving it still counts)")
@@ -227,7 +231,7 @@ def main() -> int:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
-    print(f"| checkout | normal gap (ms) | largest gap, {CONTROL_S:g} s alone before (ms) | largest gap while a "
+    print(f"| checkout | normal gap (ms) | largest gap, same window alone before (ms) | largest gap while a "
           f"{ns.big_mib} MiB {ns.big_kind} request is in flight (ms) | ratio | big request (s, status) |")
     print("|---|---|---|---|---|---|")
     for repo, rounds in results.items():
@@ -241,6 +245,11 @@ def main() -> int:
               f"(ratio {statistics.median(r.control_gap_s / r.normal_gap_s for r in rounds):.1f})")
     print(f"\nCPU: {os.cpu_count()} cores; command: python benchmarks/stall_bench.py "
           + " ".join(sys.argv[1:]))
+    if ns.out:
+        ns.out.parent.mkdir(parents=True, exist_ok=True)
+        ns.out.write_text(json.dumps({"command": sys.argv, "cpu_count": os.cpu_count(), "sender_idle": ns.sender_idle,
+                                      "rounds": {str(repo): [asdict(r) for r in rounds]
+                                                 for repo, rounds in results.items()}}, indent=2))
     return 0
 
 
