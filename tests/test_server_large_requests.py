@@ -58,6 +58,23 @@ def answer(r: httpx.Response) -> dict:
     return {k: v for k, v in r.json().items() if k not in ("id", "created", "usage")}
 
 
+def wait_dead(pids: list[int], timeout_s: float = 60.0) -> None:
+    """Until every process in `pids` has died (a zombie or gone): on a busy machine a SIGKILLed process
+    may not be scheduled to die for a while, and a job given to it meanwhile fails (not what is tested)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for pid in pids:
+            try:
+                states.append(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                states.append("gone")
+        if all(state in ("Z", "X", "gone") for state in states):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"killed request workers {pids} still alive after {timeout_s}s")
+
+
 def request_workers(server_pid: int) -> list[int]:
     """The server's request worker processes (its multiprocessing children that run spawn_main)."""
     pids = []
@@ -118,7 +135,7 @@ def test_killed_request_worker_is_replaced_and_the_server_keeps_serving(server, 
     assert workers, "no request worker process found"
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
-    time.sleep(0.5)
+    wait_dead(workers)
     assert answer(post(http, "/v1/chat/completions", padded(CHAT))) == expected
     assert set(request_workers(server.proc.pid)).isdisjoint(workers)
     assert "died while idle" in server.log()
