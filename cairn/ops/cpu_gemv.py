@@ -20,13 +20,11 @@ reason, and the caller stays with F.linear (`reference_gemv`, the same signature
 
 from __future__ import annotations
 
-import logging
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
 NAME = "cairn_cpu_gemv"
@@ -206,9 +204,6 @@ def isa_for(cpu_flags: set[str]) -> str | None:
     return None
 
 
-_loaded: dict[tuple, GemvKernel | str] = {}
-
-
 def load(cpu_flags: set[str], isa: str | None = None, build_dir: str | None = None) -> GemvKernel | str:
     """The kernel for this CPU (built on first use, then cached), or a one-line reason why not.
 
@@ -221,12 +216,10 @@ def load(cpu_flags: set[str], isa: str | None = None, build_dir: str | None = No
     wanted = isa or best
     if best is None or (wanted == "avx512_bf16" and best != wanted):
         return f"the CPU lacks {wanted or 'AVX2 + FMA'}"
-    key = (build_dir, wanted)
-    if key not in _loaded:
-        _loaded[key] = _build(build_dir, wanted)
-    return _loaded[key]
+    return _build(build_dir, wanted)
 
 
+@functools.cache  # one build (or one failure) per directory and path, per process
 def _build(build_dir: str | None, isa: str) -> GemvKernel | str:
     try:
         from torch.utils.cpp_extension import load_inline
