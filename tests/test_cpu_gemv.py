@@ -1,7 +1,7 @@
 """cairn's bf16 gemv kernel (cairn/ops/cpu_gemv.py) and the gemv weight layout built on it.
 
-The kernel is compared with its reference (F.linear) and an fp64 product on random shapes, odd sizes included, on
-each instruction path this CPU has; the layout with the plain one on a tiny checkpoint; the fallback
+The kernel is compared with its reference (F.linear) and an fp64 product on random shapes, odd
+sizes included, on each instruction path this CPU has; the layout with the plain one on a tiny checkpoint; the fallback
 to plain is forced (a CPU without the instructions, a compiler that does not exist).
 """
 
