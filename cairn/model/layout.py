@@ -23,9 +23,8 @@ otherwise (fp32: MKL's gemv already streams at memory speed; fp16; CUDA; the ker
 which measured no faster than F.linear where it could be measured, runs only when asked for); the
 choice, and why gemv was not taken, is logged in one line. Measured (BENCHMARKS.md, gemv_bench.py):
 on AVX512-BF16 the kernel streams the 0.8B model's weights at batch 1 faster than F.linear and the
-packed layout. The
-packed layout was slower than plain at batch 1 and 4 on a quiet 2-core Xeon with AMX (7.1 against
-9.2 tok/s at batch 1) and stays a choice (`--weight-layout packed`).
+packed layout. The packed layout was slower than plain at batch 1 and 4 on a quiet 2-core Xeon with
+AMX (7.1 against 9.2 tok/s at batch 1) and stays a choice (`--weight-layout packed`).
 
 Quantization changes the model's numbers, so it is applied before the prefix cache digests the
 weights (a disk cache of the float model is not resumed by the int8 one); the layouts keep the
