@@ -1,14 +1,14 @@
 """Decode speed against the memory bandwidth, and against transformers on the same weights, in one run.
 
 Per dtype and batch size: cairn's decode tokens/s (aggregate over the batch) for each weight layout
-asked for (plain, packed, int8), the weight bytes one decode step reads, the weight-read bandwidth
-that achieves (bytes x steps/s), the machine's memory bandwidth measured in the same run (a plain
-`sum` over a large fp32 tensor, best of its runs), their ratio, and transformers' `generate` on the
-same weights in the same dtype. Models are built as in engine_throughput.py (random weights,
-Qwen3.5-0.8B dimensions with the vocabulary cut to 32k).
+asked for (plain, packed, gemv: cairn's own bf16 gemv kernel, int8), the weight bytes one decode step
+reads, the weight-read bandwidth that achieves (bytes x steps/s), the machine's memory bandwidth
+measured in the same run (a plain `sum` over a large fp32 tensor, best of its runs), their ratio,
+and transformers' `generate` on the same weights in the same dtype. Models are built as in
+engine_throughput.py (random weights, Qwen3.5-0.8B dimensions with the vocabulary cut to 32k).
 
     PYTHONPATH=. python benchmarks/decode_bench.py --out benchmarks/out/decode_bench.json
-    PYTHONPATH=. python benchmarks/decode_bench.py --dtypes bfloat16 --batches 1 --layouts packed,plain
+    PYTHONPATH=. python benchmarks/decode_bench.py --dtypes bfloat16 --batches 1 --layouts gemv,plain
 
 Points are measured side by side: each repeat runs every variant and transformers once, alternating,
 and the best of the repeats is kept (the CPU may be shared). A benchmark, not a test: asserts nothing.
@@ -65,7 +65,7 @@ def read_bandwidth_gbs(buf: torch.Tensor, repeats: int = 3) -> float:
 def variants(layouts: list[str]) -> dict[str, dict]:
     """Engine model options per layout name: plain / packed weight layouts, int8 weight-only quantization."""
     table = {"auto": {}, "plain": {"weight_layout": "plain"}, "packed": {"weight_layout": "packed"},
-             "int8": {"quantization": "int8"}}
+             "gemv": {"weight_layout": "gemv"}, "int8": {"quantization": "int8"}}
     return {name: table[name] for name in layouts}
 
 
@@ -126,31 +126,43 @@ def run_dtype(path: Path, hf, dtype: str, args, buf: torch.Tensor) -> list[dict]
     return rows
 
 
-def compile_check(batches: list[int], repeats: int = 5) -> list[dict]:
-    """The recurrent step (18 layers at the 0.8B shape) eager against torch.compile, side by side."""
+def compile_pieces(batch: int) -> dict[str, tuple]:
+    """name -> (function, calls of it per decode step of the 0.8B model, its arguments at `batch`)."""
+    from cairn.layers.norm import GatedRMSNorm, RMSNorm
     from cairn.ops.gdn import recurrent_gated_delta_rule
 
-    t0 = time.perf_counter()
-    compiled = torch.compile(recurrent_gated_delta_rule, dynamic=True)
+    gen = torch.Generator().manual_seed(batch)
+    state = torch.randn(batch, 16, 128, 128, generator=gen) * 0.01
+    q, k, v = (torch.randn(batch, 16, 128, generator=gen).bfloat16() for _ in range(3))
+    g, beta = -torch.rand(batch, 16, generator=gen), torch.rand(batch, 16, generator=gen).bfloat16()
+    norm, gated = RMSNorm(1024, 1e-6).bfloat16(), GatedRMSNorm(128, 1e-6).bfloat16()
+    x, o, z = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((batch, 1024), (batch, 16, 128),
+                                                                             (batch, 16, 128)))
+    return {"recurrent step": (recurrent_gated_delta_rule, 18, (q, k, v, g, beta, state)),
+            "RMSNorm (layer, final)": (norm.forward, 49, (x,)), "gated RMSNorm (GDN)": (gated.forward, 18, (o, z))}
+
+
+def compile_check(batches: list[int], repeats: int = 5) -> list[dict]:
+    """Pieces of a decode step eager against torch.compile (dynamic shapes), side by side, per step."""
     rows = []
     for batch in batches:
-        gen = torch.Generator().manual_seed(batch)
-        states = [torch.randn(batch, 16, 128, 128, generator=gen) * 0.01 for _ in range(18)]
-        q, k, v = (torch.randn(batch, 16, 128, generator=gen).bfloat16() for _ in range(3))
-        g, beta = -torch.rand(batch, 16, generator=gen), torch.rand(batch, 16, generator=gen).bfloat16()
-        compiled(q, k, v, g, beta, states[0].clone())
-        compile_s, times = time.perf_counter() - t0, {"eager": 0.0, "compiled": 0.0}
-        for _ in range(repeats):
-            for name, fn in (("eager", recurrent_gated_delta_rule), ("compiled", compiled)):
-                t = time.perf_counter()
-                for state in states:
-                    fn(q, k, v, g, beta, state)
-                times[name] += (time.perf_counter() - t) / repeats
-        rows.append({"batch": batch, "first_call_s": compile_s, "eager_ms": 1e3 * times["eager"],
-                     "compiled_ms": 1e3 * times["compiled"]})
-        print(f"  recurrent step b{batch}: eager {1e3 * times['eager']:.1f} ms, torch.compile "
-              f"{1e3 * times['compiled']:.1f} ms per 18 layers (compiled in {compile_s:.0f} s)", flush=True)
-        t0 = time.perf_counter()
+        for name, (fn, calls, args) in compile_pieces(batch).items():
+            compiled = torch.compile(fn, dynamic=True)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                compiled(*args)
+                compile_s, times = time.perf_counter() - t0, {"eager": [], "compiled": []}
+                for _ in range(repeats):
+                    for side, f in (("eager", fn), ("compiled", compiled)):
+                        t = time.perf_counter()
+                        for _ in range(calls):
+                            f(*args)
+                        times[side].append(time.perf_counter() - t)
+            eager_ms, compiled_ms = (1e3 * min(times[side]) for side in ("eager", "compiled"))
+            rows.append({"piece": name, "batch": batch, "calls_per_step": calls, "first_call_s": compile_s,
+                         "eager_ms": eager_ms, "compiled_ms": compiled_ms})
+            print(f"  {name} b{batch}: eager {eager_ms:.2f} ms, torch.compile {compiled_ms:.2f} ms per step "
+                  f"({calls} calls; first call {compile_s:.0f} s)", flush=True)
     return rows
 
 
@@ -179,8 +191,8 @@ def main() -> None:
     ap.add_argument("--size", default="0.8b", help="model size from engine_throughput.py: tiny or 0.8b")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,4,16", type=lambda s: [int(b) for b in s.split(",")])
-    ap.add_argument("--layouts", default="plain,packed,int8",
-                    help="cairn variants: plain, packed, int8 (quantized) or auto; unsupported ones are skipped")
+    ap.add_argument("--layouts", default="plain,packed,gemv,int8",
+                    help="cairn variants: plain, packed, gemv, int8 (quantized) or auto; unsupported ones are skipped")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     ap.add_argument("--new-tokens", type=int, default=16, help="decode tokens timed per request")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -190,7 +202,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the tensor read for the bandwidth")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--compile-check", action="store_true",
-                    help="only time the recurrent step eager against torch.compile (dynamic shapes)")
+                    help="only time pieces of a decode step (recurrent step, norms) eager against torch.compile")
     ap.add_argument("--out", default=None, help="write the rows and the machine as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

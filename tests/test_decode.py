@@ -131,14 +131,24 @@ def test_packed_bf16_layout_gives_the_plain_logits(checkpoints):
 
 def test_auto_layout_is_chosen_per_machine_and_logged(caplog):
     cpu = torch.device("cpu")
-    assert layout.choose_layout("auto", torch.float32, cpu) == "plain"
-    assert layout.choose_layout("auto", torch.bfloat16, cpu) == "plain"  # packed measured slower when quiet
-    assert layout.choose_layout("auto", torch.bfloat16, torch.device("cuda")) == "plain"
+    assert layout.choose_layout("auto", torch.float32, cpu)[0] == "plain"
+    # bf16: cairn's gemv kernel where the CPU has AVX512-BF16 and it builds, plain elsewhere
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"avx512_bf16", "avx512bw"})[0] in (
+        "gemv", "plain")
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"avx2", "fma"})[0] == "plain"
+    assert layout.choose_layout("auto", torch.bfloat16, torch.device("cuda"))[0] == "plain"
     with pytest.raises(ValueError, match="packed needs"):
         layout.choose_layout("packed", torch.float32, cpu)
     with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
         LLM(dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
     assert any("weight layout: plain" in r.getMessage() for r in caplog.records)
+    if "avx512_bf16" in layout._cpu_flags():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
+            llm = LLM(dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+        assert llm.engine.weight_layout == "gemv"
+        assert any("weight layout: gemv" in r.getMessage() and "avx512_bf16 gemv" in r.getMessage()
+                   for r in caplog.records)
 
 
 def _scattered(pool: torch.Tensor, pages: list[int], at: list[int]) -> torch.Tensor:

@@ -10,20 +10,25 @@ provided the matmul kernel streams the weights at that speed. The layouts:
   emits for frozen bf16 linears). A bf16 `F.linear` hands oneDNN the [out, in] weight as it lies and
   oneDNN re-blocks it inside every call; packed, the call only streams it. One packed weight serves
   every batch size (prefill included).
+- gemv: the weight as loaded, multiplied by cairn's own bf16 gemv kernel (cairn/ops/cpu_gemv.py:
+  AVX512-BF16, or AVX2 + FMA) up to `GemvLinear.DIRECT_ROWS` rows, by F.linear above (prefill keeps
+  the matmul and the same weight tensor: no second copy). Each output of the kernel is a fixed-order
+  sum over its own row, so a token gets the same outputs in a decode batch of any size.
 - int8 (`--quantization int8`): weight-only, symmetric, one scale per output channel, multiplied
   with `torch._weight_int8pack_mm` (half the bytes of bf16) up to `Int8Linear.DIRECT_ROWS` rows;
   larger batches (prefill) convert the int8 weight to the activation dtype and scale the output.
 
-`auto` picks plain, and the choice is logged: on a quiet 2-core Xeon with AMX (two torch threads,
-0.8B dimensions, bf16) packed decoded slower than plain (7.1 against 9.2 tok/s at batch 1, 26.4
-against 36.9 at batch 4; BENCHMARKS.md), although it was 1.9x faster than plain in one-thread runs
-on the same machine under heavy load. Not a thread clash: oneDNN runs on ATen's OpenMP pool, the
-packed weight is not re-blocked per call at 1, 4 or 16 rows, and alone at two threads it streamed
-at 90% of a plain read (BENCHMARKS.md, decode_profile section). Packed stays a choice
-(`--weight-layout packed`) until a quiet side-by-side run of the engine settles the difference.
-Quantization changes the model's numbers, so it is applied before the prefix
-cache digests the weights (a disk cache of the float model is not resumed by the int8 one); packing
-does not, and is applied after.
+`auto` picks gemv for bf16 weights on a CPU with AVX512-BF16 where the kernel builds, and plain
+otherwise (fp32: MKL's gemv already streams at memory speed; fp16; CUDA; the kernel's AVX2 path,
+which measured no faster than F.linear where it could be measured, runs only when asked for); the
+choice, and why gemv was not taken, is logged in one line. Measured (BENCHMARKS.md, gemv_bench.py):
+on AVX512-BF16 the kernel streams the 0.8B model's weights at batch 1 faster than F.linear and the
+packed layout. The packed layout was slower than plain at batch 1 and 4 on a quiet 2-core Xeon with
+AMX (7.1 against 9.2 tok/s at batch 1) and stays a choice (`--weight-layout packed`).
+
+Quantization changes the model's numbers, so it is applied before the prefix cache digests the
+weights (a disk cache of the float model is not resumed by the int8 one); the layouts keep the
+weights (their products differ from plain within bf16 rounding), and are applied after.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from cairn.model.config import ModelConfig
+from cairn.ops import cpu_gemv
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("auto", "plain", "packed")
+LAYOUTS = ("auto", "plain", "packed", "gemv")
 QUANTIZATIONS = ("none", "int8")
 
 
@@ -62,6 +68,30 @@ class PackedLinear(nn.Module):
             return x.new_empty(*x.shape[:-1], self.out_features)
         y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, None, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class GemvLinear(nn.Module):
+    """y = x W^T: cairn's gemv kernel up to DIRECT_ROWS rows (decode), F.linear above; W as loaded, no bias."""
+
+    # Up to this many rows the kernel streams the weight once for all of them (its fp32 dot products
+    # stay under the memory time on AVX512-BF16 up to about 8 rows at two threads); above, a GEMM.
+    DIRECT_ROWS = 8
+
+    def __init__(self, weight: nn.Parameter, kernel: cpu_gemv.GemvKernel):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if not weight.is_contiguous():
+            weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        self.weight = weight  # the very parameter (a tied lm_head stays tied to the embedding)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > self.DIRECT_ROWS:
+            return F.linear(x, self.weight)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return self.kernel(rows, self.weight).view(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear(nn.Module):
@@ -122,26 +152,56 @@ def quantize(model: nn.Module, cfg: ModelConfig, method: str, device: torch.devi
     log.info("weights: %d linear layers quantized to int8 (weight-only, per output channel)", n)
 
 
-def choose_layout(requested: str, dtype: torch.dtype, device: torch.device) -> str:
-    """`auto` -> plain (see the module docstring); packed only when asked, on a CPU whose oneDNN has it."""
+def choose_layout(requested: str, dtype: torch.dtype, device: torch.device, cpu_flags: set[str] | None = None,
+                  build_dir: str | None = None) -> tuple[str, cpu_gemv.GemvKernel | None, str]:
+    """(layout, the gemv kernel when chosen, why gemv was not chosen: "" when it was or was not a candidate).
+
+    `auto` -> gemv for bf16 on an AVX512-BF16 CPU where the kernel loads, else plain (module docstring);
+    packed only when asked, on a CPU whose oneDNN has it. A gemv that cannot load (no compiler, a CPU
+    without the instructions) falls back to plain, asked for or not. `cpu_flags` / `build_dir` are for
+    tests that force the fallback (None: /proc/cpuinfo, torch's extensions directory).
+    """
     if requested not in LAYOUTS:
         raise ValueError(f"--weight-layout {requested}: unknown (choose from {', '.join(LAYOUTS)})")
-    supported = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
-        (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()))
-    if requested == "packed" and not supported:
-        raise ValueError(f"--weight-layout packed needs bf16 / fp16 weights on a CPU with oneDNN support "
-                         f"(here {dtype} on {device.type})")
-    return "plain" if requested == "auto" else requested
+    if requested == "packed":
+        supported = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+            (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()))
+        if not supported:
+            raise ValueError(f"--weight-layout packed needs bf16 / fp16 weights on a CPU with oneDNN support "
+                             f"(here {dtype} on {device.type})")
+        return "packed", None, ""
+    gemv_fits = device.type == "cpu" and dtype == torch.bfloat16
+    if requested == "gemv" and not gemv_fits:
+        raise ValueError(f"--weight-layout gemv needs bf16 weights on a CPU (here {dtype} on {device.type})")
+    if requested == "plain" or not gemv_fits:
+        return "plain", None, ""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    if requested == "auto" and cpu_gemv.isa_for(flags) != "avx512_bf16":
+        return "plain", None, "the CPU lacks avx512_bf16 (its AVX2 path only when asked: --weight-layout gemv)"
+    kernel = cpu_gemv.load(flags, build_dir=build_dir)
+    if isinstance(kernel, str):
+        return "plain", None, kernel
+    return "gemv", kernel, ""
 
 
-def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device) -> str:
-    """Lay the remaining plain linears out as chosen; returns and logs the choice."""
-    layout = choose_layout(requested, dtype, device)
-    n = _replace(model, PackedLinear) if layout == "packed" else 0
-    cpu_flags = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f") if f in _cpu_flags())
-    log.info("weight layout: %s (%s, %s%s; --weight-layout %s)%s", layout, dtype, device.type,
-             f" with {cpu_flags}" if cpu_flags else "", requested, f", {n} linear layers packed" if n else "")
+def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device,
+                 cpu_flags: set[str] | None = None, build_dir: str | None = None) -> str:
+    """Lay the remaining plain linears out as chosen; returns the choice and logs it in one line."""
+    layout, kernel, not_gemv = choose_layout(requested, dtype, device, cpu_flags, build_dir)
+    n = 0
+    if layout == "packed":
+        n = _replace(model, PackedLinear)
+    elif layout == "gemv":
+        n = _replace(model, lambda w: GemvLinear(w, kernel))
+    flags = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in _cpu_flags())
+    done = {"packed": f", {n} linear layers packed",
+            "gemv": f", {n} linear layers on cairn's {kernel.isa if kernel else ''} gemv up to "
+                    f"{GemvLinear.DIRECT_ROWS} rows"}.get(layout, "")
+    why = f"; gemv kernel not used: {not_gemv}" if not_gemv else ""
+    (log.warning if not_gemv and requested == "gemv" else log.info)(
+        "weight layout: %s (%s, %s%s; --weight-layout %s)%s%s", layout, dtype, device.type,
+        f" with {flags}" if flags else "", requested, done, why)
     return layout
 
 

@@ -1,0 +1,234 @@
+"""A bf16 gemv for CPU decode: y = x W^T for a few rows x, streaming W once at memory speed.
+
+What it is: a small C++ kernel built on first use with torch.utils.cpp_extension.load_inline (cached
+by torch under its extensions directory, so a machine compiles it once). Per output row it keeps fp32
+accumulators and reads the row's weights once for every row of x (up to MAX_ROWS); its two
+instruction paths, chosen once when the library loads:
+
+- avx512_bf16: `_mm512_dpbf16_ps`, 32 bf16 products per instruction, four weight rows at a time;
+- avx2: bf16 widened to fp32 by a shift, `_mm256_fmadd_ps`, one weight row at a time.
+
+Rows of W are split between the torch threads (`at::parallel_for`, ATen's OpenMP pool). Each output is
+a fixed-order sum over its row alone, so it does not depend on how many rows x has, on the thread
+count or on the other rows: decode and a short prefill piece compute a token's outputs bit for bit
+alike. The result is rounded to bf16 once, like F.linear's (within bf16 rounding of it; tests compare).
+
+What it is not: a GEMM. Above MAX_ROWS rows the caller keeps F.linear (prefill). No bias. On a CPU
+without AVX2 + FMA, without a C++ compiler, or where the build fails, `load()` returns None with the
+reason, and the caller stays with F.linear (`reference_gemv`, the same signature).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
+NAME = "cairn_cpu_gemv"
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;
+
+// ---- AVX512-BF16: four weight rows at a time, up to four x rows per pass --------------------------
+template <int R, int M>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void tile_avx512(const uint16_t* w, int64_t k, const uint16_t* x, int64_t x_stride, float* out, int64_t out_stride) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t full = k / 32;
+  for (int64_t c = 0; c < full; ++c) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * x_stride + c * 32);
+    for (int r = 0; r < R; ++r) {
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * k + c * 32);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
+  }
+  if (k % 32) {
+    const __mmask32 mask = (__mmask32)((1ull << (k % 32)) - 1);
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * x_stride + full * 32);
+    for (int r = 0; r < R; ++r) {
+      __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * k + full * 32);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[m * out_stride + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// ---- AVX2 + FMA: one weight row at a time, bf16 widened to fp32 ------------------------------------
+__attribute__((target("avx2,fma")))
+inline __m256 widen8(const uint16_t* p) {
+  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+__attribute__((target("avx2,fma")))
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float widen1(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <int R, int M>
+__attribute__((target("avx2,fma")))
+void tile_avx2(const uint16_t* w, int64_t k, const uint16_t* x, int64_t x_stride, float* out, int64_t out_stride) {
+  static_assert(R == 1, "the AVX2 path takes one weight row at a time");
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const int64_t full = k / 8;
+  for (int64_t c = 0; c < full; ++c) {
+    __m256 wv = widen8(w + c * 8);
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wv, widen8(x + m * x_stride + c * 8), acc[m]);
+  }
+  for (int m = 0; m < M; ++m) {
+    float s = sum8(acc[m]);
+    for (int64_t i = full * 8; i < k; ++i) s += widen1(w[i]) * widen1(x[m * x_stride + i]);
+    out[m * out_stride] = s;
+  }
+}
+
+using Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+
+struct Path {
+  int rows;        // weight rows per tile
+  Tile tiles[5];   // by the number of x rows in a pass, 1..4
+  Tile single[5];  // one weight row (the remainder of n)
+};
+
+const Path kAvx512{4, {nullptr, tile_avx512<4, 1>, tile_avx512<4, 2>, tile_avx512<4, 3>, tile_avx512<4, 4>},
+                   {nullptr, tile_avx512<1, 1>, tile_avx512<1, 2>, tile_avx512<1, 3>, tile_avx512<1, 4>}};
+const Path kAvx2{1, {nullptr, tile_avx2<1, 1>, tile_avx2<1, 2>, tile_avx2<1, 3>, tile_avx2<1, 4>},
+                 {nullptr, tile_avx2<1, 1>, tile_avx2<1, 2>, tile_avx2<1, 3>, tile_avx2<1, 4>}};
+
+bool has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+const Path* path_for(const std::string& isa) {
+  if (isa == "avx512_bf16" && has_avx512_bf16()) return &kAvx512;
+  if (isa == "avx2" && has_avx2()) return &kAvx2;
+  return nullptr;
+}
+
+// One tile of weight rows [n0, n0 + rows) against every row of x: the first pass of four x rows
+// streams the weights from memory, the later passes find them in L1/L2.
+void run_tile(const Path& p, bool whole, const uint16_t* w, int64_t k, const uint16_t* x, int64_t x_stride,
+              int64_t m_rows, float* acc, int64_t acc_stride) {
+  for (int64_t m0 = 0; m0 < m_rows; m0 += 4) {
+    const int mm = int(std::min<int64_t>(4, m_rows - m0));
+    (whole ? p.tiles : p.single)[mm](w, k, x + m0 * x_stride, x_stride, acc + m0 * acc_stride, acc_stride);
+  }
+}
+
+}  // namespace
+
+std::string best_isa() { return has_avx512_bf16() ? "avx512_bf16" : has_avx2() ? "avx2" : ""; }
+
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, K] and w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv: bf16 only");
+  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "gemv: rows of x and w must be contiguous");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "gemv: at most ", kMaxRows, " rows of x");
+  const Path* p = path_for(isa);
+  TORCH_CHECK(p != nullptr, "gemv: this CPU lacks ", isa);
+  const int64_t m_rows = x.size(0), n = w.size(0), k = w.size(1), x_stride = x.stride(0);
+  auto y = torch::empty({m_rows, n}, x.options());
+  if (m_rows == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t tiles = (n + p->rows - 1) / p->rows;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, k * p->rows * 2));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    float acc[kMaxRows * 4];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * p->rows, rows = std::min<int64_t>(p->rows, n - n0);
+      if (rows == p->rows) {
+        run_tile(*p, true, wp + n0 * k, k, xp, x_stride, m_rows, acc, p->rows);
+      } else {
+        for (int64_t r = 0; r < rows; ++r)
+          run_tile(*p, false, wp + (n0 + r) * k, k, xp, x_stride, m_rows, acc + r, p->rows);
+      }
+      for (int64_t m = 0; m < m_rows; ++m)
+        for (int64_t r = 0; r < rows; ++r) yp[m * n + n0 + r] = c10::BFloat16(acc[m * p->rows + r]);
+    }
+  });
+  return y;
+}
+"""
+
+
+@dataclass(frozen=True)
+class GemvKernel:
+    """The loaded library and the instruction path it runs (`isa`: avx512_bf16 or avx2)."""
+
+    library: object
+    isa: str
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 (rows contiguous, M <= MAX_ROWS), weight [N, K] bf16 contiguous -> [M, N] bf16."""
+        return self.library.gemv(x, weight, self.isa)
+
+
+def reference_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in PyTorch: F.linear (fp32 accumulation, one bf16 rounding)."""
+    return F.linear(x, weight)
+
+
+def isa_for(cpu_flags: set[str]) -> str | None:
+    """The instruction path these /proc/cpuinfo flags allow: avx512_bf16, avx2, or None."""
+    if {"avx512_bf16", "avx512bw"} <= cpu_flags:
+        return "avx512_bf16"
+    if {"avx2", "fma"} <= cpu_flags:
+        return "avx2"
+    return None
+
+
+def load(cpu_flags: set[str], isa: str | None = None, build_dir: str | None = None) -> GemvKernel | str:
+    """The kernel for this CPU (built on first use, then cached), or a one-line reason why not.
+
+    `isa` forces a path (the benchmark compares them; None: the best the flags allow). `build_dir`:
+    where to build (None: torch's extensions directory; tests pass a fresh one to see a build fail).
+    Never raises: a CPU without the instructions, no compiler or a failed build all give the reason,
+    which the caller logs once.
+    """
+    best = isa_for(cpu_flags)
+    wanted = isa or best
+    if best is None or (wanted == "avx512_bf16" and best != wanted):
+        return f"the CPU lacks {wanted or 'AVX2 + FMA'}"
+    return _build(build_dir, wanted)
+
+
+@functools.cache  # one build (or one failure) per directory and path, per process
+def _build(build_dir: str | None, isa: str) -> GemvKernel | str:
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        library = load_inline(NAME, cpp_sources=_SOURCE, functions=["gemv", "best_isa"], build_directory=build_dir,
+                              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no headers, a failed build: F.linear it is
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        return f"building the kernel failed ({type(e).__name__}: {first[:200]})"
+    if not library.best_isa() or (isa == "avx512_bf16" and library.best_isa() != isa):
+        return f"the CPU lacks {isa}"
+    return GemvKernel(library, isa)

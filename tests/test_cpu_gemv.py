@@ -1,0 +1,123 @@
+"""cairn's bf16 gemv kernel (cairn/ops/cpu_gemv.py) and the gemv weight layout built on it.
+
+The kernel is compared with its reference (F.linear) and an fp64 product on random shapes, odd
+sizes included, on each instruction path this CPU has; the layout with the plain one on a tiny checkpoint; the fallback
+to plain is forced (a CPU without the instructions, a compiler that does not exist).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cairn.model import layout
+from cairn.model.layout import GemvLinear, decode_weight_bytes
+from cairn.model.loader import load_checkpoint
+from cairn.ops import cpu_gemv
+from tests.harness import prefill
+
+FLAGS = layout._cpu_flags()
+ISAS = {"avx512_bf16": ["avx512_bf16", "avx2"], "avx2": ["avx2"], None: []}[cpu_gemv.isa_for(FLAGS)]
+needs_kernel = pytest.mark.skipif(not ISAS, reason="the CPU has neither AVX512-BF16 nor AVX2 + FMA")
+
+
+def kernel(isa: str) -> cpu_gemv.GemvKernel:
+    k = cpu_gemv.load(FLAGS, isa)
+    if isinstance(k, str):
+        pytest.skip(f"gemv kernel unavailable here: {k}")
+    return k
+
+
+def within_bf16_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """|got - x w^T| within one bf16 rounding of the exact value plus fp32 accumulation over K terms."""
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    bound = 2.0 ** -8 * exact.abs() + x.shape[1] * 2.0 ** -23 * scale + 1e-30
+    return bool(((got.double() - exact).abs() <= bound).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 7), (5, 31), (37, 33), (130, 100), (64, 1030), (9, 64)])
+def test_gemv_equals_f_linear_within_bf16_rounding_on_odd_shapes(isa, n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    for m in (1, 2, 3, 4, 5, 8, 16):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        got, ref = kernel(isa)(x, w), cpu_gemv.reference_gemv(x, w)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert within_bf16_rounding(got, x, w) and within_bf16_rounding(ref, x, w)
+        # the two differ by at most one bf16 step of their magnitude (one rounding each)
+        assert ((got.float() - ref.float()).abs() <= 2.0 ** -7 * ref.float().abs() + 1e-3).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_gemv_row_outputs_do_not_depend_on_the_other_rows_or_the_threads(isa):
+    """A token's outputs are the same alone, in a batch of 16, at one thread or two, from a strided view."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(1000, 300, generator=gen).bfloat16()
+    x = torch.randn(16, 300, generator=gen).bfloat16()
+    k = kernel(isa)
+    whole = k(x, w)
+    for i in (0, 5, 15):
+        assert torch.equal(k(x[i:i + 1], w), whole[i:i + 1])
+    assert torch.equal(k(x[3:7], w), whole[3:7])
+    wide = torch.randn(16, 600, generator=gen).bfloat16()
+    wide[:, :300] = x
+    assert torch.equal(k(wide[:, :300], w), whole)  # rows with a stride of 600
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(k(x, w), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_gemv_layout_gives_the_plain_logits_and_keeps_the_weights(checkpoints):
+    path, _ = checkpoints["qwen3_next"]
+    plain, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
+    fast, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
+    before = {name: p.data_ptr() for name, p in fast.named_parameters()}
+    assert layout.apply_layout(fast, "gemv", torch.bfloat16, torch.device("cpu")) == "gemv"
+    assert any(isinstance(m, GemvLinear) for m in fast.modules())
+    assert {name: p.data_ptr() for name, p in fast.named_parameters()} == before  # the weights, not copies
+    assert decode_weight_bytes(fast) == decode_weight_bytes(plain)
+    prompt = [int(t) for t in torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))]
+    cuts = [30, 35, 36, 37, 38]  # a 30-token piece (F.linear), 5 rows, then single tokens (the kernel)
+    ref, got = prefill(plain, prompt, cuts), prefill(fast, prompt, cuts)
+    assert (got - ref).abs().max().item() < 0.02 * ref.std().item()
+
+
+def test_gemv_falls_back_to_plain_in_one_line_on_a_cpu_without_the_instructions(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False)).bfloat16()
+    with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
+        got = layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags={"sse2"})
+    assert got == "plain" and type(model[0]) is torch.nn.Linear
+    lines = [r for r in caplog.records if r.name == "cairn.model.layout"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "gemv kernel not used: the CPU lacks" in lines[0].getMessage()
+    assert layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"})[0] == "plain"
+
+
+@needs_kernel
+def test_gemv_falls_back_to_plain_in_one_line_without_a_compiler(caplog, monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False)).bfloat16()
+    with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
+        got = layout.apply_layout(model, "auto", torch.bfloat16, torch.device("cpu"), cpu_flags=FLAGS,
+                                  build_dir=str(tmp_path))
+    assert got == "plain" and type(model[0]) is torch.nn.Linear
+    lines = [r.getMessage() for r in caplog.records if r.name == "cairn.model.layout"]
+    assert len(lines) == 1 and "gemv kernel not used: building the kernel failed" in lines[0]
+    assert "\n" not in lines[0]
+
+
+def test_gemv_layout_is_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="gemv needs bf16"):
+        layout.choose_layout("gemv", torch.float32, torch.device("cpu"))
+    assert layout.choose_layout("auto", torch.float32, torch.device("cpu"))[0] == "plain"
+    assert layout.choose_layout("auto", torch.bfloat16, torch.device("cuda"))[0] == "plain"
