@@ -18,7 +18,7 @@ from cairn.model.loader import load_checkpoint
 from cairn.ops import cpu_gemv
 from tests.harness import prefill
 
-FLAGS = layout._cpu_flags()
+FLAGS = cpu_gemv.cpu_flags()
 ISAS = {"avx512_bf16": ["avx512_bf16", "avx2"], "avx2": ["avx2"], None: []}[cpu_gemv.isa_for(FLAGS)]
 needs_kernel = pytest.mark.skipif(not ISAS, reason="the CPU has neither AVX512-BF16 nor AVX2 + FMA")
 
@@ -121,3 +121,13 @@ def test_gemv_layout_is_refused_where_it_cannot_apply():
         layout.choose_layout("gemv", torch.float32, torch.device("cpu"))
     assert layout.choose_layout("auto", torch.float32, torch.device("cpu"))[0] == "plain"
     assert layout.choose_layout("auto", torch.bfloat16, torch.device("cuda"))[0] == "plain"
+
+
+def test_build_command_names_the_path_this_cpu_gets_or_why_none(capsys):
+    assert cpu_gemv.main(["--build"]) == 0
+    line = capsys.readouterr().out.strip()
+    got = cpu_gemv.load(FLAGS)
+    expected = got.isa if isinstance(got, cpu_gemv.GemvKernel) else f"none ({got})"
+    assert line == f"cairn gemv kernel: {expected}"
+    with pytest.raises(SystemExit):
+        cpu_gemv.main([])

@@ -16,6 +16,7 @@ from cairn.llm import LLM
 from cairn.model import layout
 from cairn.model.layout import Int8Linear, PackedLinear, QuantizationError, decode_weight_bytes, quantize
 from cairn.model.loader import load_checkpoint
+from cairn.ops import cpu_gemv
 from cairn.ops.gdn import l2norm, recurrent_gated_delta_rule
 from cairn.sampling import SamplingParams
 from tests.harness import prefill
@@ -142,7 +143,7 @@ def test_auto_layout_is_chosen_per_machine_and_logged(caplog):
     with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
         LLM(dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
     assert any("weight layout: plain" in r.getMessage() for r in caplog.records)
-    if "avx512_bf16" in layout._cpu_flags():
+    if "avx512_bf16" in cpu_gemv.cpu_flags():
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
             llm = LLM(dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)

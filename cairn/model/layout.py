@@ -176,7 +176,7 @@ def choose_layout(requested: str, dtype: torch.dtype, device: torch.device, cpu_
         raise ValueError(f"--weight-layout gemv needs bf16 weights on a CPU (here {dtype} on {device.type})")
     if requested == "plain" or not gemv_fits:
         return "plain", None, ""
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    flags = cpu_gemv.cpu_flags() if cpu_flags is None else cpu_flags
     if requested == "auto" and cpu_gemv.isa_for(flags) != "avx512_bf16":
         return "plain", None, "the CPU lacks avx512_bf16 (its AVX2 path only when asked: --weight-layout gemv)"
     kernel = cpu_gemv.load(flags, build_dir=build_dir)
@@ -194,7 +194,7 @@ def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: t
         n = _replace(model, PackedLinear)
     elif layout == "gemv":
         n = _replace(model, lambda w: GemvLinear(w, kernel))
-    flags = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in _cpu_flags())
+    flags = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in cpu_gemv.cpu_flags())
     done = {"packed": f", {n} linear layers packed",
             "gemv": f", {n} linear layers on cairn's {kernel.isa if kernel else ''} gemv up to "
                     f"{GemvLinear.DIRECT_ROWS} rows"}.get(layout, "")
@@ -215,14 +215,3 @@ def decode_weight_bytes(model: nn.Module) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()

@@ -195,6 +195,18 @@ def reference_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where there is no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def isa_for(cpu_flags: set[str]) -> str | None:
     """The instruction path these /proc/cpuinfo flags allow: avx512_bf16, avx2, or None."""
     if {"avx512_bf16", "avx512bw"} <= cpu_flags:
@@ -232,3 +244,21 @@ def _build(build_dir: str | None, isa: str) -> GemvKernel | str:
     if not library.best_isa() or (isa == "avx512_bf16" and library.best_isa() != isa):
         return f"the CPU lacks {isa}"
     return GemvKernel(library, isa)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cairn.ops.cpu_gemv --build`: build (or find in torch's cache) the kernel for this CPU
+    and say which path it got, or why none; scripts/setup runs it so that no server start compiles."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cairn.ops.cpu_gemv", description="Build cairn's CPU gemv kernel.")
+    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
+    parser.parse_args(argv)
+    kernel = load(cpu_flags())
+    got = kernel.isa if isinstance(kernel, GemvKernel) else f"none ({kernel})"
+    print(f"cairn gemv kernel: {got}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
