@@ -451,8 +451,9 @@ class HybridPrefixCache(PrefixCache):
         index = self.indexes.get(name)
         if index is None:
             return None
-        store = self.tiers.by_name[name].store
-        return DiskStats(store.used_bytes, len(store), dict(store.faults), dict(index.forgotten))
+        tier = self.tiers.by_name[name]
+        return DiskStats(tier.store.used_bytes, len(tier.store), dict(tier.store.faults), dict(index.forgotten),
+                         dict(tier.counters))
 
     # ---- probing (the router's question) ------------------------------------------------------------
 
