@@ -171,8 +171,6 @@ class HybridPrefixCache(PrefixCache):
             entry = node.snapshot
             if entry is None or (node.end == prompt_len and not entry.has_logits):
                 continue
-            if self.placement.align and node.end % self.placement.align:
-                continue  # exact resumption restarts only on a prefill block boundary
             handle: TieredSnapshot = entry.handle
             snap_tiers = self._usable(handle.copies, lambda key: key)
             if not snap_tiers:
@@ -413,9 +411,12 @@ class HybridPrefixCache(PrefixCache):
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()
+        align = self.placement.align
         for position, entry, _ in self.tree.iter_snapshots():
             if not entry.handle.copies:
                 raise AssertionError(f"the snapshot at {position} has no copy on any tier")
+            if align and position % align:  # placement aligns them; stored ones share the block (the digest)
+                raise AssertionError(f"the snapshot at {position} is off the prefill blocks of {align}")
         for tier in self._page_tiers():
             held = sum(e.handle.copies[tier.name].nbytes for _, e, _ in self.tree.iter_snapshots()
                        if tier.name in e.handle.copies)
