@@ -90,11 +90,6 @@ class HybridPrefixCache(PrefixCache):
                      "when a prompt misses, at most every %g s", tier.name, index.rescan_interval_s)
         return index
 
-    @property
-    def disk(self) -> DiskIndex | None:
-        """The disk tier's index (stats report it)."""
-        return self.indexes.get(DISK)
-
     # ---- admission --------------------------------------------------------------------------------
 
     def admit(self, req: CacheRequest) -> Admission | None:
