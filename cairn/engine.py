@@ -136,7 +136,6 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}  # by sequence id: every unfinished choice
         self.choices = ChoiceGroups()  # each request's choices (n > 1), and those held for the first's prefill
         self._ids = itertools.count()
-        self.num_steps = 0
 
     # ---- set-up -----------------------------------------------------------------------------------
 
@@ -287,7 +286,6 @@ class Engine:
             log.info("preempted %s (KV pool full); it will be recomputed", seq.request_id)
         if batch.empty:
             return []
-        self.num_steps += 1
         try:
             return self._run(batch)
         except Exception as e:

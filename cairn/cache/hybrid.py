@@ -90,11 +90,6 @@ class HybridPrefixCache(PrefixCache):
                      "when a prompt misses, at most every %g s", tier.name, index.rescan_interval_s)
         return index
 
-    @property
-    def disk(self) -> DiskIndex | None:
-        """The disk tier's index (stats report it)."""
-        return self.indexes.get(DISK)
-
     # ---- admission --------------------------------------------------------------------------------
 
     def admit(self, req: CacheRequest) -> Admission | None:
@@ -171,8 +166,6 @@ class HybridPrefixCache(PrefixCache):
             entry = node.snapshot
             if entry is None or (node.end == prompt_len and not entry.has_logits):
                 continue
-            if self.placement.align and node.end % self.placement.align:
-                continue  # exact resumption restarts only on a prefill block boundary
             handle: TieredSnapshot = entry.handle
             snap_tiers = self._usable(handle.copies, lambda key: key)
             if not snap_tiers:
@@ -413,9 +406,12 @@ class HybridPrefixCache(PrefixCache):
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()
+        align = self.placement.align
         for position, entry, _ in self.tree.iter_snapshots():
             if not entry.handle.copies:
                 raise AssertionError(f"the snapshot at {position} has no copy on any tier")
+            if align and position % align:  # placement aligns them; stored ones share the block (the digest)
+                raise AssertionError(f"the snapshot at {position} is off the prefill blocks of {align}")
         for tier in self._page_tiers():
             held = sum(e.handle.copies[tier.name].nbytes for _, e, _ in self.tree.iter_snapshots()
                        if tier.name in e.handle.copies)
@@ -451,8 +447,9 @@ class HybridPrefixCache(PrefixCache):
         index = self.indexes.get(name)
         if index is None:
             return None
-        store = self.tiers.by_name[name].store
-        return DiskStats(store.used_bytes, len(store), dict(store.faults), dict(index.forgotten))
+        tier = self.tiers.by_name[name]
+        return DiskStats(tier.store.used_bytes, len(tier.store), dict(tier.store.faults), dict(index.forgotten),
+                         dict(tier.counters))
 
     # ---- probing (the router's question) ------------------------------------------------------------
 

@@ -17,6 +17,11 @@ class DiskStats:
     num_segments: int  # gauge cairn_cache_num_disk_segments
     faults: dict[str, int] = field(default_factory=dict)  # counter cairn_cache_disk_faults_total{reason}
     forgotten: dict[str, int] = field(default_factory=dict)  # counter ..._disk_segments_forgotten_total{reason}
+    # counter cairn_cache_disk_operations_total{kind}: the tier's segments_written, write_failed (the store
+    # refused it), write_unreadable (the node's KV could not be read to write it), read_ok, read_bad,
+    # read_missing, orphan_segments (indexed at start-up without their parent: never resumable); the
+    # remote tier adds lookups and lookup_hits
+    operations: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,6 @@ class StatePool:
             raise AssertionError(f"free of slot {slot} that is not allocated")
         self._free.append(slot)
 
-    def is_free(self, slot: int) -> bool:
-        return slot in self._free
-
     def of_layer(self, layer: int) -> dict[str, torch.Tensor]:
         """Model layer `layer`'s state tensors by name, each a view [num_slots, *shape] into the pool."""
         return self._layers[layer]

@@ -110,10 +110,12 @@ CACHE_SERIES = (
     ("disk.num_segments", "num_disk_segments", None, True),
     ("disk.faults", "disk_faults", "reason", False),
     ("disk.forgotten", "disk_segments_forgotten", "reason", False),
+    ("disk.operations", "disk_operations", "kind", False),
     ("remote.used_bytes", "remote_used_bytes", None, True),
     ("remote.num_segments", "num_remote_segments", None, True),
     ("remote.faults", "remote_faults", "reason", False),
     ("remote.forgotten", "remote_segments_forgotten", "reason", False),
+    ("remote.operations", "remote_operations", "kind", False),
 )
 
 

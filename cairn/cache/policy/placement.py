@@ -51,6 +51,10 @@ class PlacementOptions:
     page_size: int = 16  # KV page size, for the "last_chunk" baseline's request-end rule
     align: int = 0  # exact resumption: snapshots only at multiples of this (and prompt ends); 0: anywhere
 
+    def __post_init__(self):
+        if self.policy not in POLICIES:  # refused when the cache is built, not at every request's admission
+            raise ValueError(f"unknown snapshot placement policy {self.policy!r}; known: {', '.join(POLICIES)}")
+
 
 @dataclass(frozen=True)
 class PlacementInput:
@@ -131,6 +135,4 @@ def _place_baseline(inp: PlacementInput, opts: PlacementOptions) -> dict[int, st
                 last = p
         if hi > lo:
             chosen[hi] = "prompt_end"
-    elif opts.policy != "none":
-        raise ValueError(f"unknown snapshot placement policy {opts.policy!r}; known: {POLICIES}")
-    return dict(sorted(chosen.items()))
+    return dict(sorted(chosen.items()))  # "none": no snapshots

@@ -1,0 +1,69 @@
+"""`cairn cache ls | verify | purge`: what the command refuses and what it prints, in-process through
+`cairn.cli.main` on a real disk cache directory (the happy path over a server's files: test_cli.py).
+
+A purge needs a namespace and never touches one a running store holds; a namespace id matching several
+namespaces is refused; a directory without namespaces verifies and lists as empty.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cairn.cache.disk.segment import Segment, segment_key
+from cairn.cache.disk.store import DiskStore
+from cairn.cli import main
+
+DIGEST = "ab" * 32
+SIBLING = "ab" * 8 + "cd" * 24  # shares its first 16 characters (the short id) with DIGEST
+
+
+def segment(i: int) -> Segment:
+    tokens = [i, i + 1, i + 2]
+    return Segment(segment_key(None, tokens), None, 0, tokens, bytes([i]) * 100, {"i": i})
+
+
+def filled(root, digest: str, num_segments: int = 2) -> None:
+    with DiskStore(root, digest, 1 << 20) as store:
+        for i in range(num_segments):
+            assert store.put(segment(i + 1))
+
+
+def cache_command(capsys, *args: str) -> tuple[int, str, str]:
+    status = main(["cache", *args])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_purge_without_a_namespace_is_refused_and_deletes_nothing(tmp_path, capsys):
+    filled(tmp_path, DIGEST)
+    status, _, err = cache_command(capsys, "purge", "--disk-cache", str(tmp_path))
+    assert status == 2 and "give --namespace" in err
+    assert len([n for n in os.listdir(tmp_path / DIGEST) if n.endswith(".seg")]) == 2
+
+
+def test_purge_of_a_namespace_a_running_store_holds_is_refused_and_deletes_nothing(tmp_path, capsys):
+    filled(tmp_path, DIGEST)
+    with DiskStore(tmp_path, DIGEST, 1 << 20) as live:  # a server using it holds its lock
+        status, _, err = cache_command(capsys, "purge", "--disk-cache", str(tmp_path), "--namespace", DIGEST[:16])
+        assert status == 1 and "in use by another process" in err
+        assert len(live) == 2 and all(live.get(k) is not None for k in live.keys())  # noqa: SIM118 (a store)
+    status, out, _ = cache_command(capsys, "purge", "--disk-cache", str(tmp_path), "--namespace", DIGEST[:16])
+    assert status == 0 and out.strip() == f"removed 2 segment file(s) of {DIGEST[:16]}"
+    assert not (tmp_path / DIGEST).exists()  # nothing of anyone else's was in it
+
+
+def test_a_namespace_id_matching_two_namespaces_is_refused(tmp_path, capsys):
+    filled(tmp_path, DIGEST)
+    filled(tmp_path, SIBLING, 1)
+    status, _, err = cache_command(capsys, "verify", "--disk-cache", str(tmp_path), "--namespace", DIGEST[:16])
+    assert status == 1 and "matches 2 namespaces" in err
+    status, out, _ = cache_command(capsys, "verify", "--disk-cache", str(tmp_path), "--namespace", DIGEST[:17])
+    assert status == 0 and out.strip() == f"{DIGEST[:16]}: 2 ok, 0 bad"
+
+
+def test_a_directory_without_namespaces_verifies_and_lists_as_empty(tmp_path, capsys):
+    (tmp_path / "not-a-namespace").mkdir()
+    status, out, _ = cache_command(capsys, "verify", "--disk-cache", str(tmp_path))
+    assert status == 0 and out.strip() == f"no disk cache namespace in {tmp_path}"
+    status, out, _ = cache_command(capsys, "ls", "--disk-cache", str(tmp_path))
+    assert status == 0 and out.splitlines()[-1] == "0 namespace(s), 0.00 MiB"
