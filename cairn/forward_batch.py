@@ -54,10 +54,6 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode
-
     def decode_slots(self) -> slice | torch.Tensor:
         """The decode sequences' state slots: a slice when they are consecutive and ascending (indexing the
         pool with it gives a view, updated in place), else the index tensor (a gathered copy)."""
