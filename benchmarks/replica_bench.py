@@ -229,6 +229,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and Redis on the way out
     setups = args.setups.split(",")
     unknown = set(setups) - set(SETUPS)
     if unknown:
