@@ -61,7 +61,7 @@ def test_a_slow_redis_lookup_never_stalls_a_running_stream(redis_server, cold):
             collect(engine, outputs)
         redis_server.pause()  # from now on every Redis call waits, until resume()
         late = engine.add_request(prompt, G)
-        lookups = engine.cache.lookups[REMOTE]
+        lookups = engine.cache.remote.lookups[REMOTE]
         collect(engine, outputs, logprobs)  # admission starts the lookup of `late` and does not wait for it
         before = len(outputs[stream])
         for _ in range(4):  # a lookup made on the engine thread would block the first of these steps for good
@@ -121,7 +121,7 @@ def test_redis_killed_between_the_lookup_and_the_load_resumes_cold(redis_server,
         engine, outputs, logprobs = b.engine, {}, {}
         late = engine.add_request(prompt, G)
         collect(engine, outputs, logprobs)  # starts the lookup
-        lookups = engine.cache.lookups[REMOTE]
+        lookups = engine.cache.remote.lookups[REMOTE]
         while lookups.answer(prompt) is PENDING:
             time.sleep(0.01)
         assert lookups.answer(prompt)  # Redis held the chain

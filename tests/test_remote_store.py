@@ -127,7 +127,7 @@ def test_a_bad_value_in_redis_is_never_returned_and_is_counted_and_deleted(redis
     assert reader.get(b.key) is None
     reason = {"flip": "checksum", "version": "version", "foreign": "foreign_model", "swap": "malformed"}[damage]
     assert reader.faults == {reason: 1}
-    assert evicted == [b.key] and not reader.contains(b.key)
+    assert evicted == [b.key] and reader.info(b.key) is None
     assert r.get(name) is None  # deleted from Redis
     assert reader.get(a.key).tokens == tuple(tokens[:8])  # the parent is fine
     writer.close(), reader.close()
@@ -142,7 +142,7 @@ def test_a_value_that_expired_or_was_evicted_is_a_miss(redis_server):
     assert 0 < r.ttl(store.names.segment(seg.key)) <= 3600
     r.delete(store.names.segment(seg.key))  # what TTL expiry or maxmemory eviction does
     assert store.get(seg.key) is None
-    assert store.faults == {"missing": 1} and not store.contains(seg.key)
+    assert store.faults == {"missing": 1} and store.info(seg.key) is None
 
 
 def test_scan_forgets_segments_redis_no_longer_holds(redis_server):

@@ -114,6 +114,48 @@ def test_a_bad_probe_is_an_openai_error_and_a_completion_prompt_probes_too(clust
     assert ids["tokens"] == 4 and ids["position"] == 0 and ids["waiting"] == 0
 
 
+def routed_by(router: ServerProcess) -> dict:
+    return httpx.get(router.base_url + "/health", timeout=30).json()["routed_by"]
+
+
+def reply_and_ask(messages: list[dict], resp: httpx.Response, seed: int) -> list[dict]:
+    reply = resp.json()["choices"][0]["message"]["content"]
+    return messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": text(20, seed)}]
+
+
+def test_a_conversations_next_turn_goes_back_unprobed_to_the_replica_that_served_it(cluster):
+    _, _, router = cluster
+    turn1 = [{"role": "system", "content": text(100, 30)}, {"role": "user", "content": text(50, 31)}]
+    before = routed_by(router)
+    first = chat(router.base_url, turn1)
+    assert first.status_code == 200
+    probed = routed_by(router)
+    assert probed["probe"] == before.get("probe", 0) + 1  # nothing of it was known: the replicas were asked
+    second = chat(router.base_url, reply_and_ask(turn1, first, 32))
+    assert second.status_code == 200
+    assert second.headers["x-cairn-replica"] == first.headers["x-cairn-replica"]
+    after = routed_by(router)
+    assert after["probe"] == probed["probe"] and after.get("placement", 0) == probed.get("placement", 0) + 1
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= first.json()["usage"]["prompt_tokens"]
+
+
+def test_a_placed_replica_that_is_busier_than_the_others_is_probed_and_loses_to_the_queue(cluster):
+    _, _, router = cluster
+    turn1 = [{"role": "user", "content": text(60, 40)}]
+    first = chat(router.base_url, turn1)
+    placed_on = first.headers["x-cairn-replica"]
+    long = {"model": "cairn-demo", "messages": reply_and_ask(turn1, first, 41), "max_tokens": 4000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    url = router.base_url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json=long, timeout=60) as s1, httpx.stream("POST", url, json=long, timeout=60) as s2:
+        assert s1.headers["x-cairn-replica"] == s2.headers["x-cairn-replica"] == placed_on  # one more in flight is fine
+        before = routed_by(router)
+        third = chat(router.base_url, reply_and_ask(turn1, first, 42))
+        assert third.status_code == 200
+        assert routed_by(router)["probe"] == before["probe"] + 1
+        assert third.headers["x-cairn-replica"] != placed_on  # two requests running there outweigh its cache
+
+
 def aborted(base_url: str) -> float:
     for line in httpx.get(base_url + "/metrics", timeout=30).text.splitlines():
         if line.startswith('cairn_requests_finished_total{finish_reason="abort"}'):

@@ -35,8 +35,7 @@ from cairn.cache.disk.index import DiskIndex
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
-from cairn.cache.remote.lookups import PENDING, RemoteLookups
-from cairn.cache.remote.tier import RemoteTier
+from cairn.cache.remote.finder import RemoteFinder
 from cairn.cache.stats import CacheStats, DiskStats
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
 from cairn.cache.tree.nodes import DISK, HOST, REMOTE, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
@@ -72,12 +71,10 @@ class HybridPrefixCache(PrefixCache):
         self.restored_by_tier: Counter[str] = Counter()
         self.dropped_by_reason: Counter[str] = Counter()
         self.indexes: dict[str, DiskIndex] = {}  # segment tier name -> its index of the store's segments
-        self.lookups: dict[str, RemoteLookups] = {}  # segment tier that finds segments by prompt -> its lookups
         for tier in tiers.tiers:
             if tier.pages is None:
                 self.indexes[tier.name] = self._index(tier)
-            if isinstance(tier, RemoteTier):
-                self.lookups[tier.name] = RemoteLookups(tier.lookup)
+        self.remote = RemoteFinder(tiers.tiers, self.indexes)  # the remote tiers' lookups by prompt
 
     def _index(self, tier) -> DiskIndex:
         """Hang a segment tier's stored segments on the tree (start-up)."""
@@ -134,23 +131,15 @@ class HybridPrefixCache(PrefixCache):
         if match.match_len == len(req.token_ids):
             return match
         hung = wait and any([index.rescan() for index in self.indexes.values()])
-        for name, lookups in self.lookups.items():
-            found = lookups.answer(req.token_ids)
-            if found is None:
-                lookups.start(req.token_ids, req.message_starts)
-                found = PENDING
-            if found is PENDING:
-                if wait:
-                    return None
-                continue
-            hung = self.indexes[name].hang_found(found) or hung
-        return self.tree.match(req.token_ids) if hung else match
+        found = self.remote.hang(req.token_ids, req.message_starts, wait)
+        if found is None:
+            return None
+        return self.tree.match(req.token_ids) if hung or found else match
 
     def prefetch(self, token_ids: list[int], message_starts: list[int]) -> Future | None:
         """Any thread: start the remote tier's lookup of this prompt, so that admission (or a probe) finds the
         answer ready instead of waiting for Redis; a Future done when it is in (None: no remote tier)."""
-        futures = [lookups.start(token_ids, message_starts) for lookups in self.lookups.values()]
-        return futures[0] if futures else None
+        return self.remote.prefetch(token_ids, message_starts)
 
     def _plan(self, match: MatchResult, prompt_len: int) -> Plan:
         """The planner's choice among the usable snapshots on the matched path (a copy in a disk segment
@@ -390,8 +379,7 @@ class HybridPrefixCache(PrefixCache):
         self.speeds.observe_prefill(num_tokens, seconds)
 
     def close(self) -> None:
-        for lookups in self.lookups.values():
-            lookups.close()
+        self.remote.close()
         for name in self.indexes:
             self.tiers.by_name[name].store.close()
 
@@ -461,8 +449,5 @@ class HybridPrefixCache(PrefixCache):
         self._forget_stale_disk_keys()
         req = CacheRequest(token_ids, state_slot=-1)
         chosen = self._plan(self._match(req, wait=False), len(token_ids))
-        return ProbeResult(chosen.position, chosen.estimated_s, chosen.snapshot_tier, self._remote_position(token_ids))
-
-    def _remote_position(self, token_ids: list[int]) -> int:
-        """The deepest snapshot the remote tier's answer for this prompt holds (0 when none or not in yet)."""
-        return max([0, *(lookups.deepest_snapshot(token_ids) for lookups in self.lookups.values())])
+        return ProbeResult(chosen.position, chosen.estimated_s, chosen.snapshot_tier,
+                           self.remote.deepest_snapshot(token_ids))

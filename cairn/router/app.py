@@ -1,11 +1,16 @@
 """The router's ASGI app: the OpenAI routes of a cairn replica, each request passed to the best replica.
 
-    POST /v1/chat/completions, /v1/completions   probe every available replica (POST /v1/cache/probe with
-                                 the same body, concurrently, probe_timeout_s), rank them (replicas.py),
-                                 send the request to the first; whole answers and SSE streams pass through
-                                 byte for byte, with an `x-cairn-replica` header naming the replica
+    POST /v1/chat/completions, /v1/completions   send the request to the replica that resumes it fastest:
+                                 a chat whose deepest known message prefix this router sent to replica R
+                                 goes to R without a probe while R has at most PLACEMENT_SLACK more
+                                 requests in flight than the least busy replica (affinity.py); any other
+                                 request probes every available replica (POST /v1/cache/probe with the
+                                 same body, concurrently, probe_timeout_s) and goes to the best ranked
+                                 (replicas.py). Whole answers and SSE streams pass through byte for byte,
+                                 with an `x-cairn-replica` header naming the replica
     GET  /v1/models              from the first available replica
-    GET  /health                 200 with every replica's state while one is available, else 503
+    GET  /health                 200 with every replica's state while one is available, else 503; how
+                                 requests were routed (by placement, by probe, with none available)
 
 A replica that fails before anything was sent to the client (connection refused or reset, a timeout,
 a 502/503/504, or an error before the first body byte) is taken out for cooldown_s and the request is
@@ -22,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -32,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cairn.router.affinity import Placements, prefix_keys
 from cairn.router.options import RouterOptions
 from cairn.router.replicas import Probe, Ranker, Replica
 
@@ -40,6 +47,8 @@ PROBE_PATH = "/v1/cache/probe"
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "content-encoding")
 RETRY_STATUSES = (502, 503, 504)
+PLACEMENT_SLACK = 1  # requests in flight a placed replica may have beyond the least busy one and still be used unprobed
+INLINE_PARSE_BYTES = 256 * 1024  # a larger body is parsed for its prefix keys off the event loop
 
 
 class ReplicaFailed(Exception):
@@ -58,6 +67,8 @@ class Router:
         self.ranker = Ranker(options.queue_cost_s)
         timeout = httpx.Timeout(options.request_timeout_s, connect=options.connect_timeout_s)
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
+        self.placements = Placements(options.remembered_prefixes)
+        self.routed_by: Counter[str] = Counter()  # "placement", "probe", "none_available" -> requests
 
     def available(self) -> list[Replica]:
         return [r for r in self.replicas if r.available()]
@@ -80,14 +91,29 @@ class Router:
 
     # ---- probing ----------------------------------------------------------------------------------
 
-    async def ranked(self, body: bytes, headers: dict) -> list[Replica]:
-        """Replicas to try for this request, best first (every replica, soonest back first, when none is
-        available: a last resort rather than a refusal)."""
+    async def ranked(self, body: bytes, headers: dict, keys: list[bytes]) -> list[Replica]:
+        """Replicas to try for this request, best first: the one its deepest known prefix (`keys`, affinity.py)
+        was sent to, unprobed, when that one is available and not busier than PLACEMENT_SLACK allows; else
+        every available replica probed and ranked; else (none available) every replica, soonest back first:
+        a last resort rather than a refusal."""
         candidates = self.available()
         if not candidates:
+            self.routed_by["none_available"] += 1
             return sorted(self.replicas, key=lambda r: r.down_until)
+        placed = self._placed(keys, candidates)
+        if placed is not None:
+            self.routed_by["placement"] += 1
+            return [placed, *(r for r in self.ranker.by_load(candidates) if r is not placed)]
+        self.routed_by["probe"] += 1
         probes = await asyncio.gather(*(self._probe(r, body, headers) for r in candidates))
         return self.ranker.rank(candidates, dict(zip((r.url for r in candidates), probes, strict=True)))
+
+    def _placed(self, keys: list[bytes], candidates: list[Replica]) -> Replica | None:
+        found = self.placements.deepest(keys)
+        replica = next((r for r in candidates if found is not None and r.url == found[1]), None)
+        if replica is None or replica.num_in_flight > min(r.num_in_flight for r in candidates) + PLACEMENT_SLACK:
+            return None
+        return replica
 
     async def _probe(self, replica: Replica, body: bytes, headers: dict) -> Probe | None:
         try:
@@ -112,17 +138,30 @@ class Router:
         if replica.available():
             log.warning("replica %s taken out for %gs: %s", replica.url, self.options.cooldown_s, why)
         replica.take_out(why, self.options.cooldown_s)
+        self.placements.forget(replica.url)
 
     # ---- forwarding -------------------------------------------------------------------------------
 
-    async def forward(self, method: str, path: str, body: bytes, headers: dict, order: list[Replica]) -> Response:
+    async def forward(self, method: str, path: str, body: bytes, headers: dict, order: list[Replica],
+                      keys: list[bytes] = ()) -> Response:
+        """The first answer of the replicas in `order` that does not fail; a 200 records `keys` as placed on
+        that replica. Each replica's count of requests in flight covers the request until its answer ends."""
         last: Response | None = None
         for replica in order:
+            replica.num_in_flight += 1
             try:
-                return await self._send(replica, method, path, body, headers)
+                response = await self._send(replica, method, path, body, headers)
             except ReplicaFailed as e:
+                replica.num_in_flight -= 1
                 self._take_out(replica, str(e))
                 last = e.answer or last
+                continue
+            except BaseException:
+                replica.num_in_flight -= 1
+                raise
+            if response.status_code == 200:
+                self.placements.record(list(keys), replica.url)
+            return response
         return last or _error(503, "no replica could take the request", "no_replica")
 
     async def _send(self, replica: Replica, method: str, path: str, body: bytes, headers: dict) -> Response:
@@ -144,11 +183,39 @@ class Router:
             raise ReplicaFailed(f"answered {resp.status_code}", answer)
         replica.num_routed += 1
         streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(_relay(first, chunks, streaming, replica, resp), resp.status_code,
-                                 _response_headers(resp, replica), background=BackgroundTask(resp.aclose))
+        return _Relayed(replica, _relay(first, chunks, streaming, replica, resp), resp.status_code,
+                        _response_headers(resp, replica), background=BackgroundTask(resp.aclose))
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+class _Relayed(StreamingResponse):
+    """A replica's answer on its way to the client: however it ends (finished, failed, client gone, even
+    before the first byte), the replica's count of requests in flight drops by one."""
+
+    def __init__(self, replica: Replica, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replica = replica
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.replica.num_in_flight -= 1
+
+
+async def _keys_of(body: bytes) -> list[bytes]:
+    """A chat body's prefix keys (affinity.py); [] when it is not a JSON object. A large body is parsed off the
+    event loop."""
+    def parse() -> list[bytes]:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return []
+        return prefix_keys(data) if isinstance(data, dict) else []
+
+    return await asyncio.to_thread(parse) if len(body) > INLINE_PARSE_BYTES else parse()
 
 
 async def _safe(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -194,8 +261,9 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
 
     async def generation(request: Request) -> Response:
         body, headers = await request.body(), _request_headers(request)
-        order = await router.ranked(body, headers)
-        return await router.forward("POST", request.url.path, body, headers, order)
+        keys = await _keys_of(body) if request.url.path == "/v1/chat/completions" else []
+        order = await router.ranked(body, headers, keys)
+        return await router.forward("POST", request.url.path, body, headers, order, keys)
 
     async def models(request: Request) -> Response:
         order = router.available() or router.replicas
@@ -203,7 +271,8 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
 
     async def health(_: Request) -> Response:
         ok = bool(router.available())
-        return JSONResponse({"status": "ok" if ok else "no_replica", "replicas": [r.report() for r in router.replicas]},
+        return JSONResponse({"status": "ok" if ok else "no_replica", "replicas": [r.report() for r in router.replicas],
+                             "routed_by": dict(router.routed_by), "remembered_prefixes": len(router.placements)},
                             200 if ok else 503)
 
     @asynccontextmanager

@@ -22,9 +22,14 @@ class RouterOptions:
     health_interval_s: float = _f(2.0, "how often each replica's /health is polled")
     queue_cost_s: float = _f(0.5, "seconds of estimated time to first token one request waiting or running on a "
                                   "replica counts for, when replicas are compared")
+    remembered_prefixes: int = _f(1 << 17, "conversation prefixes (one per message) whose replica the router "
+                                           "remembers, so that a conversation's next turn goes back there without "
+                                           "probing the replicas; 0: probe for every request")
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if min(self.probe_timeout_s, self.connect_timeout_s, self.request_timeout_s, self.health_interval_s) <= 0:
             raise ValueError("timeouts and intervals must be positive")
+        if self.remembered_prefixes < 0:
+            raise ValueError(f"remembered_prefixes must be >= 0, got {self.remembered_prefixes}")

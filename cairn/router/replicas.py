@@ -3,6 +3,7 @@
     Replica         one replica's URL, health, when it may be tried again, and what it last said
     Probe           a replica's answer to POST /v1/cache/probe (resume position, estimate, queue)
     rank(...)       the order in which to try replicas for one request: a pure function
+    by_load(...)    the order without probes: fewest requests in flight from this router first
 
 The choice: score = estimated time to first token (from the replica's own planner, which prices what
 it can resume and from which tier) + queue_cost_s per request waiting or running there. Replicas whose
@@ -28,6 +29,7 @@ class Replica:
     last_error: str | None = None  # why it was last taken out
     num_routed: int = 0  # requests sent to it
     num_failed: int = 0  # requests that failed on it before anything was streamed
+    num_in_flight: int = 0  # requests sent to it by this router whose answer has not ended yet
 
     def available(self, now: float | None = None) -> bool:
         return self.healthy and (now or time.monotonic()) >= self.down_until
@@ -39,7 +41,7 @@ class Replica:
 
     def report(self) -> dict:
         return {"url": self.url, "healthy": self.available(), "routed": self.num_routed, "failed": self.num_failed,
-                "last_error": self.last_error}
+                "in_flight": self.num_in_flight, "last_error": self.last_error}
 
 
 @dataclass(frozen=True)
@@ -78,3 +80,9 @@ class Ranker:
         if ordered:
             self._next = (replicas.index(ordered[0]) + 1) % n
         return ordered
+
+    def by_load(self, replicas: list[Replica]) -> list[Replica]:
+        """Replicas to try when none was probed: fewest requests in flight from this router first, ties in
+        round-robin order (the cursor is not moved: the replicas were not compared)."""
+        n = len(replicas)
+        return sorted(replicas, key=lambda r: (r.num_in_flight, (replicas.index(r) - self._next) % n))

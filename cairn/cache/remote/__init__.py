@@ -4,5 +4,7 @@ keys.py (Redis key names, index entries, canonical prefix keys), client.py (URL 
 circuit breaker), writer.py (the write-behind thread and its bounded queue), store.py
 (RedisSegmentStore: DiskStore's interface over Redis), tier.py (RemoteTier: the disk tier's logic over
 that store, plus lookup by prompt), lookups.py (RemoteLookups: those lookups on threads of their own, so
-the engine thread never waits on Redis). The cache puts the tier last in its tier list (cache/factory.py).
+the engine thread never waits on Redis), finder.py (RemoteFinder: the cache's use of them, starting
+lookups and hanging their answers on the tree). The cache puts the tier last in its tier list
+(cache/factory.py).
 """

@@ -320,10 +320,6 @@ class RedisSegmentStore(Pins):
 
     # ---- the index, as DiskStore's ----------------------------------------------------------------
 
-    def contains(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._index
-
     def info(self, key: bytes) -> SegmentInfo | None:
         with self._lock:
             entry = self._index.get(key)
@@ -347,7 +343,6 @@ class RedisSegmentStore(Pins):
         with self._lock:
             return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._writer.num_queued,
                     **self._counts, "breaker_opened": self.redis.breaker.num_opened}
-
 
     def scan(self) -> None:
         """Forget the known segments Redis no longer holds (expired, evicted); nothing when it is down."""

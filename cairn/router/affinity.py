@@ -1,0 +1,84 @@
+"""Placements: which replica the router last sent each conversation prefix to, so it probes only when that
+could change the choice.
+
+A chat request's prefix keys are digests chained over what its rendering depends on besides the messages
+(model, tools, chat_template_kwargs) and then its messages one by one:
+
+    messages      m0       m1       m2       m3
+    keys          k0       k1       k2       k3        k_i = H(k_{i-1} | H(m_i)),  k_-1 = H(model, tools, ...)
+
+When a request is sent to replica R, each of its keys is recorded as placed on R (the latest placement of a
+key wins). For a new request, the deepest of its keys that is recorded names the replica that served the
+longest message prefix of it, so the one that can resume it deepest: a replica places a snapshot at every
+message boundary, and no other replica served that prefix since (it would hold the key now). Without a
+known key (a new conversation, or a router restarted) the router probes.
+
+What this does not know: requests that reached the replicas without this router, and what a replica evicted
+or lost in a restart (then every replica is as cold, or reads the same Redis: sending the request to R loses
+nothing). What it is not: the choice itself (app.py) or the ranking of probes (replicas.py). Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+
+RENDER_FIELDS = ("model", "tools", "chat_template_kwargs")  # what a chat prompt's rendering reads besides messages
+DIGEST_BYTES = 16
+
+
+def prefix_keys(body: dict) -> list[bytes]:
+    """The chained key of each message prefix of a chat request body ([] when it has no message list)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return []
+    key = _digest(_canonical({f: body.get(f) for f in RENDER_FIELDS}))
+    keys = []
+    for message in messages:
+        key = _digest(key + _digest(_canonical(message)))
+        keys.append(key)
+    return keys
+
+
+def _canonical(value) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
+
+
+class Placements:
+    """Prefix key -> the URL of the replica it was last sent to; at most `max_keys`, least recently placed
+    forgotten first (0: remember nothing, so every request is probed)."""
+
+    def __init__(self, max_keys: int):
+        self.max_keys = max_keys
+        self._where: OrderedDict[bytes, str] = OrderedDict()
+
+    def record(self, keys: list[bytes], url: str) -> None:
+        """Every key of a request just sent to the replica at `url`."""
+        if not self.max_keys:
+            return
+        for key in keys:
+            self._where[key] = url
+            self._where.move_to_end(key)
+        while len(self._where) > self.max_keys:
+            self._where.popitem(last=False)
+
+    def deepest(self, keys: list[bytes]) -> tuple[int, str] | None:
+        """(number of messages, replica URL) of the deepest recorded prefix among `keys`; None when none is."""
+        for depth in range(len(keys), 0, -1):
+            url = self._where.get(keys[depth - 1])
+            if url is not None:
+                return depth, url
+        return None
+
+    def forget(self, url: str) -> None:
+        """Drop every placement on a replica (it failed: whatever it held may be gone)."""
+        for key in [k for k, u in self._where.items() if u == url]:
+            del self._where[key]
+
+    def __len__(self) -> int:
+        return len(self._where)
