@@ -107,10 +107,6 @@ class RemoteLookups:
             return 0
         return max([0, *(len(path) for path, _, _, has_snapshot, _ in found if has_snapshot)])
 
-    @property
-    def num_answers(self) -> int:
-        return len(self._answers)
-
     def close(self) -> None:
         """Stop the lookup threads; every lookup not done answers [] (nobody waits on one for ever)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
