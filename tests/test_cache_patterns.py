@@ -1,10 +1,18 @@
-"""End to end on the demo model (Gated DeltaNet + gated attention) and on a tiny Nemotron-H checkpoint
-(Mamba2 + plain attention + MLP / MoE layers), fp32: every divergence pattern real clients produce resumes at the
-deepest position the placement rules allow, and its greedy output equals a cold run of the same prompt,
-with log-probabilities within 1e-4.
+"""End to end on the demo model (Gated DeltaNet + gated attention) and on a tiny checkpoint of each Mamba2
+family (Nemotron-H: Mamba2 + plain attention + MLP / MoE layers; Granite-4.0-H: Mamba2 + NoPE attention with
+MoE + shared MLP and its multipliers; Falcon-H1: attention and Mamba2 in parallel in every layer), fp32:
+every divergence pattern real clients produce resumes at the deepest position the placement rules allow,
+and its greedy output equals a cold run of the same prompt, with log-probabilities within 1e-4. In half
+precision (below) the warm logits equal the cold ones bit for bit.
 
 Placement in these tests: grid every 64 tokens, every chat-message start, every prompt end (with its
 logits), every request end, every branch point. Pages of 8 tokens, so resume points fall mid-page.
+
+CI time: every pattern runs in bfloat16 for every family, and a representative subset in float16
+(HALF_MATRIX): 44 half-precision runs, about 35 s on a quiet 2-core Xeon (the whole family x pattern x
+dtype matrix is 64 runs, past the ~60 s this file may take with its fp32 half). The layouts left out
+here (Granite's dense one, Falcon-H1's tied one) differ in the feed-forward block, biases and the mixer
+norm, not in how a resumed computation is cut; test_model_vs_transformers.py runs their contracts.
 """
 
 from __future__ import annotations
@@ -20,7 +28,10 @@ OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, max_num_batche
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["demo", "nemotron_h"])
+FAMILIES = ("demo", "nemotron_h", "granitemoehybrid", "falcon_h1")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def model_dir(request):
     """None (the built-in demo model) or a tiny checkpoint of the family: the patterns hold for every family."""
     if request.param == "demo":
@@ -247,9 +258,15 @@ def shared_system_prompt(llm):
     return llm.engine.tokenize_chat([system, {"role": "user", "content": "C asks: " + text(5, 2)}])[0]
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("pattern", [append, stripped_reasoning, compaction, edit, regenerate,
-                                     resend_of_whole_blocks, interleave, shared_system_prompt])
+PATTERNS = (append, stripped_reasoning, compaction, edit, regenerate, resend_of_whole_blocks, interleave,
+            shared_system_prompt)
+# every pattern in bfloat16; in float16 the far-back resume (mid-message), the branch beside another
+# conversation, and the whole cached prompt resumed with its stored logits
+HALF_MATRIX = [(p, "bfloat16") for p in PATTERNS] + [(p, "float16") for p in (compaction, interleave,
+                                                                             resend_of_whole_blocks)]
+
+
+@pytest.mark.parametrize(("pattern", "dtype"), HALF_MATRIX, ids=lambda v: getattr(v, "__name__", v))
 def test_half_precision_resume_gives_the_cold_logits_bit_for_bit(pattern, dtype, model_dir, cold_half,
                                                                  sampled_logits):
     warm = LLM(model_dir, **OPTS, dtype=dtype, device_snapshot_gib=0.1, snapshot_interval=64)

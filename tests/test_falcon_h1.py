@@ -1,8 +1,9 @@
 """Falcon-H1 (parallel attention + Mamba2 in every layer, with its multipliers) on tiny random checkpoints
 (the transformers contracts, prefill to state copy, run on both variants in test_model_vs_transformers.py):
-sharded and half-precision checkpoints; config keys cairn does not implement are refused by name;
-and through the real engine, every cache divergence pattern, the host tier and the disk tier after a
-restart resume to the cold answer; the real `cairn serve` loads the checkpoint directory.
+sharded and half-precision checkpoints; config keys cairn does not implement are refused by name; the
+real `cairn serve` loads the checkpoint directory. Through the real engine, every cache divergence
+pattern (fp32, and bit for bit in bf16 / fp16: test_cache_patterns.py), each tier and a restart
+(test_tiers.py) run in the shared tests, parametrised over Falcon-H1.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ import pytest
 import torch
 
 from cairn.layers.mamba2 import Mamba2Mixer, Mamba2Spec
-from cairn.llm import LLM
 from cairn.model.config import ConfigError
 from cairn.model.families import config_from_hf
 from cairn.model.loader import load_checkpoint
-from tests import test_cache_patterns as patterns
 from tests.falcon_h1_checkpoint import VARIANTS
 from tests.harness import prefill
 from tests.server_process import openai_client, start_server
@@ -121,27 +120,6 @@ def test_mamba_widths_are_those_transformers_derives(falcon, widths):
     assert ours.num_heads * ours.head_dim == inner
 
 
-# ---- through the real engine: warm == cold on every divergence pattern --------------------------------------
-
-PATTERNS = [patterns.append, patterns.stripped_reasoning, patterns.compaction, patterns.edit, patterns.regenerate,
-            patterns.interleave, patterns.shared_system_prompt]
-
-
-@pytest.fixture(scope="module")
-def cold_falcon(falcon):
-    return LLM(model=str(falcon["falcon_h1"][0]), dtype="float32", **patterns.OPTS, prefix_cache=False)
-
-
-@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.__name__)
-def test_divergence_pattern_resumed_warm_equals_cold(falcon, cold_falcon, pattern):
-    warm = LLM(model=str(falcon["falcon_h1"][0]), dtype="float32", **patterns.OPTS, device_snapshot_gib=0.1,
-               snapshot_interval=64)
-    final = pattern(warm)
-    out = patterns.run(warm, final)
-    assert out.cache.cached_tokens > 0 and out.cache.resume_position > 0
-    patterns.assert_same_as_cold(cold_falcon, out, final)
-
-
 def test_mixer_multipliers_survive_a_meta_device_build():
     """The loader builds models on the meta device and materialises them with `to_empty`: the Mamba2 mixer's
     ssm_multipliers scale (derived from the config, never loaded) must come out of that intact."""
@@ -157,41 +135,7 @@ def test_mixer_multipliers_survive_a_meta_device_build():
         assert torch.equal(torch.cat(lazy._project(hidden), -1), torch.cat(eager._project(hidden), -1))
 
 
-# ---- host and disk tiers: demoted snapshots and a restart resume to the cold answer ---------------------------
-
-CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
-
-
-def tiered(falcon, disk, device_slots: int = 3, host_slots: int = 12) -> LLM:
-    slot_bytes = config_from_hf(saved_config(falcon)).state_spec(torch.float32).slot_bytes
-    disk_opts = {} if disk is None else {"disk_cache": str(disk)}
-    return LLM(model=str(falcon["falcon_h1"][0]), dtype="float32", **patterns.OPTS, snapshot_interval=64,
-               device_snapshot_gib=device_slots * slot_bytes / 2**30,
-               host_cache_gib=2 * host_slots * slot_bytes / 2**30, **disk_opts)
-
-
-def test_snapshot_demoted_to_host_resumes_to_the_cold_answer(falcon, cold_falcon):
-    llm = tiered(falcon, None)
-    patterns.run(llm, CONVERSATION)
-    assert llm.engine.cache.stats().tier_moves["snapshot device->host"] >= 1
-    on_host = sorted(pos for pos, entry, _ in llm.engine.cache.tree.iter_snapshots()
-                     if set(entry.handle.copies) == {"host"})
-    prompt = CONVERSATION[: on_host[-1] + 20] + [3, 4, 5]
-    out = patterns.run(llm, prompt)
-    assert out.cache.resume_position == on_host[-1] and out.cache.resume_tier == "host"
-    patterns.assert_same_as_cold(cold_falcon, out, prompt)
-
-
-def test_conversation_resumes_from_disk_after_a_restart(falcon, cold_falcon, tmp_path):
-    with tiered(falcon, tmp_path) as first:
-        reply = patterns.run(first, CONVERSATION)
-    with tiered(falcon, tmp_path) as second:  # a new process sees the same: nothing in memory, the disk indexed
-        prompt = CONVERSATION + reply.token_ids + [5, 6, 7]
-        out = patterns.run(second, prompt)
-        assert out.cache.resume_tier == "disk"
-        assert out.cache.cached_tokens == len(CONVERSATION) + len(reply.token_ids) - 1
-        patterns.assert_same_as_cold(cold_falcon, out, prompt)
-
+# ---- a real server ------------------------------------------------------------------------------------
 
 def test_cairn_serve_loads_the_checkpoint_and_a_follow_up_resumes(falcon):
     """The real server (preflight, loader, engine thread, HTTP) on the unchanged checkpoint directory."""

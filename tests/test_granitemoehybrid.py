@@ -3,9 +3,10 @@
 The config-key tables (every key transformers writes is classified; unimplemented keys and values are
 refused naming the key), the feed-forward block (MoE + shared MLP, dense shared MLP) loaded from the
 saved checkpoint's own tensor names (the whole-model transformers contracts, prefill to state copy, run
-on both layouts in test_model_vs_transformers.py); sharded, tied / untied and bf16 loading; and the
-prefix cache through the real engine: every divergence pattern of tests/test_cache_patterns.py, each
-tier, and a restart resume warm == cold.
+on both layouts in test_model_vs_transformers.py); sharded, tied / untied and bf16 loading; and a real
+`cairn serve` on it. The prefix cache through the real engine runs in the shared tests, parametrised over
+Granite: every divergence pattern, fp32 and bit for bit in bf16 / fp16 (test_cache_patterns.py), each tier
+and a restart (test_tiers.py).
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cairn.llm import LLM
 from cairn.model.config import ConfigError, Mamba2Shape
 from cairn.model.families import config_from_hf
 from cairn.model.granitemoehybrid import GraniteMoE, SharedMLP, ffn_targets
 from cairn.model.loader import load_checkpoint
-from tests import test_cache_patterns as patterns
 from tests.granite_checkpoint import FAMILIES
-from tests.harness import prefill, run, same_as_cold
+from tests.harness import prefill
 
 TOL = 1e-5  # one block, fp32
 
@@ -179,57 +178,7 @@ def test_unimplemented_key_in_a_checkpoint_is_refused_at_load(granite, tmp_path)
         load(path)
 
 
-# ---- the cache through the real engine: warm == cold on every divergence pattern and tier --------------
-
-CACHE_OPTS = dict(dtype="float32", kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, max_num_batched_tokens=96,
-                  max_num_seqs=4, snapshot_interval=64)
-CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
-
-
-@pytest.fixture(scope="module")
-def cold(granite):
-    return LLM(model=str(granite["granitemoehybrid"][0]), **CACHE_OPTS, prefix_cache=False)
-
-
-def warm(granite, **opts) -> LLM:
-    return LLM(model=str(granite["granitemoehybrid"][0]), **{**CACHE_OPTS, "device_snapshot_gib": 0.1, **opts})
-
-
-@pytest.mark.parametrize("pattern", [patterns.append, patterns.stripped_reasoning, patterns.compaction,
-                                     patterns.edit, patterns.regenerate, patterns.interleave,
-                                     patterns.shared_system_prompt])
-def test_every_divergence_pattern_resumes_warm_equal_to_cold(granite, cold, pattern):
-    llm = warm(granite)
-    prompt = pattern(llm)
-    out = run(llm, prompt)
-    assert out.cache.resume_position > 0 and out.cache.cached_tokens == out.cache.resume_position
-    same_as_cold(cold, out, prompt)
-
-
-@pytest.mark.parametrize("tier", ["device", "host", "disk"])
-def test_resuming_from_each_tier_gives_the_cold_logits(granite, cold, tmp_path, tier):
-    llm = warm(granite, host_cache_gib=0.05, disk_cache=str(tmp_path), disk_write_through=False)
-    run(llm, CONVERSATION)
-    cache = llm.engine.cache
-    node = next(n for pos, _, n in cache.tree.iter_snapshots() if pos == 320)
-    for name in ("device", "host")[: ("device", "host", "disk").index(tier)]:
-        cache.tiers.demote_snapshot(node, cache.tiers.by_name[name])
-    prompt = CONVERSATION[:330] + [1, 2]
-    out = run(llm, prompt)
-    assert out.cache.resume_position == 320 and out.cache.resume_tier == tier
-    same_as_cold(cold, out, prompt)
-
-
-def test_a_conversation_resumes_from_disk_after_a_restart(granite, cold, tmp_path):
-    with warm(granite, disk_cache=str(tmp_path)) as first:
-        reply = run(first, CONVERSATION)
-    with warm(granite, disk_cache=str(tmp_path)) as second:  # nothing in memory, the disk indexed
-        prompt = CONVERSATION + reply.token_ids + [5, 6, 7]
-        out = run(second, prompt)
-        assert out.cache.cached_tokens == len(CONVERSATION) + len(reply.token_ids) - 1
-        assert out.cache.resume_tier == "disk"
-        same_as_cold(cold, out, prompt)
-
+# ---- a real server ------------------------------------------------------------------------------------
 
 def test_cairn_serve_loads_a_granite_checkpoint_and_resumes_its_conversation(granite):
     """A real `cairn serve` subprocess on the checkpoint directory: a chat, then its next turn resumes."""

@@ -1,32 +1,28 @@
 """Nemotron-H (model_type `nemotron_h`) beyond the per-family contracts of test_model_vs_transformers.py
 (which runs prefill, chunked, greedy, batched and state-copy checks on it) and the divergence patterns of
 test_cache_patterns.py (parametrised over it): its config keys, layer kinds and state, sharded and bf16
-loading, the MoE's latent width, the host and disk tiers with a restart, its own disk namespace, and
-`cairn bench` on a Nemotron-H-shaped checkpoint, and `cairn serve` on it across a restart.
+loading, the MoE's latent width, `cairn bench` on a Nemotron-H-shaped checkpoint, and `cairn serve` on it
+across a restart. The host and disk tiers, a restart and its own disk namespace: test_tiers.py (parametrised
+over it).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import openai
 import pytest
 import torch
 
 from cairn.bench.cli import BenchOptions, bench
-from cairn.llm import LLM
 from cairn.model.config import ConfigError
 from cairn.model.families import config_from_hf
 from cairn.model.loader import load_checkpoint
 from tests.checkpoints import NEMOTRON_H, write_checkpoint
-from tests.harness import prefill, run, same_as_cold
+from tests.harness import prefill
 from tests.server_process import start_server
 from tests.test_bench import CONFIG, SIZES
-
-OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
-CONVERSATION = list(range(10, 250)) + list(range(10, 200))  # 430 tokens: grid snapshots at 64, 128, ..., 384
 
 
 def raw_config(checkpoints) -> dict:
@@ -114,71 +110,11 @@ def test_moe_with_a_latent_width_matches_transformers(tmp_path):
     assert (prefill(model, ids) - ref).abs().max().item() < 1e-4
 
 
-# ---- tiers ---------------------------------------------------------------------------------------------
-
-def tiered(path: str, disk=None, device_slots: int = 3, host_slots: int = 12, **kw) -> LLM:
-    raw = json.loads((Path(path) / "config.json").read_text())
-    slot_bytes = config_from_hf(raw).state_spec(torch.float32).slot_bytes
-    opts = dict(OPTS, device_snapshot_gib=device_slots * slot_bytes / 2**30,
-                host_cache_gib=2 * host_slots * slot_bytes / 2**30)
-    if disk is not None:
-        opts["disk_cache"] = str(disk)
-    return LLM(path, **{**opts, **kw})
-
+# ---- the checkpoint directory (the tier contracts run on it in test_tiers.py) -----------------------------
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoints):
     return str(checkpoints["nemotron_h"][0])
-
-
-@pytest.fixture(scope="module")
-def cold(model_dir):
-    return LLM(model_dir, **OPTS, prefix_cache=False)
-
-
-@pytest.mark.parametrize("tier", ["device", "host", "disk"])
-def test_resuming_from_each_tier_gives_the_cold_logits(tmp_path, model_dir, cold, tier):
-    llm = tiered(model_dir, tmp_path, device_slots=40, disk_write_through=False)
-    run(llm, CONVERSATION)
-    cache = llm.engine.cache
-    node = next(n for pos, _, n in cache.tree.iter_snapshots() if pos == 320)
-    for t in ("device", "host")[: ("device", "host", "disk").index(tier)]:
-        cache.tiers.demote_snapshot(node, cache.tiers.by_name[t])
-    prompt_ = CONVERSATION[:330] + [1, 2]
-    out = run(llm, prompt_)
-    assert out.cache.resume_position == 320 and out.cache.resume_tier == tier
-    same_as_cold(cold, out, prompt_)
-
-
-def test_device_eviction_demotes_snapshots_to_host_and_resumes_from_there(model_dir, cold):
-    llm = tiered(model_dir)
-    run(llm, CONVERSATION)
-    stats = llm.engine.cache.stats()
-    assert stats.tier_moves["snapshot device->host"] >= 3 and not stats.tier_drops
-    prompt_ = CONVERSATION[:200] + [3, 4, 5]
-    out = run(llm, prompt_)
-    assert out.cache.resume_position == 192 and out.cache.resume_tier == "host"
-    same_as_cold(cold, out, prompt_)
-
-
-def test_a_conversation_resumes_from_disk_after_a_restart(tmp_path, model_dir, cold):
-    with tiered(model_dir, tmp_path) as first:
-        reply = run(first, CONVERSATION)
-    with tiered(model_dir, tmp_path) as second:
-        prompt_ = CONVERSATION + reply.token_ids + [5, 6, 7]
-        out = run(second, prompt_)
-        assert out.cache.cached_tokens == len(CONVERSATION) + len(reply.token_ids) - 1
-        assert out.cache.resume_tier == "disk"
-        same_as_cold(cold, out, prompt_)
-
-
-def test_each_family_gets_its_own_disk_namespace(tmp_path, model_dir):
-    with tiered(model_dir, tmp_path) as nemotron:
-        run(nemotron, CONVERSATION)
-    with LLM(None, **OPTS, device_snapshot_gib=0.01, disk_cache=str(tmp_path)) as demo:  # Qwen3.5-shaped demo
-        assert len(demo.engine.cache.tiers.disk.store) == 0
-        assert run(demo, CONVERSATION[:300] + [1]).cache.cached_tokens == 0
-    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
 
 
 # ---- cairn bench ---------------------------------------------------------------------------------------

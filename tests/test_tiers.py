@@ -1,12 +1,17 @@
 """Host and disk tiers on the demo model (fp32): demote before drop, round trips, resume from every tier,
 restart, and faults that must fall back to a shallower point or a cold prefill.
 
+The contracts every model family must keep (resume from each tier, host restore without consuming the
+host copy, a restart resumed from disk, a disk namespace of its own) run on the demo model and on a tiny
+checkpoint of each Mamba2 family (`family`: Nemotron-H, Granite-4.0-H, Falcon-H1; tests/checkpoints.py).
 Budgets here are a few snapshots each, so every test moves state between tiers.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ import torch
 from cairn.cache.disk.segment import Segment
 from cairn.cache.tree.nodes import Node
 from cairn.llm import LLM
+from cairn.model.families import config_from_hf
 from cairn.outputs import accumulate
 from tests.harness import G, run, same_as_cold, same_state, slot_copy, state_pool
 
@@ -27,11 +33,36 @@ def cold():
     return LLM(**OPTS, prefix_cache=False)
 
 
-def tiered(tmp_path=None, device_slots=3, host_slots=12, **kw) -> LLM:
-    opts = dict(OPTS, device_snapshot_gib=device_slots * SLOT / 2**30, host_cache_gib=2 * host_slots * SLOT / 2**30)
+FAMILIES = ("demo", "nemotron_h", "granitemoehybrid", "falcon_h1")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request) -> str | None:
+    """None (the demo model) or a tiny checkpoint directory of the family: the tier contracts hold for each."""
+    if request.param == "demo":
+        return None
+    return str(request.getfixturevalue("checkpoints")[request.param][0])
+
+
+@pytest.fixture(scope="module")
+def family_cold(family):
+    return LLM(family, **OPTS, prefix_cache=False)
+
+
+def slot_bytes(model: str | None) -> int:
+    """Bytes of one fp32 state slot of the demo model or of the checkpoint in directory `model`."""
+    if model is None:
+        return SLOT
+    raw = json.loads((Path(model) / "config.json").read_text())
+    return config_from_hf(raw).state_spec(torch.float32).slot_bytes
+
+
+def tiered(tmp_path=None, device_slots=3, host_slots=12, model: str | None = None, **kw) -> LLM:
+    slot = slot_bytes(model)
+    opts = dict(OPTS, device_snapshot_gib=device_slots * slot / 2**30, host_cache_gib=2 * host_slots * slot / 2**30)
     if tmp_path is not None:
         opts["disk_cache"] = str(tmp_path)
-    return LLM(**{**opts, **kw})
+    return LLM(model, **{**opts, **kw})
 
 
 
@@ -49,15 +80,17 @@ def test_device_eviction_demotes_snapshots_to_host_and_nothing_is_dropped():
     assert all(t for t in tiers.values()) and any(t == {"host"} for t in tiers.values())
 
 
-def test_restoring_from_host_copies_back_and_keeps_the_host_copy(cold):
-    llm = tiered()
+def test_restoring_from_host_copies_back_and_keeps_the_host_copy(family, family_cold):
+    llm = tiered(model=family)
     run(llm, CONVERSATION)
+    stats = llm.engine.cache.stats()
+    assert stats.tier_moves["snapshot device->host"] >= 1 and not stats.tier_drops
     on_host = sorted(pos for pos, h in handles(llm).items() if set(h.copies) == {"host"})
     prompt = CONVERSATION[: on_host[-1] + 20] + [3, 4, 5]
     out = run(llm, prompt)
     assert out.cache.resume_position == on_host[-1] and out.cache.resume_tier == "host"
     assert "host" in handles(llm)[on_host[-1]].copies  # not consumed
-    same_as_cold(cold, out, prompt)
+    same_as_cold(family_cold, out, prompt)
 
 
 def test_kv_pages_move_to_host_under_device_pressure_and_resume_from_there(cold):
@@ -99,8 +132,8 @@ def test_round_trip_device_host_disk_device_is_bitwise_equal(tmp_path):
 
 
 @pytest.mark.parametrize("tier", ["device", "host", "disk"])
-def test_resuming_from_each_tier_gives_the_cold_logits(tmp_path, cold, tier):
-    llm = tiered(tmp_path, device_slots=40, disk_write_through=False)
+def test_resuming_from_each_tier_gives_the_cold_logits(tmp_path, family, family_cold, tier):
+    llm = tiered(tmp_path, device_slots=40, model=family, disk_write_through=False)
     run(llm, CONVERSATION)
     cache = llm.engine.cache
     node = next(n for pos, _, n in cache.tree.iter_snapshots() if pos == 320)
@@ -111,24 +144,25 @@ def test_resuming_from_each_tier_gives_the_cold_logits(tmp_path, cold, tier):
     prompt = CONVERSATION[:330] + [1, 2]
     out = run(llm, prompt)
     assert out.cache.resume_position == 320 and out.cache.resume_tier == tier
-    same_as_cold(cold, out, prompt)
+    same_as_cold(family_cold, out, prompt)
 
 
-def test_a_conversation_resumes_from_disk_after_a_restart(tmp_path, cold):
-    with tiered(tmp_path) as first:
+def test_a_conversation_resumes_from_disk_after_a_restart(tmp_path, family, family_cold):
+    with tiered(tmp_path, model=family) as first:
         reply = run(first, CONVERSATION)
-    with tiered(tmp_path) as second:  # a new process would see the same: nothing in memory, the disk indexed
+    with tiered(tmp_path, model=family) as second:  # a new process sees the same: nothing in memory, the disk indexed
         prompt = CONVERSATION + reply.token_ids + [5, 6, 7]
         out = run(second, prompt)
         assert out.cache.cached_tokens == len(CONVERSATION) + len(reply.token_ids) - 1
         assert out.cache.resume_tier == "disk"
-        same_as_cold(cold, out, prompt)
+        same_as_cold(family_cold, out, prompt)
 
 
-def test_another_model_never_sees_the_segments(tmp_path):
-    with tiered(tmp_path) as first:
+def test_another_model_never_sees_the_segments(tmp_path, family):
+    with tiered(tmp_path, model=family) as first:
         run(first, CONVERSATION)
-    with tiered(tmp_path, demo_seed=1) as other:  # other weights: another namespace
+    other_weights = {"demo_seed": 1} if family is None else {}  # the demo's other weights, or the demo itself
+    with tiered(tmp_path, **other_weights) as other:  # another model: another namespace
         assert len(other.engine.cache.tiers.disk.store) == 0
         assert run(other, CONVERSATION[:300] + [1]).cache.cached_tokens == 0
     assert len(os.listdir(tmp_path)) == 2

@@ -17,6 +17,13 @@ checkpoint. `SIZES` holds the named sizes:
            128, 8 groups; 4 attention of 32 / 8 KV heads of 128; 24 MLP of 12288), vocabulary 32k (not 131k)
     nemotron-h-4b-slice  the same layers, 6 of them (M-M*M-: 3 Mamba2, 1 attention, 2 MLP): per-layer speed
            at the 4B dimensions on a machine without room for two copies of the whole model
+    falcon-h1-0.5b  Falcon-H1-0.5B's config.json: hidden 1024, 36 parallel attention + Mamba2 layers (24 heads
+           of 64, state 128, 1 group; 8 query / 2 KV heads of 64), MLP 2048, its multipliers, vocabulary 32,784
+    granite-4.0-h-350m  Granite-4.0-H-350M's config.json: hidden 768, 32 layers (28 Mamba2 of 48 heads x 32,
+           state 128; 4 NoPE attention of 12 query / 4 KV heads), dense shared MLP 2048, vocabulary 100,352
+
+`make_checkpoint(size, path, dtype)` builds and saves the weights in `dtype` (fp32 unless given; no fp32
+copy is ever made: the 4B model is 7.5 GB in bf16, 15 GB in fp32).
 
 What it is not: a model anyone should generate text with (the weights are random), nor the tests'
 tiny per-family checkpoints (tests/checkpoints.py).
@@ -48,7 +55,32 @@ _NEMOTRON_H = {
                           mamba_head_dim=64, n_groups=8, ssm_state_size=128, chunk_size=128),
 }
 _NEMOTRON_H["nemotron-h-4b-slice"] = dict(_NEMOTRON_H["nemotron-h-4b"], hybrid_override_pattern="M-M*M-")
-SIZES = (*_QWEN, *_NEMOTRON_H)
+_FALCON_H1 = {
+    "falcon-h1-0.5b": dict(
+        vocab_size=32784, hidden_size=1024, intermediate_size=2048, num_hidden_layers=36, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64,
+        mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_chunk_size=128, mamba_rms_norm=False,
+        mamba_norm_before_gate=False, mamba_proj_bias=False, projectors_bias=False, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e11}, attention_in_multiplier=1.0,
+        attention_out_multiplier=0.9375, embedding_multiplier=5.656854249492381, key_multiplier=0.390625,
+        lm_head_multiplier=0.0390625, mlp_multipliers=[0.8838834764831844, 0.5859375], ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.23570226039551587,
+        ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738]),
+}
+_GRANITE = {
+    "granite-4.0-h-350m": dict(
+        vocab_size=100352, hidden_size=768, num_hidden_layers=32, num_attention_heads=12, num_key_value_heads=4,
+        layer_types=["attention" if i in (10, 13, 17, 27) else "mamba" for i in range(32)], mamba_n_heads=48,
+        mamba_d_head=32, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+        mamba_conv_bias=True, mamba_proj_bias=False, num_local_experts=0, num_experts_per_tok=0,
+        intermediate_size=2048, shared_intermediate_size=2048, position_embedding_type="nope", rms_norm_eps=1e-5,
+        tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.246,
+        logits_scaling=3.0),
+}
+_FAMILY = {size: family for family, sizes in (("qwen3_5", _QWEN), ("nemotron_h", _NEMOTRON_H),
+                                              ("falcon_h1", _FALCON_H1), ("granitemoehybrid", _GRANITE))
+           for size in sizes}
+SIZES = tuple(_FAMILY)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -56,30 +88,43 @@ CHATML = (
 )
 
 
-def make_checkpoint(size: str, path: Path):
-    """Write a checkpoint of `size` (one of SIZES: fp32, seed 0) and a byte-level tokenizer to `path`;
-    returns the transformers model."""
+def make_checkpoint(size: str, path: Path, dtype: torch.dtype = torch.float32):
+    """Write a checkpoint of `size` (one of SIZES: seed 0, weights made and saved in `dtype`) and a byte-level
+    tokenizer to `path`; returns the transformers model (eval mode)."""
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = hf_config(size)
-    model = (tf.NemotronHForCausalLM(cfg) if size in _NEMOTRON_H else tf.Qwen3_5ForCausalLM(cfg)).eval()
+    model = tf.AutoModelForCausalLM.from_config(hf_config(size), dtype=dtype).eval()
     model.save_pretrained(str(path))
     write_tokenizer(path)
     return model
 
 
+def family(size: str) -> str:
+    """The `model_type` of a named size."""
+    return _FAMILY[size]
+
+
 def hf_config(size: str):
     """The transformers config of `size` (max_position_embeddings 32768: room for the 8k-token published
-    workloads)."""
+    workloads; no special token ids: the byte tokenizer's eos is <|im_end|>)."""
+    config_class = _config_class(size)
+    kind = _FAMILY[size]
+    if kind == "qwen3_5":
+        return config_class(**_QWEN[size], linear_conv_kernel_dim=4, initializer_range=0.02,
+                            max_position_embeddings=32768)
+    sizes = {"nemotron_h": _NEMOTRON_H, "falcon_h1": _FALCON_H1, "granitemoehybrid": _GRANITE}[kind]
+    extra = {"conv_kernel": 4} if kind == "nemotron_h" else {}
+    return config_class(**sizes[size], **extra, initializer_range=0.02, max_position_embeddings=32768,
+                        eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def _config_class(size: str):
+    """transformers' config class for a named size (its model class follows from it)."""
     import transformers as tf
 
-    if size in _NEMOTRON_H:  # no special token ids: the byte tokenizer's eos is <|im_end|>
-        return tf.NemotronHConfig(**_NEMOTRON_H[size], conv_kernel=4, initializer_range=0.02,
-                                  max_position_embeddings=32768, eos_token_id=None, bos_token_id=None,
-                                  pad_token_id=None)
-    return tf.Qwen3_5TextConfig(**_QWEN[size], linear_conv_kernel_dim=4, initializer_range=0.02,
-                                max_position_embeddings=32768)
+    return {"qwen3_5": tf.Qwen3_5TextConfig, "nemotron_h": tf.NemotronHConfig, "falcon_h1": tf.FalconH1Config,
+            "granitemoehybrid": tf.GraniteMoeHybridConfig}[_FAMILY[size]]
 
 
 def write_tokenizer(path: Path) -> None:
