@@ -76,15 +76,20 @@ def start(repo: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "cairn.cli", "serve", "--port", str(port), *FLAGS],
                             cwd=repo, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    return proc, wait_healthy(proc, url, f"server in {repo}", log.name)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, log_name: str, timeout_s: float = 120) -> str:
+    """url once its /health answers 200; else kill proc and raise, naming the log to read."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return url
         except httpx.HTTPError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"server in {repo} did not start; see {log.name}")
+    raise RuntimeError(f"{what} did not start; see {log_name}")
 
 
 def stream_times(url: str, times: list[float], stop: threading.Event) -> None:

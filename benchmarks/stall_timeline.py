@@ -29,8 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stall_bench  # noqa: E402  (the rounds, the server flags, the sender)
 
@@ -72,15 +70,7 @@ def start_traced(flags: list[str], trace: Path) -> tuple[subprocess.Popen, str]:
     log = tempfile.NamedTemporaryFile(prefix="stall-timeline-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(port), *stall_bench.FLAGS, *flags],
                             cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"the traced server did not start; see {log.name}")
+    return proc, stall_bench.wait_healthy(proc, f"http://127.0.0.1:{port}", "the traced server", log.name)
 
 
 def one_round(url: str, sender_idle: bool) -> dict:
