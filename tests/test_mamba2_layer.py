@@ -13,6 +13,7 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import Grani
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
 from cairn.layers.mamba2 import Mamba2Mixer, Mamba2Spec
+from cairn.ops import REFERENCE
 
 HIDDEN, HEADS, HEAD_DIM, GROUPS, STATE, KERNEL, CHUNK = 32, 4, 8, 2, 16, 4, 16
 PROMPT, STEPS = 37, 6
@@ -97,6 +98,22 @@ def build(family: str, limited: bool = True):
     return cfg, hf.eval(), ours.eval()
 
 
+def prefill(mixer: Mamba2Mixer, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+            captures=()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence's segment through the mixer's own prefill pieces (what `forward` runs per sequence):
+    hidden [T, hidden] -> (out [T, hidden], conv, ssm); captures (count, conv_out, ssm_out)."""
+    z, xbc, dt = mixer._project(hidden)
+    y, conv_state, ssm_state = mixer._scan(xbc, dt, conv_state, ssm_state, REFERENCE, captures)
+    return mixer._output(y, z), conv_state, ssm_state
+
+
+def decode(mixer: Mamba2Mixer, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+    """One decode step of a batch through the mixer's own step (what `forward` runs for decode rows),
+    states [B, ...] updated in place."""
+    z, xbc, dt = mixer._project(hidden)
+    return mixer._output(mixer._step(xbc, dt, conv_state, ssm_state, REFERENCE), z)
+
+
 def zero_states(mixer: Mamba2Mixer, batch: tuple[int, ...] = ()):
     spec = mixer.spec
     return torch.zeros(*batch, *spec.conv_state_shape()), torch.zeros(*batch, *spec.ssm_state_shape())
@@ -114,7 +131,7 @@ def test_prefill_equals_transformers_mixer(family):
         steps = torch.nn.functional.softplus(ours._project(hidden)[2] + ours.dt_bias)
         assert (steps < BINDING[0]).any() and (family == "nemotron_h" or (steps > BINDING[1]).any())
         expected = hf(hidden[None])[0]
-        got, _, _ = ours.prefill(hidden, *zero_states(ours))
+        got, _, _ = prefill(ours, hidden, *zero_states(ours))
     assert_near(got, expected)
 
 
@@ -128,10 +145,10 @@ def test_decode_after_prefill_equals_transformers_cached_decode(family):
     with torch.no_grad():
         hf(hidden[:, :PROMPT], cache=cache)
         for i in range(batch):  # prefill one sequence at a time, then decode both as one batch
-            _, conv[i], ssm[i] = ours.prefill(hidden[i, :PROMPT], conv[i], ssm[i])
+            _, conv[i], ssm[i] = prefill(ours, hidden[i, :PROMPT], conv[i], ssm[i])
         for t in range(PROMPT, PROMPT + STEPS):
             expected = hf(hidden[:, t:t + 1], cache=cache)[:, 0]
-            assert_near(ours.decode(hidden[:, t], conv, ssm), expected)
+            assert_near(decode(ours, hidden[:, t], conv, ssm), expected)
     assert_near(ssm, cache.layers[0].recurrent_states[0])
 
 
@@ -140,11 +157,11 @@ def test_prefill_in_pieces_equals_one_pass(family):
     _, _, ours = build(family)
     hidden = torch.randn(70, HIDDEN)
     with torch.no_grad():
-        whole, conv_end, ssm_end = ours.prefill(hidden, *zero_states(ours))
+        whole, conv_end, ssm_end = prefill(ours, hidden, *zero_states(ours))
         state = zero_states(ours)
         outs = []
         for lo, hi in [(0, 1), (1, 17), (17, 50), (50, 70)]:
-            out, *state = ours.prefill(hidden[lo:hi], *state)
+            out, *state = prefill(ours, hidden[lo:hi], *state)
             outs.append(out)
     assert_near(torch.cat(outs), whole, 1e-5)
     assert torch.equal(state[0], conv_end)
@@ -157,12 +174,12 @@ def test_states_captured_in_prefill_continue_exactly_in_another_slot():
     counts = [1, 15, 16, 17, 63]
     slots = [zero_states(ours) for _ in counts]
     with torch.no_grad():
-        whole, _, _ = ours.prefill(hidden, *zero_states(ours), captures=[
+        whole, _, _ = prefill(ours, hidden, *zero_states(ours), captures=[
             (c, conv, ssm) for c, (conv, ssm) in zip(counts, slots, strict=True)])
         for c, (conv, ssm) in zip(counts, slots, strict=True):
-            rest, _, _ = ours.prefill(hidden[c:], conv, ssm)
+            rest, _, _ = prefill(ours, hidden[c:], conv, ssm)
             assert_near(rest, whole[c:])
-            step = ours.decode(hidden[c:c + 1], conv[None].clone(), ssm[None].clone())
+            step = decode(ours, hidden[c:c + 1], conv[None].clone(), ssm[None].clone())
             assert_near(step[0], whole[c])  # decode clamps dt as prefill does
 
 
@@ -171,12 +188,12 @@ def test_bf16_mixer_keeps_fp32_ssm_state_and_tracks_fp32():
     hidden = torch.randn(2, 40, HIDDEN)
     conv, ssm = zero_states(ours, (2,))
     with torch.no_grad():
-        reference = torch.stack([ours.prefill(hidden[i], conv[i], ssm[i])[0] for i in range(2)])
+        reference = torch.stack([prefill(ours, hidden[i], conv[i], ssm[i])[0] for i in range(2)])
         half = ours.to(torch.bfloat16)
         conv16, ssm16 = conv.to(torch.bfloat16), ssm.clone()
         for i in range(2):
-            out, conv16[i], ssm16[i] = half.prefill(hidden[i, :39].bfloat16(), conv16[i], ssm16[i])
+            out, conv16[i], ssm16[i] = prefill(half, hidden[i, :39].bfloat16(), conv16[i], ssm16[i])
             assert out.dtype == torch.bfloat16
-        step = half.decode(hidden[:, 39].bfloat16(), conv16, ssm16)
+        step = decode(half, hidden[:, 39].bfloat16(), conv16, ssm16)
     assert step.dtype == torch.bfloat16 and ssm16.dtype == torch.float32
     assert (step.float() - reference[:, 39]).abs().max().item() < 0.1

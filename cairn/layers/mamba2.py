@@ -26,7 +26,7 @@ from cairn.forward_batch import ForwardBatch
 from cairn.layers.recurrent import RecurrentMixer
 from cairn.memory.state_pool import StatePool
 from cairn.memory.state_spec import StateTensor
-from cairn.ops import REFERENCE, Kernels
+from cairn.ops import Kernels
 from cairn.ops.mamba2 import NO_DT_LIMIT
 
 
@@ -136,38 +136,13 @@ class Mamba2Mixer(RecurrentMixer):
                 [(c, dst["conv"], dst["ssm"]) for c, dst in caps])
         return self._output(y, z)
 
-    def prefill(
-        self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-        kernels: Kernels = REFERENCE, captures: Sequence[tuple[int, torch.Tensor, torch.Tensor]] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One sequence's prefill segment, continuing from the given states (which are not modified).
-
-        hidden: [T, hidden_size]; conv_state: spec.conv_state_shape(); ssm_state: spec.ssm_state_shape()
-        fp32. captures: (count, conv_out, ssm_out), count in [1, T]: the states after that many tokens
-        are written into conv_out and ssm_out. Returns (out [T, hidden_size], conv_state, ssm_state).
-        """
-        z, xbc, dt = self._project(hidden)
-        y, conv_state, ssm_state = self._scan(xbc, dt, conv_state, ssm_state, kernels, captures)
-        return self._output(y, z), conv_state, ssm_state
-
-    def decode(
-        self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-        kernels: Kernels = REFERENCE,
-    ) -> torch.Tensor:
-        """One decode step for a batch of sequences, updating both states in place.
-
-        hidden: [B, hidden_size]; conv_state: [B, *spec.conv_state_shape()]; ssm_state:
-        [B, *spec.ssm_state_shape()] fp32 (views of a state pool are updated where they lie; a gathered
-        copy must be written back by the caller). Returns out [B, hidden_size].
-        """
-        z, xbc, dt = self._project(hidden)
-        return self._output(self._step(xbc, dt, conv_state, ssm_state, kernels), z)
-
     def _scan(
         self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
         kernels: Kernels, captures: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv and SSD scan of one segment (after the projection): (y [T, heads, head_dim], conv, ssm)."""
+        """Conv and SSD scan of one sequence's segment (after the projection), continuing from the given
+        states (not modified): (y [T, heads, head_dim], conv, ssm). captures: (count, conv_out, ssm_out),
+        count in [1, T]: the states after that many tokens are written into conv_out and ssm_out."""
         xbc, conv_state = kernels.mamba_conv1d(
             xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias, [(c, dst) for c, dst, _ in captures])
         x, B, C = self._split(xbc)
