@@ -73,9 +73,11 @@ class PackedLinear(nn.Module):
 class GemvLinear(nn.Module):
     """y = x W^T: cairn's gemv kernel up to DIRECT_ROWS rows (decode), F.linear above; W as loaded, no bias."""
 
-    # Up to this many rows the kernel streams the weight once for all of them (its fp32 dot products
-    # stay under the memory time on AVX512-BF16 up to about 8 rows at two threads); above, a GEMM.
-    DIRECT_ROWS = 8
+    # Up to this many rows the kernel streams the weight once for all of them; above, a GEMM. Measured
+    # in the engine on a quiet 2-core AVX512-BF16 Xeon (BENCHMARKS.md): the kernel is 1.32x F.linear's
+    # decode at 1 row and 1.07x at 2, but 0.90x at 4 and 0.75x at 8, where its dot products cost more
+    # than the weight read.
+    DIRECT_ROWS = 2
 
     def __init__(self, weight: nn.Parameter, kernel: cpu_gemv.GemvKernel):
         super().__init__()
