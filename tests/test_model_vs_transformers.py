@@ -72,7 +72,7 @@ def test_greedy_generation_matches_transformers(checkpoints, family):
     assert out.token_ids == expected
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "nemotron_h", "falcon_h1", *GRANITE])  # tens of seconds each
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "nemotron_h", "falcon_h1", *GRANITE])  # 10-70 s each
 def test_request_decoded_in_batch_equals_decoded_alone(checkpoints, family):
     path, _ = checkpoints[family]
     llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.02,
