@@ -45,3 +45,28 @@ def sampled_logits(monkeypatch):
 
     monkeypatch.setattr(cairn.engine, "sample_isolated", recording)
     return rows
+
+
+# The served test files declare `served = served_fixture(...)` (tests/server_process.py); these are its parts.
+@pytest.fixture(scope="module")
+def server(served):
+    """The module's `cairn serve` process (a `ServerProcess`)."""
+    return served.server
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    """The official openai client on the module's server."""
+    return served.openai
+
+
+@pytest.fixture(scope="module")
+def claude(served):
+    """The official anthropic client on the module's server."""
+    return served.anthropic
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    """An httpx client on the module's server."""
+    return served.http

@@ -3,7 +3,10 @@
 `start_server(*flags)` starts `python -m cairn.cli serve` on the demo model with tiny pools, waits
 until /health answers 200, and returns a `ServerProcess`; `stop()` ends it (SIGTERM, then SIGKILL).
 The server's output goes to a temporary file (never a pipe, which could fill and block it) and is
-included in the error when start-up fails. Not a test module: it holds no assertions.
+included in the error when start-up fails. `served_fixture(*flags)` is the one fixture factory of the
+served test files: a module-scoped fixture starting one server for the module and yielding a `Served`
+(the server plus its openai / anthropic / httpx clients); tests/conftest.py derives the `server`,
+`client`, `claude` and `http` fixtures from it. Not a test module: it holds no assertions.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import httpx
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_POOLS = ("--kv-cache-gib", "0.05", "--state-cache-gib", "0.05")
@@ -53,13 +59,14 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(*flags: str, timeout_s: float = 90.0) -> ServerProcess:
+def start_server(*flags: str, timeout_s: float = 90.0, env: dict[str, str] | None = None) -> ServerProcess:
+    """`cairn serve` with `flags`, healthy; `env` is added to this process's environment."""
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="cairn-serve-", suffix=".log")
     cmd = [sys.executable, "-m", "cairn.cli", "serve", "--port", str(port), *TINY_POOLS, *flags]
     try:
         proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     finally:
         os.close(fd)  # the child holds its own copy
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", Path(log_path))
@@ -82,3 +89,52 @@ def openai_client(server: ServerProcess, timeout_s: float = 60.0):
     import openai
 
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+
+
+@dataclass
+class Served:
+    """One started server and the clients the tests talk to it with (each made on first use)."""
+
+    server: ServerProcess
+    client_timeout_s: float
+
+    @cached_property
+    def openai(self):
+        return openai_client(self.server, self.client_timeout_s)
+
+    @cached_property
+    def anthropic(self):
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.server.base_url, api_key="unused", max_retries=0,
+                                   timeout=self.client_timeout_s)
+
+    @cached_property
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.server.base_url, timeout=self.client_timeout_s)
+
+    def close(self) -> None:
+        if "http" in self.__dict__:
+            self.http.close()
+        self.server.stop()
+
+
+def served_fixture(*flags: str, checkpoint: Callable[[Path], object] | None = None,
+                   env: dict[str, str] | None = None, client_timeout_s: float = 60.0):
+    """A module-scoped fixture serving `flags` (on the model `checkpoint(path)` writes, if given).
+
+    Assign it to a module attribute (`served = served_fixture(...)`): that name is the fixture's.
+    """
+
+    @pytest.fixture(scope="module")
+    def served(tmp_path_factory):
+        model = ()
+        if checkpoint is not None:
+            path = tmp_path_factory.mktemp("checkpoint")
+            checkpoint(path)
+            model = ("--model", str(path))
+        running = Served(start_server(*model, *flags, env=env), client_timeout_s)
+        yield running
+        running.close()
+
+    return served

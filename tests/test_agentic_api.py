@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 
 import anthropic
-import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.server_process import openai_client, start_server
+from tests.server_process import served_fixture
 
 MODEL = "cairn-demo"
 WEATHER = {"type": "function", "function": {
@@ -48,27 +47,7 @@ SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type
 THINKING = {"chat_template_kwargs": {"enable_thinking": True}}
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server("--max-model-len", "2048", "--max-num-seqs", "4", "--log-level", "WARNING")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
+served = served_fixture("--max-model-len", "2048", "--max-num-seqs", "4", "--log-level", "WARNING")
 
 
 # ---- tools ----------------------------------------------------------------------------------------

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from tests.checkpoints import write_checkpoint
-from tests.server_process import openai_client, start_server
+from tests.server_process import served_fixture
 from tests.test_agentic_api import BOUNDED
 from tests.test_chat_templates import FIXTURES, write_checkpoint_tokenizer
 
@@ -30,25 +28,13 @@ CLAUDE_TOOLS = [{"name": name, "input_schema": schema} for name, schema in SCHEM
 JSON_CALL_START = '<tool_call>\n{"name": "'
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("json_calls")
+def json_tools_checkpoint(path) -> None:
     write_checkpoint("qwen3_5_text", path)
     write_checkpoint_tokenizer(path, (FIXTURES / "qwen3_json_tools.jinja").read_text())
-    srv = start_server("--model", str(path), "--max-model-len", "2048", "--max-num-seqs", "2",
-                       "--log-level", "WARNING")
-    yield srv
-    srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai_client(server, 120)
-
-
-@pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+served = served_fixture("--max-model-len", "2048", "--max-num-seqs", "2", "--log-level", "WARNING",
+                        checkpoint=json_tools_checkpoint, client_timeout_s=120)
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,13 @@ process and through a real `cairn serve`.
 
 from __future__ import annotations
 
-import httpx
-import pytest
-
 from cairn.bench.conversation import Reply, WorkloadSizes
 from cairn.bench.text import TextSource
 from cairn.bench.workloads import all_workloads
 from cairn.llm import LLM
 from cairn.sampling import SamplingParams
 from cairn.tokenizer import ByteTokenizer
-from tests.server_process import openai_client, start_server
+from tests.server_process import served_fixture
 
 SIZES = WorkloadSizes(system_tokens=32, message_tokens=20, reply_tokens=2, compaction_context_tokens=320,
                       keep_fraction=0.55, instruction_tokens=8, agentic_turns=6, tool_result_tokens=20,
@@ -60,18 +57,12 @@ def test_every_message_start_of_an_agentic_session_with_reasoning_and_tool_calls
         assert out.cache.match_length == p and out.cache.resume_position == p, (k, messages[k]["role"])
 
 
-@pytest.fixture(scope="module")
-def served():
-    srv = start_server("--max-model-len", "2048", "--max-num-seqs", "2", "--log-level", "WARNING")
-    with httpx.Client(base_url=srv.base_url, timeout=60) as http:
-        yield openai_client(srv), http
-    srv.stop()
+served = served_fixture("--max-model-len", "2048", "--max-num-seqs", "2", "--log-level", "WARNING")
 
 
-def test_served_streamed_chat_with_reasoning_and_tool_calls_resumes_at_every_message_start(served):
+def test_served_streamed_chat_with_reasoning_and_tool_calls_resumes_at_every_message_start(client, http):
     """The same through a real `cairn serve` and the openai client: the chat is streamed, then a token
     prompt that leaves the history right after each message start resumes exactly there."""
-    client, http = served
     messages = agentic_turn(3)
     rendered = http.post("/tokenize", json={"messages": messages}).json()
     ids, starts = rendered["tokens"], rendered["message_starts"]

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import httpx
 import openai
 import pytest
 
-from tests.server_process import openai_client, start_server
+from tests.server_process import served_fixture
 
 MODEL = "cairn-demo"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -33,22 +31,7 @@ HISTORY = ASK + [
 GREEDY = dict(model=MODEL, temperature=0, max_tokens=12)
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server("--max-model-len", "2048", "--max-num-seqs", "4", "--log-level", "WARNING")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
+served = served_fixture("--max-model-len", "2048", "--max-num-seqs", "4", "--log-level", "WARNING")
 
 
 def streamed(client: openai.OpenAI, **ask) -> tuple[str, str, list]:
@@ -138,11 +121,6 @@ CLAUDE_HISTORY = [
 SYSTEM = "You are a weather agent. " * 40
 
 
-@pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
 def test_anthropic_streamed_history_with_system_matches_the_whole_answer(claude):
     ask = dict(model=MODEL, max_tokens=12, system=SYSTEM, messages=CLAUDE_HISTORY, tools=[CLAUDE_TOOL],
                thinking={"type": "disabled"}, extra_body={"temperature": 0})
@@ -171,12 +149,13 @@ def test_anthropic_streamed_stop_sequence(claude):
 
 # ---- --reasoning-parser none, --tool-call-parser none ----------------------------------------------------
 
+served_raw = served_fixture("--max-model-len", "1024", "--max-num-seqs", "2", "--log-level", "WARNING",
+                            "--reasoning-parser", "none", "--tool-call-parser", "none")
+
+
 @pytest.fixture(scope="module")
-def raw_client():
-    srv = start_server("--max-model-len", "1024", "--max-num-seqs", "2", "--log-level", "WARNING",
-                       "--reasoning-parser", "none", "--tool-call-parser", "none")
-    yield openai_client(srv)
-    srv.stop()
+def raw_client(served_raw):
+    return served_raw.openai
 
 
 def test_parsers_turned_off_leave_reasoning_and_calls_in_content_streamed_and_not(raw_client):

@@ -29,7 +29,7 @@ from cairn.grammar import allowed_masks
 from cairn.server.parsers import ToolCallParser, parse_call
 from cairn.server.string_regex import FORMATS, pattern_regex
 from cairn.tokenizer import ByteTokenizer
-from tests.server_process import openai_client, start_server
+from tests.server_process import served_fixture
 from tests.test_agentic_grammar import VOCAB, compile_calls, drive
 
 DURATION = re.compile(r"P(?:(\d+)Y)?(?:(\d+)M)?(?:(\d+)W)?(?:(\d+)D)?(?:T(?:(\d+)H)?(?:(\d+)M)?(?:(\d+)S)?)?")
@@ -216,11 +216,7 @@ BOOKING = {"type": "function", "function": {"name": "book", "parameters": {
     "required": ["day", "code", "seats"], "additionalProperties": False}}}
 
 
-@pytest.fixture(scope="module")
-def client():
-    srv = start_server("--max-model-len", "2048", "--max-num-seqs", "2", "--log-level", "WARNING")
-    yield openai_client(srv)
-    srv.stop()
+served = served_fixture("--max-model-len", "2048", "--max-num-seqs", "2", "--log-level", "WARNING")
 
 
 @pytest.mark.parametrize("stream", [False, True])

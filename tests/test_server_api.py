@@ -11,10 +11,9 @@ import re
 import threading
 
 import httpx
-import openai
 import pytest
 
-from tests.server_process import openai_client, start_server
+from tests.server_process import served_fixture
 
 MODEL = "cairn-demo"
 MAX_MODEL_LEN = 1024
@@ -22,23 +21,8 @@ MAX_REQUEST_BYTES = 65536
 CHAT = [{"role": "user", "content": "Hello, cairn"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server("--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                       "--max-num-seqs", "8", "--log-level", "WARNING")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
+served = served_fixture("--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes", str(MAX_REQUEST_BYTES),
+                        "--max-num-seqs", "8", "--log-level", "WARNING")
 
 
 def metric(http: httpx.Client, name: str) -> float:

@@ -10,19 +10,15 @@ import time
 import httpx
 import pytest
 
-from tests.server_process import start_server
+from tests.server_process import served_fixture
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.5
 MAX_CONNECTIONS = 6
 
 
-@pytest.fixture(scope="module")
-def srv():
-    server = start_server("--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
-                          "--max-connections", str(MAX_CONNECTIONS), "--log-level", "INFO")
-    yield server
-    server.stop()
+served = served_fixture("--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
+                        "--max-connections", str(MAX_CONNECTIONS), "--log-level", "INFO")
 
 
 def connect(url: str) -> socket.socket:
@@ -62,64 +58,64 @@ def status_and_code(answer: bytes) -> tuple[int, str | None]:
     return int(head.split(b" ")[1]), code.group(1).decode() if code else None
 
 
-def requests_total(srv, endpoint: str, status: int) -> float:
+def requests_total(server, endpoint: str, status: int) -> float:
     m = re.search(rf'^cairn_requests_total{{endpoint="{re.escape(endpoint)}",status="{status}"}} (\S+)$',
-                  httpx.get(srv.base_url + "/metrics").text, re.M)
+                  httpx.get(server.base_url + "/metrics").text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
-def assert_still_serving(srv) -> None:
-    r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "ok", "max_tokens": 1}, timeout=60)
+def assert_still_serving(server) -> None:
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "ok", "max_tokens": 1}, timeout=60)
     assert r.status_code == 200, r.text
 
 
-def test_request_head_trickled_byte_by_byte_gets_408_and_is_closed(srv):
+def test_request_head_trickled_byte_by_byte_gets_408_and_is_closed(server):
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Slow: " + b"a" * 200
-    with connect(srv.base_url) as sock:
+    with connect(server.base_url) as sock:
         answer = trickle_until_answered(sock, head, every_s=0.3)
     assert status_and_code(answer) == (408, "request_timeout"), answer
-    assert_still_serving(srv)
+    assert_still_serving(server)
 
 
-def test_connection_that_never_sends_a_request_is_closed(srv):
-    with connect(srv.base_url) as sock:
+def test_connection_that_never_sends_a_request_is_closed(server):
+    with connect(server.base_url) as sock:
         answer = trickle_until_answered(sock, b"", every_s=0.3)
     assert status_and_code(answer) == (408, "request_timeout"), answer
 
 
-def test_body_trickled_at_one_byte_per_half_second_gets_408(srv):
+def test_body_trickled_at_one_byte_per_half_second_gets_408(server):
     body = b'{"prompt": "slow", "max_tokens": 1}'
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
-    with connect(srv.base_url) as sock:
+    with connect(server.base_url) as sock:
         sock.sendall(head)
         answer = trickle_until_answered(sock, body, every_s=0.5)
     assert status_and_code(answer) == (408, "request_timeout"), answer
-    assert_still_serving(srv)
+    assert_still_serving(server)
 
 
-def test_connections_over_the_cap_get_503_and_the_server_recovers(srv):
-    socks = [connect(srv.base_url) for _ in range(MAX_CONNECTIONS + 1)]
+def test_connections_over_the_cap_get_503_and_the_server_recovers(server):
+    socks = [connect(server.base_url) for _ in range(MAX_CONNECTIONS + 1)]
     try:
         last = trickle_until_answered(socks[-1], b"", every_s=0.1, limit_s=HEADER_TIMEOUT_S / 2)
     finally:
         for s in socks:
             s.close()
     assert status_and_code(last) == (503, "too_many_connections"), last
-    assert_still_serving(srv)
+    assert_still_serving(server)
 
 
-def test_client_dropping_a_whole_response_is_499_without_a_traceback(srv):
-    before = requests_total(srv, "/v1/completions", 499)
+def test_client_dropping_a_whole_response_is_499_without_a_traceback(server):
+    before = requests_total(server, "/v1/completions", 499)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.base_url + "/v1/completions", json={"prompt": "gone", "max_tokens": 2000, "ignore_eos": True},
+        httpx.post(server.base_url + "/v1/completions", json={"prompt": "gone", "max_tokens": 2000, "ignore_eos": True},
                    timeout=1.0)
     deadline = time.monotonic() + 30
-    while requests_total(srv, "/v1/completions", 499) == before and time.monotonic() < deadline:
+    while requests_total(server, "/v1/completions", 499) == before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert requests_total(srv, "/v1/completions", 499) == before + 1
-    assert requests_total(srv, "/v1/completions", 500) == 0
-    log = srv.log()
+    assert requests_total(server, "/v1/completions", 499) == before + 1
+    assert requests_total(server, "/v1/completions", 500) == 0
+    log = server.log()
     assert "Traceback" not in log and "ERROR" not in log, log
     assert "the client closed the connection" in log
-    assert re.search(r'^cairn_num_requests_running 0', httpx.get(srv.base_url + "/metrics").text, re.M)
+    assert re.search(r'^cairn_num_requests_running 0', httpx.get(server.base_url + "/metrics").text, re.M)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_process import start_server
+from tests.server_process import served_fixture
 
 MODEL = "cairn-demo"
 MAX_MODEL_LEN = 1024
@@ -20,13 +20,8 @@ MAX_REQUEST_BYTES = 65536
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def http():
-    srv = start_server("--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                       "--log-level", "WARNING")
-    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
-        yield c
-    srv.stop()
+served = served_fixture("--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes", str(MAX_REQUEST_BYTES),
+                        "--log-level", "WARNING")
 
 
 def assert_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:

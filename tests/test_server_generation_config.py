@@ -7,29 +7,21 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
-import pytest
 
 from tests.checkpoints import write_checkpoint
-from tests.server_process import openai_client, start_server
+from tests.server_process import served_fixture
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("genconfig")
+def checkpoint_with_defaults(path) -> None:
     write_checkpoint("qwen3_5_text", path)
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 20, "do_sample": True}))
-    srv = start_server("--model", str(path), "--max-model-len", "512", "--log-level", "INFO")
-    yield srv
-    srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai_client(server, 120)
+served = served_fixture("--max-model-len", "512", "--log-level", "INFO", checkpoint=checkpoint_with_defaults,
+                        client_timeout_s=120)
 
 
 def test_generation_config_defaults_are_logged_at_start_up(server):

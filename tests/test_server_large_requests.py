@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from cairn.server.offload import LARGE_INPUT_BYTES
-from tests.server_process import start_server
+from tests.server_process import served_fixture
 
 MODEL = "cairn-demo"
 CHAT = {"model": MODEL, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
@@ -29,17 +29,7 @@ ANTHROPIC = {"model": MODEL, "max_tokens": 4, "temperature": 0, "system": "be br
              "messages": [{"role": "user", "content": "héllo there"}]}
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server("--log-level", "INFO")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
+served = served_fixture("--log-level", "INFO", client_timeout_s=120)
 
 
 def padded(body: dict) -> bytes:

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_process import openai_client, start_server
+from tests.server_process import served_fixture
 
 MODEL = "cairn-demo"
 CHAT = [{"role": "user", "content": "Sampling parity"}]
@@ -23,22 +23,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server("--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "INFO")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai_client(server, 120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
+served = served_fixture("--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "INFO", client_timeout_s=120)
 
 
 def step_failures(http: httpx.Client) -> float:
