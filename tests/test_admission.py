@@ -38,7 +38,7 @@ def test_admit_returns_the_resume_point_without_writing_the_request():
     assert admission.ready_logits is None  # two prompt tokens are left to compute
     assert admission.report.resume_position == admission.report.cached_tokens == 40
     assert admission.report.match_length == 40 and admission.report.snapshots_taken == 0
-    assert 42 in admission.snapshot_positions  # the new prompt's end is planned
+    assert admission.planned_captures.get(42) == "prompt_end"  # the new prompt's end is planned
     assert req.token_ids == prompt and req.page_table == [] and req.num_computed == 0
     release(llm, admission, req)
     engine.check_integrity()

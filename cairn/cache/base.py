@@ -73,7 +73,9 @@ class Admission:
     page_table: list[int] = field(default_factory=list)  # pages of [0, num_cached), one reference held for the request
     ready_logits: torch.Tensor | None = None  # next-token logits when num_cached is the whole prompt (none computed)
     report: CacheReport = field(default_factory=CacheReport)  # what the cache did (snapshots_taken: 0 here)
-    snapshot_positions: tuple[int, ...] = ()  # the planned captures: where this request's snapshots will be taken
+    # the planned captures: position -> placement source of each snapshot still to take for the request (the
+    # cache plans them at admission and pops each one as its step takes it or finds no room for it)
+    planned_captures: dict[int, str] = field(default_factory=dict)
     state: object | None = None  # the cache's private bookkeeping (lock on the matched path, captures in flight)
 
 

@@ -51,7 +51,6 @@ MAX_PLANS = 16  # plans per admission; each failed one marks at least one disk s
 class _RequestState:
     """The cache's bookkeeping for one running request (Admission.state)."""
 
-    places: dict[int, str]  # position -> placement source of the snapshots still to take
     lock: LockHandle | None = None  # the matched path it resumed from, locked until release
     taken: set[int] = field(default_factory=set)  # positions this request attached snapshots at
     captures: dict[int, TieredSnapshot] = field(default_factory=dict)  # position -> slot a step writes
@@ -97,7 +96,7 @@ class HybridPrefixCache(PrefixCache):
         if match is None:
             self.counters["admissions_awaiting_remote"] += 1
             return None  # a remote lookup is running off this thread: admit when its answer is in
-        state = _RequestState(places={})
+        state = _RequestState()
         admission = Admission(state=state)
         report = admission.report
         for _ in range(MAX_PLANS):  # a copy found unreadable is marked bad (never planned again): plan again
@@ -115,11 +114,10 @@ class HybridPrefixCache(PrefixCache):
         report.match_length = match.match_len
         if report.miss_reason is None:
             report.miss_reason = self._miss_reason(match, chosen)
-        state.places = place(PlacementInput(
+        admission.planned_captures = place(PlacementInput(
             prompt_len=len(req.token_ids), resume_position=admission.num_cached, match_length=match.match_len,
             path_has_deeper_snapshot=self._has_snapshot_beyond(match), message_starts=tuple(req.message_starts),
             user_message_starts=tuple(req.user_message_starts)), self.placement)
-        admission.snapshot_positions = tuple(sorted(state.places))
         return admission
 
     def _match(self, req: CacheRequest, wait: bool = True) -> MatchResult | None:
@@ -288,7 +286,7 @@ class HybridPrefixCache(PrefixCache):
         if state is None:
             return None, []
         wanted = []
-        for pos in sorted(p for p in state.places if start < p < end and p not in state.captures):
+        for pos in sorted(p for p in adm.planned_captures if start < p < end and p not in state.captures):
             handle = self.tiers.reserve_snapshot()
             if handle is None:
                 state.missed.add(pos)
@@ -303,12 +301,12 @@ class HybridPrefixCache(PrefixCache):
             return 0
         num_taken = len(state.taken)
         for pos in sorted(p for p in state.captures if p < req.num_computed):
-            self._attach(req, state, pos, state.places.pop(pos), state.captures.pop(pos))
+            self._attach(req, state, pos, adm.planned_captures.pop(pos), state.captures.pop(pos))
         for pos in sorted(p for p in state.missed if p < req.num_computed):
             state.missed.discard(pos)
-            state.places.pop(pos, None)
+            adm.planned_captures.pop(pos, None)
             self._budget_miss(req, pos)
-        source = state.places.pop(req.num_computed, None)
+        source = adm.planned_captures.pop(req.num_computed, None)
         if source is not None:
             self._take(req, state, source, logits if source == "prompt_end" else None)
         return len(state.taken) - num_taken
