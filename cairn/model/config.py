@@ -202,8 +202,6 @@ class ModelConfig:
     def mamba2_spec(self) -> Mamba2Spec:
         from cairn.layers.mamba2 import Mamba2Spec
 
-        if self.mamba is None:
-            raise ConfigError(f"{self.family}: a mamba2 layer without a Mamba2 shape")
         return Mamba2Spec(self.hidden_size, **dataclasses.asdict(self.mamba))
 
     def state_spec(self, dtype: torch.dtype) -> StateSpec:

@@ -51,15 +51,14 @@ class Target:
 
 
 class ParallelAttentionMamba2(nn.Module):
-    """Attention and a Mamba2 mixer on the same input, their outputs summed (Falcon-H1's layers; a family
-    file subclasses it for its multipliers). `mamba.layer` names its state, `attention.pool_index` its KV."""
+    """Attention and a Mamba2 mixer on the same input ("attention+mamba2" layers): the family file that has
+    such layers subclasses it with the forward that sums them under its multipliers (Falcon-H1's
+    FalconH1Mixer) and builds it in its make_mixer. `mamba.layer` names its state, `attention.pool_index`
+    its KV."""
 
     def __init__(self, attention: nn.Module, mamba: Mamba2Mixer):
         super().__init__()
         self.attention, self.mamba = attention, mamba
-
-    def forward(self, h, batch: ForwardBatch, cos_sin, kv: KVPool, states: StatePool, kernels: Kernels):
-        return self.attention(h, batch, cos_sin, kv, kernels) + self.mamba(h, batch, states, kernels)
 
 
 class DecoderLayer(nn.Module):
@@ -124,9 +123,7 @@ class HybridModel(nn.Module):
             return self.make_attention(layer)
         if kind == "mamba2":
             return Mamba2Mixer(self.cfg.mamba2_spec(), layer)
-        if kind == "attention+mamba2":
-            return ParallelAttentionMamba2(self.make_attention(layer), Mamba2Mixer(self.cfg.mamba2_spec(), layer))
-        return None
+        return None  # "none"; the family with "attention+mamba2" layers builds them (ParallelAttentionMamba2)
 
     def make_attention(self, layer: int) -> nn.Module:
         spec, index = self.cfg.attention_spec(), self._attention_index[layer]
@@ -135,13 +132,12 @@ class HybridModel(nn.Module):
         return Attention(spec, index, self.rotary)
 
     def make_mlp(self, layer: int) -> nn.Module | None:
-        cfg, kind = self.cfg, self.cfg.ffn_types[layer]
-        if kind == "moe":
+        """The Qwen families' FFN: every layer has one (the families with FFN-less layers override this)."""
+        cfg = self.cfg
+        if cfg.ffn_types[layer] == "moe":
             return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                              cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
-        if kind == "dense":
-            return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        return None
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, states: StatePool) -> torch.Tensor:
