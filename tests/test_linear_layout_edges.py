@@ -1,0 +1,85 @@
+"""The weight layouts' and kernels' edge paths the model tests do not reach: a gemv layout fed more rows than
+it serves directly (prefill), a non-contiguous weight, a packed layout given no rows, the refusals of an
+unknown layout, of int8 off the CPU and of a conv capture outside its segment, and the kernel's build command
+(scripts/setup runs it). Each is compared with F.linear or checked for the error that names the problem.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cairn.model.layout import GemvLinear, PackedLinear, QuantizationError, choose_layout, quantize
+from cairn.ops import cpu_gemv
+from cairn.ops.attention import consecutive_run
+from cairn.ops.conv import causal_conv1d
+from tests.server_process import REPO_ROOT
+
+FLAGS = cpu_gemv.cpu_flags()
+
+
+def gemv_kernel() -> cpu_gemv.GemvKernel:
+    kernel = cpu_gemv.load(FLAGS)
+    if isinstance(kernel, str):
+        pytest.skip(f"gemv kernel unavailable here: {kernel}")
+    return kernel
+
+
+def bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_gemv_layout_above_its_direct_rows_is_f_linear():
+    w = torch.nn.Parameter(bf16(37, 64, seed=1), requires_grad=False)
+    layer = GemvLinear(w, gemv_kernel())
+    x = bf16(2, GemvLinear.DIRECT_ROWS + 3, 64, seed=2)  # a prefill: more rows than the kernel serves
+    assert torch.equal(layer(x), F.linear(x, w))
+
+
+def test_gemv_layout_of_a_non_contiguous_weight_multiplies_a_contiguous_copy():
+    stored = bf16(64, 37, seed=3)
+    w = torch.nn.Parameter(stored.T, requires_grad=False)  # [37, 64], column-major
+    layer = GemvLinear(w, gemv_kernel())
+    assert layer.weight.is_contiguous() and torch.equal(layer.weight, stored.T)
+    x = bf16(1, 64, seed=4)
+    ref = F.linear(x.float(), stored.T.float())
+    assert ((layer(x).float() - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-2).all()
+
+
+def test_packed_layout_given_no_rows_returns_an_empty_output():
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("oneDNN without bf16 here")
+    layer = PackedLinear(bf16(37, 64, seed=5))
+    out = layer(torch.empty(0, 64, dtype=torch.bfloat16))
+    assert out.shape == (0, 37) and out.dtype == torch.bfloat16
+
+
+def test_unknown_weight_layout_and_int8_off_the_cpu_are_refused_naming_them():
+    with pytest.raises(ValueError, match="--weight-layout tiled: unknown"):
+        choose_layout("tiled", torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(QuantizationError, match="implemented for CPU only, not cuda"):
+        quantize(torch.nn.Linear(4, 4), None, "int8", torch.device("cuda"))  # refused before the model is read
+
+
+def test_conv_capture_outside_the_segment_is_refused():
+    x, state, weight = torch.randn(5, 8), torch.zeros(8, 3), torch.randn(8, 4)
+    causal_conv1d(x, state.clone(), weight, capture_at=[(5, torch.empty(8, 3))])  # the segment's end: fine
+    with pytest.raises(ValueError, match="capture at 6 is outside the segment's 5 tokens"):
+        causal_conv1d(x, state.clone(), weight, capture_at=[(6, torch.empty(8, 3))])
+
+
+def test_page_run_of_no_pages_is_none():
+    assert consecutive_run(torch.tensor([], dtype=torch.long)) is None
+    assert consecutive_run(torch.tensor([4, 5, 6])) == slice(4, 7)
+
+
+def test_kernel_build_command_names_the_path_it_got():
+    expected = cpu_gemv.load(FLAGS)
+    out = subprocess.run([sys.executable, "-m", "cairn.ops.cpu_gemv", "--build"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    named = expected.isa if isinstance(expected, cpu_gemv.GemvKernel) else f"none ({expected})"
+    assert out.strip() == f"cairn gemv kernel: {named}"
