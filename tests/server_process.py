@@ -1,12 +1,14 @@
-"""Test helper: run `cairn serve` as a real subprocess on a free loopback port.
+"""Test helper: run `cairn serve` (or `cairn router`) as a real subprocess on a free loopback port.
 
-`start_server(*flags)` starts `python -m cairn.cli serve` on the demo model with tiny pools, waits
-until /health answers 200, and returns a `ServerProcess`; `stop()` ends it (SIGTERM, then SIGKILL).
-The server's output goes to a temporary file (never a pipe, which could fill and block it) and is
-included in the error when start-up fails. `served_fixture(*flags)` is the one fixture factory of the
-served test files: a module-scoped fixture starting one server for the module and yielding a `Served`
-(the server plus its openai / anthropic / httpx clients); tests/conftest.py derives the `server`,
-`client`, `claude` and `http` fixtures from it. Not a test module: it holds no assertions.
+`start_server(*flags)` starts `python -m cairn.cli serve` on the demo model with tiny pools
+(`start_router(*flags)`: `cairn router`), waits until /health answers 200, and returns a
+`ServerProcess`; `stop()` ends it (SIGTERM, then SIGKILL). The output goes to a temporary file (never
+a pipe, which could fill and block it) and is included in the error when start-up fails.
+
+`served_fixture(*flags)` is the one fixture factory of the served test files: a module-scoped fixture
+starting one server for the module and yielding a `Served` (the server plus its openai / anthropic /
+httpx clients); tests/conftest.py derives the `server`, `client`, `claude` and `http` fixtures from it.
+Not a test module: it holds no assertions.
 """
 
 from __future__ import annotations
@@ -60,10 +62,21 @@ class ServerProcess:
 
 
 def start_server(*flags: str, timeout_s: float = 90.0, env: dict[str, str] | None = None) -> ServerProcess:
-    """`cairn serve` with `flags`, healthy; `env` is added to this process's environment."""
+    """`cairn serve` on the demo model with tiny pools and `flags`, healthy; `env` is added to the environment."""
+    return start_cli("serve", *TINY_POOLS, *flags, timeout_s=timeout_s, env=env)
+
+
+def start_router(*flags: str, timeout_s: float = 60.0) -> ServerProcess:
+    """`cairn router` with `flags` (its `--replica URL`s among them), once its /health answers 200 (a replica
+    is up)."""
+    return start_cli("router", *flags, timeout_s=timeout_s)
+
+
+def start_cli(command: str, *flags: str, timeout_s: float, env: dict[str, str] | None = None) -> ServerProcess:
+    """`python -m cairn.cli COMMAND --port N *flags` on a free loopback port, once its /health answers 200."""
     port = free_port()
-    fd, log_path = tempfile.mkstemp(prefix="cairn-serve-", suffix=".log")
-    cmd = [sys.executable, "-m", "cairn.cli", "serve", "--port", str(port), *TINY_POOLS, *flags]
+    fd, log_path = tempfile.mkstemp(prefix=f"cairn-{command}-", suffix=".log")
+    cmd = [sys.executable, "-m", "cairn.cli", command, "--port", str(port), *flags]
     try:
         proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                 env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
@@ -73,7 +86,7 @@ def start_server(*flags: str, timeout_s: float = 90.0, env: dict[str, str] | Non
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"cairn serve exited with {proc.returncode}:\n{server.log()}")
+            raise RuntimeError(f"cairn {command} exited with {proc.returncode}:\n{server.log()}")
         try:
             if httpx.get(server.base_url + "/health", timeout=1.0).status_code == 200:
                 return server
@@ -81,7 +94,7 @@ def start_server(*flags: str, timeout_s: float = 90.0, env: dict[str, str] | Non
             pass
         time.sleep(0.1)
     server.stop()
-    raise RuntimeError(f"cairn serve did not become healthy in {timeout_s}s:\n{server.log()}")
+    raise RuntimeError(f"cairn {command} did not become healthy in {timeout_s}s:\n{server.log()}")
 
 
 def openai_client(server: ServerProcess, timeout_s: float = 60.0):

@@ -1,0 +1,120 @@
+"""A real `cairn router` process against replicas that fail on cue (tests/scripted_replica.py).
+
+Each test starts the router over scripted replicas and checks what its client sees and what the router's
+/health reports: probes that are missing, garbage or late leave the replica in and route by order; a 503,
+a refused connection or a drop before the first byte moves the request to the next replica and takes the
+failed one out; with every replica failing the client gets the last answer or a 503 `no_replica`; a drop
+mid-stream ends the SSE stream with an error event; a replica whose /health answers again is back; a large
+chat body is parsed off the event loop and its prefixes remembered.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import ExitStack, contextmanager
+
+import httpx
+
+from tests.scripted_replica import Script, ScriptedReplica
+from tests.server_process import ServerProcess, start_router
+
+
+@contextmanager
+def routed(*scripts: Script):
+    """(router, [replicas]) over one scripted replica per script; a failed replica stays out for 60 s."""
+    with ExitStack() as stack:
+        replicas = [stack.enter_context(ScriptedReplica(s)) for s in scripts]
+        flags = [f for r in replicas for f in ("--replica", r.url)]
+        router = start_router(*flags, "--cooldown-s", "60", "--health-interval-s", "0.2", "--probe-timeout-s", "0.5")
+        stack.callback(router.stop)  # before the replicas stop
+        yield router, replicas
+
+
+def chat(router: ServerProcess, content: str = "hello", **body) -> httpx.Response:
+    return httpx.post(router.base_url + "/v1/chat/completions", timeout=30,
+                      json={"model": "scripted", "messages": [{"role": "user", "content": content}], **body})
+
+
+def health(router: ServerProcess) -> dict:
+    return httpx.get(router.base_url + "/health", timeout=10).json()
+
+
+def replica_report(router: ServerProcess, replica: ScriptedReplica) -> dict:
+    return next(r for r in health(router)["replicas"] if r["url"] == replica.url)
+
+
+def test_probes_that_are_missing_garbage_or_late_leave_the_replicas_in():
+    scripts = Script(probe="missing"), Script(probe="garbage"), Script(probe="slow")
+    with routed(*scripts) as (router, replicas):
+        for i in range(3):
+            resp = chat(router, f"question {i}")  # a new conversation each time: probed, not placed
+            assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "scripted"
+            assert resp.headers["x-cairn-replica"] in {r.url for r in replicas}
+        report = health(router)
+        assert report["routed_by"] == {"probe": 3}
+        assert all(r["healthy"] and r["failed"] == 0 for r in report["replicas"])
+
+
+def test_a_replica_answering_503_passes_the_request_to_the_next_and_is_taken_out():
+    with routed(Script(answer="busy"), Script(probe="missing")) as (router, (busy, ok)):
+        resp = chat(router)  # the busy one answered its probe: it is tried first
+        assert resp.status_code == 200 and resp.headers["x-cairn-replica"] == ok.url
+        assert busy.script.generations == ["/v1/chat/completions"]
+        report = replica_report(router, busy)
+        assert not report["healthy"] and report["failed"] == 1 and report["last_error"] == "answered 503"
+
+
+def test_a_replica_dropping_before_the_first_byte_passes_the_request_to_the_next():
+    with routed(Script(answer="cut_before_body"), Script(probe="missing")) as (router, (cut, ok)):
+        resp = chat(router)
+        assert resp.status_code == 200 and resp.headers["x-cairn-replica"] == ok.url
+        assert cut.script.generations == ["/v1/chat/completions"]
+        assert "before the first byte" in replica_report(router, cut)["last_error"]
+
+
+def test_with_every_replica_failing_the_client_gets_the_last_answer_then_a_503():
+    with routed(Script(answer="busy"), Script(probe="missing", answer="busy")) as (router, replicas):
+        resp = chat(router)
+        assert resp.status_code == 503 and resp.json()["error"]["message"] == "scripted: busy"  # passed on
+        assert httpx.get(router.base_url + "/health", timeout=10).status_code == 503  # both taken out
+        resp = chat(router, "again")  # none available: every replica is tried anyway, soonest back first
+        assert resp.status_code == 503 and health(router)["routed_by"]["none_available"] == 1
+        assert [len(r.script.generations) for r in replicas] == [2, 2]
+        for r in replicas:
+            r.stop()  # connections refused now
+        resp = chat(router, "once more")
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_replica"
+        assert all("ConnectError" in r["last_error"] for r in health(router)["replicas"])  # (or its /health)
+
+
+def test_a_replica_failing_mid_stream_ends_the_stream_with_an_error_event():
+    with routed(Script(answer="cut_mid_stream")) as (router, _):
+        resp = chat(router, stream=True)
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len("data: "):]) for line in resp.text.splitlines() if line.startswith("data: ")]
+        assert events[0]["choices"][0]["delta"]["content"] == "half"
+        assert events[-1]["error"]["message"].startswith("the replica failed mid-stream")
+
+
+def wait_for(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_replica_whose_health_answers_again_is_back():
+    with routed(Script(health=503), Script()) as (router, (sick, _)):
+        assert wait_for(lambda: not replica_report(router, sick)["healthy"])
+        sick.script.health = 200
+        assert wait_for(lambda: replica_report(router, sick)["healthy"])
+
+
+def test_a_large_chat_body_is_routed_and_its_prefixes_remembered():
+    with routed(Script()) as (router, (replica,)):
+        resp = chat(router, "x" * 300_000)  # over the router's inline-parse limit
+        assert resp.status_code == 200 and resp.headers["x-cairn-replica"] == replica.url
+        assert health(router)["remembered_prefixes"] > 0
