@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+BUSY_PADDING = 300_000  # bytes of padding in a 503 answer
 GOOD_PROBE = {"position": 96, "est_ttft_s": 0.01, "waiting": 0, "running": 0, "tokens": 120}
 ANSWER = {"id": "scripted", "object": "chat.completion", "choices": [
     {"index": 0, "message": {"role": "assistant", "content": "scripted"}, "finish_reason": "stop"}]}
@@ -56,8 +57,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._probe(script)
             return
         script.generations.append(self.path)
-        if script.answer == "busy":
-            self._send(503, b'{"error": {"message": "scripted: busy", "type": "server_error"}}')
+        if script.answer == "busy":  # a body longer than one read, as a replica's error page may be
+            error = {"message": "scripted: busy", "type": "server_error", "detail": "." * BUSY_PADDING}
+            self._send(503, json.dumps({"error": error}).encode())
         elif script.answer == "cut_before_body":  # headers promise a body that never comes
             self._send(200, b"", length=100)
             self.close_connection = True

@@ -5,7 +5,7 @@ Each test starts the router over scripted replicas and checks what its client se
 a refused connection or a drop before the first byte moves the request to the next replica and takes the
 failed one out; with every replica failing the client gets the last answer or a 503 `no_replica`; a drop
 mid-stream ends the SSE stream with an error event; a replica whose /health answers again is back; a large
-chat body is parsed off the event loop and its prefixes remembered.
+chat body is parsed off the event loop and its prefixes remembered; a body that is not JSON is passed on.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from contextlib import ExitStack, contextmanager
 
 import httpx
 
-from tests.scripted_replica import Script, ScriptedReplica
+from tests.scripted_replica import BUSY_PADDING, Script, ScriptedReplica
 from tests.server_process import ServerProcess, start_router
 
 
@@ -76,7 +76,9 @@ def test_a_replica_dropping_before_the_first_byte_passes_the_request_to_the_next
 def test_with_every_replica_failing_the_client_gets_the_last_answer_then_a_503():
     with routed(Script(answer="busy"), Script(probe="missing", answer="busy")) as (router, replicas):
         resp = chat(router)
-        assert resp.status_code == 503 and resp.json()["error"]["message"] == "scripted: busy"  # passed on
+        error = resp.json()["error"]
+        assert resp.status_code == 503 and error["message"] == "scripted: busy"  # passed on, whole
+        assert error["detail"] == "." * BUSY_PADDING
         assert httpx.get(router.base_url + "/health", timeout=10).status_code == 503  # both taken out
         resp = chat(router, "again")  # none available: every replica is tried anyway, soonest back first
         assert resp.status_code == 503 and health(router)["routed_by"]["none_available"] == 1
@@ -118,3 +120,12 @@ def test_a_large_chat_body_is_routed_and_its_prefixes_remembered():
         resp = chat(router, "x" * 300_000)  # over the router's inline-parse limit
         assert resp.status_code == 200 and resp.headers["x-cairn-replica"] == replica.url
         assert health(router)["remembered_prefixes"] > 0
+
+
+def test_a_body_that_is_not_json_is_passed_on_and_nothing_remembered():
+    """The replica answers for a body it cannot read (a real one with a 400); the router only forwards it."""
+    with routed(Script()) as (router, (replica,)):
+        resp = httpx.post(router.base_url + "/v1/chat/completions", content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
+        assert resp.status_code == 200 and replica.script.generations == ["/v1/chat/completions"]
+        assert health(router)["remembered_prefixes"] == 0
