@@ -90,13 +90,16 @@ def test_config_that_does_not_fit_is_refused_naming_why(checkpoints, family, cha
         config_from_hf(raw)
 
 
-def test_layer_kinds_and_ffn_kinds_out_of_step_are_refused_by_validate(checkpoints):
-    """The guards under every parser: one FFN kind per layer, and only the mixers cairn implements."""
+def test_what_no_parser_builds_is_still_refused_by_validate(checkpoints):
+    """The guards under every parser: one FFN kind per layer, only the mixers cairn implements, and no biases
+    on gated attention (each family's key table refuses these first)."""
     cfg = config_from_hf(raw_config(checkpoints, "qwen3_5_text"))
     with pytest.raises(ConfigError, match="5 FFN kinds for 6 layers"):
         dataclasses.replace(cfg, ffn_types=cfg.ffn_types[:5]).validate()
     with pytest.raises(ConfigError, match="'sliding_attention' is not implemented"):
         dataclasses.replace(cfg, layer_types=("sliding_attention",) * 6).validate()
+    with pytest.raises(ConfigError, match="gated attention with biases"):
+        dataclasses.replace(cfg, attention_bias=True).validate()
 
 
 def test_qwen_layer_kinds_follow_full_attention_interval_without_layer_types(checkpoints):

@@ -1,7 +1,8 @@
-"""The weight layouts' and kernels' edge paths the model tests do not reach: a gemv layout fed more rows than
-it serves directly (prefill), a non-contiguous weight, a packed layout given no rows, the refusals of an
-unknown layout, of int8 off the CPU and of a conv capture outside its segment, and the kernel's build command
-(scripts/setup runs it). Each is compared with F.linear or checked for the error that names the problem.
+"""The weight layouts' and kernels' edge paths the model tests do not reach: a gemv layout fed more rows
+than it serves directly (prefill), a non-contiguous weight or input row, a packed layout given no rows,
+the refusals of an unknown layout or quantization, of int8 off the CPU and of a conv capture outside its
+segment, and the kernel's build command (scripts/setup runs it). Each is compared with F.linear or
+checked for the error that names the problem.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ def test_gemv_layout_of_a_non_contiguous_weight_multiplies_a_contiguous_copy():
     assert ((layer(x).float() - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-2).all()
 
 
+def test_gemv_layout_of_a_strided_input_row_multiplies_a_contiguous_copy():
+    w = torch.nn.Parameter(bf16(37, 64, seed=6), requires_grad=False)
+    layer = GemvLinear(w, gemv_kernel())
+    x = bf16(64, 2, seed=7).T[:1]  # one row whose elements are 2 apart
+    assert x.stride(-1) != 1
+    assert torch.equal(layer(x), layer(x.contiguous()))
+
+
 def test_packed_layout_given_no_rows_returns_an_empty_output():
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         pytest.skip("oneDNN without bf16 here")
@@ -58,9 +67,11 @@ def test_packed_layout_given_no_rows_returns_an_empty_output():
     assert out.shape == (0, 37) and out.dtype == torch.bfloat16
 
 
-def test_unknown_weight_layout_and_int8_off_the_cpu_are_refused_naming_them():
+def test_unknown_weight_layout_and_quantization_and_int8_off_the_cpu_are_refused_naming_them():
     with pytest.raises(ValueError, match="--weight-layout tiled: unknown"):
         choose_layout("tiled", torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(QuantizationError, match="--quantization int4: unknown"):
+        quantize(torch.nn.Linear(4, 4), None, "int4", torch.device("cpu"))
     with pytest.raises(QuantizationError, match="implemented for CPU only, not cuda"):
         quantize(torch.nn.Linear(4, 4), None, "int8", torch.device("cuda"))  # refused before the model is read
 
