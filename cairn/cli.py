@@ -3,8 +3,9 @@
 `cairn.flags` turns each field of an option group into a flag (`kv_cache_gib` -> `--kv-cache-gib`).
 Subcommands: `generate` (one prompt or a chat, prints text and timing) and the others registered in
 COMMANDS. `--log-level` / `--log-format` go before or after the subcommand. A user's mistake
-(cairn.preflight.UserError: a missing or unsupported --model, a port in use, bad --messages) is
-checked before anything slow and printed as one line, exit status 2, without a traceback.
+(cairn.preflight.UserError: a missing or unsupported --model, a port in use, bad --messages; and
+cairn.config.ConfigError: a flag's value out of range, e.g. --port 70000 or --max-num-seqs 0) is
+printed as one line, exit status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import typing
 
 from cairn import __version__
+from cairn.config import ConfigError
 from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.logs import LOG_FORMATS, setup_logging
 from cairn.preflight import UserError, check_model, check_port
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[ns.command][2](ns)
-    except (UserError, DiskStoreError) as e:  # a user's mistake (e.g. an unusable --disk-cache): one line
+    except (UserError, ConfigError, DiskStoreError) as e:  # a user's mistake (e.g. --port 70000): one line
         print(f"cairn {ns.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -16,8 +16,23 @@ from dataclasses import dataclass, field
 GIB = 1 << 30
 
 
+class ConfigError(ValueError):
+    """An option's value cairn cannot run with (`--port 70000`, `--max-num-seqs 0`, a KV budget that holds
+    no page). The message names the flag; the command line prints it as one line, with no traceback."""
+
+
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
+
+
+def check_at_least(options, least: dict[str, float], positive: tuple[str, ...] = ()) -> None:
+    """ConfigError naming the flag of the first field of `options` below its least value in `least`, or (in
+    `positive`) not above 0. A field left at None (the machine's or the model's to decide) is not checked."""
+    for name, bound in [*((n, (lo, False)) for n, lo in least.items()), *((n, (0, True)) for n in positive)]:
+        value, (lo, strict) = getattr(options, name), bound
+        if value is not None and (value <= lo if strict else value < lo):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be {'above' if strict else 'at least'} {lo}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -52,8 +67,9 @@ class MemoryOptions:
                                               "proportions of their GiB budgets; on CPU the device is host RAM")
 
     def __post_init__(self):
+        check_at_least(self, {"page_size": 1}, positive=("kv_cache_gib", "state_cache_gib"))
         if self.device_memory_fraction is not None and not 0 < self.device_memory_fraction <= 1:
-            raise ValueError(f"device_memory_fraction must be in (0, 1], got {self.device_memory_fraction}")
+            raise ConfigError(f"--device-memory-fraction must be in (0, 1], got {self.device_memory_fraction}")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -75,6 +91,10 @@ class SchedulerOptions:
         "64) and the prefix cache resumes only at block boundaries or a whole cached prompt, so a resumed request "
         "computes bit for bit what a cold one does; 0: resume at any position (equal to cold within rounding); "
         "default: 512 in bfloat16/float16, 0 in float32")
+
+    def __post_init__(self):
+        check_at_least(self, {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1, "max_waiting": 0,
+                              "prefill_block": 0})
 
 
 @dataclass(frozen=True)
@@ -106,6 +126,10 @@ class CacheOptions:
                                   "rediss://, redis+cluster://HOST:PORT or ?cluster=true), the slowest tier, after "
                                   "disk; none by default")
 
+    def __post_init__(self):
+        check_at_least(self, {"snapshot_interval": 0, "snapshot_min_gap": 0, "device_snapshot_gib": 0,
+                              "host_cache_gib": 0, "disk_cache_gib": 0})
+
     @property
     def host_cache_bytes(self) -> int:
         return int(self.host_cache_gib * GIB)
@@ -125,6 +149,9 @@ class LogOptions:
                             "decode speed, finish reason)")
     log_stats_interval_s: float = _f(10.0, "while busy, log a stats line (running, waiting, tok/s, cache hits per "
                                      "tier, pool use) every this many seconds; 0: never")
+
+    def __post_init__(self):
+        check_at_least(self, {"log_stats_interval_s": 0})
 
 
 @dataclass(frozen=True)

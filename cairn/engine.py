@@ -30,7 +30,7 @@ from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
 from cairn.choices import ChoiceGroups
 from cairn.compat import compat_digest, weights_digest
-from cairn.config import CacheOptions, EngineConfig
+from cairn.config import CacheOptions, ConfigError, EngineConfig
 from cairn.demo import DEMO_NAME, build_demo
 from cairn.errors import RequestTooLarge, SamplingError
 from cairn.grammar import GrammarCompiler, allowed_masks_isolated
@@ -83,8 +83,8 @@ def prefill_block(requested: int | None, dtype: torch.dtype, max_num_batched_tok
                         "will match cold ones only within rounding", max_num_batched_tokens, GDN_CHUNK)
         return max(block, 0)
     if requested and (requested % GDN_CHUNK or requested > room):
-        raise ValueError(f"prefill_block={requested} must be a multiple of {GDN_CHUNK} and at most "
-                         f"max_num_batched_tokens - max_num_seqs = {max_num_batched_tokens - max_num_seqs}")
+        raise ConfigError(f"--prefill-block {requested}: must be a multiple of {GDN_CHUNK} and at most "
+                          f"--max-num-batched-tokens minus --max-num-seqs = {max_num_batched_tokens - max_num_seqs}")
     return requested
 
 
@@ -155,12 +155,12 @@ class Engine:
         page_bytes = KVPool.page_bytes(max(n_attn, 1), mem.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         num_pages = mem.kv_cache_bytes // page_bytes
         if num_pages < 1:
-            raise ValueError(f"kv_cache_gib={mem.kv_cache_gib} holds no page of {page_bytes} bytes")
+            raise ConfigError(f"--kv-cache-gib {mem.kv_cache_gib} holds no KV page of {page_bytes} bytes")
         spec = cfg.state_spec(self.dtype)
         slot_bytes = spec.slot_bytes
         num_slots = min(self.config.scheduler.max_num_seqs, mem.state_cache_bytes // max(slot_bytes, 1))
         if num_slots < 1:
-            raise ValueError(f"state_cache_gib={mem.state_cache_gib} holds no state slot of {slot_bytes} bytes")
+            raise ConfigError(f"--state-cache-gib {mem.state_cache_gib} holds no state slot of {slot_bytes} bytes")
         kv = KVPool(max(n_attn, 1), num_pages, mem.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         states = StatePool(spec, num_slots, self.device)
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d working state slots of %.2f MiB",

@@ -136,6 +136,21 @@ def test_port_in_use_is_one_line_before_the_model_loads():
     assert "memory budgets" not in out.stderr  # the engine was never built
 
 
+@pytest.mark.parametrize("args, needle", [
+    (("serve", "--port", "70000"), "--port must be in [0, 65536), got 70000"),
+    (("serve", "--max-num-seqs", "0"), "--max-num-seqs must be at least 1, got 0"),
+    (("serve", "--snapshot-interval", "-1"), "--snapshot-interval must be at least 0"),
+    (("serve", "--kv-cache-gib", "0"), "--kv-cache-gib must be above 0"),
+    (("serve", "--log-level", "WARNING", "--kv-cache-gib", "1e-9"), "--kv-cache-gib 1e-09 holds no KV page"),
+    (("serve", "--log-level", "WARNING", "--prefill-block", "100"), "--prefill-block 100: must be a multiple of 64"),
+    (("router", "--replica", "http://127.0.0.1:9", "--port", "70000"), "--port must be in [0, 65536)"),
+    (("router", "--replica", "http://127.0.0.1:9", "--probe-timeout-s", "0"), "--probe-timeout-s must be above 0"),
+    (("router", "--replica", "http://127.0.0.1:9", "--remembered-prefixes", "-1"), "--remembered-prefixes must be"),
+])
+def test_out_of_range_flag_is_one_line_naming_it_not_a_traceback(args, needle):
+    assert_one_line_error(cairn(*args), needle)
+
+
 def test_invalid_messages_json_is_one_line():
     assert_one_line_error(cairn("generate", "--messages", "[{"), "--messages")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cairn.config import ConfigError, check_at_least
+
 
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
@@ -28,8 +30,6 @@ class RouterOptions:
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if min(self.probe_timeout_s, self.connect_timeout_s, self.request_timeout_s, self.health_interval_s) <= 0:
-            raise ValueError("timeouts and intervals must be positive")
-        if self.remembered_prefixes < 0:
-            raise ValueError(f"remembered_prefixes must be >= 0, got {self.remembered_prefixes}")
+            raise ConfigError(f"--port must be in [0, 65536), got {self.port}")
+        check_at_least(self, {"remembered_prefixes": 0}, positive=("probe_timeout_s", "connect_timeout_s",
+                                                                   "request_timeout_s", "health_interval_s"))

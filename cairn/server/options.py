@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cairn.config import ConfigError, check_at_least
+
 MIB = 1 << 20
 
 
@@ -47,19 +49,11 @@ class ServerOptions:
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.max_request_bytes < 1:
-            raise ValueError("max_request_bytes must be positive")
-        if self.shutdown_timeout_s < 0:
-            raise ValueError("shutdown_timeout_s must be >= 0")
-        if self.header_timeout_s < 0 or self.body_timeout_s < 0:
-            raise ValueError("header_timeout_s and body_timeout_s must be >= 0")
-        if self.body_read_mib_per_s < 0:
-            raise ValueError("body_read_mib_per_s must be >= 0")
-        if self.max_connections < 0:
-            raise ValueError("max_connections must be >= 0")
+            raise ConfigError(f"--port must be in [0, 65536), got {self.port}")
+        check_at_least(self, {"max_request_bytes": 1, "shutdown_timeout_s": 0, "header_timeout_s": 0,
+                              "body_timeout_s": 0, "body_read_mib_per_s": 0, "max_connections": 0})
         if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty")
+            raise ConfigError("--api-key must not be empty")
 
     @property
     def origins(self) -> list[str]:
