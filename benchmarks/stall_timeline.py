@@ -168,7 +168,10 @@ def report(events: list[dict], rounds: list[dict]) -> None:
                       if e["kind"] == "recv" and r["t0"] <= e["t0"] <= r["t1"])
         parts = [f"{name} {(b - a) * 1e3:.0f} ms (largest gap {stall_bench.max_gap(r['times'], a, b) * 1e3:.1f})"
                  for name, (a, b) in spans.items()]
-        print(f"round {i + 1}: " + "; ".join(parts) + f"; in data_received {recv_ms:.1f} ms")
+        collections = [f"{e['kind']} {(e['t1'] - e['t0']) * 1e3:.1f} ms" for e in events
+                       if e["kind"].startswith("gc") and e["kind"] != "gc0" and r["t0"] <= e["t0"] <= r["t1"]]
+        print(f"round {i + 1}: " + "; ".join(parts) + f"; in data_received {recv_ms:.1f} ms; "
+              f"collections (gen 1-2) {', '.join(collections) or 'none'}")
         for name, (a, b) in spans.items():
             by_phase.setdefault(name, []).extend(step_durations(events, a, b))
     control = statistics.median(by_phase["control"])
