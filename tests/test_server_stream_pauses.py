@@ -1,4 +1,5 @@
-"""What pauses a running stream, on a real `cairn serve`: the interpreter's garbage collector.
+"""What pauses a running stream, on a real `cairn serve`: the interpreter's garbage collector; and
+each engine step's token reaches the client as its own event (never held for a later step's).
 
 A full (generation 2) collection walks every object the collector tracks while holding the
 interpreter lock; after start-up the demo server tracks about 325,000 (the model, the tokenizer, the
@@ -11,6 +12,7 @@ check that the freeze happened and stays in force while the server serves.
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 
 import httpx
@@ -56,3 +58,18 @@ def test_settle_heap_collects_garbage_then_freezes_what_is_alive():
         assert all(obj is not kept for obj in gc.get_objects())  # out of every generation: never walked again
     finally:
         gc.unfreeze()
+
+
+def test_each_step_of_a_stream_is_written_as_its_own_event(server):
+    """The event loop writes every step's output as it arrives (one token per event at n=1), so a
+    client sees tokens at the engine's pace, not in bursts (the stall benchmarks' gaps rely on it)."""
+    body = {"model": "cairn-demo", "prompt": "a story", "max_tokens": 24, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    per_event = []
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line.removeprefix("data: "))["choices"]
+                per_event += [len(c.get("token_ids") or []) for c in choices]
+    assert sum(per_event) == 24
+    assert set(per_event) == {1}
