@@ -169,7 +169,12 @@ class EngineCollector(Collector):
 
 
 class GcCollector(Collector):
-    """Exports the interpreter's garbage-collection counts (what makes a long pause in a step)."""
+    """Exports the interpreter's garbage-collection counts (what makes a long pause in a step), and the
+    number of objects the server froze at start-up (set by whoever froze them: counting them again
+    would walk the frozen list, tens of milliseconds holding the interpreter lock)."""
+
+    def __init__(self):
+        self.num_frozen_objects = 0
 
     def collect(self) -> Iterator[Metric]:
         collections = CounterMetricFamily("cairn_gc_collections", "Garbage collections by generation",
@@ -177,7 +182,8 @@ class GcCollector(Collector):
         for generation, stats in enumerate(gc.get_stats()):
             collections.add_metric([str(generation)], stats["collections"])
         yield collections
-        yield _gauge("cairn_gc_frozen_objects", "Objects frozen out of the collector's reach", gc.get_freeze_count())
+        yield _gauge("cairn_gc_frozen_objects", "Objects frozen out of the collector's reach at start-up",
+                     self.num_frozen_objects)
 
 
 class ServerMetrics:
@@ -202,7 +208,8 @@ class ServerMetrics:
                                   buckets=DURATION_BUCKETS_S, registry=r)
         self.engine = EngineCollector()
         r.register(self.engine)
-        r.register(GcCollector())
+        self.gc = GcCollector()
+        r.register(self.gc)
 
     def observe_output(self, out: RequestOutput, is_first: bool, duration_s: float) -> None:
         """Count one output of a request: its new tokens; with the first, the prompt's tokens (prefill is
