@@ -122,10 +122,8 @@ class BodySizeLimit:
         loopback or a fast link, megabytes arrive back to back: the loop then runs without a pause and
         the engine's steps around it take 2-3 times as long. While the loop sleeps here, uvicorn stops
         reading the socket (its flow control pauses above 64 KiB not taken by the app), so the client
-        waits on TCP and the cost is spread over time. At 32 MiB/s (the default) the engine's steps while
-        a 20 MiB body arrives took 1.09x their usual time against 1.54-1.61x at 128 MiB/s (quiet, see
-        BENCHMARKS.md); the body takes 0.6 s more at most, a 1M-token prompt's ~4 MiB 0.12 s, far below
-        its prefill. A client sending slower than the limit (most networks) never waits.
+        waits on TCP and the cost is spread over time. At 128 MiB/s a 20 MiB body takes 160 ms more at
+        most; a client sending slower than the limit (most networks) never waits.
         """
         if self.max_bytes_per_s <= 0 or size <= PACE_AFTER_BYTES:
             return

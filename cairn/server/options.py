@@ -29,7 +29,7 @@ class ServerOptions:
     header_timeout_s: float = _f(10.0, "seconds a client may take to send a request's line and headers; then 408 "
                                        "and the connection is closed (0: no limit)")
     body_timeout_s: float = _f(60.0, "seconds a client may take to send a request body; then 408 (0: no limit)")
-    body_read_mib_per_s: float = _f(32.0, "past its first 256 KiB, read a request body at most this fast (MiB/s), "
+    body_read_mib_per_s: float = _f(128.0, "past its first 256 KiB, read a request body at most this fast (MiB/s), "
                                            "so that receiving a huge one does not slow the running streams (0: no "
                                            "limit)")
     max_connections: int = _f(1024, "open connections allowed at once; one more gets 503 and is closed (0: no cap)")
