@@ -4,6 +4,7 @@
     python benchmarks/stall_bench.py                          # this checkout, 3 rounds
     python benchmarks/stall_bench.py --repo /tmp/cairn-before  # also an older checkout, alternating
     python benchmarks/stall_bench.py --out benchmarks/out/stall_bench.json  # the rounds as JSON too
+    python benchmarks/stall_bench.py --server-flags="--model /tmp/cairn-checkpoint-0.8b --dtype bfloat16"
 
 For each round: start one streamed /v1/completions request (ignore_eos, many tokens), let it run
 `--warmup-tokens` tokens, then send one `--big-mib` MiB request (a chat whose one message holds
@@ -70,16 +71,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(repo: Path) -> tuple[subprocess.Popen, str]:
+def start(repo: Path, flags: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="stall-bench-", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "cairn.cli", "serve", "--port", str(port), *FLAGS],
+    proc = subprocess.Popen([sys.executable, "-m", "cairn.cli", "serve", "--port", str(port), *FLAGS, *flags],
                             cwd=repo, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     return proc, wait_healthy(proc, url, f"server in {repo}", log.name)
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, what: str, log_name: str, timeout_s: float = 120) -> str:
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, log_name: str, timeout_s: float = 300) -> str:
     """url once its /health answers 200; else kill proc and raise, naming the log to read."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -218,12 +219,14 @@ def main() -> int:
     p.add_argument("--warmup-tokens", type=int, default=40)
     p.add_argument("--cpu", action="store_true", help="CPU per server thread for the big request alone (a chat)")
     p.add_argument("--out", type=Path, help="write the rounds as JSON here")
+    p.add_argument("--server-flags", default="", help="more `cairn serve` flags, space-separated (e.g. a real "
+                   "checkpoint: --model /tmp/cairn-checkpoint-0.8b --dtype bfloat16)")
     p.add_argument("--sender-idle", action="store_true",
                    help="send the big request from a SCHED_IDLE process: its CPU then competes with nothing, as "
                         "if the client were another machine (the kernel's work receiving it still counts)")
     ns = p.parse_args()
     repos = [repo.resolve() for repo in ns.repo or [REPO_ROOT]]
-    servers = {repo: start(repo) for repo in repos}
+    servers = {repo: start(repo, ns.server_flags.split()) for repo in repos}
     results: dict[Path, list[Round]] = {repo: [] for repo in repos}
     try:
         if ns.cpu:

@@ -2,13 +2,21 @@
 
     python benchmarks/stall_timeline.py                        # this checkout, 5 rounds
     python benchmarks/stall_timeline.py --server-flags=--body-read-mib-per-s=0 --rounds 5
+    python benchmarks/stall_timeline.py --stream-only 20          # no big request: where the stream's gaps come from
+    python benchmarks/stall_timeline.py --stream-only 20 --repo /tmp/cairn-before   # another checkout's server
 
 The rounds are stall_bench's (a streamed completion, then one 20 MiB chat in its own process, with a
 control window before it), against a `cairn serve` started from this file, which records in the
 server process, on the machine's monotonic clock:
 - each engine step (`EngineBridge._step`): start, end, the engine thread's CPU time;
 - each `data_received` call of uvicorn's h11 protocol (the event loop receiving the body);
-- each request-worker job (`_Worker.run`: from the first chunk written to the answer).
+- each request-worker job (`_Worker.run`: from the first chunk written to the answer);
+- each garbage collection (`gc.callbacks`: generation, duration, thread);
+- the hand-off of each step's outputs: posted by the engine thread (`EngineBridge._deliver`), put on
+  the request's queue by the event loop (`_put_all`), written to the socket (the h11 cycle's `send`).
+With `--stream-only SECONDS` no big request is sent: one stream runs alone, and the table says how
+long each hop from a step's end to the client takes (median / p99 / largest), how long the steps and
+the collections take, and what coincided with the largest gaps.
 For each round it prints the phases of the big request (receiving its body, the worker preparing it)
 and the largest token gap in each; then, over all rounds, the median engine-step duration in each
 phase against the control window's (the stream alone). A phase that slows the engine shows a ratio
@@ -19,6 +27,8 @@ internals (a wrapper, nothing in cairn changes), asserts nothing.
 from __future__ import annotations
 
 import argparse
+import bisect
+import gc
 import json
 import os
 import statistics
@@ -56,6 +66,8 @@ def traced_serve(argv: list[str]) -> int:
         return wrapper
 
     bridge.EngineBridge._step = timed("step", bridge.EngineBridge._step)
+    trace_hand_off(events, bridge, h11_impl)
+    gc.callbacks.append(gc_tracer(events))
     h11_impl.H11Protocol.data_received = timed("recv", h11_impl.H11Protocol.data_received)
     workers._Worker.run = timed("worker", workers._Worker.run)
     try:
@@ -64,12 +76,45 @@ def traced_serve(argv: list[str]) -> int:
         Path(os.environ[TRACE_ENV]).write_text(json.dumps(events))
 
 
-def start_traced(flags: list[str], trace: Path) -> tuple[subprocess.Popen, str]:
+def trace_hand_off(events: list[dict], bridge, h11_impl) -> None:
+    """Record when each step's outputs are posted, put on their queues, and written (one event each)."""
+    deliver, put_all, send = bridge.EngineBridge._deliver, bridge._put_all, h11_impl.RequestResponseCycle.send
+
+    def traced_deliver(self, outputs):
+        events.append({"kind": "post", "t0": time.monotonic()})
+        return deliver(self, outputs)
+
+    def traced_put_all(items):
+        events.append({"kind": "put", "t0": time.monotonic()})
+        return put_all(items)
+
+    async def traced_send(self, message):
+        if message.get("type") == "http.response.body" and message.get("body"):
+            events.append({"kind": "write", "t0": time.monotonic()})
+        return await send(self, message)
+
+    bridge.EngineBridge._deliver, bridge._put_all = traced_deliver, traced_put_all
+    h11_impl.RequestResponseCycle.send = traced_send
+
+
+def gc_tracer(events: list[dict]):
+    started: dict[str, float] = {}
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started["t0"] = time.monotonic()
+        else:
+            events.append({"kind": f"gc{info['generation']}", "t0": started["t0"], "t1": time.monotonic(),
+                           "thread": threading.current_thread().name})
+    return callback
+
+
+def start_traced(flags: list[str], trace: Path, repo: Path = REPO_ROOT) -> tuple[subprocess.Popen, str]:
     port = stall_bench.free_port()
-    env = {**os.environ, TRACE_ENV: str(trace), "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, TRACE_ENV: str(trace), "PYTHONPATH": str(repo)}
     log = tempfile.NamedTemporaryFile(prefix="stall-timeline-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(port), *stall_bench.FLAGS, *flags],
-                            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, stall_bench.wait_healthy(proc, f"http://127.0.0.1:{port}", "the traced server", log.name)
 
 
@@ -123,7 +168,10 @@ def report(events: list[dict], rounds: list[dict]) -> None:
                       if e["kind"] == "recv" and r["t0"] <= e["t0"] <= r["t1"])
         parts = [f"{name} {(b - a) * 1e3:.0f} ms (largest gap {stall_bench.max_gap(r['times'], a, b) * 1e3:.1f})"
                  for name, (a, b) in spans.items()]
-        print(f"round {i + 1}: " + "; ".join(parts) + f"; in data_received {recv_ms:.1f} ms")
+        collections = [f"{e['kind']} {(e['t1'] - e['t0']) * 1e3:.1f} ms" for e in events
+                       if e["kind"].startswith("gc") and e["kind"] != "gc0" and r["t0"] <= e["t0"] <= r["t1"]]
+        print(f"round {i + 1}: " + "; ".join(parts) + f"; in data_received {recv_ms:.1f} ms; "
+              f"collections (gen 1-2) {', '.join(collections) or 'none'}")
         for name, (a, b) in spans.items():
             by_phase.setdefault(name, []).extend(step_durations(events, a, b))
     control = statistics.median(by_phase["control"])
@@ -133,6 +181,67 @@ def report(events: list[dict], rounds: list[dict]) -> None:
         print(f"| {name} | {len(durations)} | {median * 1e3:.1f} | {median / control:.2f}x |")
 
 
+def stream_alone(url: str, seconds: float) -> list[float]:
+    """The token times of one stream running alone for `seconds` (after its first 40 tokens)."""
+    times: list[float] = []
+    stop = threading.Event()
+    reader = threading.Thread(target=stall_bench.stream_times, args=(url, times, stop), daemon=True)
+    reader.start()
+    while len(times) < 40:
+        time.sleep(0.01)
+    start = times[-1]
+    time.sleep(seconds)
+    stop.set()
+    reader.join(30)
+    return [t for t in times if t >= start]
+
+
+def next_after(later: list[float], earlier: list[float]) -> list[float]:
+    """For each time in `earlier`, how long until the first time in `later` at or after it."""
+    out = []
+    for t in earlier:
+        i = bisect.bisect_left(later, t)
+        if i < len(later):
+            out.append(later[i] - t)
+    return out
+
+
+def _row(name: str, values_s: list[float]) -> str:
+    if not values_s:
+        return f"| {name} | 0 | - | - | - |"
+    ms = sorted(v * 1e3 for v in values_s)
+    return (f"| {name} | {len(ms)} | {statistics.median(ms):.2f} | {ms[min(len(ms) - 1, int(0.99 * len(ms)))]:.2f} "
+            f"| {ms[-1]:.2f} |")
+
+
+def report_stream(events: list[dict], times: list[float]) -> None:
+    """Where the stream's gaps come from: each hop from a step's end to the client, the steps, the collections."""
+    start, end = times[0], times[-1]
+    at = {k: sorted(e["t0"] for e in events if e["kind"] == k and start <= e["t0"] <= end)
+          for k in ("post", "put", "write")}
+    steps = [e for e in events if e["kind"] == "step" and start <= e["t0"] <= end]
+    collections = [e for e in events if e["kind"].startswith("gc") and start <= e["t0"] <= end]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    print(f"| over {end - start:.1f} s of one stream alone | n | median (ms) | p99 (ms) | largest (ms) |")
+    print("|---|---:|---:|---:|---:|")
+    print(_row("gap between two tokens, as the client reads them", gaps))
+    print(_row("engine step", [e["t1"] - e["t0"] for e in steps]))
+    print(_row("engine step, the engine thread's CPU time", [e["cpu_s"] for e in steps]))
+    print(_row("outputs posted -> put on the request's queue (event loop)", next_after(at["put"], at["post"])))
+    print(_row("put on the queue -> written to the socket", next_after(at["write"], at["put"])))
+    print(_row("written -> read by the client", next_after(times, at["write"])))
+    for generation in range(3):
+        print(_row(f"garbage collection, generation {generation}",
+                   [e["t1"] - e["t0"] for e in collections if e["kind"] == f"gc{generation}"]))
+    print("\nthe 5 largest gaps, and what overlapped them:")
+    for a, b in sorted(zip(times, times[1:], strict=False), key=lambda ab: ab[0] - ab[1])[:5]:
+        overlapping = [f"{e['kind']} {(e['t1'] - e['t0']) * 1e3:.1f} ms on {e['thread']}" for e in collections
+                       if e["t0"] < b and e["t1"] > a]
+        longest = max((e["t1"] - e["t0"] for e in steps if e["t0"] < b and e["t1"] > a), default=0.0)
+        print(f"  {(b - a) * 1e3:.1f} ms at +{a - start:.2f} s: longest step {longest * 1e3:.1f} ms; "
+              + ("; ".join(overlapping) or "no collection"))
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--serve"]:
         return traced_serve(sys.argv[2:])
@@ -140,16 +249,25 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--server-flags", default="", help="more `cairn serve` flags, space-separated")
     p.add_argument("--sender-idle", action="store_true", help="send the big request from a SCHED_IDLE process")
+    p.add_argument("--stream-only", type=float, metavar="SECONDS",
+                   help="send no big request: time one stream alone for SECONDS, hop by hop")
+    p.add_argument("--repo", type=Path, default=REPO_ROOT, help="the checkout to serve from (default: this one)")
     ns = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         trace = Path(d) / "events.json"
-        proc, url = start_traced(ns.server_flags.split(), trace)
+        proc, url = start_traced(ns.server_flags.split(), trace, ns.repo.resolve())
         try:
-            rounds = [one_round(url, ns.sender_idle) for _ in range(ns.rounds)]
+            if ns.stream_only:
+                times = stream_alone(url, ns.stream_only)
+            else:
+                rounds = [one_round(url, ns.sender_idle) for _ in range(ns.rounds)]
         finally:
             proc.terminate()
             proc.wait(60)
-        report(json.loads(trace.read_text()), rounds)
+        if ns.stream_only:
+            report_stream(json.loads(trace.read_text()), times)
+        else:
+            report(json.loads(trace.read_text()), rounds)
     print(f"\nCPU: {os.cpu_count()} cores; command: python benchmarks/stall_timeline.py " + " ".join(sys.argv[1:]))
     return 0
 

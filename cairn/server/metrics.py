@@ -21,6 +21,12 @@ Read from the engine at scrape time (`EngineStats`, taken on the engine thread):
     cairn_engine_step_failures_total
     cairn_cache_*                                  whatever engine.cache.stats() reports, see below
 
+Read from the interpreter at scrape time (a full collection walks every tracked object holding the
+interpreter lock, pausing the engine's steps; the server freezes its start-up objects, see main):
+
+    cairn_gc_collections_total{generation}         garbage collections by generation (2: full)
+    cairn_gc_frozen_objects                        objects frozen out of the collector's reach at start-up
+
 `engine.cache.stats()` is a typed `CacheStats` (cairn/cache/stats.py; None from NullCache, which
 exports nothing). `cache_families` names each field's family in one table, CACHE_SERIES: counters
 get `_total`, a dict field is one series per label value, a None field is left out, e.g.
@@ -32,6 +38,7 @@ get `_total`, a dict field is one series per label value, a None field is left o
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -161,6 +168,24 @@ class EngineCollector(Collector):
             yield from engine_families(self.latest)
 
 
+class GcCollector(Collector):
+    """Exports the interpreter's garbage-collection counts (what makes a long pause in a step), and the
+    number of objects the server froze at start-up (set by whoever froze them: counting them again
+    would walk the frozen list, tens of milliseconds holding the interpreter lock)."""
+
+    def __init__(self):
+        self.num_frozen_objects = 0
+
+    def collect(self) -> Iterator[Metric]:
+        collections = CounterMetricFamily("cairn_gc_collections", "Garbage collections by generation",
+                                          labels=["generation"])
+        for generation, stats in enumerate(gc.get_stats()):
+            collections.add_metric([str(generation)], stats["collections"])
+        yield collections
+        yield _gauge("cairn_gc_frozen_objects", "Objects frozen out of the collector's reach at start-up",
+                     self.num_frozen_objects)
+
+
 class ServerMetrics:
     """The metrics of one app; `render` gives the Prometheus text exposition."""
 
@@ -183,6 +208,8 @@ class ServerMetrics:
                                   buckets=DURATION_BUCKETS_S, registry=r)
         self.engine = EngineCollector()
         r.register(self.engine)
+        self.gc = GcCollector()
+        r.register(self.gc)
 
     def observe_output(self, out: RequestOutput, is_first: bool, duration_s: float) -> None:
         """Count one output of a request: its new tokens; with the first, the prompt's tokens (prefill is
