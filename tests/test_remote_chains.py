@@ -1,10 +1,12 @@
 """Why round robin over replicas found little in Redis at the 0.8B size, and the two fixes, on a real redis-server.
 
 1. A chain continues only from a segment's END. A conversation that shares a stored conversation's first
-   tokens and then leaves it midway splits the node holding them: its front is a slice of the stored
-   segment, and no segment ends where the new conversation's own segments begin. The remote tier wrote
-   none of them (the store refused each as "unknown_parent"), so another replica never found them.
-   Now the slice is written again as a segment of its own.
+   tokens and then leaves it midway (inside a prefill block: no snapshot there) splits the node holding
+   them: its front is a slice of the stored segment, and no segment ends where the new conversation's own
+   segments begin. The remote tier wrote none of them (the store refused each as "unknown_parent"), so
+   another replica never found them. Now the slice is written again as a segment of its own, its KV read
+   from the finished request's pages (on a replica that found the stored conversation in Redis, no page
+   tier holds it).
 2. The next turn reaches the other replica as soon as the previous turn's last token is out, before that
    turn's write-behind has sent its segments. The writer now announces them (markers.py) and the reader's
    lookup waits, bounded, for a deeper chain another replica announced.
@@ -47,14 +49,16 @@ def aligned_replica(url: str) -> LLM:
 def test_a_conversation_leaving_a_stored_one_midway_is_written_and_resumed_on_another_replica(redis_server, cold):
     a, b = aligned_replica(redis_server.url), aligned_replica(redis_server.url)
     with a, b:
-        run(a, CONVERSATION)  # stored in Redis as segments cut at its snapshots (64, 128, ...)
+        first = run(a, CONVERSATION)  # stored in Redis as segments cut at its snapshots (64, 128, ...)
         assert remote(a).store.flush()
+        run(b, CONVERSATION + first.token_ids + [5, 6, 7])  # B resumes it from Redis: its KV is in Redis only
+        assert remote(b).store.flush()
         other = CONVERSATION[:20] + list(range(200, 250)) * 8  # leaves it at 20, inside its first segment
-        reply = run(a, other)
-        assert remote(a).store.flush()
-        assert remote(a).counters["slices_rewritten"] == 1 and remote(a).store.faults == {}
+        reply = run(b, other)
+        assert remote(b).store.flush()
+        assert remote(b).counters["slices_rewritten"] == 1 and remote(b).store.faults == {}
         prompt = other + reply.token_ids + [5, 6, 7]
-        out = run(b, prompt)  # B never saw either conversation
+        out = run(a, prompt)  # A never saw this conversation
         assert out.cache.resume_tier == REMOTE and out.cache.cached_tokens == len(other) // BLOCK * BLOCK
         same_as_cold(cold, out, prompt)
 

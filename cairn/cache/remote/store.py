@@ -186,12 +186,17 @@ class RedisSegmentStore(Pins):
         except SegmentError:
             self._fault("too_large")
             self._drop([job.segment.key])
+            self.markers.flush(self.redis.timeout_s)
+            self.redis.pipelined(self.markers.unmark(job.entries))  # nobody waits for a write that will not come
             return
         sets = [(self.names.segment(job.segment.key), value)]
         for end_key, entry in job.entries:  # after the segment: an entry never leads to nothing
             sized = IndexEntry(entry.key, entry.bounds, entry.tail, entry.has_snapshot, entry.has_logits, len(value))
             sets.append((self.names.entry(end_key), sized.encode()))
-        unmark = self.markers.unmark(job.entries) if job.segment.snapshot_bytes is not None else []
+        unmark = []
+        if job.segment.snapshot_bytes is not None:  # its markers are deleted with it, so set before it
+            self.markers.flush(self.redis.timeout_s)
+            unmark = self.markers.unmark(job.entries)
         if self.redis.pipelined([("set", name, data) for name, data in sets] + unmark, self.ttl_s) is FAILED:
             self._drop([job.segment.key])
             return

@@ -43,7 +43,7 @@ class RemoteTier(DiskTier):
 
         A chain continues only from a segment's END: a node just above one to write that is a slice of a
         longer stored segment (split off its front when a prompt left that path midway) is written again
-        as a segment of its own (from its local KV; when only Redis holds it, nothing below is written)."""
+        as a segment of its own (at a request's end, `source` reads its KV from the request's pages)."""
         steps = list(self._prefix_keys(path))
         todo = [not self._known(node, parent_key) for node, parent_key in steps]
         slices = set()
@@ -56,9 +56,6 @@ class RemoteTier(DiskTier):
             if not write:
                 continue
             if j in slices:
-                if set(node.kv) == {self.name}:  # its KV only in Redis: not read back on the engine thread
-                    self.counters["write_unchainable"] += 1
-                    return queued
                 self.counters["slices_rewritten"] += 1
             kv = source.node_kv(node)
             if kv is None:
