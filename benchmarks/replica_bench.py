@@ -178,8 +178,13 @@ def run_setup(key: str, args: argparse.Namespace, redis_url: str, sizes: Workloa
             totals = WorkloadResult(workload, label, to_records(served)).totals()
             routing = httpx.get(urls[0] + "/health", timeout=30).json().get("routed_by") if routed else None
             trace = turns(runner.sent, watch) if watch else None
-            rows.append({"setup": label, "workload": workload, **totals, "router_routed_by": routing, "turns": trace,
+            served_by = [{"label": s.label, "replica": s.replica, "prompt_tokens": len(s.prompt_ids),
+                          "cached_tokens": s.cached_tokens, "resume_tier": s.resume_tier} for s in runner.sent]
+            rows.append({"setup": label, "workload": workload, **totals, "router_routed_by": routing,
+                         "requests": served_by, "turns": trace,
                          "redis_peak_input_bytes_s": redis_input_rate(watch) if watch else None})
+            if args.trace and not trace:
+                print("  cached per request: " + ", ".join(f"{r['label']} {r['cached_tokens']}" for r in served_by))
             if trace:
                 print_turns(trace)
                 print(f"Redis received at most {rows[-1]['redis_peak_input_bytes_s'] / 1e6:.0f} MB/s", flush=True)
