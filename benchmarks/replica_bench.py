@@ -170,7 +170,7 @@ def run_setup(key: str, args: argparse.Namespace, redis_url: str, sizes: Workloa
             urls = [procs.router(urls)]
         print(f"{label}: {len(urls)} endpoint(s) up in {time.perf_counter() - started:.1f}s", flush=True)
         rows = []
-        for workload in WORKLOADS:
+        for workload in args.workloads.split(","):
             runner = TracingRunner([HTTPRunner(u, tokenizer) for u in urls])  # in turn (round robin)
             with RedisWatch(redis_url) if args.trace and shared else contextlib.nullcontext() as watch:
                 served = serve_stream(all_workloads()[workload], runner, sizes, args.seed)
@@ -187,6 +187,10 @@ def run_setup(key: str, args: argparse.Namespace, redis_url: str, sizes: Workloa
                 print("  cached per request: " + ", ".join(f"{r['label']} {r['cached_tokens']}" for r in served_by))
             if trace:
                 print_turns(trace)
+                for url in urls:  # what each replica counted of the remote tier (faults, waits, lookups)
+                    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+                    print(f"  {url}: " + "; ".join(line.removeprefix("cairn_cache_") for line in lines
+                                                   if line.startswith("cairn_cache_remote_")))
                 print(f"Redis received at most {rows[-1]['redis_peak_input_bytes_s'] / 1e6:.0f} MB/s", flush=True)
             print(f"{label:>26} {workload:>10}: reused/oracle {100 * (totals['reuse_of_oracle'] or 0):5.1f}% "
                   f"({totals['cached_tokens']}/{totals['oracle_tokens']}), computed {totals['computed_tokens']}, "
@@ -223,6 +227,7 @@ def parse_args() -> argparse.Namespace:
                         "0,0.6 (default: the preset's)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every token length of the preset")
     parser.add_argument("--serve-flags", default="", help="more `cairn serve` flags for every replica, quoted")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", action="store_true", help="with Redis: per request, what Redis held for its "
                         "prompt when it was sent and when each request's writes landed (benchmarks/replica_trace.py)")

@@ -33,7 +33,7 @@ RELEASE_SLACK_S = 0.2
 
 
 class RedisWatch:
-    def __init__(self, url: str, interval_s: float = 0.01):
+    def __init__(self, url: str, interval_s: float = 0.05):
         import redis
 
         self.redis = redis.Redis.from_url(url)
@@ -102,23 +102,29 @@ class TracingRunner:
         return served
 
 
-def deepest_in_redis(watch: RedisWatch, tokens: list[int], before_s: float | None) -> tuple[int, float | None]:
-    """(end, first seen) of the deepest snapshot entry for this prompt that Redis held before `before_s`
-    (None: at any time seen); (0, None) when there was none."""
-    ns = watch.namespace()
+def snapshots_in_redis(watch: RedisWatch, tokens: list[int]) -> dict[int, float]:
+    """{end: first seen} of every snapshot entry seen in Redis that this prompt's lookup would accept."""
+    ns, out = watch.namespace(), {}
     if ns is None:
-        return 0, None
-    best = (0, None)
+        return out
     for p, key in prefix_keys(tokens, range(1, len(tokens) + 1)).items():
         name = f"cairn:{ns}:e:{key.hex()}".encode()
-        seen, value = watch.first_seen.get(name), watch.entries.get(name)
-        if value is None or (before_s is not None and seen >= before_s):
+        value = watch.entries.get(name)
+        if value is None:
             continue
         with contextlib.suppress(ValueError):
             entry = entry_at(value, p, tokens)
-            if entry is not None and entry.has_snapshot and entry.end > best[0]:
-                best = (entry.end, seen)
-    return best
+            if entry is not None and entry.has_snapshot:
+                out[entry.end] = min(out.get(entry.end, float("inf")), watch.first_seen[name])
+    return out
+
+
+def deepest_in_redis(watch: RedisWatch, tokens: list[int], before_s: float | None) -> tuple[int, float | None]:
+    """(end, first seen) of the deepest snapshot entry for this prompt that Redis held before `before_s`
+    (None: at any time seen); (0, None) when there was none."""
+    held = {end: seen for end, seen in snapshots_in_redis(watch, tokens).items()
+            if before_s is None or seen < before_s}
+    return max(held.items(), default=(0, None))
 
 
 def turns(sent: list[Sent], watch: RedisWatch) -> list[dict]:
@@ -136,7 +142,9 @@ def turns(sent: list[Sent], watch: RedisWatch) -> list[dict]:
             "later_landed_after_send_s": None if seen is None or eventually <= at_send else round(seen - s.send_s, 3),
             "segments_written": len(written), "bytes_written": sum(watch.sizes.get(n, 0) for n in written),
             "writes_done_after_end_s": None if last is None else round(last - s.end_s, 3),
-            "gap_to_next_send_s": None if i + 1 == len(sent) else round(sent[i + 1].send_s - s.end_s, 3)})
+            "gap_to_next_send_s": None if i + 1 == len(sent) else round(sent[i + 1].send_s - s.end_s, 3),
+            "redis_snapshots_seen_s": {end: round(seen - s.send_s, 3)  # relative to the send
+                                       for end, seen in sorted(snapshots_in_redis(watch, s.prompt_ids).items())}})
     return rows
 
 
@@ -162,12 +170,13 @@ def redis_input_rate(watch: RedisWatch) -> float:
 
 def print_turns(rows: list[dict]) -> None:
     print(f"{'#':>3} {'label':<22} {'rep':>3} {'prompt':>6} {'cached':>6} {'redis@send':>10} {'redis later':>11} "
-          f"{'landed +s':>9} {'MB written':>10} {'done +s':>8} {'next in s':>9}")
+          f"{'landed +s':>9} {'MB written':>10} {'done +s':>8} {'next in s':>9}  snapshots in Redis (end@s from send)")
     for r in rows:
         print(f"{r['index']:>3} {r['label'][:22]:<22} {r['replica']:>3} {r['prompt_tokens']:>6} "
               f"{r['cached_tokens']:>6} {r['redis_deepest_at_send']:>10} {r['redis_deepest_later']:>11} "
               f"{_f(r['later_landed_after_send_s']):>9} {r['bytes_written'] / 1e6:>10.1f} "
-              f"{_f(r['writes_done_after_end_s']):>8} {_f(r['gap_to_next_send_s']):>9}")
+              f"{_f(r['writes_done_after_end_s']):>8} {_f(r['gap_to_next_send_s']):>9}  "
+              + " ".join(f"{end}@{t:+.2f}" for end, t in r["redis_snapshots_seen_s"].items()))
 
 
 def _f(x: float | None) -> str:

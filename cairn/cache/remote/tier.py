@@ -39,7 +39,8 @@ class RemoteTier(DiskTier):
     def persist(self, path: list[Node], source: Source) -> int:
         """Queue every node of `path` (root to node) that the store lacks (or holds without the snapshot the
         node now has); returns segments queued. Stops at the first refusal: a later node would be
-        unreachable without it.
+        unreachable without it. Every segment is read (from `source`) before the first is queued, so that
+        the markers of the deeper ones are set before the shallower ones land (markers.py).
 
         A chain continues only from a segment's END: a node just above one to write that is a slice of a
         longer stored segment (split off its front when a prompt left that path midway) is written again
@@ -51,17 +52,18 @@ class RemoteTier(DiskTier):
             if todo[j] and not todo[j - 1] and self._is_slice(steps[j - 1][0]):
                 todo[j - 1] = True
                 slices.add(j - 1)
-        queued = 0
-        for j, ((node, parent_key), write) in enumerate(zip(steps, todo, strict=True)):
+        self.counters["slices_rewritten"] += len(slices)
+        segments = []  # read first, queued together: no segment lands before a deeper one is announced
+        for (node, parent_key), write in zip(steps, todo, strict=True):
             if not write:
                 continue
-            if j in slices:
-                self.counters["slices_rewritten"] += 1
             kv = source.node_kv(node)
             if kv is None:
                 self.counters["write_unreadable"] += 1
-                return queued
-            segment = self._segment(node, parent_key, kv, source.node_snapshot(node))
+                break
+            segments.append((node, self._segment(node, parent_key, kv, source.node_snapshot(node))))
+        queued = 0
+        for node, segment in segments:
             if not self.store.put(segment):
                 self.counters["write_failed"] += 1
                 return queued
