@@ -13,11 +13,14 @@ each reply fed back into the workload as a client would:
 Reported per setup and workload: cached tokens / the unlimited-cache oracle, tokens computed, and the total
 time to first token (client wall time, the router's routing included); for the router, how many requests
 it probed the replicas for. Starts its own redis-server on a free loopback port. Times are wall times on
-whatever else the machine runs: compare setups within one run.
+whatever else the machine runs: compare setups within one run. With --trace, each setup sharing Redis also
+prints, per request, what Redis held for its prompt when it was sent and when each request's writes
+landed (benchmarks/replica_trace.py), and each replica's remote-tier counters (lookups that waited for
+another replica's write, slices rewritten, faults).
 
     PYTHONPATH=. python benchmarks/replica_bench.py --preset smoke --out benchmarks/out/replica_bench.json
-    PYTHONPATH=. python benchmarks/replica_bench.py --size 0.8b --preset published --turns 9 --fractions 0,0.6 \\
-        --out benchmarks/out/replica_bench_0.8b.json
+    PYTHONPATH=. python benchmarks/replica_bench.py --size 0.8b --preset published --turns 12 --fractions 0,0.6 \\
+        --scale 1.5 --trace --out benchmarks/out/replica_bench_0.8b.json
 """
 
 from __future__ import annotations
