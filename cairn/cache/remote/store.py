@@ -24,6 +24,7 @@ returns (from memory until written). A
 write that fails leaves the index (counted, and `on_evict` is told). Redis has no pins: `pin` only
 keeps this process's record; a segment Redis evicted anyway is a miss.
 
+The lookup side (lookup, and registering what it found) is chains.py's ChainLookup, mixed in here.
 What this is not: the tier's choice of what to write or when to look up (tier.py), the segment format.
 """
 
@@ -35,8 +36,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from itertools import pairwise
+from collections.abc import Callable
 
 from cairn.cache.disk.pins import Pins
 from cairn.cache.disk.segment import (
@@ -49,14 +49,12 @@ from cairn.cache.disk.segment import (
     encode_segment,
 )
 from cairn.cache.disk.store import SegmentInfo
+from cairn.cache.remote.chains import ChainLookup, KnownSegment
 from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis
 from cairn.cache.remote.keys import (
     IndexEntry,
     KeyNames,
     canonical_hasher,
-    chain_keys,
-    entry_at,
-    prefix_keys,
 )
 from cairn.cache.remote.markers import Markers
 from cairn.cache.remote.writer import WriteBehind
@@ -65,15 +63,6 @@ log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)
 DEFAULT_MAX_SEGMENTS = 1 << 16  # segments known here (written or looked up); the least recently used go first
 DEFAULT_WAIT_S = 3.0  # the longest a lookup waits for a deeper chain another replica's marker announces
-WAIT_POLL_S = 0.02  # how often a waiting lookup probes again
-
-
-@dataclasses.dataclass
-class _Entry:
-    info: SegmentInfo  # what this process knows of the segment
-    bounds: tuple[int, ...]  # its chain: 0, each segment's start, its end
-    tokens: tuple[int, ...]  # its own tokens, verified against its key
-    end_hash: object  # canonical_hasher() after the whole path [0, end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +71,7 @@ class _Write:
     entries: tuple[tuple[bytes, IndexEntry], ...]  # (canonical key of the entry's position, entry sans size)
 
 
-class RedisSegmentStore(Pins):
+class RedisSegmentStore(ChainLookup, Pins):
     readonly = False  # every replica writes: Redis arbitrates, there is no lock
 
     def __init__(self, url: str, namespace: str, page_size: int, *, compression: str | None = None,
@@ -100,7 +89,7 @@ class RedisSegmentStore(Pins):
         self.redis = GuardedRedis(url, timeout_s, cooldown_s, self._fault, client)
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0, "forgotten": 0,
                         "lookups_waited": 0, "lookup_waits_expired": 0}
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._index: OrderedDict[bytes, KnownSegment] = OrderedDict()  # least recently used first
         self._by_end: dict[bytes, bytes] = {}  # canonical key of a segment's end -> its key
         self._pending: dict[bytes, Segment] = {}  # queued, not yet written
         self._pins: dict[bytes, int] = {}
@@ -143,7 +132,7 @@ class RedisSegmentStore(Pins):
                            _raw_bytes(segment), time.time())
         with self._lock:
             self._pending[segment.key] = segment
-            self._register(_Entry(info, bounds, segment.tokens, end_hash))
+            self._register(KnownSegment(info, bounds, segment.tokens, end_hash))
             self._counts["puts"] += 1
         self._trim(keep={segment.key})
         return True
@@ -251,96 +240,7 @@ class RedisSegmentStore(Pins):
             entry = self._index.get(key)
             return None if entry is None else entry.tokens
 
-    def lookup(self, tokens: Sequence[int], positions: Iterable[int]) -> list[SegmentInfo]:
-        """Probe the index entries at these prefix positions of tokens in one round trip; register the deepest
-        chain that ends in a snapshot and return its segments, parents first ([] on a miss or when down).
-        While another replica's marker announces a deeper one, probe again (see the module docstring)."""
-        keys = prefix_keys(tokens, positions)
-        if not keys:
-            return []
-        order = sorted(keys, reverse=True)
-        probes = [("get", name(keys[p])) for name in (self.names.entry, self.names.marker) for p in order]
-        deadline, waited, infos = time.monotonic() + self.wait_s, False, []
-        while True:
-            values = self.redis.pipelined(probes)
-            if values is FAILED:
-                break
-            infos = self._deepest_chain(tokens, order, keys, values[:len(order)])
-            depth = infos[-1].start_position + infos[-1].num_tokens if infos else 0
-            if not self.markers.announced_deeper(tokens, order, values[len(order):], depth):
-                break
-            if time.monotonic() >= deadline:
-                self._count("lookup_waits_expired")
-                break
-            if not waited:
-                waited = True
-                self._count("lookups_waited")
-            time.sleep(WAIT_POLL_S)
-        self._count("lookups")
-        self._trim(keep={info.key for info in infos})
-        return infos
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self._counts[name] += 1
-
-    def counted(self, name: str) -> int:
-        """One of stats()'s counts (lookups_waited, lookup_waits_expired, ...)."""
-        with self._lock:
-            return self._counts[name]
-
-    def _deepest_chain(self, tokens: Sequence[int], order: list[int], keys: dict[int, bytes], values: list
-                       ) -> list[SegmentInfo]:
-        """The deepest chain ending in a snapshot among the entries read at the positions `order`, registered
-        here; bad entries are counted and deleted."""
-        found: dict[int, tuple[IndexEntry, str]] = {}  # end -> (entry, its Redis name), deepest probe first
-        bad = []
-        for p, value in zip(order, values, strict=True):
-            try:
-                entry = entry_at(value, p, tokens)
-            except ValueError:
-                entry = None
-                bad.append(self.names.entry(keys[p]))
-            if entry is not None:
-                found.setdefault(entry.end, (entry, self.names.entry(keys[p])))
-        infos = []
-        for end in sorted(found, reverse=True):
-            entry, name = found[end]
-            if entry.has_snapshot:
-                chain = chain_keys(tokens, entry.bounds)
-                if chain[-1] == entry.key:
-                    infos = self._register_chain(tokens, entry.bounds, chain, {e: f[0] for e, f in found.items()})
-                    break
-                bad.append(name)  # bounds that do not lead to its key: garbage
-        if bad:
-            self._forget_entries(bad)
-        return infos
-
-    def _forget_entries(self, names: list[str]) -> None:
-        """Count bad index entries and delete them from Redis (they are hints: nothing else refers to them)."""
-        for _ in names:
-            self._fault("bad_entry")
-        self.redis.pipelined([("delete", name) for name in names])
-
-    def _register_chain(self, tokens: Sequence[int], bounds: tuple[int, ...], chain: list[bytes],
-                        found: dict[int, IndexEntry]) -> list[SegmentInfo]:
-        h, infos, parent = canonical_hasher(), [], None
-        for i, (start, stop) in enumerate(pairwise(bounds)):
-            h.update(_tokens_to_bytes(tokens[start:stop]))
-            e = found.get(stop)
-            ok = e is not None and e.key == chain[i]
-            info = SegmentInfo(chain[i], parent, start, stop - start, ok and e.has_snapshot, ok and e.has_logits,
-                               e.size_bytes if ok else 0, time.time())
-            with self._lock:
-                known = self._index.get(chain[i])
-                if known is None or (info.has_snapshot and not known.info.has_snapshot):
-                    self._register(_Entry(info, bounds[:i + 2], tuple(tokens[start:stop]), h.copy()))
-                    self._counts["found"] += 1
-                infos.append(self._index[chain[i]].info)
-            parent = h.digest()
-        return infos
-
-    def _register(self, entry: _Entry) -> None:
+    def _register(self, entry: KnownSegment) -> None:
         """Index entry (caller holds self._lock)."""
         self._index[entry.info.key] = entry
         self._index.move_to_end(entry.info.key)
