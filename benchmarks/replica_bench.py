@@ -13,11 +13,14 @@ each reply fed back into the workload as a client would:
 Reported per setup and workload: cached tokens / the unlimited-cache oracle, tokens computed, and the total
 time to first token (client wall time, the router's routing included); for the router, how many requests
 it probed the replicas for. Starts its own redis-server on a free loopback port. Times are wall times on
-whatever else the machine runs: compare setups within one run.
+whatever else the machine runs: compare setups within one run. With --trace, each setup sharing Redis also
+prints, per request, what Redis held for its prompt when it was sent and when each request's writes
+landed (benchmarks/replica_trace.py), and each replica's remote-tier counters (lookups that waited for
+another replica's write, slices rewritten, faults).
 
     PYTHONPATH=. python benchmarks/replica_bench.py --preset smoke --out benchmarks/out/replica_bench.json
-    PYTHONPATH=. python benchmarks/replica_bench.py --size 0.8b --preset published --turns 9 --fractions 0,0.6 \\
-        --out benchmarks/out/replica_bench_0.8b.json
+    PYTHONPATH=. python benchmarks/replica_bench.py --size 0.8b --preset published --turns 12 --fractions 0,0.6 \\
+        --scale 1.5 --trace --out benchmarks/out/replica_bench_0.8b.json
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.replica_trace import RedisWatch, TracingRunner, print_turns, redis_input_rate, turns
 from cairn.bench.checkpoint import SIZES, make_checkpoint
-from cairn.bench.conversation import PRESETS, BenchRequest, WorkloadSizes
+from cairn.bench.conversation import PRESETS, WorkloadSizes
 from cairn.bench.http_runner import HTTPRunner
-from cairn.bench.run import Served, WorkloadResult, serve_stream, to_records
+from cairn.bench.run import WorkloadResult, serve_stream, to_records
 from cairn.bench.workloads import all_workloads
 from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -134,18 +138,6 @@ class Procs:
         raise RuntimeError(f"{name} did not become healthy")
 
 
-class RoundRobin:
-    """The bench's Runner over several HTTP runners, each request to the next in turn."""
-
-    def __init__(self, runners: list[HTTPRunner]):
-        self.runners, self.tokenizer, self._turn = runners, runners[0].tokenizer, 0
-
-    def serve(self, request: BenchRequest) -> Served:
-        runner = self.runners[self._turn % len(self.runners)]
-        self._turn += 1
-        return runner.serve(request)
-
-
 def workload_sizes(args: argparse.Namespace) -> WorkloadSizes:
     """The preset's sizes with --scale applied to every token length (not the reply) and --turns, --fractions."""
     sizes = PRESETS[args.preset]
@@ -180,13 +172,29 @@ def run_setup(key: str, args: argparse.Namespace, redis_url: str, sizes: Workloa
         if routed:
             urls = [procs.router(urls)]
         print(f"{label}: {len(urls)} endpoint(s) up in {time.perf_counter() - started:.1f}s", flush=True)
-        runner = RoundRobin([HTTPRunner(u, tokenizer) for u in urls])
         rows = []
-        for workload in WORKLOADS:
-            served = serve_stream(all_workloads()[workload], runner, sizes, args.seed)
+        for workload in args.workloads.split(","):
+            runner = TracingRunner([HTTPRunner(u, tokenizer) for u in urls])  # in turn (round robin)
+            with RedisWatch(redis_url) if args.trace and shared else contextlib.nullcontext() as watch:
+                served = serve_stream(all_workloads()[workload], runner, sizes, args.seed)
+                time.sleep(args.trace_tail_s if watch else 0)  # let the last writes land while watched
             totals = WorkloadResult(workload, label, to_records(served)).totals()
             routing = httpx.get(urls[0] + "/health", timeout=30).json().get("routed_by") if routed else None
-            rows.append({"setup": label, "workload": workload, **totals, "router_routed_by": routing})
+            trace = turns(runner.sent, watch) if watch else None
+            served_by = [{"label": s.label, "replica": s.replica, "prompt_tokens": len(s.prompt_ids),
+                          "cached_tokens": s.cached_tokens, "resume_tier": s.resume_tier} for s in runner.sent]
+            rows.append({"setup": label, "workload": workload, **totals, "router_routed_by": routing,
+                         "requests": served_by, "turns": trace,
+                         "redis_peak_input_bytes_s": redis_input_rate(watch) if watch else None})
+            if args.trace and not trace:
+                print("  cached per request: " + ", ".join(f"{r['label']} {r['cached_tokens']}" for r in served_by))
+            if trace:
+                print_turns(trace)
+                for url in urls:  # what each replica counted of the remote tier (faults, waits, lookups)
+                    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+                    print(f"  {url}: " + "; ".join(line.removeprefix("cairn_cache_") for line in lines
+                                                   if line.startswith("cairn_cache_remote_")))
+                print(f"Redis received at most {rows[-1]['redis_peak_input_bytes_s'] / 1e6:.0f} MB/s", flush=True)
             print(f"{label:>26} {workload:>10}: reused/oracle {100 * (totals['reuse_of_oracle'] or 0):5.1f}% "
                   f"({totals['cached_tokens']}/{totals['oracle_tokens']}), computed {totals['computed_tokens']}, "
                   f"total TTFT {totals['ttft_total_s']:.2f}s" + (f", routed {routing}" if routing else ""), flush=True)
@@ -222,7 +230,11 @@ def parse_args() -> argparse.Namespace:
                         "0,0.6 (default: the preset's)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every token length of the preset")
     parser.add_argument("--serve-flags", default="", help="more `cairn serve` flags for every replica, quoted")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", action="store_true", help="with Redis: per request, what Redis held for its "
+                        "prompt when it was sent and when each request's writes landed (benchmarks/replica_trace.py)")
+    parser.add_argument("--trace-tail-s", type=float, default=5.0, help="--trace: seconds watched after a workload")
     parser.add_argument("--out", type=Path)
     return parser.parse_args()
 

@@ -37,6 +37,7 @@ from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
 from cairn.cache.remote.finder import RemoteFinder
 from cairn.cache.stats import CacheStats, DiskStats
+from cairn.cache.tiers.base import KV, State
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
 from cairn.cache.tree.nodes import DISK, HOST, REMOTE, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
 from cairn.cache.tree.tiered import TieredRadixTree
@@ -55,6 +56,23 @@ class _RequestState:
     taken: set[int] = field(default_factory=set)  # positions this request attached snapshots at
     captures: dict[int, TieredSnapshot] = field(default_factory=dict)  # position -> slot a step writes
     missed: set[int] = field(default_factory=set)  # positions whose capture found no room
+
+
+class _RequestPages:
+    """The `Source` a finished request's path is written from: the tiers, except that a node no page tier
+    holds (its KV only in a segment tier: a node split off a segment found in Redis) is read from the
+    request's own pages, which hold what it just computed or loaded for every position of the path."""
+
+    def __init__(self, tiers: TierSet, kv: KVPool, page_table: list[int]):
+        self.tiers, self.kv, self.page_table = tiers, kv, page_table
+
+    def node_kv(self, node: Node) -> KV | None:
+        if any(tier.pages is not None for tier in self.tiers.holding(node.kv)):
+            return self.tiers.node_kv(node)
+        return self.kv.read_pages([self.page_table[i] for i in page_indices(node.start, node.end, self.kv.page_size)])
+
+    def node_snapshot(self, node: Node) -> State | None:
+        return self.tiers.node_snapshot(node)
 
 
 class HybridPrefixCache(PrefixCache):
@@ -360,7 +378,7 @@ class HybridPrefixCache(PrefixCache):
             if finished and state.taken and any(t.write_through for t in self.tiers.tiers):
                 tokens = req.token_ids[: max(state.taken)]
                 node = self.tree.insert(tokens, req.page_table)
-                self.tiers.write_through(node)
+                self.tiers.write_through(node, _RequestPages(self.tiers, self.kv, req.page_table))
         finally:
             adm.state = None
             if state.lock is not None:

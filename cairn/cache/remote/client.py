@@ -139,13 +139,16 @@ class GuardedRedis:
         return result
 
     def pipelined(self, commands: list[tuple], ttl_s: int | None = None):
-        """("set", name, value) / ("get" | "exists" | "delete", name) commands in one round trip (a cluster
-        client splits them by node): their results, or FAILED. `ttl_s` applies to the sets."""
+        """("set", name, value) / ("setpx", name, value, ms) / ("get" | "exists" | "delete", name) commands in
+        one round trip (a cluster client splits them by node): their results, or FAILED. `ttl_s` applies to
+        the sets; a setpx expires after its own `ms` milliseconds."""
         def run(client):
             pipe = client.pipeline(transaction=False)
             for op, name, *value in commands:
                 if op == "set":
                     pipe.set(name, value[0], ex=ttl_s)
+                elif op == "setpx":
+                    pipe.set(name, value[0], px=value[1])
                 elif op == "get":
                     pipe.get(name)
                 elif op == "delete":

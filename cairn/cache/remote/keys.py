@@ -15,6 +15,9 @@ size, a second copy of the entry sits at the page-aligned position below it, wit
 there to the end in `tail`: a prompt probes only page multiples, message starts and its own end, and
 still finds a snapshot taken at an odd position (the tail is checked against the prompt).
 
+Beside them, markers announce segments still being written (markers.py), under
+`cairn:<namespace>:w:<same canonical key>`.
+
 Entries are hints, never trusted: every key they lead to is recomputed from the prompt's own tokens,
 and every segment read is fully verified (checksums, version, namespace) by segment.py.
 """
@@ -117,3 +120,6 @@ class KeyNames:
 
     def entry(self, end_key: bytes) -> str:
         return f"cairn:{self.namespace}:e:{end_key.hex()}"
+
+    def marker(self, end_key: bytes) -> str:
+        return f"cairn:{self.namespace}:w:{end_key.hex()}"

@@ -5,9 +5,12 @@
     get(key)         the fully verified segment, or None: unknown key, Redis down (breaker), a value that
                      vanished (TTL, maxmemory eviction: a miss), or a bad value (checksum, version,
                      namespace...: counted by reason in `faults` and deleted from Redis). Never wrong data.
-    lookup(tokens, positions)   one pipelined round trip probing the index entries at those prefix
-                     positions of a prompt (see keys.py); the deepest chain ending in a snapshot is
-                     registered here and returned, parents first
+    lookup(tokens, positions)   one pipelined round trip probing the index entries (and markers) at those
+                     prefix positions of a prompt (see keys.py); the deepest chain ending in a snapshot is
+                     registered here and returned, parents first. When another replica's marker says a
+                     deeper chain is being written, the probe is repeated every WAIT_POLL_S until it has
+                     landed (or the marker is gone, or wait_s has passed): the turn that follows a turn
+                     served elsewhere arrives before that turn's write-behind is done
     info / keys / get_tokens / pin / unpin / scan / len / used_bytes / close    as DiskStore's, over the
                      segments this process knows of (those it wrote or looked up): Redis may hold more.
                      At most max_segments are known: beyond, the least recently used are forgotten here
@@ -15,10 +18,13 @@
 
 Writes happen behind the request: `put` only records the segment here and queues it; a background
 thread encodes it (segment.py, every section checksummed) and sends it with its index entries in one
-pipeline. A segment is readable here from the moment `put` returns (from memory until written). A
+pipeline; a segment with a snapshot is first announced by markers (keys.py), set by a thread of their
+own so that they never wait behind the queued writes. A segment is readable here from the moment `put`
+returns (from memory until written). A
 write that fails leaves the index (counted, and `on_evict` is told). Redis has no pins: `pin` only
 keeps this process's record; a segment Redis evicted anyway is a miss.
 
+The lookup side (lookup, and registering what it found) is chains.py's ChainLookup, mixed in here.
 What this is not: the tier's choice of what to write or when to look up (tier.py), the segment format.
 """
 
@@ -26,11 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from itertools import pairwise
+from collections.abc import Callable
 
 from cairn.cache.disk.pins import Pins
 from cairn.cache.disk.segment import (
@@ -43,21 +49,20 @@ from cairn.cache.disk.segment import (
     encode_segment,
 )
 from cairn.cache.disk.store import SegmentInfo
+from cairn.cache.remote.chains import ChainLookup, KnownSegment
 from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis
-from cairn.cache.remote.keys import IndexEntry, KeyNames, canonical_hasher, chain_keys, entry_at, prefix_keys
+from cairn.cache.remote.keys import (
+    IndexEntry,
+    KeyNames,
+    canonical_hasher,
+)
+from cairn.cache.remote.markers import Markers
 from cairn.cache.remote.writer import WriteBehind
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)
 DEFAULT_MAX_SEGMENTS = 1 << 16  # segments known here (written or looked up); the least recently used go first
-
-
-@dataclasses.dataclass
-class _Entry:
-    info: SegmentInfo  # what this process knows of the segment
-    bounds: tuple[int, ...]  # its chain: 0, each segment's start, its end
-    tokens: tuple[int, ...]  # its own tokens, verified against its key
-    end_hash: object  # canonical_hasher() after the whole path [0, end)
+DEFAULT_WAIT_S = 3.0  # the longest a lookup waits for a deeper chain another replica's marker announces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,28 +71,32 @@ class _Write:
     entries: tuple[tuple[bytes, IndexEntry], ...]  # (canonical key of the entry's position, entry sans size)
 
 
-class RedisSegmentStore(Pins):
+class RedisSegmentStore(ChainLookup, Pins):
     readonly = False  # every replica writes: Redis arbitrates, there is no lock
 
     def __init__(self, url: str, namespace: str, page_size: int, *, compression: str | None = None,
                  limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cooldown_s: float = DEFAULT_COOLDOWN_S,
                  queue_segments: int = DEFAULT_QUEUE_SEGMENTS, ttl_s: int | None = None, client=None,
-                 max_segments: int = DEFAULT_MAX_SEGMENTS):
+                 max_segments: int = DEFAULT_MAX_SEGMENTS, wait_s: float = DEFAULT_WAIT_S):
         self.url, self.compat_digest, self.page_size = url, namespace, page_size
         self.compression, self.limits, self.on_evict, self.ttl_s = compression, limits, on_evict, ttl_s
         self.names = KeyNames(namespace)
         self.max_segments = max_segments  # cap on the segments known here (Redis may hold many more)
+        self.wait_s = wait_s  # see DEFAULT_WAIT_S; 0: never wait for another replica's write
+        self.writer_id = os.urandom(8).hex()  # names this store's markers (its own are not waited for)
         self.faults: dict[str, int] = {}  # reason -> occurrences
         self.redis = GuardedRedis(url, timeout_s, cooldown_s, self._fault, client)
-        self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0, "forgotten": 0}
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0, "forgotten": 0,
+                        "lookups_waited": 0, "lookup_waits_expired": 0}
+        self._index: OrderedDict[bytes, KnownSegment] = OrderedDict()  # least recently used first
         self._by_end: dict[bytes, bytes] = {}  # canonical key of a segment's end -> its key
         self._pending: dict[bytes, Segment] = {}  # queued, not yet written
         self._pins: dict[bytes, int] = {}
         self._lock = threading.RLock()
         self._closed = False
         self._writer = WriteBehind(self._write, self._write_failed, queue_segments, "cairn-remote-writer")
+        self.markers = Markers(self.redis, self.names, self.writer_id, queue_segments, self._fault)
 
     def _fault(self, reason: str) -> None:
         with self._lock:
@@ -116,12 +125,14 @@ class RedisSegmentStore(Pins):
         if not self._writer.submit(_Write(segment, entries)):
             self._fault("queue_full")
             return False
+        if segment.snapshot_bytes is not None:
+            self.markers.announce(entries)  # refused when full: readers then do not wait, nothing else is lost
         info = SegmentInfo(segment.key, segment.parent_key, segment.start_position, len(segment.tokens),
                            segment.snapshot_bytes is not None, segment.logits_bytes is not None,
                            _raw_bytes(segment), time.time())
         with self._lock:
             self._pending[segment.key] = segment
-            self._register(_Entry(info, bounds, segment.tokens, end_hash))
+            self._register(KnownSegment(info, bounds, segment.tokens, end_hash))
             self._counts["puts"] += 1
         self._trim(keep={segment.key})
         return True
@@ -164,12 +175,18 @@ class RedisSegmentStore(Pins):
         except SegmentError:
             self._fault("too_large")
             self._drop([job.segment.key])
+            self.markers.flush(self.redis.timeout_s)
+            self.redis.pipelined(self.markers.unmark(job.entries))  # nobody waits for a write that will not come
             return
         sets = [(self.names.segment(job.segment.key), value)]
         for end_key, entry in job.entries:  # after the segment: an entry never leads to nothing
             sized = IndexEntry(entry.key, entry.bounds, entry.tail, entry.has_snapshot, entry.has_logits, len(value))
             sets.append((self.names.entry(end_key), sized.encode()))
-        if self.redis.pipelined([("set", name, data) for name, data in sets], self.ttl_s) is FAILED:
+        unmark = []
+        if job.segment.snapshot_bytes is not None:  # its markers are deleted with it, so set before it
+            self.markers.flush(self.redis.timeout_s)
+            unmark = self.markers.unmark(job.entries)
+        if self.redis.pipelined([("set", name, data) for name, data in sets] + unmark, self.ttl_s) is FAILED:
             self._drop([job.segment.key])
             return
         with self._lock:
@@ -182,6 +199,10 @@ class RedisSegmentStore(Pins):
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued write is done; False if some are still queued after timeout_s."""
         return self._writer.flush(timeout_s)
+
+    def flush_markers(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued marker is set (or failed); False if some are still queued after timeout_s."""
+        return self.markers.flush(timeout_s)
 
     # ---- reads ----------------------------------------------------------------------------------
 
@@ -219,67 +240,7 @@ class RedisSegmentStore(Pins):
             entry = self._index.get(key)
             return None if entry is None else entry.tokens
 
-    def lookup(self, tokens: Sequence[int], positions: Iterable[int]) -> list[SegmentInfo]:
-        """Probe the index entries at these prefix positions of tokens in one round trip; register the deepest
-        chain that ends in a snapshot and return its segments, parents first ([] on a miss or when down)."""
-        keys = prefix_keys(tokens, positions)
-        if not keys:
-            return []
-        order = sorted(keys, reverse=True)
-        values = self.redis.pipelined([("get", self.names.entry(keys[p])) for p in order])
-        with self._lock:
-            self._counts["lookups"] += 1
-        if values is FAILED:
-            return []
-        found: dict[int, tuple[IndexEntry, str]] = {}  # end -> (entry, its Redis name), deepest probe first
-        bad = []
-        for p, value in zip(order, values, strict=True):
-            try:
-                entry = entry_at(value, p, tokens)
-            except ValueError:
-                entry = None
-                bad.append(self.names.entry(keys[p]))
-            if entry is not None:
-                found.setdefault(entry.end, (entry, self.names.entry(keys[p])))
-        infos = []
-        for end in sorted(found, reverse=True):
-            entry, name = found[end]
-            if entry.has_snapshot:
-                chain = chain_keys(tokens, entry.bounds)
-                if chain[-1] == entry.key:
-                    infos = self._register_chain(tokens, entry.bounds, chain, {e: f[0] for e, f in found.items()})
-                    break
-                bad.append(name)  # bounds that do not lead to its key: garbage
-        if bad:
-            self._forget_entries(bad)
-        self._trim(keep={info.key for info in infos})
-        return infos
-
-    def _forget_entries(self, names: list[str]) -> None:
-        """Count bad index entries and delete them from Redis (they are hints: nothing else refers to them)."""
-        for _ in names:
-            self._fault("bad_entry")
-        self.redis.pipelined([("delete", name) for name in names])
-
-    def _register_chain(self, tokens: Sequence[int], bounds: tuple[int, ...], chain: list[bytes],
-                        found: dict[int, IndexEntry]) -> list[SegmentInfo]:
-        h, infos, parent = canonical_hasher(), [], None
-        for i, (start, stop) in enumerate(pairwise(bounds)):
-            h.update(_tokens_to_bytes(tokens[start:stop]))
-            e = found.get(stop)
-            ok = e is not None and e.key == chain[i]
-            info = SegmentInfo(chain[i], parent, start, stop - start, ok and e.has_snapshot, ok and e.has_logits,
-                               e.size_bytes if ok else 0, time.time())
-            with self._lock:
-                known = self._index.get(chain[i])
-                if known is None or (info.has_snapshot and not known.info.has_snapshot):
-                    self._register(_Entry(info, bounds[:i + 2], tuple(tokens[start:stop]), h.copy()))
-                    self._counts["found"] += 1
-                infos.append(self._index[chain[i]].info)
-            parent = h.digest()
-        return infos
-
-    def _register(self, entry: _Entry) -> None:
+    def _register(self, entry: KnownSegment) -> None:
         """Index entry (caller holds self._lock)."""
         self._index[entry.info.key] = entry
         self._index.move_to_end(entry.info.key)
@@ -342,7 +303,7 @@ class RedisSegmentStore(Pins):
     def stats(self) -> dict:
         with self._lock:
             return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._writer.num_queued,
-                    **self._counts, "breaker_opened": self.redis.breaker.num_opened}
+                    **self._counts, "marked": self.markers.num_set, "breaker_opened": self.redis.breaker.num_opened}
 
     def scan(self) -> None:
         """Forget the known segments Redis no longer holds (expired, evicted); nothing when it is down."""
@@ -367,6 +328,7 @@ class RedisSegmentStore(Pins):
                 return
             self._closed = True
         self._writer.close(timeout_s)
+        self.markers.close(timeout_s)
         self.redis.close()
 
 

@@ -6,7 +6,9 @@ replica wrote is read by any replica of the same weights. What differs from Disk
 
     persist(path, source)   skips a node whose segment the store already knows (another replica wrote it,
                     or a lookup found it) without reading its KV, recording the reference on the node; the
-                    store queues the writes behind the request (a background thread sends them)
+                    store queues the writes behind the request (a background thread sends them). A node
+                    that is the front slice of a longer stored segment is written again as its own segment
+                    when a node below it is written (a chain continues only from a segment's end)
     lookup(token_ids, message_starts)   what Redis holds for a prompt: one pipelined probe of the prompt's
                     page multiples, message starts and end; the deepest chain ending in a snapshot, in
                     stored_paths()'s shape, for the cache's index to hang on the tree at admission
@@ -37,16 +39,31 @@ class RemoteTier(DiskTier):
     def persist(self, path: list[Node], source: Source) -> int:
         """Queue every node of `path` (root to node) that the store lacks (or holds without the snapshot the
         node now has); returns segments queued. Stops at the first refusal: a later node would be
-        unreachable without it."""
-        queued = 0
-        for node, parent_key in self._prefix_keys(path):
-            if self._known(node, parent_key):
+        unreachable without it. Every segment is read (from `source`) before the first is queued, so that
+        the markers of the deeper ones are set before the shallower ones land (markers.py).
+
+        A chain continues only from a segment's END: a node just above one to write that is a slice of a
+        longer stored segment (split off its front when a prompt left that path midway) is written again
+        as a segment of its own (at a request's end, `source` reads its KV from the request's pages)."""
+        steps = list(self._prefix_keys(path))
+        todo = [not self._known(node, parent_key) for node, parent_key in steps]
+        slices = set()
+        for j in range(len(steps) - 1, 0, -1):
+            if todo[j] and not todo[j - 1] and self._is_slice(steps[j - 1][0]):
+                todo[j - 1] = True
+                slices.add(j - 1)
+        self.counters["slices_rewritten"] += len(slices)
+        segments = []  # read first, queued together: no segment lands before a deeper one is announced
+        for (node, parent_key), write in zip(steps, todo, strict=True):
+            if not write:
                 continue
             kv = source.node_kv(node)
             if kv is None:
                 self.counters["write_unreadable"] += 1
-                return queued
-            segment = self._segment(node, parent_key, kv, source.node_snapshot(node))
+                break
+            segments.append((node, self._segment(node, parent_key, kv, source.node_snapshot(node))))
+        queued = 0
+        for node, segment in segments:
             if not self.store.put(segment):
                 self.counters["write_failed"] += 1
                 return queued
@@ -54,6 +71,10 @@ class RemoteTier(DiskTier):
             queued += 1
             self.counters["segments_written"] += 1
         return queued
+
+    def _is_slice(self, node: Node) -> bool:
+        ref = node.kv.get(self.name)
+        return ref is not None and ref.segment_end != node.end
 
     def _known(self, node: Node, parent_key: bytes | None) -> bool:
         """The store already holds node's segment, with its snapshot when it has one (recorded on the node)."""
@@ -83,6 +104,8 @@ class RemoteTier(DiskTier):
         infos = self.store.lookup(token_ids, self.probe_positions(len(token_ids), message_starts))
         self.counters["lookups"] += 1
         self.counters["lookup_hits"] += bool(infos)
+        for name in ("lookups_waited", "lookup_waits_expired"):  # for another replica's write (markers.py)
+            self.counters[name] = self.store.counted(name)
         return [(tuple(token_ids[: i.start_position + i.num_tokens]), i.start_position,
                  DiskRef(i.key, i.start_position, i.start_position + i.num_tokens), i.has_snapshot, i.has_logits)
                 for i in infos]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from cairn.cache.tiers.base import KV, State, Tier
+from cairn.cache.tiers.base import KV, Source, State, Tier
 from cairn.cache.tree.nodes import DEVICE, DISK, RELEASE_EVICTED, Node, page_indices
 from cairn.cache.tree.tiered import KVVictims, SnapshotVictims, TieredRadixTree
 from cairn.memory.state_pool import StatePool
@@ -194,8 +194,9 @@ class TierSet:
         tier = next(t for t in self.holding(node.kv) if t.name != DEVICE)
         return tier, tier.read_page(node, i, cache)
 
-    def write_through(self, node: Node) -> None:
-        """Write node and its ancestors into every write-through segment tier (at a request's end)."""
+    def write_through(self, node: Node, source: Source | None = None) -> None:
+        """Write node and its ancestors into every write-through segment tier (at a request's end), read from
+        `source` (default: the tiers themselves)."""
         for tier in self.tiers:
             if tier.pages is None and tier.write_through and node is not self.tree.root:
-                tier.store_kv(node, self)
+                tier.store_kv(node, source or self)
