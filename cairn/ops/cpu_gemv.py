@@ -35,6 +35,8 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <atomic>
+#include <cstring>
 
 namespace {
 
@@ -167,9 +169,49 @@ void run_tile(const Plan& p, bool whole, const uint16_t* w, int64_t k, const uin
   }
 }
 
+// ---- a plain streaming read, to measure the memory bandwidth beside torch's `sum` --------------------
+__attribute__((target("avx512f")))
+int64_t read_lines_avx512(const char* p, int64_t lines) {
+  __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 4 <= lines; i += 4) {
+    const char* q = p + i * 64;
+    s0 = _mm512_add_epi64(s0, _mm512_loadu_si512(q));
+    s1 = _mm512_add_epi64(s1, _mm512_loadu_si512(q + 64));
+    s2 = _mm512_add_epi64(s2, _mm512_loadu_si512(q + 128));
+    s3 = _mm512_add_epi64(s3, _mm512_loadu_si512(q + 192));
+  }
+  for (; i < lines; ++i) s0 = _mm512_add_epi64(s0, _mm512_loadu_si512(p + i * 64));
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3)));
+}
+
+int64_t read_lines_scalar(const char* p, int64_t lines) {
+  int64_t s = 0;
+  for (int64_t i = 0; i < lines * 8; ++i) {
+    int64_t v;
+    std::memcpy(&v, p + i * 8, 8);
+    s += v;
+  }
+  return s;
+}
+
 }  // namespace
 
 std::string best_isa() { return has_avx512_bf16() ? "avx512_bf16" : has_avx2() ? "avx2" : ""; }
+
+// Reads every whole 64-byte line of `buf` once (threads split it in contiguous halves) and returns a
+// checksum, so nothing is optimised away: the memory bandwidth as a simple loop of vector loads sees it.
+int64_t stream_read(const torch::Tensor& buf) {
+  TORCH_CHECK(buf.is_contiguous(), "stream_read: a contiguous tensor");
+  const char* p = static_cast<const char*>(buf.data_ptr());
+  const int64_t lines = buf.numel() * buf.element_size() / 64;
+  const bool wide = __builtin_cpu_supports("avx512f");
+  std::atomic<int64_t> total{0};
+  at::parallel_for(0, lines, 4096, [&](int64_t a, int64_t b) {
+    total += wide ? read_lines_avx512(p + a * 64, b - a) : read_lines_scalar(p + a * 64, b - a);
+  });
+  return total.load();
+}
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::string& isa) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, K] and w [N, K]");
@@ -215,6 +257,11 @@ class GemvKernel:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 (rows contiguous, M <= MAX_ROWS), weight [N, K] bf16 contiguous -> [M, N] bf16."""
         return self.library.gemv(x, weight, self.isa)
+
+    def stream_read(self, buf: torch.Tensor) -> int:
+        """Read every whole 64-byte line of `buf` (contiguous) once with vector loads, on the torch
+        threads; returns a checksum. The benchmarks' second memory-bandwidth figure, beside `sum`."""
+        return self.library.stream_read(buf)
 
 
 def reference_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -263,8 +310,9 @@ def _build(build_dir: str | None, isa: str) -> GemvKernel | str:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        library = load_inline(NAME, cpp_sources=_SOURCE, functions=["gemv", "best_isa"], build_directory=build_dir,
-                              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        library = load_inline(NAME, cpp_sources=_SOURCE, functions=["gemv", "best_isa", "stream_read"],
+                              build_directory=build_dir, extra_cflags=["-O3", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: F.linear it is
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         return f"building the kernel failed ({type(e).__name__}: {first[:200]})"
