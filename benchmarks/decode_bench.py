@@ -1,7 +1,8 @@
 """Decode speed against the memory bandwidth, and against transformers on the same weights, in one run.
 
 Per dtype and batch size: cairn's decode tokens/s (aggregate over the batch) for each weight layout
-asked for (plain, packed, gemv: cairn's own bf16 gemv kernel, int8), the weight bytes one decode step
+asked for (plain, packed, gemv: cairn's own bf16 gemv kernel, gemv-unfused: the same without the fused
+Gated DeltaNet decode op, int8), the weight bytes one decode step
 reads, the weight-read bandwidth that achieves (bytes x steps/s), the machine's memory bandwidth
 measured in the same run (a plain `sum` over a large fp32 tensor, best of its runs), their ratio,
 the same against cairn's own streaming read of that tensor (a loop of vector loads in the gemv
@@ -19,6 +20,7 @@ and the best of the repeats is kept (the CPU may be shared). A benchmark, not a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -83,12 +85,14 @@ def stream_read_gbs(buf: torch.Tensor, repeats: int = 3) -> float | None:
 def variants(layouts: list[str]) -> dict[str, dict]:
     """Engine model options per layout name: plain / packed weight layouts, int8 weight-only quantization."""
     table = {"auto": {}, "plain": {"weight_layout": "plain"}, "packed": {"weight_layout": "packed"},
-             "gemv": {"weight_layout": "gemv"}, "int8": {"quantization": "int8"}}
+             "gemv": {"weight_layout": "gemv"}, "gemv-unfused": {"weight_layout": "gemv"},
+             "int8": {"quantization": "int8"}}
     return {name: table[name] for name in layouts}
 
 
 def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) -> dict:
     from cairn.model.layout import decode_weight_bytes
+    from cairn.ops import cpu_gdn
 
     engines = {}
     for name, options in variants(layouts).items():
@@ -97,6 +101,8 @@ def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) ->
         except ValueError as e:  # a layout this machine or dtype does not support
             print(f"  {dtype} {name}: skipped ({e})")
             continue
+        if name == "gemv-unfused":  # the Gated DeltaNet decode on the reference kernels, not the fused op
+            engine.model.kernels = dataclasses.replace(engine.model.kernels, gdn_decode_op=cpu_gdn.reference_op_for)
         engines[name] = (engine, decode_weight_bytes(engine.model))
     return engines
 
@@ -217,7 +223,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,4,16", type=lambda s: [int(b) for b in s.split(",")])
     ap.add_argument("--layouts", default="plain,packed,gemv,int8",
-                    help="cairn variants: plain, packed, gemv, int8 (quantized) or auto; unsupported ones are skipped")
+                    help="cairn variants: plain, packed, gemv, gemv-unfused (gemv with the Gated DeltaNet decode on "
+                    "the reference kernels instead of the fused op), int8 (quantized) or auto; unsupported ones are "
+                    "skipped")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     ap.add_argument("--new-tokens", type=int, default=16, help="decode tokens timed per request")
     ap.add_argument("--prompt-len", type=int, default=32)
