@@ -8,7 +8,8 @@
 
 Both states live in the request's working slot of the StatePool (`state_entries` declares them):
 decode sequences run as one batch through the recurrent step, prefill segments piece by piece through
-the chunked kernel (cairn.layers.recurrent).
+the chunked kernel (cairn.layers.recurrent). In bf16 on CPU the decode rows take one fused op instead
+(conv update to gated norm, cairn/ops/cpu_gdn.py) when `kernels.gdn_decode_op` offers it.
 """
 
 from __future__ import annotations
