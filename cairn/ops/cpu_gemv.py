@@ -45,8 +45,8 @@ constexpr int64_t kMaxRows = 16;
 // ---- AVX512-BF16: R weight rows side by side, M x rows per pass --------------------------------------
 // One core reads a weight from memory only as fast as it keeps enough cache-line fills in flight; R
 // streams side by side plus a software prefetch kPrefetch bytes ahead in each keep more in flight than
-// the hardware prefetcher alone (which also stops at every 4 KiB page). Measured in
-// benchmarks/gemv_bench.py: 16 rows and 256 bytes read a decode step's weights about 1.3x faster than 4
+// the hardware prefetcher alone (which also stops at every 4 KiB page). Measured with
+// benchmarks/gemv_step_bench.py: 16 rows and 256 bytes read a decode step's weights 1.3-1.5x faster than 4
 // rows without prefetch. A prefetch past the end of a row lands in the next row (or past the weight:
 // prefetches never fault).
 constexpr int64_t kPrefetch = 256;
