@@ -1,11 +1,14 @@
 """Decode speed against the memory bandwidth, and against transformers on the same weights, in one run.
 
 Per dtype and batch size: cairn's decode tokens/s (aggregate over the batch) for each weight layout
-asked for (plain, packed, gemv: cairn's own bf16 gemv kernel, int8), the weight bytes one decode step
+asked for (plain, packed, gemv: cairn's own bf16 gemv kernel, gemv-unfused: the same without the fused
+Gated DeltaNet decode op, int8), the weight bytes one decode step
 reads, the weight-read bandwidth that achieves (bytes x steps/s), the machine's memory bandwidth
 measured in the same run (a plain `sum` over a large fp32 tensor, best of its runs), their ratio,
-and transformers' `generate` on the same weights in the same dtype. Models are built as in
-engine_throughput.py (random weights, Qwen3.5-0.8B dimensions with the vocabulary cut to 32k).
+the same against cairn's own streaming read of that tensor (a loop of vector loads in the gemv
+kernel's library, which reads faster than `sum` on some machines; "own read"), and transformers'
+`generate` on the same weights in the same dtype. Models are built as in engine_throughput.py
+(random weights, Qwen3.5-0.8B dimensions with the vocabulary cut to 32k).
 
     PYTHONPATH=. python benchmarks/decode_bench.py --out benchmarks/out/decode_bench.json
     PYTHONPATH=. python benchmarks/decode_bench.py --dtypes bfloat16 --batches 1 --layouts gemv,plain
@@ -17,6 +20,7 @@ and the best of the repeats is kept (the CPU may be shared). A benchmark, not a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -62,15 +66,33 @@ def read_bandwidth_gbs(buf: torch.Tensor, repeats: int = 3) -> float:
     return buf.numel() * buf.element_size() / best / 1e9
 
 
+def stream_read_gbs(buf: torch.Tensor, repeats: int = 3) -> float | None:
+    """GB/s of cairn's own streaming read of `buf` (cpu_gemv's loop of vector loads), best of `repeats`;
+    None where the kernel does not load. Reported beside `sum`, which reads slower on some machines."""
+    from cairn.ops import cpu_gemv
+
+    kernel = cpu_gemv.load(cpu_gemv.cpu_flags())
+    if isinstance(kernel, str):
+        return None
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        kernel.stream_read(buf)
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * buf.element_size() / best / 1e9
+
+
 def variants(layouts: list[str]) -> dict[str, dict]:
     """Engine model options per layout name: plain / packed weight layouts, int8 weight-only quantization."""
     table = {"auto": {}, "plain": {"weight_layout": "plain"}, "packed": {"weight_layout": "packed"},
-             "gemv": {"weight_layout": "gemv"}, "int8": {"quantization": "int8"}}
+             "gemv": {"weight_layout": "gemv"}, "gemv-unfused": {"weight_layout": "gemv"},
+             "int8": {"quantization": "int8"}}
     return {name: table[name] for name in layouts}
 
 
 def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) -> dict:
     from cairn.model.layout import decode_weight_bytes
+    from cairn.ops import cpu_gdn
 
     engines = {}
     for name, options in variants(layouts).items():
@@ -79,6 +101,8 @@ def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) ->
         except ValueError as e:  # a layout this machine or dtype does not support
             print(f"  {dtype} {name}: skipped ({e})")
             continue
+        if name == "gemv-unfused":  # the Gated DeltaNet decode on the reference kernels, not the fused op
+            engine.model.kernels = dataclasses.replace(engine.model.kernels, gdn_decode_op=cpu_gdn.reference_op_for)
         engines[name] = (engine, decode_weight_bytes(engine.model))
     return engines
 
@@ -102,14 +126,16 @@ def run_dtype(path: Path, hf, dtype: str, args, buf: torch.Tensor) -> list[dict]
             print(f"  {dtype} {name} prefill{args.prefill_len}: {rows[-1]['prefill_tok_s']:.1f} tok/s", flush=True)
     for batch in args.batches:
         runs: dict[str, list[float]] = {name: [] for name in engines}
-        runs["transformers"], bandwidth = [], []
+        runs["transformers"], bandwidth, own_read = [], [], []
         for _ in range(args.repeats):  # every side once per repeat, alternating
             bandwidth.append(read_bandwidth_gbs(buf))
+            own_read.append(stream_read_gbs(buf))
             for name, (engine, _) in engines.items():
                 runs[name].append(cairn_decode_tok_s(engine, batch, args.new_tokens, args.prompt_len))
             if hf is not None:
                 runs["transformers"].append(hf_decode_tok_s(hf, batch, args.new_tokens, args.prompt_len))
         hf_tok_s = max(runs["transformers"]) if hf is not None else None
+        own = max(own_read) if None not in own_read else None
         for name, (_, weight_bytes) in engines.items():
             tok_s = max(runs[name])
             achieved = weight_bytes * tok_s / batch / 1e9  # steps/s x bytes per step
@@ -117,9 +143,12 @@ def run_dtype(path: Path, hf, dtype: str, args, buf: torch.Tensor) -> list[dict]
                          "weight_bytes": weight_bytes, "weight_read_gbs": achieved,
                          "memory_bandwidth_gbs": max(bandwidth), "bandwidth_runs": bandwidth,
                          "fraction_of_bandwidth": achieved / max(bandwidth),
+                         "stream_read_gbs": own, "stream_read_runs": own_read,
+                         "fraction_of_stream_read": achieved / own if own else None,
                          "transformers_tok_s": hf_tok_s, "transformers_runs": runs["transformers"],
                          "vs_transformers": tok_s / hf_tok_s if hf_tok_s else None})
             print(f"  {dtype} {name} b{batch}: {tok_s:.2f} tok/s, {achieved:.1f} GB/s of {max(bandwidth):.1f}"
+                  + (f" (own read {own:.1f})" if own else "")
                   + (f", transformers {hf_tok_s:.2f} tok/s" if hf_tok_s else ""), flush=True)
     del engines
     gc.collect()
@@ -168,21 +197,23 @@ def compile_check(batches: list[int], repeats: int = 5) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| dtype | layout | batch | tok/s | weight MB/step | weight GB/s | memory GB/s | of limit "
-             "| transformers tok/s | vs transformers | vs batch 1 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| own read GB/s | of own read | transformers tok/s | vs transformers | vs batch 1 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     b1 = {(r["dtype"], r["layout"]): r["tok_s"] for r in rows if r.get("batch") == 1}
     for r in rows:
         if "prefill_len" in r:
             lines.append(f"| {r['dtype']} | {r['layout']} | prefill {r['prefill_len']} | {r['prefill_tok_s']:.1f} "
-                         "| | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         hf = f"{r['transformers_tok_s']:.2f}" if r["transformers_tok_s"] else "-"
         vs = f"{r['vs_transformers']:.2f}x" if r["vs_transformers"] else "-"
         base = b1.get((r["dtype"], r["layout"]))
         scale = f"{r['tok_s'] / base:.1f}x" if base else "-"
+        own = (f"{r['stream_read_gbs']:.1f} | {100 * r['fraction_of_stream_read']:.0f}%" if r.get("stream_read_gbs")
+               else "- | -")
         lines.append(f"| {r['dtype']} | {r['layout']} | {r['batch']} | {r['tok_s']:.2f} "
                      f"| {r['weight_bytes'] / 1e6:.0f} | {r['weight_read_gbs']:.1f} | {r['memory_bandwidth_gbs']:.1f} "
-                     f"| {100 * r['fraction_of_bandwidth']:.0f}% | {hf} | {vs} | {scale} |")
+                     f"| {100 * r['fraction_of_bandwidth']:.0f}% | {own} | {hf} | {vs} | {scale} |")
     return "\n".join(lines)
 
 
@@ -192,7 +223,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,4,16", type=lambda s: [int(b) for b in s.split(",")])
     ap.add_argument("--layouts", default="plain,packed,gemv,int8",
-                    help="cairn variants: plain, packed, gemv, int8 (quantized) or auto; unsupported ones are skipped")
+                    help="cairn variants: plain, packed, gemv, gemv-unfused (gemv with the Gated DeltaNet decode on "
+                    "the reference kernels instead of the fused op), int8 (quantized) or auto; unsupported ones are "
+                    "skipped")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     ap.add_argument("--new-tokens", type=int, default=16, help="decode tokens timed per request")
     ap.add_argument("--prompt-len", type=int, default=32)

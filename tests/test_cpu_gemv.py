@@ -77,6 +77,21 @@ def test_gemv_row_outputs_do_not_depend_on_the_other_rows_or_the_threads(isa):
 
 
 @needs_kernel
+def test_stream_read_reads_every_whole_line_of_the_buffer():
+    """The benchmarks' own memory read: its checksum is the sum of the buffer's 64-bit words in whole
+    64-byte lines, so it read all of them (and a trailing partial line is left out)."""
+    k = kernel(ISAS[0])
+    buf = torch.arange(3 * 8 * 1000 + 5, dtype=torch.int64)  # 3000 lines and 5 words
+    assert k.stream_read(buf) == int(buf[:24000].sum())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert k.stream_read(buf) == int(buf[:24000].sum())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 def test_gemv_layout_gives_the_plain_logits_and_keeps_the_weights(checkpoints):
     path, _ = checkpoints["qwen3_next"]
     plain, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)

@@ -8,7 +8,8 @@
 
 Both states live in the request's working slot of the StatePool (`state_entries` declares them):
 decode sequences run as one batch through the recurrent step, prefill segments piece by piece through
-the chunked kernel (cairn.layers.recurrent).
+the chunked kernel (cairn.layers.recurrent). In bf16 on CPU the decode rows take one fused op instead
+(conv update to gated norm, cairn/ops/cpu_gdn.py) when `kernels.gdn_decode_op` offers it.
 """
 
 from __future__ import annotations
@@ -77,15 +78,20 @@ class GatedDeltaNet(RecurrentMixer):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool, kernels: Kernels) -> torch.Tensor:
         tokens = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], dim=-1)
+        projected = self.in_proj(x)
+        nd = batch.num_decode
+        fused = kernels.gdn_decode_op(projected, self.conv_weight, self.A_log, self.dt_bias,
+                                      self.norm.weight) if nd else None
+        if fused is not None and nd == tokens:  # a pure decode batch: one op between the projections
+            return self.out_proj(self._fused_decode(fused, projected, batch, states))
+        mixed, z, b, a = projected.split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         own = states.of_layer(self.layer)
         conv_states, rec_states = own["conv"], own["recurrent"]
         out = torch.empty(tokens, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
 
-        nd = batch.num_decode
-        if nd:
+        if nd and fused is None:
             slots = batch.decode_slots()  # a slice (a view into the pool) when the slots are consecutive
             mixed_d, conv_states[slots] = kernels.causal_conv1d_update(mixed[:nd], conv_states[slots], self.conv_weight)
             q, k, v = self._split_heads(mixed_d)
@@ -100,8 +106,25 @@ class GatedDeltaNet(RecurrentMixer):
             out[rows], rec_states[slot] = kernels.chunk_gated_delta_rule(
                 q, k, v, g[rows], beta[rows], rec_states[slot], [(c, dst["recurrent"]) for c, dst in caps])
 
-        out = self.norm(out, z.reshape(tokens, self.v_heads, self.v_dim))
-        return self.out_proj(out.reshape(tokens, self.value_dim))
+        first = nd if fused is not None else 0  # rows the fused op already normed
+        normed = self.norm(out[first:], z[first:].reshape(tokens - first, self.v_heads, self.v_dim))
+        normed = normed.reshape(tokens - first, self.value_dim)
+        if first:
+            normed = torch.cat([self._fused_decode(fused, projected[:nd], batch, states), normed])
+        return self.out_proj(normed)
+
+    def _fused_decode(self, fused, projected: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
+        """The decode rows through the fused op (cairn/ops/cpu_gdn.py): [nd, value_dim], out_proj's input.
+        The op updates both states where they lie; gathered copies (scattered slots) are written back."""
+        mixed, z, b, a = projected.split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], dim=-1)
+        own = states.of_layer(self.layer)
+        slots = batch.decode_slots()
+        conv, rec = own["conv"][slots], own["recurrent"][slots]
+        out = fused(mixed, z, b, a, conv, rec, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight,
+                    self.k_heads, self.norm.eps)
+        if not isinstance(slots, slice):
+            own["conv"][slots], own["recurrent"][slots] = conv, rec
+        return out
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cairn.ops import attention, conv, gdn, mamba2
+from cairn.ops import attention, conv, cpu_gdn, gdn, mamba2
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ class Kernels:
     mamba_conv1d_update: Callable = mamba2.mamba_conv1d_update
     ssd_chunk_scan: Callable = mamba2.ssd_chunk_scan
     ssd_recurrent_step: Callable = mamba2.ssd_recurrent_step
+    # x -> the fused Gated DeltaNet decode op for that batch, or None for the kernels above (bf16 on CPU:
+    # cairn's C++ op, cairn/ops/cpu_gdn.py; cpu_gdn.reference_op_for keeps the reference everywhere)
+    gdn_decode_op: Callable = cpu_gdn.op_for
 
 
 REFERENCE = Kernels(name="reference")

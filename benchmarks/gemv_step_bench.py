@@ -1,0 +1,92 @@
+"""One decode step's weights through two gemv kernels, alternating: this checkout's and another's.
+
+The weights are the 0.8B model's linears in the order one decode step runs them (random bf16, one
+tensor per linear, 1063 MB, so nothing stays in the 300 MiB L3 between steps); each repeat times a
+torch `sum` over 2 GiB, cairn's own streaming read, then a whole step of gemv calls with each kernel.
+The other kernel is any cpu_gemv.py, e.g. main's:
+
+    git show main:cairn/ops/cpu_gemv.py > /tmp/cpu_gemv_main.py
+    PYTHONPATH=. python benchmarks/gemv_step_bench.py --baseline /tmp/cpu_gemv_main.py --rows 1,2
+
+Both kernels must give the same outputs bit for bit (checked on the first linears): the comparison is
+of speed alone. A benchmark: asserts nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.gemv_bench import SHAPES_0_8B
+from cairn.ops import cpu_gemv
+
+
+def step_order() -> list[tuple[int, int]]:
+    """(out, in) of every linear of one 0.8B decode step, in order: 3 GDN layers then 1 attention, x6."""
+    shape = {name: (out_f, in_f) for name, out_f, in_f, _ in SHAPES_0_8B}
+    order = []
+    for layer in range(24):
+        if layer % 4 != 3:
+            order += [shape["gdn.in_proj"], shape["gdn.out_proj"]]
+        else:
+            order += [shape["attn.q_proj"], shape["attn.k_proj/v_proj"], shape["attn.k_proj/v_proj"],
+                      shape["attn.o_proj"]]
+        order += [shape["mlp.gate_up"], shape["mlp.down"]]
+    return order + [shape["lm_head"]]
+
+
+def baseline_kernel(path: str) -> cpu_gemv.GemvKernel:
+    spec = importlib.util.spec_from_file_location("baseline_cpu_gemv", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    kernel = module.load(module.cpu_flags())
+    if isinstance(kernel, str):
+        raise SystemExit(f"the baseline kernel does not load: {kernel}")
+    return kernel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", required=True, help="path of the other cpu_gemv.py")
+    ap.add_argument("--rows", default="1,2", type=lambda s: [int(r) for r in s.split(",")])
+    ap.add_argument("--repeats", type=int, default=7, help="alternating steps per kernel (the median is reported)")
+    args = ap.parse_args()
+    kernels = {"baseline": baseline_kernel(args.baseline), "this": cpu_gemv.load(cpu_gemv.cpu_flags())}
+    if isinstance(kernels["this"], str):
+        raise SystemExit(f"this checkout's kernel does not load: {kernels['this']}")
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(out_f, in_f, generator=gen) * 0.02).bfloat16() for out_f, in_f in step_order()]
+    step_bytes = sum(w.numel() * 2 for w in weights)
+    buf = torch.ones((2 << 30) // 4)
+    print(f"{step_bytes / 1e6:.0f} MB of weights per step, {torch.get_num_threads()} threads")
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {w.shape[1] for w in weights}}
+        for w in weights[:8]:
+            assert torch.equal(kernels["baseline"](xs[w.shape[1]], w), kernels["this"](xs[w.shape[1]], w))
+        gbs: dict[str, list[float]] = {"sum": [], "own read": [], **{name: [] for name in kernels}}
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            buf.sum()
+            gbs["sum"].append(buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            kernels["this"].stream_read(buf)
+            gbs["own read"].append(buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+            for name, kernel in kernels.items():
+                t0 = time.perf_counter()
+                for w in weights:
+                    kernel(xs[w.shape[1]], w)
+                gbs[name].append(step_bytes / (time.perf_counter() - t0) / 1e9)
+        med = {name: statistics.median(v) for name, v in gbs.items()}
+        print(f"rows {rows}: " + ", ".join(f"{name} {v:.1f} GB/s" for name, v in med.items())
+              + f" (medians); this / baseline {med['this'] / med['baseline']:.2f}x, this / sum "
+              f"{100 * med['this'] / med['sum']:.0f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""A fused Gated DeltaNet decode step for CPU (bf16 models): conv update, gating, delta rule, gated norm.
+
+What it is: one C++ op (built on first use with torch.utils.cpp_extension.load_inline, cached by torch
+like cairn/ops/cpu_gemv.py) that does for a batch of decode tokens what GatedDeltaNet.forward does
+between in_proj and out_proj with the reference kernels:
+
+    conv window <- [conv state | x]; x' = silu(sum of taps)     (q k v channels, state updated in place)
+    beta = sigmoid(b); decay = exp(-exp(A_log) * softplus(a + dt_bias))
+    q, k = l2norm(q) * Dk**-0.5, l2norm(k); one delta-rule step on the fp32 state (updated in place)
+    out = rmsnorm(o) * weight * silu(z)
+
+per (sequence, value head) on the torch threads, with no intermediate tensors: the reference runs
+about 60 small ATen calls per layer for this. Rounding follows the reference's where it rounds to bf16
+(conv products and output, beta, o, the normed o and its product with the weight), so the two agree
+within bf16 rounding (tests/test_cpu_gdn.py); it is not bit-identical to the reference, so warm and
+cold runs must both take it for decode tokens, which they do (one decode path).
+
+What it is not: a prefill kernel (prefill keeps the chunked reference), nor for fp32 / fp16 models.
+`load()` returns the op, or a one-line reason why not (no compiler, a failed build), and the layer
+then keeps the reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "cairn_cpu_gdn"
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float bf(float v) { return float(c10::BFloat16(v)); }  // one rounding to bf16
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+
+// silu(conv) of channels [c0, c1) of one sequence, rounded to bf16 like the reference; shifts the state.
+void conv_channels(const at::BFloat16* x, at::BFloat16* state, int64_t state_stride_c, const at::BFloat16* w,
+                   int64_t kernel, int64_t c0, int64_t c1, float* out) {
+  for (int64_t c = c0; c < c1; ++c) {
+    at::BFloat16* s = state + c * state_stride_c;
+    const at::BFloat16* wc = w + c * kernel;
+    float acc = 0.0f;
+    for (int64_t j = 0; j + 1 < kernel; ++j) acc += bf(float(s[j]) * float(wc[j]));
+    acc += bf(float(x[c]) * float(wc[kernel - 1]));
+    out[c] = bf(silu(bf(acc)));
+    for (int64_t j = 0; j + 2 < kernel; ++j) s[j] = s[j + 1];
+    s[kernel - 2] = x[c];
+  }
+}
+
+float inv_norm(const float* v, int64_t n, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+  return 1.0f / std::sqrt(ss + eps);
+}
+
+}  // namespace
+
+// mixed [B, C] bf16 (q k v channels), z [B, Hv * Dv], b / a [B, Hv]; conv_state [B, C, K-1] bf16 and
+// rec_state [B, Hv, Dk, Dv] fp32, both updated in place (views into the state pool are fine: strides
+// are honoured for the batch and channel dimensions); conv_weight [C, K], A_log / dt_bias [Hv],
+// norm_weight [Dv] bf16. Returns the gated, normed output [B, Hv * Dv] bf16 (out_proj's input).
+torch::Tensor gdn_decode(const torch::Tensor& mixed, const torch::Tensor& z, const torch::Tensor& b,
+                         const torch::Tensor& a, torch::Tensor conv_state, torch::Tensor rec_state,
+                         const torch::Tensor& conv_weight, const torch::Tensor& A_log, const torch::Tensor& dt_bias,
+                         const torch::Tensor& norm_weight, int64_t k_heads, double norm_eps) {
+  const std::initializer_list<const torch::Tensor*> halves = {&mixed, &z, &b, &a, &conv_state, &conv_weight,
+                                                              &A_log, &dt_bias, &norm_weight};
+  for (const torch::Tensor* t : halves)
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "gdn_decode: bf16 tensors (and an fp32 recurrent state)");
+  TORCH_CHECK(rec_state.scalar_type() == at::kFloat && rec_state.dim() == 4,
+              "gdn_decode: rec_state [B, Hv, Dk, Dv] fp32");
+  const int64_t B = mixed.size(0), C = mixed.size(1), K = conv_weight.size(1);
+  const int64_t Hv = rec_state.size(1), Dk = rec_state.size(2), Dv = rec_state.size(3), Hk = k_heads;
+  const int64_t key_dim = Hk * Dk, groups = Hv / Hk;
+  TORCH_CHECK(C == 2 * key_dim + Hv * Dv && conv_state.size(1) == C && conv_state.size(2) == K - 1 && K >= 2,
+              "gdn_decode: shapes");
+  TORCH_CHECK(mixed.stride(1) == 1 && z.stride(1) == 1 && b.stride(1) == 1 && a.stride(1) == 1 &&
+              conv_state.stride(2) == 1 && conv_weight.is_contiguous() && A_log.is_contiguous() &&
+              dt_bias.is_contiguous() && norm_weight.is_contiguous(), "gdn_decode: contiguous rows");
+  TORCH_CHECK(rec_state.stride(3) == 1 && rec_state.stride(2) == Dv && rec_state.stride(1) == Dk * Dv,
+              "gdn_decode: each sequence's recurrent state contiguous");
+  auto conv_out = torch::empty({B, C}, mixed.options().dtype(at::kFloat));
+  auto out = torch::empty({B, Hv * Dv}, mixed.options());
+  float* co = conv_out.data_ptr<float>();
+  const auto* w = conv_weight.data_ptr<at::BFloat16>();
+  auto* cs = conv_state.data_ptr<at::BFloat16>();
+  const auto* mx = mixed.data_ptr<at::BFloat16>();
+  at::parallel_for(0, B * C, 2048, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi;) {
+      const int64_t s = i / C, c0 = i % C, c1 = std::min<int64_t>(C, c0 + (hi - i));
+      conv_channels(mx + s * mixed.stride(0), cs + s * conv_state.stride(0), conv_state.stride(1), w, K, c0, c1,
+                    co + s * C);
+      i += c1 - c0;
+    }
+  });
+  const auto* zp = z.data_ptr<at::BFloat16>();
+  const auto* bp = b.data_ptr<at::BFloat16>();
+  const auto* ap = a.data_ptr<at::BFloat16>();
+  const auto* alog = A_log.data_ptr<at::BFloat16>();
+  const auto* dtb = dt_bias.data_ptr<at::BFloat16>();
+  const auto* nw = norm_weight.data_ptr<at::BFloat16>();
+  float* rs = rec_state.data_ptr<float>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const float q_scale = 1.0f / std::sqrt(float(Dk)), eps = float(norm_eps);
+  at::parallel_for(0, B * Hv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf(2 * Dk + 4 * Dv);
+    float *q = buf.data(), *k = q + Dk, *rk = k + Dk, *rq = rk + Dv, *delta = rq + Dv, *o = delta + Dv;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t s = i / Hv, h = i % Hv, hk = h / groups;
+      const float* row = co + s * C;
+      for (int64_t d = 0; d < Dk; ++d) { q[d] = row[hk * Dk + d]; k[d] = row[key_dim + hk * Dk + d]; }
+      const float nq = inv_norm(q, Dk, 1e-6f), nk = inv_norm(k, Dk, 1e-6f);
+      for (int64_t d = 0; d < Dk; ++d) { q[d] = q[d] * nq * q_scale; k[d] *= nk; }
+      const float* v = row + 2 * key_dim + h * Dv;
+      const float beta = bf(1.0f / (1.0f + std::exp(-float(bp[s * b.stride(0) + h]))));
+      const float g = -std::exp(float(alog[h])) * softplus(float(ap[s * a.stride(0) + h]) + float(dtb[h]));
+      const float decay = std::exp(g);
+      float* S = rs + s * rec_state.stride(0) + h * Dk * Dv;
+      for (int64_t e = 0; e < Dv; ++e) rk[e] = rq[e] = 0.0f;
+      for (int64_t d = 0; d < Dk; ++d) {  // S^T k and S^T q in one pass
+        const float* Sd = S + d * Dv;
+        for (int64_t e = 0; e < Dv; ++e) { rk[e] += Sd[e] * k[d]; rq[e] += Sd[e] * q[d]; }
+      }
+      float kq = 0.0f;
+      for (int64_t d = 0; d < Dk; ++d) kq += k[d] * q[d];
+      for (int64_t e = 0; e < Dv; ++e) {
+        delta[e] = (v[e] - rk[e] * decay) * beta;
+        o[e] = bf(rq[e] * decay + kq * delta[e]);
+      }
+      for (int64_t d = 0; d < Dk; ++d) {  // S <- decay S + k delta^T
+        float* Sd = S + d * Dv;
+        for (int64_t e = 0; e < Dv; ++e) Sd[e] = Sd[e] * decay + k[d] * delta[e];
+      }
+      float ms = 0.0f;
+      for (int64_t e = 0; e < Dv; ++e) ms += o[e] * o[e];
+      const float r = 1.0f / std::sqrt(ms / float(Dv) + eps);
+      const at::BFloat16* zr = zp + s * z.stride(0) + h * Dv;
+      at::BFloat16* dst = op + s * (Hv * Dv) + h * Dv;
+      for (int64_t e = 0; e < Dv; ++e) {
+        const float normed = bf(float(nw[e]) * bf(o[e] * r));
+        dst[e] = c10::BFloat16(normed * silu(float(zr[e])));
+      }
+    }
+  });
+  return out;
+}
+"""
+
+
+@functools.cache  # one build (or one failure) per directory, per process
+def load(build_dir: str | None = None):
+    """The built op (a callable with gdn_decode's signature), or a one-line reason why not.
+
+    `build_dir`: where to build (None: torch's extensions directory). Never raises."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        library = load_inline(NAME, cpp_sources=_SOURCE, functions=["gdn_decode"], build_directory=build_dir,
+                              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no headers, a failed build: the reference path it is
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        return f"building the fused GDN decode op failed ({type(e).__name__}: {first[:200]})"
+    return library.gdn_decode
+
+
+@functools.cache  # loaded (or refused) once per process, and said so in one line
+def _loaded():
+    op = load()
+    if callable(op):
+        log.info("Gated DeltaNet decode: cairn's fused CPU op (conv update, gating, delta rule, gated norm)")
+        return op
+    log.warning("Gated DeltaNet decode: the reference kernels (%s)", op)
+    return None
+
+
+def op_for(*tensors: torch.Tensor):
+    """The fused op for a decode batch (its in_proj output and the layer's conv weight, A_log, dt_bias
+    and norm weight), or None (the reference path): taken when all are bf16 on CPU and the op builds
+    (`Kernels.gdn_decode_op`; the first call builds or loads it)."""
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+        return None
+    return _loaded()
+
+
+def reference_op_for(*tensors: torch.Tensor) -> None:
+    """Never the fused op: a Kernels field value that keeps every decode on the reference kernels."""
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cairn.ops.cpu_gdn --build`: build (or find in torch's cache) the op; scripts/setup runs it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cairn.ops.cpu_gdn", description="Build cairn's fused GDN op.")
+    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
+    parser.parse_args(argv)
+    op = load()
+    print("cairn fused GDN decode op: " + ("built" if callable(op) else f"none ({op})"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""cairn's fused Gated DeltaNet decode op (cairn/ops/cpu_gdn.py) against the reference kernels.
+
+The op is compared with the reference composition (conv update, gating, recurrent step, gated norm)
+on random shapes, grouped heads and scattered state slots included; in the engine, greedy bf16 decoding
+with it is compared with decoding on the reference kernels, and a sequence decoded alone with the same
+sequence decoded in a batch (bit for bit). Its dispatch is checked: fp32 stays on the reference, and a
+failed build falls back in one log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cairn.layers.norm import GatedRMSNorm
+from cairn.llm import LLM
+from cairn.ops import cpu_gdn
+from cairn.ops.conv import causal_conv1d_update
+from cairn.ops.gdn import recurrent_gated_delta_rule
+from cairn.sampling import SamplingParams
+
+
+def op():
+    got = cpu_gdn.load()
+    if not callable(got):
+        pytest.skip(f"the fused GDN op does not build here: {got}")
+    return got
+
+
+def inputs(batch, k_heads, v_heads, dk, dv, kernel, seed):
+    gen = torch.Generator().manual_seed(seed)
+    conv_dim = 2 * k_heads * dk + v_heads * dv
+
+    def bf(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+    return {"mixed": bf(batch, conv_dim), "z": bf(batch, v_heads * dv), "b": bf(batch, v_heads),
+            "a": bf(batch, v_heads), "conv": bf(batch, conv_dim, kernel - 1),
+            "rec": torch.randn(batch, v_heads, dk, dv, generator=gen) * 0.1, "weight": bf(conv_dim, kernel),
+            "A_log": bf(v_heads), "dt_bias": bf(v_heads), "norm": bf(dv), "k_heads": k_heads}
+
+
+def reference(t, eps=1e-6):
+    """GatedDeltaNet.forward's decode rows on the reference kernels, between in_proj and out_proj."""
+    batch, v_heads, dk, dv = t["rec"].shape
+    k_heads = t["k_heads"]
+    mixed, conv = causal_conv1d_update(t["mixed"], t["conv"], t["weight"])
+    q, k, v = mixed.split([k_heads * dk, k_heads * dk, v_heads * dv], dim=-1)
+    g = -t["A_log"].float().exp() * F.softplus(t["a"].float() + t["dt_bias"])
+    o, rec = recurrent_gated_delta_rule(q.reshape(batch, k_heads, dk), k.reshape(batch, k_heads, dk),
+                                        v.reshape(batch, v_heads, dv), g, t["b"].sigmoid(), t["rec"].clone())
+    norm = GatedRMSNorm(dv, eps).bfloat16()
+    norm.weight.data = t["norm"]
+    return norm(o, t["z"].reshape(batch, v_heads, dv)).reshape(batch, -1), conv, rec
+
+
+def fused(t, conv, rec, eps=1e-6):
+    return op()(t["mixed"], t["z"], t["b"], t["a"], conv, rec, t["weight"], t["A_log"], t["dt_bias"], t["norm"],
+                t["k_heads"], eps)
+
+
+@pytest.mark.parametrize("batch, k_heads, v_heads, dk, dv, kernel", [
+    (1, 2, 4, 16, 32, 4), (3, 1, 1, 8, 8, 4), (2, 2, 2, 24, 40, 2), (4, 2, 6, 32, 16, 3)])
+def test_fused_decode_matches_the_reference_kernels_within_bf16_rounding(batch, k_heads, v_heads, dk, dv, kernel):
+    t = inputs(batch, k_heads, v_heads, dk, dv, kernel, seed=batch * 100 + dv)
+    ref, ref_conv, ref_rec = reference(t)
+    conv, rec = t["conv"].clone(), t["rec"].clone()
+    got = fused(t, conv, rec)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    assert torch.equal(conv, ref_conv)  # the conv state is a shift: exact
+    assert torch.allclose(rec, ref_rec, rtol=1e-5, atol=1e-6)  # fp32 state, sums in another order
+    # one bf16 step of the output's magnitude (each rounds its intermediate values to bf16 alike)
+    assert ((got.float() - ref.float()).abs() <= 2.0 ** -7 * ref.float().abs() + 1e-2).all()
+
+
+def test_fused_decode_updates_scattered_slots_of_a_pool_view():
+    """Rows of the pool taken with a stride (a slice of every other slot): the op writes where they lie."""
+    t = inputs(2, 2, 4, 16, 16, 4, seed=7)
+    pool_conv = torch.zeros(4, *t["conv"].shape[1:], dtype=torch.bfloat16)
+    pool_rec = torch.zeros(4, *t["rec"].shape[1:])
+    pool_conv[::2], pool_rec[::2] = t["conv"], t["rec"]
+    ref, ref_conv, ref_rec = reference(t)
+    got = fused(t, pool_conv[::2], pool_rec[::2])
+    assert torch.equal(got, fused(t, t["conv"].clone(), t["rec"].clone()))
+    assert torch.equal(pool_conv[::2], ref_conv) and torch.allclose(pool_rec[::2], ref_rec, rtol=1e-5, atol=1e-6)
+    assert not pool_conv[1::2].any() and not pool_rec[1::2].any()
+
+
+def test_fused_decode_rows_do_not_depend_on_the_batch():
+    t = inputs(3, 2, 4, 16, 16, 4, seed=11)
+    whole = fused(t, t["conv"].clone(), t["rec"].clone())
+    for i in range(3):
+        one = {name: (v[i:i + 1] if isinstance(v, torch.Tensor) and name not in ("weight", "A_log", "dt_bias", "norm")
+                      else v) for name, v in t.items()}
+        assert torch.equal(fused(one, one["conv"].clone(), one["rec"].clone()), whole[i:i + 1])
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list:
+    return llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))
+
+
+def test_engine_decodes_bf16_with_the_fused_op_like_the_reference_kernels(checkpoints):
+    op()
+    path, _ = checkpoints["qwen3_next"]
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 14)]
+    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+    llm = LLM(**kw)
+    assert llm.engine.model.kernels.gdn_decode_op is cpu_gdn.op_for
+    batched = _greedy(llm, prompts)
+    alone = [_greedy(llm, [p])[0] for p in prompts]
+    for a, b in zip(alone, batched, strict=True):  # batch-independent, bit for bit
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    ref_llm = LLM(**kw)
+    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels,
+                                                       gdn_decode_op=cpu_gdn.reference_op_for)
+    for got, ref in zip(batched, _greedy(ref_llm, prompts), strict=True):
+        assert got.token_ids[:3] == ref.token_ids[:3]
+        assert max(abs(x - y) for x, y in zip(got.logprobs[:3], ref.logprobs[:3], strict=True)) < 0.05
+
+
+def test_fused_op_is_only_offered_for_bf16_on_cpu():
+    bf, fp = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
+    assert cpu_gdn.op_for(fp, bf) is None and cpu_gdn.op_for(bf, fp) is None
+    assert cpu_gdn.reference_op_for(bf) is None
+    if callable(cpu_gdn.load()):
+        assert cpu_gdn.op_for(bf, bf) is cpu_gdn.load()
+
+
+def test_fused_op_falls_back_to_the_reference_in_one_line_when_it_does_not_build(caplog, monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    reason = cpu_gdn.load(str(tmp_path))
+    assert isinstance(reason, str) and reason.startswith("building the fused GDN decode op failed")
+    monkeypatch.setattr(cpu_gdn, "load", lambda: reason)
+    cpu_gdn._loaded.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="cairn.ops.cpu_gdn"):
+            bf = torch.zeros(2, dtype=torch.bfloat16)
+            assert cpu_gdn.op_for(bf) is None and cpu_gdn.op_for(bf) is None
+        lines = [r for r in caplog.records if r.name == "cairn.ops.cpu_gdn"]
+        assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
+    finally:
+        cpu_gdn._loaded.cache_clear()
+
+
+def test_build_command_says_whether_the_op_built(capsys):
+    assert cpu_gdn.main(["--build"]) == 0
+    got = cpu_gdn.load()
+    expected = "built" if callable(got) else f"none ({got})"
+    assert capsys.readouterr().out.strip() == f"cairn fused GDN decode op: {expected}"
