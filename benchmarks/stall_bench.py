@@ -124,11 +124,9 @@ print(r.status_code, time.monotonic() - t0)
 """
 
 
-def one_round(url: str, mib: int, kind: str, warmup_tokens: int, sender_idle: bool) -> Round:
-    """The big request is sent by another process, so that building and sending it does not slow
-    down this process's reading of the stream; it is built, and its connection opened, before the
-    measured window starts. Every token is an event of the stream (return_token_ids), so a gap is
-    time without a step's output, not a character the detokenizer held back."""
+def start_stream(url: str, warmup_tokens: int) -> tuple[list[float], threading.Event, threading.Thread]:
+    """A stream read on a thread into its token times, returned once it has `warmup_tokens` of them; set
+    the event to stop it."""
     times: list[float] = []
     stop = threading.Event()
     thread = threading.Thread(target=stream_times, args=(url, times, stop), daemon=True)
@@ -138,6 +136,15 @@ def one_round(url: str, mib: int, kind: str, warmup_tokens: int, sender_idle: bo
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the stream did not start")
         time.sleep(0.01)
+    return times, stop, thread
+
+
+def one_round(url: str, mib: int, kind: str, warmup_tokens: int, sender_idle: bool) -> Round:
+    """The big request is sent by another process, so that building and sending it does not slow
+    down this process's reading of the stream; it is built, and its connection opened, before the
+    measured window starts. Every token is an event of the stream (return_token_ids), so a gap is
+    time without a step's output, not a character the detokenizer held back."""
+    times, stop, thread = start_stream(url, warmup_tokens)
     sender = subprocess.Popen([sys.executable, "-c", SEND_BIG, url, str(mib), kind, "idle" if sender_idle else "-"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if sender.stdout.readline().strip() != "ready":

@@ -120,12 +120,7 @@ def start_traced(flags: list[str], trace: Path, repo: Path = REPO_ROOT) -> tuple
 
 def one_round(url: str, sender_idle: bool) -> dict:
     """stall_bench's round, keeping the token times and the window edges."""
-    times: list[float] = []
-    stop = threading.Event()
-    reader = threading.Thread(target=stall_bench.stream_times, args=(url, times, stop), daemon=True)
-    reader.start()
-    while len(times) < 40:
-        time.sleep(0.01)
+    times, stop, reader = stall_bench.start_stream(url, 40)
     sender = subprocess.Popen([sys.executable, "-c", stall_bench.SEND_BIG, url, "20", "chat",
                                "idle" if sender_idle else "-"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -183,12 +178,7 @@ def report(events: list[dict], rounds: list[dict]) -> None:
 
 def stream_alone(url: str, seconds: float) -> list[float]:
     """The token times of one stream running alone for `seconds` (after its first 40 tokens)."""
-    times: list[float] = []
-    stop = threading.Event()
-    reader = threading.Thread(target=stall_bench.stream_times, args=(url, times, stop), daemon=True)
-    reader.start()
-    while len(times) < 40:
-        time.sleep(0.01)
+    times, stop, reader = stall_bench.start_stream(url, 40)
     start = times[-1]
     time.sleep(seconds)
     stop.set()

@@ -8,6 +8,7 @@ Not a test module: it holds no assertions.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_process import free_port
+from tests.server_process import free_port, start_server
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -86,6 +87,21 @@ def redis_or_skip(*args: str) -> RedisServer:
         pytest.skip("redis-server is not installed (scripts/setup installs it with apt-get when it can)")
     pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
     return start_redis(20.0, *args)
+
+
+@contextlib.contextmanager
+def replicas_on_redis(*flags: str, count: int = 2):
+    """`count` real `cairn serve` replicas (with `flags`) on one real redis-server as their remote tier;
+    everything is stopped on the way out. Skips where redis-server cannot run."""
+    redis = redis_or_skip()
+    servers = []
+    try:
+        servers.extend(start_server("--remote-cache", redis.url, *flags) for _ in range(count))
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+        redis.stop()
 
 
 @dataclass

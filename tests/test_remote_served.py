@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.redis_server import redis_or_skip
-from tests.server_process import start_server
+from tests.redis_server import replicas_on_redis
 
 # An agentic session as coding agents send it: a long system prompt with tool descriptions, a task, tool
 # calls and their (long) results. The demo model's tokenizer is byte-level, so a turn's template and new
@@ -50,16 +49,8 @@ def conversation() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def replicas():
-    redis = redis_or_skip()
-    flags = ("--remote-cache", redis.url)
-    servers = []
-    try:
-        servers = [start_server(*flags), start_server(*flags)]
+    with replicas_on_redis() as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
-        redis.stop()
 
 
 def chat(base_url: str, messages: list[dict], **kw) -> dict:

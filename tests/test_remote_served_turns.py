@@ -15,8 +15,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.redis_server import redis_or_skip
-from tests.server_process import start_server
+from tests.redis_server import replicas_on_redis
 from tests.test_remote_served import chat, conversation
 
 BLOCK = 64
@@ -24,16 +23,8 @@ BLOCK = 64
 
 @pytest.fixture(scope="module")
 def replicas():
-    redis = redis_or_skip()
-    flags = ("--remote-cache", redis.url, "--prefill-block", str(BLOCK))
-    servers = []
-    try:
-        servers = [start_server(*flags), start_server(*flags)]
+    with replicas_on_redis("--prefill-block", str(BLOCK)) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
-        redis.stop()
 
 
 def next_turn(turn: list[dict], reply: dict, text: str) -> list[dict]:
