@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cairn import ops
 from cairn.layers.norm import GatedRMSNorm
 from cairn.llm import LLM
 from cairn.ops import cpu_gdn
@@ -109,7 +110,7 @@ def test_engine_decodes_bf16_with_the_fused_op_like_the_reference_kernels(checkp
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 14)]
     kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
     llm = LLM(**kw)
-    assert llm.engine.model.kernels.gdn_decode_op is cpu_gdn.op_for
+    assert llm.engine.model.kernels.gdn_decode_op is ops.fused_gdn_decode_op
     batched = _greedy(llm, prompts)
     alone = [_greedy(llm, [p])[0] for p in prompts]
     for a, b in zip(alone, batched, strict=True):  # batch-independent, bit for bit

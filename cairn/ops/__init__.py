@@ -15,9 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-from cairn.ops import attention, conv, cpu_gdn, gdn, mamba2
+from cairn.ops import attention, conv, gdn, mamba2
 
 log = logging.getLogger(__name__)
+
+
+def fused_gdn_decode_op(*tensors: torch.Tensor):
+    """cpu_gdn.op_for, imported on first use: importing the package does not import the op's module, so
+    that `python -m cairn.ops.cpu_gdn --build` runs it once, as __main__ only."""
+    from cairn.ops import cpu_gdn
+
+    return cpu_gdn.op_for(*tensors)
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,7 @@ class Kernels:
     ssd_recurrent_step: Callable = mamba2.ssd_recurrent_step
     # x -> the fused Gated DeltaNet decode op for that batch, or None for the kernels above (bf16 on CPU:
     # cairn's C++ op, cairn/ops/cpu_gdn.py; cpu_gdn.reference_op_for keeps the reference everywhere)
-    gdn_decode_op: Callable = cpu_gdn.op_for
+    gdn_decode_op: Callable = fused_gdn_decode_op
 
 
 REFERENCE = Kernels(name="reference")
