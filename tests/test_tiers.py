@@ -270,7 +270,8 @@ def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes
             accumulate(answers, o)
         (out,) = [a for a in answers.values() if a.finished]
         same_as_cold(cold, out, prompt)
-        assert engine.cache.tiers.disk.counters["write_unreadable"] >= 1
+        counters = engine.cache.tiers.disk.counters  # the split node is written from the request's own pages
+        assert counters["write_unreadable"] == 0 and counters["segments_written"] >= 1
         engine.check_integrity()
         again = run(second, prompt)  # the KV prefix under its snapshots is gone: cold, and the same
         assert again.cache.miss_reason == "corrupt"
