@@ -16,7 +16,7 @@ alike. The result is rounded to bf16 once, like F.linear's (within bf16 rounding
 
 What it is not: a GEMM. Above MAX_ROWS rows the caller keeps F.linear (prefill). No bias. On a CPU
 without AVX2 + FMA, without a C++ compiler, or where the build fails, `load()` returns None with the
-reason, and the caller stays with F.linear (`reference_gemv`, the same signature).
+reason, and the caller stays with F.linear.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
 NAME = "cairn_cpu_gemv2"  # torch caches builds by name: a new kernel source gets a new name
@@ -262,11 +261,6 @@ class GemvKernel:
         """Read every whole 64-byte line of `buf` (contiguous) once with vector loads, on the torch
         threads; returns a checksum. The benchmarks' second memory-bandwidth figure, beside `sum`."""
         return self.library.stream_read(buf)
-
-
-def reference_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in PyTorch: F.linear (fp32 accumulation, one bf16 rounding)."""
-    return F.linear(x, weight)
 
 
 def cpu_flags() -> set[str]:
