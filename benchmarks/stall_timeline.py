@@ -44,6 +44,8 @@ import stall_bench  # noqa: E402  (the rounds, the server flags, the sender)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRACE_ENV = "STALL_TIMELINE_OUT"  # where the traced server writes its events at exit
+SWITCH_ENV = "STALL_TIMELINE_SWITCH_MS"  # the traced server's sys.setswitchinterval, in ms
+READ_ENV = "STALL_TIMELINE_READ_KIB"  # its socket read size for a body received past h11, in KiB
 
 
 def traced_serve(argv: list[str]) -> int:
@@ -51,7 +53,7 @@ def traced_serve(argv: list[str]) -> int:
     from uvicorn.protocols.http import h11_impl
 
     from cairn import cli
-    from cairn.server import bridge, workers
+    from cairn.server import bridge, connections, workers
 
     events: list[dict] = []
 
@@ -68,8 +70,13 @@ def traced_serve(argv: list[str]) -> int:
     bridge.EngineBridge._step = timed("step", bridge.EngineBridge._step)
     trace_hand_off(events, bridge, h11_impl)
     gc.callbacks.append(gc_tracer(events))
-    h11_impl.H11Protocol.data_received = timed("recv", h11_impl.H11Protocol.data_received)
+    protocol = connections.GuardedH11Protocol  # (whose data_received may take a large body past h11's)
+    protocol.data_received = timed("recv", protocol.data_received)
     workers._Worker.run = timed("worker", workers._Worker.run)
+    if os.environ.get(SWITCH_ENV):
+        sys.setswitchinterval(float(os.environ[SWITCH_ENV]) / 1e3)
+    if os.environ.get(READ_ENV) and hasattr(connections, "DIRECT_READ_BYTES"):
+        connections.DIRECT_READ_BYTES = int(os.environ[READ_ENV]) << 10
     try:
         return cli.main(["serve", *argv])
     finally:
@@ -109,9 +116,14 @@ def gc_tracer(events: list[dict]):
     return callback
 
 
-def start_traced(flags: list[str], trace: Path, repo: Path = REPO_ROOT) -> tuple[subprocess.Popen, str]:
+def start_traced(flags: list[str], trace: Path, repo: Path = REPO_ROOT, switch_ms: float | None = None,
+                 read_kib: int | None = None) -> tuple[subprocess.Popen, str]:
     port = stall_bench.free_port()
     env = {**os.environ, TRACE_ENV: str(trace), "PYTHONPATH": str(repo)}
+    if switch_ms is not None:
+        env[SWITCH_ENV] = str(switch_ms)
+    if read_kib is not None:
+        env[READ_ENV] = str(read_kib)
     log = tempfile.NamedTemporaryFile(prefix="stall-timeline-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(port), *stall_bench.FLAGS, *flags],
                             cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -137,9 +149,11 @@ def one_round(url: str, sender_idle: bool) -> dict:
     return {"times": times, "control": (control_s, t0), "t0": t0, "t1": t1}
 
 
-def step_durations(events: list[dict], start: float, end: float) -> list[float]:
-    """Durations of the steps that overlap [start, end]."""
-    return [e["t1"] - e["t0"] for e in events if e["kind"] == "step" and e["t1"] >= start and e["t0"] <= end]
+def step_durations(events: list[dict], start: float, end: float, what: str = "wall") -> list[float]:
+    """Durations (wall time, or with what="cpu_s" the engine thread's CPU time) of the steps overlapping
+    [start, end]."""
+    return [e["t1"] - e["t0"] if what == "wall" else e[what] for e in events
+            if e["kind"] == "step" and e["t1"] >= start and e["t0"] <= end]
 
 
 def phases(events: list[dict], r: dict) -> dict[str, tuple[float, float]]:
@@ -157,23 +171,30 @@ def phases(events: list[dict], r: dict) -> dict[str, tuple[float, float]]:
 
 def report(events: list[dict], rounds: list[dict]) -> None:
     by_phase: dict[str, list[float]] = {}
+    cpu_by_phase: dict[str, list[float]] = {}
     for i, r in enumerate(rounds):
         spans = phases(events, r)
-        recv_ms = sum((e["t1"] - e["t0"]) * 1e3 for e in events
-                      if e["kind"] == "recv" and r["t0"] <= e["t0"] <= r["t1"])
+        recvs = [e for e in events if e["kind"] == "recv" and r["t0"] <= e["t0"] <= r["t1"]]
+        recv_ms = sum((e["t1"] - e["t0"]) * 1e3 for e in recvs)
+        recv_cpu_ms = sum(e["cpu_s"] * 1e3 for e in recvs)
         parts = [f"{name} {(b - a) * 1e3:.0f} ms (largest gap {stall_bench.max_gap(r['times'], a, b) * 1e3:.1f})"
                  for name, (a, b) in spans.items()]
         collections = [f"{e['kind']} {(e['t1'] - e['t0']) * 1e3:.1f} ms" for e in events
                        if e["kind"].startswith("gc") and e["kind"] != "gc0" and r["t0"] <= e["t0"] <= r["t1"]]
-        print(f"round {i + 1}: " + "; ".join(parts) + f"; in data_received {recv_ms:.1f} ms; "
+        print(f"round {i + 1}: " + "; ".join(parts) + f"; in data_received {recv_ms:.1f} ms "
+              f"({recv_cpu_ms:.1f} ms CPU, {len(recvs)} calls); "
               f"collections (gen 1-2) {', '.join(collections) or 'none'}")
         for name, (a, b) in spans.items():
             by_phase.setdefault(name, []).extend(step_durations(events, a, b))
+            cpu_by_phase.setdefault(name, []).extend(step_durations(events, a, b, "cpu_s"))
     control = statistics.median(by_phase["control"])
-    print("\n| phase | steps | median step (ms) | against the control |\n|---|---:|---:|---:|")
+    cpu_control = statistics.median(cpu_by_phase["control"])
+    print("\n| phase | steps | median step (ms) | against the control | median step CPU (ms) | against the control |"
+          "\n|---|---:|---:|---:|---:|---:|")
     for name, durations in by_phase.items():
-        median = statistics.median(durations)
-        print(f"| {name} | {len(durations)} | {median * 1e3:.1f} | {median / control:.2f}x |")
+        median, cpu = statistics.median(durations), statistics.median(cpu_by_phase[name])
+        print(f"| {name} | {len(durations)} | {median * 1e3:.1f} | {median / control:.2f}x | {cpu * 1e3:.1f} | "
+              f"{cpu / cpu_control:.2f}x |")
 
 
 def stream_alone(url: str, seconds: float) -> list[float]:
@@ -242,10 +263,14 @@ def main() -> int:
     p.add_argument("--stream-only", type=float, metavar="SECONDS",
                    help="send no big request: time one stream alone for SECONDS, hop by hop")
     p.add_argument("--repo", type=Path, default=REPO_ROOT, help="the checkout to serve from (default: this one)")
+    p.add_argument("--switch-interval-ms", type=float, help="the server's sys.setswitchinterval (default: 5 ms)")
+    p.add_argument("--read-kib", type=int, help="the server's socket read size for a body received past h11 "
+                                                "(connections.DIRECT_READ_BYTES; checkouts that have it)")
     ns = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         trace = Path(d) / "events.json"
-        proc, url = start_traced(ns.server_flags.split(), trace, ns.repo.resolve())
+        proc, url = start_traced(ns.server_flags.split(), trace, ns.repo.resolve(), ns.switch_interval_ms,
+                                 ns.read_kib)
         try:
             if ns.stream_only:
                 times = stream_alone(url, ns.stream_only)

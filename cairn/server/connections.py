@@ -1,11 +1,21 @@
-"""uvicorn's HTTP/1.1 protocol (h11) with the two guards uvicorn lacks: a deadline for each request
-head, and a cap on open connections.
+"""uvicorn's HTTP/1.1 protocol (h11) with the two guards uvicorn lacks (a deadline for each request
+head, and a cap on open connections), and a large body received past h11.
 
 - head deadline: from the moment a connection opens (or its previous response ends), the client has
   `header_timeout_s` to send a complete request line and headers; otherwise it gets a 408 and the
   connection is closed. A client trickling its headers (slowloris) cannot hold a connection.
 - connection cap: a connection opened while `max_connections` others are open gets a 503 at once
   and is closed, before anything is read from it.
+
+- large body past h11: a request whose Content-Length is DIRECT_BODY_BYTES or more gets its body
+  as the transport read it, each piece handed to the app as it is (`_take_body`), never given to
+  h11. Through h11 and uvicorn every byte is copied four times (h11's buffer, the extracted event,
+  uvicorn's body buffer, the message) while holding the interpreter lock: 15-25 ms of the event
+  loop per 20 MiB, in pieces the engine thread waits behind between its torch ops. The transport's
+  own read (a socket recv) copies with the lock released; it reads up to DIRECT_READ_BYTES at a
+  time (asyncio's default is 256 KiB), so that the loop wakes a quarter as often per body. h11
+  then never sees the end of that request, so the connection closes after its response
+  (`connection: close`): huge bodies are rare, and a new connection costs nothing beside them.
 
 Both answers are OpenAI-shaped JSON written straight to the socket (no request exists yet for the
 app to answer). The request body's deadline is the app's: see `middleware.BodySizeLimit`.
@@ -17,12 +27,17 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import h11
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cairn.server.errors import APIError
 
 log = logging.getLogger(__name__)
 REASONS = {408: b"Request Timeout", 503: b"Service Unavailable"}
+DIRECT_BODY_BYTES = 1 << 20  # a Content-Length body from this size on is received past h11 (see the docstring)
+DIRECT_READ_BYTES = 1 << 20  # the socket read size while a body is received past h11
+CLOSE_HEADER = (b"connection", b"close")
 
 
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
@@ -38,6 +53,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._direct_body_bytes: int | None = None  # while a body is received past h11: the bytes still due
         if self.max_connections and len(self.connections) > self.max_connections:
             log.warning("refused a connection from %s: %d connections are open (--max-connections)",
                         _peer(self.client), self.max_connections)
@@ -50,11 +66,49 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm_head_timer()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        if self._direct_body_bytes is None:
+            return super().data_received(data)
+        self._take_body(data)
+
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
         if self.cycle is not cycle:  # a request head arrived: the app takes it from here
             self._disarm_head_timer()
+            self._direct_body_bytes = self._body_bytes_past_h11()
+
+    def _body_bytes_past_h11(self) -> int | None:
+        """How much of the new request's body to receive past h11 (None: all of it goes through h11).
+        Called right after h11 produced the request head (and any body bytes that came with it, now in
+        the cycle's body: its app has not run yet); from here h11 is never fed again on this connection."""
+        if self.conn.their_state is not h11.SEND_BODY:
+            return None
+        declared = dict(self.headers).get(b"content-length", b"")
+        if not declared.isdigit() or int(declared) < DIRECT_BODY_BYTES:  # (chunked bodies need h11's framing)
+            return None
+        self.cycle.keep_alive = False  # h11 never sees this request end: close the connection after the answer
+        if isinstance(getattr(self.transport, "max_size", None), int):  # (asyncio's socket transport: its recv size)
+            self.transport.max_size = DIRECT_READ_BYTES
+        if CLOSE_HEADER not in self.headers:
+            self.headers.append(CLOSE_HEADER)  # (the scope's list: uvicorn then sends connection: close)
+        return int(declared) - len(self.cycle.body)
+
+    def _take_body(self, data: bytes) -> None:
+        """Hand a piece of a body received past h11 to the app as it is (uvicorn's receive() makes no
+        copy of a bytes body); bytes after the body's end (a pipelined request) are dropped: the
+        connection closes after this response."""
+        cycle, due = self.cycle, self._direct_body_bytes
+        if due == 0 or cycle is None or cycle.response_complete:
+            return
+        piece = data if len(data) <= due else data[:due]
+        self._direct_body_bytes = due - len(piece)
+        cycle.body = piece if not cycle.body else bytes(cycle.body) + piece
+        if self._direct_body_bytes == 0:
+            cycle.more_body = False
+        elif len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()  # until the app's receive() takes it (uvicorn's own flow control)
+        cycle.message_event.set()
 
     def on_response_complete(self) -> None:
         self._arm_head_timer()  # before super(), which may start a pipelined request (and disarm it)

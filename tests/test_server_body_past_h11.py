@@ -1,0 +1,98 @@
+"""Request bodies of DIRECT_BODY_BYTES or more, received past h11 (`connections.GuardedH11Protocol`),
+on a real `cairn serve`: the same answer as a small body, the connection closed after the answer
+(h11 never saw the request end), and a body that stops short, is cut off or is followed by a
+pipelined request is answered or dropped while the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+
+from cairn.server.connections import DIRECT_BODY_BYTES
+from tests.server_process import served_fixture
+
+BODY_TIMEOUT_S = 1.5
+CHAT = {"model": "cairn-demo", "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+        "messages": [{"role": "user", "content": "héllo there"}]}
+
+served = served_fixture("--body-timeout-s", str(BODY_TIMEOUT_S), "--log-level", "INFO", client_timeout_s=120)
+
+
+def padded(body: dict, size: int = DIRECT_BODY_BYTES + 12345) -> bytes:
+    """The body's JSON with whitespace after its opening brace: `size` bytes or more, the same request."""
+    data = json.dumps(body).encode()
+    return data[:1] + b" " * max(0, size - len(data)) + data[1:]
+
+
+def head(path: str, content_length: int, extra: bytes = b"") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {content_length}\r\n").encode() + extra + b"\r\n"
+
+
+def read_until_closed(sock: socket.socket, limit_s: float = 60.0) -> bytes:
+    sock.settimeout(limit_s)
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    return answer
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text
+
+
+def test_body_past_h11_gets_the_same_answer_as_a_small_one_and_closes_the_connection(http):
+    small = http.post("/v1/chat/completions", json=CHAT)
+    assert small.status_code == 200 and small.headers.get("connection") != "close"
+    large = http.post("/v1/chat/completions", content=padded(CHAT), headers={"content-type": "application/json"})
+    assert large.status_code == 200, large.text
+    assert large.headers["connection"] == "close"
+    assert large.json()["choices"] == small.json()["choices"]
+    assert_still_serving(http)  # (the client opens a new connection)
+
+
+def test_body_just_under_the_threshold_keeps_the_connection(http):
+    r = http.post("/v1/chat/completions", content=padded(CHAT, DIRECT_BODY_BYTES - 1),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.headers.get("connection") != "close"
+
+
+def test_request_pipelined_after_a_body_past_h11_is_dropped_and_the_connection_closed(server, http):
+    body = padded(CHAT)
+    with connect(server.base_url) as sock:
+        sock.sendall(head("/v1/chat/completions", len(body)) + body + head("/v1/chat/completions", 2) + b"{}")
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 ") == 1  # the second request was never read as one
+    assert_still_serving(http)
+
+
+def test_body_past_h11_that_stops_short_gets_408(server, http):
+    body = padded(CHAT)
+    with connect(server.base_url) as sock:
+        sock.sendall(head("/v1/chat/completions", len(body)) + body[:-1000])
+        started = time.monotonic()
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert time.monotonic() - started < 30
+    assert_still_serving(http)
+
+
+def test_client_vanishing_in_the_middle_of_a_body_past_h11_leaves_the_server_serving(server, http):
+    body = padded(CHAT, 4 * DIRECT_BODY_BYTES)
+    for _ in range(3):
+        with connect(server.base_url) as sock:
+            sock.sendall(head("/v1/chat/completions", len(body)) + body[:len(body) // 2])
+    assert_still_serving(http)
+    assert http.get("/health").status_code == 200
