@@ -4,22 +4,27 @@
     python benchmarks/stall_timeline.py --server-flags=--body-read-mib-per-s=0 --rounds 5
     python benchmarks/stall_timeline.py --stream-only 20          # no big request: where the stream's gaps come from
     python benchmarks/stall_timeline.py --stream-only 20 --repo /tmp/cairn-before   # another checkout's server
+    python benchmarks/stall_timeline.py --switch-interval-ms 1 --read-kib 256   # the server's GIL switch, read size
 
 The rounds are stall_bench's (a streamed completion, then one 20 MiB chat in its own process, with a
 control window before it), against a `cairn serve` started from this file, which records in the
 server process, on the machine's monotonic clock:
 - each engine step (`EngineBridge._step`): start, end, the engine thread's CPU time;
-- each `data_received` call of uvicorn's h11 protocol (the event loop receiving the body);
+- each `data_received` call of cairn's HTTP protocol (`connections.GuardedH11Protocol`: the event
+  loop receiving the body), with the loop thread's CPU time;
 - each request-worker job (`_Worker.run`: from the first chunk written to the answer);
 - each garbage collection (`gc.callbacks`: generation, duration, thread);
 - the hand-off of each step's outputs: posted by the engine thread (`EngineBridge._deliver`), put on
   the request's queue by the event loop (`_put_all`), written to the socket (the h11 cycle's `send`).
 With `--stream-only SECONDS` no big request is sent: one stream runs alone, and the table says how
 long each hop from a step's end to the client takes (median / p99 / largest), how long the steps and
-the collections take, and what coincided with the largest gaps.
+the collections take, and what coincided with the largest gaps. `--switch-interval-ms` sets the
+traced server's `sys.setswitchinterval`, `--read-kib` its socket read size for a body received past h11.
 For each round it prints the phases of the big request (receiving its body, the worker preparing it)
 and the largest token gap in each; then, over all rounds, the median engine-step duration in each
-phase against the control window's (the stream alone). A phase that slows the engine shows a ratio
+phase against the control window's (the stream alone), in wall time and in the engine thread's CPU
+time (a wall-time ratio above the CPU-time one is time the engine thread waited: the interpreter lock,
+a core). A phase that slows the engine shows a ratio
 above 1; the noise of the machine shows in the control. A diagnostic: it patches the server's
 internals (a wrapper, nothing in cairn changes), asserts nothing.
 """

@@ -117,12 +117,14 @@ class BodySizeLimit:
     async def _pace(self, size: int, start_s: float) -> None:
         """Sleep while the body read so far is ahead of max_bytes_per_s (its first PACE_AFTER_BYTES free).
 
-        Receiving a body costs the event loop CPU in pieces (uvicorn reads 256 KiB at a time and copies
-        each twice), holding the interpreter lock the engine thread takes back after every torch op. Over
-        loopback or a fast link, megabytes arrive back to back: the loop then runs without a pause and
-        the engine's steps around it take 2-3 times as long. While the loop sleeps here, uvicorn stops
-        reading the socket (its flow control pauses above 64 KiB not taken by the app), so the client
-        waits on TCP and the cost is spread over time. At 128 MiB/s a 20 MiB body takes 160 ms more at
+        Receiving a body costs the event loop CPU in pieces (a read, its hand-over to the app: with the
+        copies of h11 below DIRECT_BODY_BYTES, without them above, see `connections`), holding the
+        interpreter lock the engine thread takes back after every torch op. Over loopback or a fast link,
+        megabytes arrive back to back: the loop then runs without a pause and the engine's steps around
+        it take longer (1.3-1.4x while a 20 MiB body arrives unpaced past h11, 1.05x paced; quiet, the
+        demo model; BENCHMARKS.md). While the loop sleeps here, uvicorn stops reading the socket (its
+        flow control pauses above 64 KiB not taken by the app), so the client waits on TCP and the cost
+        is spread over time. At 128 MiB/s a 20 MiB body takes 160 ms more at
         most; a client sending slower than the limit (most networks) never waits.
         """
         if self.max_bytes_per_s <= 0 or size <= PACE_AFTER_BYTES:
