@@ -96,3 +96,13 @@ def test_client_vanishing_in_the_middle_of_a_body_past_h11_leaves_the_server_ser
             sock.sendall(head("/v1/chat/completions", len(body)) + body[:len(body) // 2])
     assert_still_serving(http)
     assert http.get("/health").status_code == 200
+
+
+def test_body_past_h11_after_expect_100_continue_is_answered(server):
+    body = padded(CHAT)  # (curl sends Expect: 100-continue with a body this large)
+    with connect(server.base_url) as sock:
+        sock.sendall(head("/v1/chat/completions", len(body), b"expect: 100-continue\r\n"))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100 ")
+        sock.sendall(body)
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
