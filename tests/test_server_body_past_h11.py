@@ -106,3 +106,17 @@ def test_body_past_h11_after_expect_100_continue_is_answered(server):
         sock.sendall(body)
         answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+def test_chunked_body_with_a_large_content_length_goes_through_h11(server):
+    """Transfer-Encoding wins over Content-Length (RFC 9112): such a body is never read past h11."""
+    data = json.dumps(CHAT).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+    with connect(server.base_url) as sock:  # (the head alone first: the server decides before any body byte)
+        sock.sendall(head("/v1/chat/completions", 4 * DIRECT_BODY_BYTES,
+                          b"transfer-encoding: chunked\r\nexpect: 100-continue\r\n"))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100 ")
+        sock.sendall(chunked + b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 200 ") == 2  # the chat, then /health on the same connection

@@ -85,9 +85,10 @@ class GuardedH11Protocol(H11Protocol):
         the cycle's body: its app has not run yet); from here h11 is never fed again on this connection."""
         if self.conn.their_state is not h11.SEND_BODY:
             return None
-        declared = dict(self.headers).get(b"content-length", b"")
-        if not declared.isdigit() or int(declared) < DIRECT_BODY_BYTES:  # (chunked bodies need h11's framing)
-            return None
+        headers = dict(self.headers)  # (as h11 validated them: one content-length, digits alone)
+        declared = headers.get(b"content-length", b"")
+        if b"transfer-encoding" in headers or not declared.isdigit() or int(declared) < DIRECT_BODY_BYTES:
+            return None  # (a chunked body, whatever its Content-Length says, needs h11's framing)
         self.cycle.keep_alive = False  # h11 never sees this request end: close the connection after the answer
         with contextlib.suppress(AttributeError):  # asyncio's socket transport reads max_size per recv (uvloop: fixed)
             self.transport.max_size = DIRECT_READ_BYTES
