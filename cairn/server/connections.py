@@ -6,8 +6,8 @@ head, and a cap on open connections), and a large body received past h11.
   connection is closed. A client trickling its headers (slowloris) cannot hold a connection.
 - connection cap: a connection opened while `max_connections` others are open gets a 503 at once
   and is closed, before anything is read from it.
-
-- large body past h11: a request whose Content-Length is DIRECT_BODY_BYTES or more gets its body
+- large body past h11: a request whose Content-Length is DIRECT_BODY_BYTES or more (and that is not
+  chunked: Transfer-Encoding wins, and its framing is h11's) gets its body
   as the transport read it, each piece handed to the app as it is (`_take_body`), never given to
   h11. Through h11 and uvicorn every byte is copied four times (h11's buffer, the extracted event,
   uvicorn's body buffer, the message) while holding the interpreter lock: 14-34 ms of the event
@@ -16,8 +16,9 @@ head, and a cap on open connections), and a large body received past h11.
   time (asyncio's default is 256 KiB), so that the loop wakes a quarter as often per body. h11
   then never sees the end of that request, so the connection closes after its response
   (`connection: close`): huge bodies are rare, and a new connection costs nothing beside them.
+  Bytes sent after that body (a pipelined request) are dropped.
 
-Both answers are OpenAI-shaped JSON written straight to the socket (no request exists yet for the
+The guards' answers are OpenAI-shaped JSON written straight to the socket (no request exists yet for the
 app to answer). The request body's deadline is the app's: see `middleware.BodySizeLimit`.
 What this is not: routes or ASGI middlewares.
 """
