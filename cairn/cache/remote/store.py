@@ -200,10 +200,6 @@ class RedisSegmentStore(ChainLookup, Pins):
         """Wait until every queued write is done; False if some are still queued after timeout_s."""
         return self._writer.flush(timeout_s)
 
-    def flush_markers(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every queued marker is set (or failed); False if some are still queued after timeout_s."""
-        return self.markers.flush(timeout_s)
-
     # ---- reads ----------------------------------------------------------------------------------
 
     def get(self, key: bytes) -> Segment | None:
