@@ -14,10 +14,19 @@ import subprocess
 import sys
 
 import pytest
+from fastapi.testclient import TestClient
 
 from cairn.bench.cli import BenchOptions, _plot_all, bench
+from cairn.bench.http_runner import HTTPRunner
+from cairn.bench.run import run_workload
+from cairn.bench.workloads import all_workloads
 from cairn.config import EngineConfig, config_with_overrides
+from cairn.engine import Engine
+from cairn.server.app import create_app
+from cairn.server.options import ServerOptions
+from cairn.tokenizer import ByteTokenizer
 from tests.server_process import REPO_ROOT, start_server
+from tests.test_bench import SIZES
 
 CONFIG = config_with_overrides(EngineConfig(), kv_cache_gib=0.02, state_cache_gib=0.02)
 
@@ -72,3 +81,11 @@ def test_a_missing_bench_extra_is_named_with_its_install_command(tmp_path, monke
     monkeypatch.delitem(sys.modules, "cairn.bench.plots", raising=False)
     with pytest.raises(SystemExit, match=r"plots need matplotlib .*--no-plots"):
         _plot_all([], tmp_path, "cairn")
+
+
+def test_an_http_run_refused_by_the_server_names_the_request_and_the_status():
+    """A model name the server does not serve (--server-model) is its 404, raised with the request's label."""
+    with TestClient(create_app(Engine(CONFIG), ServerOptions())) as client:
+        runner = HTTPRunner("http://testserver", ByteTokenizer(), model="nope", client=client)
+        with pytest.raises(RuntimeError, match=r"^original: HTTP 404: .*model_not_found"):
+            run_workload(all_workloads()["edit"], "server", lambda: runner, SIZES, seed=0)
