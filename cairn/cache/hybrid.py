@@ -399,6 +399,8 @@ class HybridPrefixCache(PrefixCache):
             if align and position % align:  # placement aligns them; stored ones share the block (the digest)
                 raise AssertionError(f"the snapshot at {position} is off the prefill blocks of {align}")
         self.tiers.check_integrity()
+        for name in self.indexes:  # each segment store's own bookkeeping (disk, Redis)
+            self.tiers.by_name[name].store.check_integrity()
 
     def page_refs(self) -> dict[int, int]:
         return self.tree.page_refs()
