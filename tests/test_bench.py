@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -191,6 +193,20 @@ def test_the_record_gives_back_the_results_it_plots(run):
 
     record, data = run
     assert results_from_record(data) == record.results
+
+
+def test_the_plots_are_drawn_again_from_the_record_alone(run, tmp_path):
+    """`python -m cairn.bench.plots DIR` redraws the plots from DIR/record.json (after a change to the plots,
+    without running the benchmark again)."""
+    _, data = run
+    shutil.copy(Path(data["plots"][0]).parent / "record.json", tmp_path / "record.json")
+    done = subprocess.run([sys.executable, "-m", "cairn.bench.plots", str(tmp_path)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    drawn = done.stdout.split()
+    assert sorted(Path(p).name for p in drawn) == sorted(Path(p).name for p in data["plots"])
+    for path in drawn:
+        assert Path(path).parent == tmp_path and Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_is_a_cairn_command():

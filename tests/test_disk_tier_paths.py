@@ -71,3 +71,24 @@ def test_a_conversation_indexed_from_disk_is_written_on_to_redis_and_resumed_the
         again = run(reader, prompt + [8])
         assert again.cache.resume_tier == REMOTE and again.cache.resume_position >= len(CONVERSATION)
         same_as_cold(cold_llm(), again, prompt + [8])
+
+
+def test_a_conversation_leaving_a_stored_one_midway_is_resumed_from_disk_after_a_restart(tmp_path):
+    """With exact resumption (--prefill-block, 512 tokens in bf16) no snapshot is taken where a prompt leaves a
+    stored conversation inside a block, so the node above the split is a slice of a longer segment. A chain on
+    disk continues only from a segment's end: the new conversation's segments chain to the slice's end, and
+    without a segment ending there they were orphans at the next start (the remote tier's slice problem)."""
+    aligned = dict(OPTS, prefill_block=64)
+    with LLM(**aligned, disk_cache=str(tmp_path)) as first:
+        run(first, CONVERSATION)  # written through as segments cut at its snapshots (64, 128, ...)
+        other = CONVERSATION[:20] + list(range(200, 250)) * 8  # leaves it at 20, inside its first segment
+        reply = run(first, other)
+        assert operations(first)["slices_rewritten"] == 1
+    prompt = other + reply.token_ids + [5, 6, 7]
+    with LLM(**aligned, disk_cache=str(tmp_path)) as second:  # the same --disk-cache, nothing in memory
+        assert "orphan_segments" not in operations(second)
+        out = run(second, prompt)
+        assert out.cache.resume_tier == DISK and out.cache.cached_tokens == len(other) // 64 * 64
+        same_as_cold(cold_llm(), out, prompt)
+        again = run(second, CONVERSATION + [5, 6])  # the stored conversation is still whole
+        assert again.cache.resume_tier == DISK and again.cache.cached_tokens == len(CONVERSATION) // 64 * 64

@@ -82,7 +82,7 @@ def test_a_lookup_waits_for_the_deeper_chain_another_replica_is_still_writing(re
     assert writer.put(first) and writer.flush()
     for i in range(24):  # another conversation's writes, queued ahead (8 MiB each): the next one lands late
         assert writer.put(segments([i, 7, 7, 7], [0, 4], kv_bytes=8 << 20)[0])
-    assert writer.put(second) and writer.flush_markers()
+    assert writer.put(second) and writer.markers.flush(5.0)  # as the writer does before a segment's write
     found = reader.lookup(tokens, range(PAGE, len(tokens) + 1, PAGE))
     assert [(i.start_position, i.num_tokens) for i in found] == [(0, 32), (32, 32)]
     assert reader.counted("lookups_waited") == 1 and reader.counted("lookup_waits_expired") == 0
@@ -99,7 +99,7 @@ def test_a_writer_that_announced_and_never_wrote_is_waited_for_at_most_wait_s(re
     first, second = segments(tokens, [0, 32, 64])
     assert writer.put(first) and writer.flush()
     entries = writer._entries(second, (0, 32, 64), writer._chain_of(second)[1])
-    assert writer.markers.announce(entries) and writer.flush_markers()  # then it died: nothing is written
+    assert writer.markers.announce(entries) and writer.markers.flush(5.0)  # then it died: nothing is written
     found = reader.lookup(tokens, range(PAGE, len(tokens) + 1, PAGE))
     assert [(i.start_position, i.num_tokens) for i in found] == [(0, 32)]
     assert reader.counted("lookups_waited") == 1 and reader.counted("lookup_waits_expired") == 1

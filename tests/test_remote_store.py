@@ -77,15 +77,18 @@ def test_another_replica_finds_the_deepest_snapshot_chain_by_the_prompt_alone(re
     writer.close(), reader.close()
 
 
-@pytest.mark.parametrize("garbage", [b"not json", b'{"v": 1}', "bounds"])
+@pytest.mark.parametrize("garbage", [b"not json", b'{"v": 1}', "bounds", "unordered", "version",
+                                     b"x" * ((1 << 20) + 1)])  # the last: past MAX_ENTRY_BYTES
 def test_a_bad_index_entry_is_counted_deleted_and_the_lookup_falls_back_to_a_shallower_chain(redis_server, garbage):
     writer = make_store(redis_server.url)
     tokens = list(range(50, 66))
     put_all(writer, chain(tokens, [0, 8, 16], snapshot_at={8, 16}))
     name = writer.names.entry(prefix_keys(tokens, [16])[16])
     r = redis_server.client()
-    if garbage == "bounds":  # valid JSON whose chain does not lead to its key
-        garbage = r.get(name).replace(b'"bounds":[0,8,16]', b'"bounds":[0,4,16]')
+    edits = {"bounds": (b'"bounds":[0,8,16]', b'"bounds":[0,4,16]'),  # a chain that does not lead to its key
+             "unordered": (b'"bounds":[0,8,16]', b'"bounds":[0,16,8]'), "version": (b'"v":1,', b'"v":99,')}
+    if garbage in edits:  # valid JSON, not an entry of this build; else not JSON, or past MAX_ENTRY_BYTES
+        garbage = r.get(name).replace(*edits[garbage])
     r.set(name, garbage)
     reader = make_store(redis_server.url)
     infos = reader.lookup(tokens, [8, 16])

@@ -94,7 +94,7 @@ def bench(opts: BenchOptions, base: EngineConfig, command: str = "", sizes: Work
 
     `sizes` replaces the preset's sizes (the record then names the preset "custom")."""
     catalogue = all_workloads()
-    workloads = [catalogue[n] for n in parse_names(opts.workloads, list(catalogue), "workload")]
+    workloads = [catalogue[n] for n in parse_names(opts.workloads, list(catalogue), "workloads")]
     if sizes is not None:
         opts = dataclasses.replace(opts, preset="custom")
     sizes = sizes or PRESETS[opts.preset]
@@ -108,7 +108,7 @@ def bench(opts: BenchOptions, base: EngineConfig, command: str = "", sizes: Work
             policies = [SERVER_POLICY]
             results = _over_http(opts, workloads, sizes, _client_tokenizer(opts, base))
         else:
-            policies = parse_names(opts.policies, POLICIES, "policy")
+            policies = parse_names(opts.policies, POLICIES, "policies")
             results = _in_process(opts, base, workloads, policies, sizes)
         env = environment(base)
     record = BenchRecord(SCHEMA, datetime.now(UTC).isoformat(timespec="seconds"), command,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from cairn.config import EngineConfig
+from cairn.config import ConfigError, EngineConfig
 
 POLICIES = ("none", "last_chunk", "prompt_end_branch", "user_messages", "cairn")
 LABELS = {"none": "no cache", "last_chunk": "last chunk", "prompt_end_branch": "prompt end + branch",
@@ -58,12 +58,12 @@ def policy_config(base: EngineConfig, policy: str, disk_dir: Path | None = None)
     return dataclasses.replace(base, cache=dataclasses.replace(base.cache, **fields))
 
 
-def parse_names(spec: str, known: tuple[str, ...] | list[str], what: str) -> list[str]:
-    """'all' or a comma-separated subset of `known`, in the order given."""
+def parse_names(spec: str, known: tuple[str, ...] | list[str], flag: str) -> list[str]:
+    """'all' or a comma-separated subset of `known`, in the order given (ConfigError naming --flag: another)."""
     if spec == "all":
         return list(known)
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise ValueError(f"unknown {what} {unknown or spec!r}; known: {', '.join(known)} or all")
+        raise ConfigError(f"--{flag}: unknown {unknown or spec!r}; known: {', '.join(known)} or all")
     return names

@@ -57,6 +57,3 @@ class TextSource:
     def jittered(self, mean_tokens: int) -> int:
         """A length drawn uniformly from [mean / 2, 3 * mean / 2]."""
         return self.rng.randint(max(1, mean_tokens // 2), max(1, mean_tokens * 3 // 2))
-
-    def choice(self, options):
-        return self.rng.choice(options)

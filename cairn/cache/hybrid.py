@@ -37,7 +37,6 @@ from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
 from cairn.cache.remote.finder import RemoteFinder
 from cairn.cache.stats import CacheStats, DiskStats
-from cairn.cache.tiers.base import KV, State
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
 from cairn.cache.tree.nodes import DISK, HOST, REMOTE, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
 from cairn.cache.tree.tiered import TieredRadixTree
@@ -56,23 +55,6 @@ class _RequestState:
     taken: set[int] = field(default_factory=set)  # positions this request attached snapshots at
     captures: dict[int, TieredSnapshot] = field(default_factory=dict)  # position -> slot a step writes
     missed: set[int] = field(default_factory=set)  # positions whose capture found no room
-
-
-class _RequestPages:
-    """The `Source` a finished request's path is written from: the tiers, except that a node no page tier
-    holds (its KV only in a segment tier: a node split off a segment found in Redis) is read from the
-    request's own pages, which hold what it just computed or loaded for every position of the path."""
-
-    def __init__(self, tiers: TierSet, kv: KVPool, page_table: list[int]):
-        self.tiers, self.kv, self.page_table = tiers, kv, page_table
-
-    def node_kv(self, node: Node) -> KV | None:
-        if any(tier.pages is not None for tier in self.tiers.holding(node.kv)):
-            return self.tiers.node_kv(node)
-        return self.kv.read_pages([self.page_table[i] for i in page_indices(node.start, node.end, self.kv.page_size)])
-
-    def node_snapshot(self, node: Node) -> State | None:
-        return self.tiers.node_snapshot(node)
 
 
 class HybridPrefixCache(PrefixCache):
@@ -378,7 +360,7 @@ class HybridPrefixCache(PrefixCache):
             if finished and state.taken and any(t.write_through for t in self.tiers.tiers):
                 tokens = req.token_ids[: max(state.taken)]
                 node = self.tree.insert(tokens, req.page_table)
-                self.tiers.write_through(node, _RequestPages(self.tiers, self.kv, req.page_table))
+                self.tiers.write_through(node, self.tiers.request_source(self.kv, req.page_table))
         finally:
             adm.state = None
             if state.lock is not None:
@@ -416,15 +398,9 @@ class HybridPrefixCache(PrefixCache):
                 raise AssertionError(f"the snapshot at {position} has no copy on any tier")
             if align and position % align:  # placement aligns them; stored ones share the block (the digest)
                 raise AssertionError(f"the snapshot at {position} is off the prefill blocks of {align}")
-        for tier in self._page_tiers():
-            held = sum(e.handle.copies[tier.name].nbytes for _, e, _ in self.tree.iter_snapshots()
-                       if tier.name in e.handle.copies)
-            if held != tier.used_bytes or tier.used_bytes > tier.budget_bytes:
-                raise AssertionError(f"{tier.name} tier: {tier.used_bytes} bytes used, tree holds {held}, "
-                                     f"budget {tier.budget_bytes}")
-
-    def _page_tiers(self) -> list:
-        return [t for t in self.tiers.tiers if t.pages is not None]
+        self.tiers.check_integrity()
+        for name in self.indexes:  # each segment store's own bookkeeping (disk, Redis)
+            self.tiers.by_name[name].store.check_integrity()
 
     def page_refs(self) -> dict[int, int]:
         return self.tree.page_refs()
@@ -433,7 +409,7 @@ class HybridPrefixCache(PrefixCache):
         per_tier = Counter()
         for _, entry, _ in self.tree.iter_snapshots():
             per_tier.update(list(entry.handle.copies))
-        pools = self._page_tiers()
+        pools = self.tiers.page_tiers
         host = self.tiers.by_name.get(HOST)
         disk, remote = (self._segment_stats(name) for name in (DISK, REMOTE))
         return CacheStats(

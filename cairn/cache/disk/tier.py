@@ -6,7 +6,8 @@ pages, as stored on the device), and the snapshot (with logits) at its end when 
 parent key is the canonical key of the path before it, segment_key(None, path[:start]), so a segment
 names its prefix whatever node boundaries the writer had, and equal prefixes get equal keys across
 requests, restarts and servers. A snapshot is only resumable from disk when every node above it is on
-disk too, so `persist` writes the missing ancestors first.
+disk too, so `persist` writes the missing ancestors first, and a chain continues only from a segment's
+end, so an ancestor that is the front slice of a longer segment is written again as a segment of its own.
 
 The namespace is the compatibility digest (cairn/compat.py, computed by the engine): the model
 weights' content digest, the architecture, dtypes, page size and format version. A segment of
@@ -189,16 +190,15 @@ class DiskTier:
     # ---- writing ----------------------------------------------------------------------------------
 
     def persist(self, path: list[Node], source: Source) -> int:
-        """Write every node of `path` (root to node, in order) that has no segment here; returns segments written.
+        """Write every node of `path` (root to node, in order) that has no segment here (and the slices
+        `_to_write` adds); returns segments written.
 
         source.node_kv(node) -> (k, v) tensors of the node's pages, or None when they cannot be read (a
         bad segment, which the store then reports); source.node_snapshot(node) -> (named state tensors,
         logits) or None. Stops at the first failed write (a later node would be unreachable without it).
         """
         written = 0
-        for node, parent_key in self._prefix_keys(path):
-            if self.name in node.kv and (node.snapshot is None or self.name in node.snapshot.handle.copies):
-                continue
+        for node, parent_key in self._to_write(path):
             kv = source.node_kv(node)
             if kv is None:
                 self.counters["write_unreadable"] += 1
@@ -207,12 +207,47 @@ class DiskTier:
             if not self.store.put(segment):
                 self.counters["write_failed"] += 1
                 return written
-            node.kv[self.name] = DiskRef(segment.key, node.start, node.end)
-            if segment.snapshot_bytes is not None:
-                node.snapshot.handle.copies[self.name] = segment.key
+            self._record(node, segment.key, segment.snapshot_bytes is not None)
             written += 1
             self.counters["segments_written"] += 1
         return written
+
+    def _to_write(self, path: list[Node]) -> list[tuple[Node, bytes | None]]:
+        """(node, canonical key of the path before it) for each node of a root-to-node `path` to write here,
+        in order: every node this tier does not hold (`_known`), and a held node just above one of those that
+        is a slice of a longer segment.
+
+        A chain continues only from a segment's END (a segment's parent key names the path before it, and at
+        start-up a segment hangs only below one ending there). A prompt that leaves a stored conversation
+        inside a segment, where no snapshot is taken (--prefill-block), splits its node: the front is a slice
+        of the stored segment, and the new conversation's first segment would chain to the slice's end, which
+        no segment has (an orphan after a restart; a store that checks parents refuses it). So the slice is
+        written again as a segment of its own (counted in slices_rewritten):
+
+            stored     [0 ................ 64)          one segment, A
+            new path   [0 .. 20)[20 ........ 64)...     [0, 20) a slice of A: rewritten before [20, ...)
+        """
+        steps = list(self._prefix_keys(path))
+        todo = [not self._known(node, parent_key) for node, parent_key in steps]
+        for j in range(len(steps) - 1, 0, -1):
+            if todo[j] and not todo[j - 1] and self._is_slice(steps[j - 1][0]):
+                todo[j - 1] = True
+                self.counters["slices_rewritten"] += 1
+        return [step for step, write in zip(steps, todo, strict=True) if write]
+
+    def _known(self, node: Node, parent_key: bytes | None) -> bool:
+        """node's segment here is recorded on it, with its snapshot when it has one."""
+        return self.name in node.kv and (node.snapshot is None or self.name in node.snapshot.handle.copies)
+
+    def _is_slice(self, node: Node) -> bool:
+        """node's segment here goes on past node's end (node was split off its front)."""
+        ref = node.kv.get(self.name)
+        return ref is not None and ref.segment_end != node.end
+
+    def _record(self, node: Node, key: bytes, with_snapshot: bool) -> None:
+        node.kv[self.name] = DiskRef(key, node.start, node.end)
+        if with_snapshot:
+            node.snapshot.handle.copies[self.name] = key
 
     @staticmethod
     def _prefix_keys(path: list[Node]) -> Iterator[tuple[Node, bytes | None]]:

@@ -122,17 +122,21 @@ class RedisSegmentStore(ChainLookup, Pins):
         if self.redis.breaker.is_open:
             self._fault("breaker_open")
             return False
-        if not self._writer.submit(_Write(segment, entries)):
-            self._fault("queue_full")
-            return False
-        if segment.snapshot_bytes is not None:
-            self.markers.announce(entries)  # refused when full: readers then do not wait, nothing else is lost
         info = SegmentInfo(segment.key, segment.parent_key, segment.start_position, len(segment.tokens),
                            segment.snapshot_bytes is not None, segment.logits_bytes is not None,
                            _raw_bytes(segment), time.time())
-        with self._lock:
+        with self._lock:  # before the writer can finish (or fail) it: its end then finds it here
             self._pending[segment.key] = segment
             self._register(KnownSegment(info, bounds, segment.tokens, end_hash))
+        if not self._writer.submit(_Write(segment, entries)):
+            self._fault("queue_full")
+            with self._lock:
+                self._pending.pop(segment.key, None)
+                self._unregister(segment.key, known)
+            return False
+        if segment.snapshot_bytes is not None:
+            self.markers.announce(entries)  # refused when full: readers then do not wait, nothing else is lost
+        with self._lock:
             self._counts["puts"] += 1
         self._trim(keep={segment.key})
         return True
@@ -200,10 +204,6 @@ class RedisSegmentStore(ChainLookup, Pins):
         """Wait until every queued write is done; False if some are still queued after timeout_s."""
         return self._writer.flush(timeout_s)
 
-    def flush_markers(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every queued marker is set (or failed); False if some are still queued after timeout_s."""
-        return self.markers.flush(timeout_s)
-
     # ---- reads ----------------------------------------------------------------------------------
 
     def get(self, key: bytes) -> Segment | None:
@@ -245,6 +245,14 @@ class RedisSegmentStore(ChainLookup, Pins):
         self._index[entry.info.key] = entry
         self._index.move_to_end(entry.info.key)
         self._by_end[entry.end_hash.digest()] = entry.info.key
+
+    def _unregister(self, key: bytes, previous: KnownSegment | None) -> None:
+        """Undo _register of a segment never queued: back to what was known of it (caller holds self._lock)."""
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._by_end.pop(entry.end_hash.digest(), None)
+        if previous is not None:
+            self._register(previous)
 
     def _trim(self, keep: set[bytes]) -> None:
         """Forget the least recently used known segments beyond max_segments (never one queued for writing,

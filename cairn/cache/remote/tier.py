@@ -6,9 +6,7 @@ replica wrote is read by any replica of the same weights. What differs from Disk
 
     persist(path, source)   skips a node whose segment the store already knows (another replica wrote it,
                     or a lookup found it) without reading its KV, recording the reference on the node; the
-                    store queues the writes behind the request (a background thread sends them). A node
-                    that is the front slice of a longer stored segment is written again as its own segment
-                    when a node below it is written (a chain continues only from a segment's end)
+                    store queues the writes behind the request (a background thread sends them)
     lookup(token_ids, message_starts)   what Redis holds for a prompt: one pipelined probe of the prompt's
                     page multiples, message starts and end; the deepest chain ending in a snapshot, in
                     stored_paths()'s shape, for the cache's index to hang on the tree at admission
@@ -42,21 +40,10 @@ class RemoteTier(DiskTier):
         unreachable without it. Every segment is read (from `source`) before the first is queued, so that
         the markers of the deeper ones are set before the shallower ones land (markers.py).
 
-        A chain continues only from a segment's END: a node just above one to write that is a slice of a
-        longer stored segment (split off its front when a prompt left that path midway) is written again
-        as a segment of its own (at a request's end, `source` reads its KV from the request's pages)."""
-        steps = list(self._prefix_keys(path))
-        todo = [not self._known(node, parent_key) for node, parent_key in steps]
-        slices = set()
-        for j in range(len(steps) - 1, 0, -1):
-            if todo[j] and not todo[j - 1] and self._is_slice(steps[j - 1][0]):
-                todo[j - 1] = True
-                slices.add(j - 1)
-        self.counters["slices_rewritten"] += len(slices)
+        Which nodes are written is DiskTier._to_write's rule (with a slice of a longer stored segment just
+        above one to write: at a request's end, `source` reads its KV from the request's pages)."""
         segments = []  # read first, queued together: no segment lands before a deeper one is announced
-        for (node, parent_key), write in zip(steps, todo, strict=True):
-            if not write:
-                continue
+        for node, parent_key in self._to_write(path):
             kv = source.node_kv(node)
             if kv is None:
                 self.counters["write_unreadable"] += 1
@@ -72,13 +59,9 @@ class RemoteTier(DiskTier):
             self.counters["segments_written"] += 1
         return queued
 
-    def _is_slice(self, node: Node) -> bool:
-        ref = node.kv.get(self.name)
-        return ref is not None and ref.segment_end != node.end
-
     def _known(self, node: Node, parent_key: bytes | None) -> bool:
         """The store already holds node's segment, with its snapshot when it has one (recorded on the node)."""
-        if self.name in node.kv and (node.snapshot is None or self.name in node.snapshot.handle.copies):
+        if super()._known(node, parent_key):
             return True
         key = segment_key(parent_key, node.tokens)
         info: SegmentInfo | None = self.store.info(key)
@@ -86,11 +69,6 @@ class RemoteTier(DiskTier):
             return False
         self._record(node, key, node.snapshot is not None)
         return True
-
-    def _record(self, node: Node, key: bytes, with_snapshot: bool) -> None:
-        node.kv[self.name] = DiskRef(key, node.start, node.end)
-        if with_snapshot:
-            node.snapshot.handle.copies[self.name] = key
 
     def probe_positions(self, num_tokens: int, message_starts: Sequence[int] = ()) -> list[int]:
         """Where a prompt of num_tokens looks for index entries: page multiples, message starts, its end."""

@@ -23,6 +23,7 @@ import torch
 from cairn.cache.tiers.base import KV, Source, State, Tier
 from cairn.cache.tree.nodes import DEVICE, DISK, RELEASE_EVICTED, Node, page_indices
 from cairn.cache.tree.tiered import KVVictims, SnapshotVictims, TieredRadixTree
+from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ class TierSet:
     def disk(self) -> Tier | None:
         return self.by_name.get(DISK)
 
+    @property
+    def page_tiers(self) -> list[Tier]:
+        """The tiers holding KV in pages (device, host), fastest first."""
+        return [tier for tier in self.tiers if tier.pages is not None]
+
     def page_allocators(self) -> dict:
         """Tier name -> KV page allocator, for every page tier (the tree counts references on them)."""
         return {tier.name: tier.pages for tier in self.tiers if tier.pages is not None}
@@ -84,6 +90,11 @@ class TierSet:
             if state is not None:
                 return state
         return None
+
+    def request_source(self, kv: KVPool, page_table: list[int]) -> Source:
+        """The `Source` a finished request's path is written from: these tiers, except for a node no page tier
+        holds (see _RequestSource)."""
+        return _RequestSource(self, kv, page_table)
 
     # ---- snapshots --------------------------------------------------------------------------------
 
@@ -194,9 +205,36 @@ class TierSet:
         tier = next(t for t in self.holding(node.kv) if t.name != DEVICE)
         return tier, tier.read_page(node, i, cache)
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless each page tier's snapshot bytes are what the tree's snapshots hold there,
+        within its budget."""
+        for tier in self.page_tiers:
+            held = sum(e.handle.copies[tier.name].nbytes for _, e, _ in self.tree.iter_snapshots()
+                       if tier.name in e.handle.copies)
+            if held != tier.used_bytes or tier.used_bytes > tier.budget_bytes:
+                raise AssertionError(f"{tier.name} tier: {tier.used_bytes} bytes used, tree holds {held}, "
+                                     f"budget {tier.budget_bytes}")
+
     def write_through(self, node: Node, source: Source | None = None) -> None:
         """Write node and its ancestors into every write-through segment tier (at a request's end), read from
         `source` (default: the tiers themselves)."""
         for tier in self.tiers:
             if tier.pages is None and tier.write_through and node is not self.tree.root:
                 tier.store_kv(node, source or self)
+
+
+class _RequestSource:
+    """A finished request's `Source`: the tiers, except that a node no page tier holds (its KV only in a
+    segment tier: a node split off a segment found in Redis or on disk) is read from the request's own
+    pages, which hold what it just computed or loaded for every position of its path."""
+
+    def __init__(self, tiers: TierSet, kv: KVPool, page_table: list[int]):
+        self.tiers, self.kv, self.page_table = tiers, kv, page_table
+
+    def node_kv(self, node: Node) -> KV | None:
+        if any(tier.pages is not None for tier in self.tiers.holding(node.kv)):
+            return self.tiers.node_kv(node)
+        return self.kv.read_pages([self.page_table[i] for i in page_indices(node.start, node.end, self.kv.page_size)])
+
+    def node_snapshot(self, node: Node) -> State | None:
+        return self.tiers.node_snapshot(node)

@@ -1,0 +1,88 @@
+"""The Redis segment store's edges against a real redis-server: a breaker that closes again, the bound on the
+segments a replica knows, a segment too large to write (its markers deleted), markers that are not a
+writer's (ignored, never waited for), and the URL a log line shows (no password).
+
+Each test starts its own redis-server (tests/redis_server.py), skipped only when none is installed;
+the segments and stores are test_remote_store.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from cairn.cache.disk.segment import SegmentLimits
+from cairn.cache.remote.client import redacted
+from cairn.cache.remote.keys import prefix_keys
+from tests.test_remote_store import chain, make_store, put_all
+
+
+def test_a_breaker_closes_when_redis_answers_again_and_says_so_once(redis_server, caplog):
+    store = make_store(redis_server.url, timeout_s=0.3, cooldown_s=0.2)
+    tokens = list(range(300, 308))
+    (seg,) = chain(tokens, [0, 8], snapshot_at={8})
+    put_all(store, [seg])
+    redis_server.pause()
+    try:
+        assert store.get(seg.key) is None  # times out: the breaker opens
+    finally:
+        redis_server.resume()
+    time.sleep(0.3)  # past the cooldown: the next call tries Redis again
+    with caplog.at_level(logging.INFO, logger="cairn.cache.remote.client"):
+        assert store.get(seg.key) == seg
+        assert store.get(seg.key) == seg
+    assert len([r for r in caplog.records if "reachable again" in r.getMessage()]) == 1
+    assert store.redis.breaker.num_opened == 1
+    store.close()
+
+
+def test_a_replica_knows_at_most_max_segments_and_forgets_the_least_recently_used(redis_server):
+    forgotten = []
+    store = make_store(redis_server.url, max_segments=2, on_evict=forgotten.append)
+    segs = [chain([i, i + 1, i + 2, i + 3], [0, 4], snapshot_at={4})[0] for i in (400, 410, 420)]
+    put_all(store, segs[:2])
+    assert store.put(segs[0])  # known: only touched, so segs[1] is now the least recently used
+    put_all(store, segs[2:])
+    assert forgotten == [segs[1].key] and sorted(store.keys()) == sorted([segs[0].key, segs[2].key])
+    assert store.stats()["forgotten"] == 1
+    other = make_store(redis_server.url)  # Redis keeps it: a lookup finds it again
+    assert [i.key for i in other.lookup(list(segs[1].tokens), [4])] == [segs[1].key]
+    store.close(), other.close()
+
+
+def test_a_segment_too_large_to_write_is_counted_and_its_markers_are_deleted(redis_server):
+    store = make_store(redis_server.url, limits=SegmentLimits(max_section_bytes=16))  # its 64 KV bytes do not fit
+    tokens = list(range(500, 508))
+    (seg,) = chain(tokens, [0, 8], snapshot_at={8})
+    assert store.put(seg)  # queued: the size is found when the writer encodes it
+    assert store.flush() and store.markers.flush(5.0)
+    r = redis_server.client()
+    assert store.faults == {"too_large": 1} and store.keys() == []
+    assert not any(r.scan_iter(match=f"cairn:{store.names.namespace}:*"))  # nothing left, no marker to wait for
+    store.close()
+
+
+def test_markers_that_are_not_a_writers_are_ignored_and_never_waited_for(redis_server):
+    writer, reader = make_store(redis_server.url), make_store(redis_server.url, wait_s=2.0)
+    tokens = list(range(600, 616))
+    first, _ = chain(tokens, [0, 8, 16], snapshot_at={8, 16})
+    put_all(writer, [first])
+    keys = prefix_keys(tokens, [12, 16])
+    r = redis_server.client()
+    r.set(reader.names.marker(keys[16]), b"not json")  # malformed: no writer id
+    r.set(reader.names.marker(keys[12]), b'{"w": "another", "v": 1}')  # another writer's, not an entry
+    found = reader.lookup(tokens, [8, 12, 16])
+    assert [(i.start_position, i.num_tokens) for i in found] == [(0, 8)]
+    assert reader.counted("lookups_waited") == 0
+    writer.close(), reader.close()
+
+
+@pytest.mark.parametrize("url,shown", [
+    ("redis://:secret@h:6379/0", "redis://:***@h:6379/0"),
+    ("rediss://user:secret@h:6380", "rediss://user:***@h:6380"),
+    ("redis://h:6379/0", "redis://h:6379/0"),
+])
+def test_a_url_in_a_log_line_never_shows_its_password(url, shown):
+    assert redacted(url) == shown
