@@ -86,3 +86,25 @@ def test_markers_that_are_not_a_writers_are_ignored_and_never_waited_for(redis_s
 ])
 def test_a_url_in_a_log_line_never_shows_its_password(url, shown):
     assert redacted(url) == shown
+
+
+def test_markers_never_outlive_a_write_that_finishes_before_put_returns(redis_server):
+    """The writer deletes a segment's markers after flushing the marker thread. Markers announced only
+    after the write was queued (the old order) could be set after the write had already deleted them:
+    readers then waited up to 3 s for a segment already there. Here the write finishes while put is
+    still announcing (announce waits for the writer), as on a busy machine."""
+    store = make_store(redis_server.url)
+    announce = store.markers.announce
+
+    def announce_once_the_writer_is_idle(entries):
+        store.flush()  # the old order: the segment's write (and its unmark) already ran by now
+        return announce(entries)
+
+    store.markers.announce = announce_once_the_writer_is_idle
+    (seg,) = chain(list(range(500, 508)), [0, 8], snapshot_at={8})
+    assert store.put(seg)
+    assert store.flush() and store.markers.flush(5.0)
+    r = redis_server.client()
+    assert store.get(seg.key) == seg
+    assert not any(r.scan_iter(match=f"cairn:{store.names.namespace}:w:*"))  # no marker left to wait for
+    store.close()

@@ -7,7 +7,10 @@ id, under `cairn:<namespace>:w:<the entry's canonical key>`:
 
     Markers(redis, names, writer_id, capacity)
       announce(entries)   queue the markers of one segment's entries; a thread of their own sets them (with
-                          an expiry of MARKER_TTL_MS), so they never wait behind the queued writes
+                          an expiry of MARKER_TTL_MS), so they never wait behind the queued writes.
+                          Announce BEFORE queueing the segment's write: the writer flushes this thread
+                          before deleting the markers, so a marker set after that would outlive the write
+      withdraw(entries)   queue their deletion behind their setting (a write that was then not queued)
       unmark(entries)     the delete commands the writer appends to the segment's own pipeline
       announced_deeper(tokens, positions, values, depth)   whether a marker read at these positions of a
                           prompt, set by ANOTHER writer, announces a snapshot deeper than `depth`
@@ -48,14 +51,18 @@ class Markers:
     def __init__(self, redis, names: KeyNames, writer_id: str, capacity: int, on_fault: Callable[[str], None]):
         self.redis, self.names, self.writer_id = redis, names, writer_id
         self.num_set = 0
-        self._thread = WriteBehind(self._set, lambda _: on_fault("mark_failed"), capacity, "cairn-remote-marker")
+        self._thread = WriteBehind(self._send, lambda _: on_fault("mark_failed"), capacity, "cairn-remote-marker")
 
     def announce(self, entries: Sequence[tuple[bytes, IndexEntry]]) -> bool:
-        return self._thread.submit(tuple(entries))
-
-    def _set(self, entries: tuple[tuple[bytes, IndexEntry], ...]) -> None:
         marks = [("setpx", self.names.marker(k), encode_marker(e, self.writer_id), MARKER_TTL_MS) for k, e in entries]
-        if self.redis.pipelined(marks) is not FAILED:
+        return self._thread.submit(("set", marks))
+
+    def withdraw(self, entries: Sequence[tuple[bytes, IndexEntry]]) -> None:
+        self._thread.submit(("unset", self.unmark(entries)))  # refused when full: they expire
+
+    def _send(self, job: tuple[str, list[tuple]]) -> None:
+        kind, commands = job
+        if self.redis.pipelined(commands) is not FAILED and kind == "set":
             self.num_set += 1
 
     def unmark(self, entries: Sequence[tuple[bytes, IndexEntry]]) -> list[tuple]:

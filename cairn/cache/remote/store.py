@@ -128,14 +128,18 @@ class RedisSegmentStore(ChainLookup, Pins):
         with self._lock:  # before the writer can finish (or fail) it: its end then finds it here
             self._pending[segment.key] = segment
             self._register(KnownSegment(info, bounds, segment.tokens, end_hash))
+        # announced before the write is queued: the writer deletes the markers after flushing their thread,
+        # so one set after that would outlive the write (readers would wait for nothing); refused when full:
+        # readers then do not wait, nothing else is lost
+        announced = segment.snapshot_bytes is not None and self.markers.announce(entries)
         if not self._writer.submit(_Write(segment, entries)):
             self._fault("queue_full")
             with self._lock:
                 self._pending.pop(segment.key, None)
                 self._unregister(segment.key, known)
+            if announced:
+                self.markers.withdraw(entries)
             return False
-        if segment.snapshot_bytes is not None:
-            self.markers.announce(entries)  # refused when full: readers then do not wait, nothing else is lost
         with self._lock:
             self._counts["puts"] += 1
         self._trim(keep={segment.key})
