@@ -7,7 +7,7 @@ time is summed and the step is split into exclusive parts:
     linear (GDN / attention / MLP)   the weight-reading matmuls of the decoder layers
     lm_head                          the output projection (rows needed only)
     norms                            RMSNorms (layer, q/k) with the residual add before each layer norm
-                                     (one op, cairn/ops/cpu_small_ops.py), and the gated RMSNorm of GDN
+                                     (one op, cairn/ops/cpu_norm.py), and the gated RMSNorm of GDN
     gdn conv update / recurrent step the two recurrent kernels of a decode step
     gdn rest                         its gating (beta, g), splits and copies into the state pool
     attention decode                 the paged decode kernel (page gather + SDPA)
@@ -18,7 +18,7 @@ time is summed and the step is split into exclusive parts:
 
     PYTHONPATH=. python benchmarks/decode_profile.py --dtype bfloat16 --batch 1 --layout packed
     PYTHONPATH=. python benchmarks/decode_profile.py --layout packed --threads 1 --clock cpu --batch 16
-    PYTHONPATH=. python benchmarks/decode_profile.py --side-by-side 3    # the small fused ops against the references
+    PYTHONPATH=. python benchmarks/decode_profile.py --norm-side-by-side 3     # the fused norm against the reference
 
 The profiler adds a few microseconds per op, which inflates the many small ops against the matmuls;
 the step time printed first is measured without it. On a shared machine the profiler's ranges hold
@@ -134,29 +134,20 @@ def step_s(engine, batch: int, steps: int, prompt_len: int, clock=time.perf_coun
     return elapsed
 
 
-def small_ops_side_by_side(engine, batch: int, steps: int, prompt_len: int, repeats: int,
-                           clock=time.perf_counter) -> dict[str, list[float]]:
-    """ms per decode step on `clock`, unprofiled, with the engine's small ops (cairn/ops/cpu_small_ops.py), with
-    the reference add + RMSNorm swapped in, and with the reference silu x up as well, alternating `repeats`
-    times on the same engine."""
-    from cairn.layers.mlp import SwiGLU
-    from cairn.ops import norm, swiglu
+def norm_side_by_side(engine, batch: int, steps: int, prompt_len: int, repeats: int,
+                      clock=time.perf_counter) -> dict[str, list[float]]:
+    """ms per decode step on `clock`, unprofiled, with the engine's add + RMSNorm kernel and with the reference
+    (cairn/ops/norm.py) swapped in, alternating `repeats` times on the same engine."""
+    from cairn.ops import norm
 
-    fused, mlps = engine.model.kernels, [m for m in engine.model.modules() if isinstance(m, SwiGLU)]
-    silu = mlps[0].silu_mul if mlps else None
-    variants = {"fused": (fused, silu),
-                "reference norm": (dataclasses.replace(fused, add_rms_norm=norm.add_rms_norm), silu),
-                "reference norm + silu": (dataclasses.replace(fused, add_rms_norm=norm.add_rms_norm), swiglu.silu_mul)}
+    fused = engine.model.kernels
+    variants = {"fused norm": fused, "reference norm": dataclasses.replace(fused, add_rms_norm=norm.add_rms_norm)}
     runs: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
-        for name, (kernels, silu_mul) in variants.items():
+        for name, kernels in variants.items():
             engine.model.kernels = kernels
-            for m in mlps:
-                m.silu_mul = silu_mul
             runs[name].append(1e3 * step_s(engine, batch, steps, prompt_len, clock))
     engine.model.kernels = fused
-    for m in mlps:
-        m.silu_mul = silu
     return runs
 
 
@@ -229,10 +220,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=("profiler", "cpu"), default="profiler",
                     help="profiler: torch.profiler ranges; cpu: process CPU time per range, no profiler (less "
                     "distorted by other processes and by the profiler's per-op cost; one thread makes it exact)")
-    ap.add_argument("--side-by-side", type=int, default=0, metavar="REPEATS",
-                    help="first time decode steps unprofiled with the small fused ops, with the reference add + "
-                    "RMSNorm, and with the reference silu x up too, alternating REPEATS times (best of each, and "
-                    "the ratios; on --clock's clock)")
+    ap.add_argument("--norm-side-by-side", type=int, default=0, metavar="REPEATS",
+                    help="first time decode steps unprofiled with the fused add + RMSNorm and with the reference "
+                    "norm, alternating REPEATS times (best of each, and their ratio; on --clock's clock)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     options = {"quantization": "int8"} if args.layout == "int8" else {"weight_layout": args.layout}
@@ -241,13 +231,13 @@ def main() -> None:
         engine = cairn_engine(Path(d), dtype=args.dtype, max_num_seqs=max(args.batch, 1), **options)
         step_s(engine, args.batch, 2, args.prompt_len)  # warm-up
         wall_ms = 1e3 * step_s(engine, args.batch, args.steps, args.prompt_len)
-        if args.side_by_side:
+        if args.norm_side_by_side:
             clock = time.process_time if args.clock == "cpu" else time.perf_counter
-            runs = small_ops_side_by_side(engine, args.batch, args.steps, args.prompt_len, args.side_by_side, clock)
+            runs = norm_side_by_side(engine, args.batch, args.steps, args.prompt_len, args.norm_side_by_side, clock)
             best = {name: min(ms) for name, ms in runs.items()}
-            for name, ms in runs.items():
-                print(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms per step, best {best[name]:.1f} "
-                      f"({best[name] / best['fused']:.3f}x fused)")
+            print(" | ".join(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms/step (best {best[name]:.1f})"
+                             for name, ms in runs.items())
+                  + f" | reference / fused {best['reference norm'] / best['fused norm']:.3f}x")
         ranges = Ranges(time.process_time if args.clock == "cpu" else None)
         instrument(engine, ranges)
         totals = measure_steps(engine, ranges, args.batch, args.steps, args.prompt_len)

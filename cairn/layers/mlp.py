@@ -7,24 +7,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cairn.ops import fused_silu_mul
-
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused in one [2 * inner, hidden] weight.
-
-    `silu_mul` is cairn.ops.fused_silu_mul (one C++ op for bf16 on CPU, ATen's bits; the reference
-    cairn.ops.swiglu.silu_mul otherwise); an instance may be given the reference instead."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused in one [2 * inner, hidden] weight."""
 
     def __init__(self, hidden: int, inner: int):
         super().__init__()
         self.gate_up = nn.Linear(hidden, 2 * inner, bias=False)
         self.down = nn.Linear(inner, hidden, bias=False)
-        self.silu_mul = fused_silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.silu_mul(gate, up))
+        return self.down(F.silu(gate) * up)
 
 
 class SparseMoE(nn.Module):

@@ -30,19 +30,11 @@ def fused_gdn_decode_op(*tensors: torch.Tensor):
 
 def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                        zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cpu_small_ops.add_rms_norm (bf16 on CPU: one C++ op, the reference's bits; else the reference), imported
+    """cpu_norm.add_rms_norm (bf16 on CPU: one C++ op, the reference's bits; else the reference), imported
     on first use like fused_gdn_decode_op."""
-    from cairn.ops import cpu_small_ops
+    from cairn.ops import cpu_norm
 
-    return cpu_small_ops.add_rms_norm(x, delta, weight, eps, zero_centred)
-
-
-def fused_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """cpu_small_ops.silu_mul: silu(gate) * up, one C++ op for bf16 on CPU with ATen's bits (else the reference,
-    cairn/ops/swiglu.py), imported on first use like fused_gdn_decode_op."""
-    from cairn.ops import cpu_small_ops
-
-    return cpu_small_ops.silu_mul(gate, up)
+    return cpu_norm.add_rms_norm(x, delta, weight, eps, zero_centred)
 
 
 @dataclass(frozen=True)
@@ -64,7 +56,7 @@ class Kernels:
     # cairn's C++ op, cairn/ops/cpu_gdn.py; cpu_gdn.reference_op_for keeps the reference everywhere)
     gdn_decode_op: Callable = fused_gdn_decode_op
     # (x, delta | None, weight, eps, zero_centred) -> (x + delta, rms_norm(x + delta)): the residual add and the
-    # norm after it (cairn/ops/norm.py); bf16 on CPU through one C++ op with the same bits (cpu_small_ops.py)
+    # norm after it (cairn/ops/norm.py); bf16 on CPU through one C++ op with the same bits (cpu_norm.py)
     add_rms_norm: Callable = fused_add_rms_norm
 
 

@@ -1,4 +1,4 @@
-"""RMSNorm and the residual add before it, in pure PyTorch: the reference for cairn/ops/cpu_small_ops.py.
+"""RMSNorm and the residual add before it, in pure PyTorch: the reference for cairn/ops/cpu_norm.py.
 
     rms_norm(x)      = x / sqrt(mean(x^2) + eps) * scale        in fp32, rounded to x's dtype once
     scale            = 1 + weight (zero-centred: the Qwen hybrids) or weight (the Mamba2 hybrids)

@@ -1,12 +1,11 @@
-"""cairn's small CPU ops (cairn/ops/cpu_small_ops.py) against their references (cairn/ops/norm.py, swiglu.py).
+"""cairn's fused residual add + RMSNorm op (cairn/ops/cpu_norm.py) against the reference (cairn/ops/norm.py).
 
-The fused residual add + RMSNorm must give the reference's bits: the residual sum and the normed rows,
-zero-centred and plain scales, widths that are and are not multiples of a CPU vector, one row (decode)
-and many (prefill), rows that are a strided view (attention's q heads); so must silu(gate) * up on the
-two halves of a gate_up output. In the engine, bf16 greedy decoding with the ops gives the same tokens
-and log-probabilities as with the references, bit for bit, batched or alone. Their dispatch: fp32 stays
-on the reference, and ops that do not build, or whose sums or silu are not ATen's here, leave the
-reference in one log line.
+The op must give the reference's bits: the residual sum and the normed rows, zero-centred and plain
+scales, widths that are and are not multiples of a CPU vector, one row (decode) and many (prefill),
+rows that are a strided view (attention's q heads). In the engine, bf16 greedy decoding with the op
+gives the same tokens and log-probabilities as with the reference, bit for bit, batched or alone. Its
+dispatch: fp32 stays on the reference, and an op that does not build, or whose sums are not ATen's
+here, leaves the reference in one log line.
 """
 
 from __future__ import annotations
@@ -18,24 +17,15 @@ import pytest
 import torch
 
 from cairn import ops
-from cairn.layers.mlp import SwiGLU
 from cairn.llm import LLM
-from cairn.ops import cpu_small_ops, norm, swiglu
+from cairn.ops import cpu_norm, norm
 from cairn.sampling import SamplingParams
 
 
 def op():
-    ops = cpu_small_ops._loaded()
-    if ops is None or ops.lanes is None:
-        pytest.skip(f"the fused norm op is not used here: {cpu_small_ops.load()}")
-    return cpu_small_ops.add_rms_norm
-
-
-def silu_op():
-    ops = cpu_small_ops._loaded()
-    if ops is None or not ops.silu:
-        pytest.skip(f"the fused silu op is not used here: {cpu_small_ops.load()}")
-    return cpu_small_ops.silu_mul
+    if cpu_norm._loaded() is None:
+        pytest.skip(f"the fused norm op is not used here: {cpu_norm.load()}")
+    return cpu_norm.add_rms_norm
 
 
 def bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -69,13 +59,6 @@ def test_norm_of_strided_head_rows_gives_the_reference_bits():
     assert same_bits(got, norm.rms_norm(q, weight, 1e-6, True))
 
 
-@pytest.mark.parametrize("rows, inner", [(1, 3584), (5, 37), (2, 8)])
-def test_silu_mul_on_gate_up_halves_gives_the_reference_bits(rows, inner):
-    fused = silu_op()
-    gate, up = bf16(rows, 2 * inner, seed=inner, scale=4.0).chunk(2, dim=-1)
-    assert same_bits(fused(gate, up), swiglu.silu_mul(gate, up))
-
-
 def test_inputs_are_not_modified():
     fused = op()
     x, delta, weight = bf16(4, 96, seed=1), bf16(4, 96, seed=2), bf16(96, seed=3)
@@ -89,7 +72,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list:
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
-def test_engine_decodes_bf16_with_the_fused_ops_bit_for_bit_like_the_references(checkpoints, family):
+def test_engine_decodes_bf16_with_the_fused_norm_bit_for_bit_like_the_reference(checkpoints, family):
     op()
     path, _ = checkpoints[family]
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 14)]
@@ -99,58 +82,45 @@ def test_engine_decodes_bf16_with_the_fused_ops_bit_for_bit_like_the_references(
     batched = _greedy(llm, prompts)
     alone = [_greedy(llm, [p])[0] for p in prompts]
     ref_llm = LLM(**kw)
-    ref_model = ref_llm.engine.model
-    ref_model.kernels = dataclasses.replace(ref_model.kernels, add_rms_norm=norm.add_rms_norm)
-    for module in ref_model.modules():
-        if isinstance(module, SwiGLU):
-            module.silu_mul = swiglu.silu_mul
+    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels, add_rms_norm=norm.add_rms_norm)
     for got, one, ref in zip(batched, alone, _greedy(ref_llm, prompts), strict=True):
         assert got.token_ids == one.token_ids == ref.token_ids
         assert got.logprobs == one.logprobs == ref.logprobs
 
 
 def test_fp32_stays_on_the_reference(monkeypatch):
-    monkeypatch.setattr(cpu_small_ops, "_loaded", lambda: pytest.fail("the op was asked for fp32 rows"))
+    monkeypatch.setattr(cpu_norm, "_loaded", lambda: pytest.fail("the op was asked for fp32 rows"))
     x, delta, weight = torch.randn(2, 16), torch.randn(2, 16), torch.randn(16)
-    got = cpu_small_ops.add_rms_norm(x, delta, weight, 1e-6, True)
+    got = cpu_norm.add_rms_norm(x, delta, weight, 1e-6, True)
     ref = norm.add_rms_norm(x, delta, weight, 1e-6, True)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    assert torch.equal(cpu_small_ops.silu_mul(x, delta), swiglu.silu_mul(x, delta))
-
-
-def test_silu_that_is_not_atens_keeps_the_reference(monkeypatch):
-    silu_op()
-    monkeypatch.setattr(cpu_small_ops.swiglu, "silu_mul", lambda gate, up: gate * up)  # "ATen" now differs
-    assert not cpu_small_ops.silu_matches(cpu_small_ops.load())
 
 
 @pytest.mark.parametrize("why", ["build", "sums"])
 def test_op_falls_back_to_the_reference_in_one_line(caplog, monkeypatch, tmp_path, why):
     if why == "build":
         monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-        reason = cpu_small_ops.load(str(tmp_path))
-        assert isinstance(reason, str) and reason.startswith("building the small CPU ops failed")
-        monkeypatch.setattr(cpu_small_ops, "load", lambda: reason)
+        reason = cpu_norm.load(str(tmp_path))
+        assert isinstance(reason, str) and reason.startswith("building the fused add + RMSNorm op failed")
+        monkeypatch.setattr(cpu_norm, "load", lambda: reason)
     else:
         op()
-        monkeypatch.setattr(cpu_small_ops, "CANDIDATE_LANES", (3,))  # no CPU's sum runs on 3-float vectors
-    cpu_small_ops._loaded.cache_clear()
+        monkeypatch.setattr(cpu_norm, "CANDIDATE_LANES", (3,))  # no CPU's sum runs on 3-float vectors
+    cpu_norm._loaded.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger="cairn.ops.cpu_small_ops"):
+        with caplog.at_level(logging.INFO, logger="cairn.ops.cpu_norm"):
             x, weight = bf16(2, 32, seed=1), bf16(32, seed=2)
             for _ in range(2):
-                assert same_bits(cpu_small_ops.add_rms_norm(x, x, weight, 1e-6, True)[1],
+                assert same_bits(cpu_norm.add_rms_norm(x, x, weight, 1e-6, True)[1],
                                  norm.add_rms_norm(x, x, weight, 1e-6, True)[1])
-                up = weight.expand_as(x)
-                assert same_bits(cpu_small_ops.silu_mul(x, up), swiglu.silu_mul(x, up))
-        lines = [r for r in caplog.records if r.name == "cairn.ops.cpu_small_ops"]
+        lines = [r for r in caplog.records if r.name == "cairn.ops.cpu_norm"]
         assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
     finally:
-        cpu_small_ops._loaded.cache_clear()
+        cpu_norm._loaded.cache_clear()
 
 
 def test_build_command_says_whether_the_op_built(capsys):
-    assert cpu_small_ops.main(["--build"]) == 0
-    got = cpu_small_ops.load()
+    assert cpu_norm.main(["--build"]) == 0
+    got = cpu_norm.load()
     expected = f"none ({got})" if isinstance(got, str) else "built"
-    assert capsys.readouterr().out.strip() == f"cairn small CPU ops (add + RMSNorm, silu x up): {expected}"
+    assert capsys.readouterr().out.strip() == f"cairn fused add + RMSNorm op: {expected}"
