@@ -6,17 +6,19 @@ time is summed and the step is split into exclusive parts:
 
     linear (GDN / attention / MLP)   the weight-reading matmuls of the decoder layers
     lm_head                          the output projection (rows needed only)
-    norms                            RMSNorms (layer, q/k) and the gated RMSNorm of GDN
+    norms                            RMSNorms (layer, q/k) with the residual add before each layer norm
+                                     (one op, cairn/ops/cpu_norm.py), and the gated RMSNorm of GDN
     gdn conv update / recurrent step the two recurrent kernels of a decode step
     gdn rest                         its gating (beta, g), splits and copies into the state pool
     attention decode                 the paged decode kernel (page gather + SDPA)
     attention rest                   q/k rotary, KV writes into the pool, the output gate
     mlp rest                         silu(gate) * up
-    model rest                       embedding, residual adds, the final row pick
+    model rest                       embedding, the final row pick
     runner build / sample / engine   the ForwardBatch(es), the sampler, scheduler and bookkeeping
 
     PYTHONPATH=. python benchmarks/decode_profile.py --dtype bfloat16 --batch 1 --layout packed
     PYTHONPATH=. python benchmarks/decode_profile.py --layout packed --threads 1 --clock cpu --batch 16
+    PYTHONPATH=. python benchmarks/decode_profile.py --norm-side-by-side 3     # the fused norm against the reference
 
 The profiler adds a few microseconds per op, which inflates the many small ops against the matmuls;
 the step time printed first is measured without it. On a shared machine the profiler's ranges hold
@@ -97,6 +99,8 @@ def instrument(engine, ranges: Ranges) -> None:
     for module in model.modules():
         if isinstance(module, (RMSNorm, GatedRMSNorm)):
             module.forward = ranges.wrap(module.forward, "norm")
+        if isinstance(module, RMSNorm):  # the residual add runs inside it (DecoderLayer)
+            module.add_and_norm = ranges.wrap(module.add_and_norm, "norm")
     model.lm_head.forward = ranges.wrap(model.lm_head.forward, "lm_head")
     model.forward = ranges.wrap(model.forward, "model")
     model.kernels = dataclasses.replace(model.kernels, **{
@@ -118,16 +122,33 @@ def start_decoding(engine, batch: int, prompt_len: int, max_tokens: int) -> None
         started |= {o.request_id for o in engine.step()}
 
 
-def step_s(engine, batch: int, steps: int, prompt_len: int) -> float:
-    """Wall seconds per decode step, unprofiled, once the batch is decoding."""
+def step_s(engine, batch: int, steps: int, prompt_len: int, clock=time.perf_counter) -> float:
+    """Seconds per decode step on `clock` (wall by default), unprofiled, once the batch is decoding."""
     start_decoding(engine, batch, prompt_len, steps + 2)
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(steps):
         engine.step()
-    elapsed = (time.perf_counter() - t0) / steps
+    elapsed = (clock() - t0) / steps
     while engine.has_unfinished():
         engine.step()
     return elapsed
+
+
+def norm_side_by_side(engine, batch: int, steps: int, prompt_len: int, repeats: int,
+                      clock=time.perf_counter) -> dict[str, list[float]]:
+    """ms per decode step on `clock`, unprofiled, with the engine's add + RMSNorm kernel and with the reference
+    (cairn/ops/norm.py) swapped in, alternating `repeats` times on the same engine."""
+    from cairn.ops import norm
+
+    fused = engine.model.kernels
+    variants = {"fused norm": fused, "reference norm": dataclasses.replace(fused, add_rms_norm=norm.add_rms_norm)}
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, kernels in variants.items():
+            engine.model.kernels = kernels
+            runs[name].append(1e3 * step_s(engine, batch, steps, prompt_len, clock))
+    engine.model.kernels = fused
+    return runs
 
 
 def breakdown(totals: dict[str, float], steps: int) -> list[tuple[str, float]]:
@@ -199,6 +220,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=("profiler", "cpu"), default="profiler",
                     help="profiler: torch.profiler ranges; cpu: process CPU time per range, no profiler (less "
                     "distorted by other processes and by the profiler's per-op cost; one thread makes it exact)")
+    ap.add_argument("--norm-side-by-side", type=int, default=0, metavar="REPEATS",
+                    help="first time decode steps unprofiled with the fused add + RMSNorm and with the reference "
+                    "norm, alternating REPEATS times (best of each, and their ratio; on --clock's clock)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     options = {"quantization": "int8"} if args.layout == "int8" else {"weight_layout": args.layout}
@@ -207,6 +231,13 @@ def main() -> None:
         engine = cairn_engine(Path(d), dtype=args.dtype, max_num_seqs=max(args.batch, 1), **options)
         step_s(engine, args.batch, 2, args.prompt_len)  # warm-up
         wall_ms = 1e3 * step_s(engine, args.batch, args.steps, args.prompt_len)
+        if args.norm_side_by_side:
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
+            runs = norm_side_by_side(engine, args.batch, args.steps, args.prompt_len, args.norm_side_by_side, clock)
+            best = {name: min(ms) for name, ms in runs.items()}
+            print(" | ".join(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms/step (best {best[name]:.1f})"
+                             for name, ms in runs.items())
+                  + f" | reference / fused {best['reference norm'] / best['fused norm']:.3f}x")
         ranges = Ranges(time.process_time if args.clock == "cpu" else None)
         instrument(engine, ranges)
         totals = measure_steps(engine, ranges, args.batch, args.steps, args.prompt_len)

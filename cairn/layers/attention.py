@@ -56,8 +56,9 @@ class GatedAttention(nn.Module):
                 kv: KVPool, kernels: Kernels) -> torch.Tensor:
         tokens = x.shape[0]
         q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.rotary.apply(self.q_norm(q), *cos_sin)
-        k = self.rotary.apply(self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)), *cos_sin)
+        _, q = self.q_norm.add_and_norm(q, None, kernels)
+        _, k = self.k_norm.add_and_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), None, kernels)
+        q, k = self.rotary.apply(q, *cos_sin), self.rotary.apply(k, *cos_sin)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         k_pool, v_pool = kv.k[self.pool_index], kv.v[self.pool_index]
         k_pool.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k

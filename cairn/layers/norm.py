@@ -1,13 +1,22 @@
-"""RMS norms: the Qwen hybrids' zero-centred one, the plain one of the Mamba2 hybrids, and a gated one."""
+"""RMS norms: the Qwen hybrids' zero-centred one, the plain one of the Mamba2 hybrids, and a gated one.
+
+The first two compute cairn/ops/norm.py's reference; `add_and_norm` runs the residual add before the
+norm and the norm in one call of `Kernels.add_rms_norm` (a fused op on CPU in bf16, the same bits).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from cairn.ops import Kernels
+from cairn.ops import norm as norm_ops
+
 
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: x / rms(x) * (1 + weight), computed in fp32."""
+
+    zero_centred = True
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -15,9 +24,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return norm_ops.rms_norm(x, self.weight, self.eps, self.zero_centred)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                     kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, self(x + delta)) in one kernel call; delta None: (x, self(x)). Inputs are not modified."""
+        return kernels.add_rms_norm(x, delta, self.weight, self.eps, self.zero_centred)
 
 
 class GatedRMSNorm(nn.Module):
@@ -36,15 +48,11 @@ class GatedRMSNorm(nn.Module):
         return (out * nn.functional.silu(gate.float())).to(dtype)
 
 
-class PlainRMSNorm(nn.Module):
+class PlainRMSNorm(RMSNorm):
     """RMSNorm with a plain scale: x / rms(x) * weight, the product in fp32 (Nemotron-H, Granite, Falcon-H1)."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+    zero_centred = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        nn.init.ones_(self.weight)

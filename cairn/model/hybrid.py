@@ -1,7 +1,8 @@
 """HybridModel: the decoder stack shared by every family (Qwen3.5 / Qwen3-Next, Nemotron-H, ...).
 
     embed * embedding_multiplier
-      -> [ x + r * mixer(norm(x)) ; x + r * ffn(norm(x)) ] * num_layers      (r: residual_multiplier)
+      -> [ x + r * mixer(norm(x)) ; x + r * ffn(norm(x)) ] * num_layers      (r: residual_multiplier;
+                                                                              each add runs with the norm after it)
       -> norm -> lm_head * logits_multiplier
 
 where each layer's mixer is Gated DeltaNet, full attention (Qwen's gated one or plain), Mamba2,
@@ -62,7 +63,12 @@ class ParallelAttentionMamba2(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """x + r * mixer(input_norm(x)), then x + r * mlp(post_norm(x)); a part that is None is skipped with its norm."""
+    """x + r * mixer(input_norm(x)), then x + r * mlp(post_norm(x)); a part that is None is skipped with its norm.
+
+    Each residual add runs with the norm after it (`RMSNorm.add_and_norm`, one op on CPU in bf16), so a
+    layer takes and returns the stream as (x, pending): the stream is x + pending, pending being the last
+    update not yet added (None: nothing pending). The next layer's first norm, or the model's final
+    norm, adds it."""
 
     def __init__(self, mixer: nn.Module | None, mlp: nn.Module | None, make_norm: Callable[[], nn.Module],
                  residual_multiplier: float = 1.0):
@@ -75,19 +81,20 @@ class DecoderLayer(nn.Module):
         self.mixer_kind = ("recurrent" if isinstance(mixer, RecurrentMixer)
                            else "parallel" if isinstance(mixer, ParallelAttentionMamba2) else "attention")
 
-    def forward(self, x, batch, cos_sin, kv: KVPool, states: StatePool, kernels: Kernels):
+    def forward(self, x, pending, batch, cos_sin, kv: KVPool, states: StatePool, kernels: Kernels):
         if self.mixer is not None:
-            h = self.input_norm(x)
+            x, h = self.input_norm.add_and_norm(x, pending, kernels)
             if self.mixer_kind == "recurrent":
                 h = self.mixer(h, batch, states, kernels)
             elif self.mixer_kind == "parallel":
                 h = self.mixer(h, batch, cos_sin, kv, states, kernels)
             else:
                 h = self.mixer(h, batch, cos_sin, kv, kernels)
-            x = x + self._scaled(h)
+            pending = self._scaled(h)
         if self.mlp is not None:
-            x = x + self._scaled(self.mlp(self.post_norm(x)))
-        return x
+            x, h = self.post_norm.add_and_norm(x, pending, kernels)
+            pending = self._scaled(self.mlp(h))
+        return x, pending
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
         return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
@@ -147,9 +154,12 @@ class HybridModel(nn.Module):
         if cfg.embedding_multiplier != 1.0:
             x = x * cfg.embedding_multiplier
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype) if self.rotary is not None else None
+        pending = None  # the stream is x + pending (DecoderLayer)
         for layer in self.layers:
-            x = layer(x, batch, cos_sin, kv, states, self.kernels)
-        logits = self.lm_head(self.norm(x[batch.logits_indices])).float()
+            x, pending = layer(x, pending, batch, cos_sin, kv, states, self.kernels)
+        rows = batch.logits_indices  # only these rows' stream is needed from here on
+        _, h = self.norm.add_and_norm(x[rows], None if pending is None else pending[rows], self.kernels)
+        logits = self.lm_head(h).float()
         return logits if cfg.logits_multiplier == 1.0 else logits * cfg.logits_multiplier
 
     # ---- checkpoint loading -------------------------------------------------------------------------

@@ -28,6 +28,15 @@ def fused_gdn_decode_op(*tensors: torch.Tensor):
     return cpu_gdn.op_for(*tensors)
 
 
+def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cpu_norm.add_rms_norm (bf16 on CPU: one C++ op, the reference's bits; else the reference), imported
+    on first use like fused_gdn_decode_op."""
+    from cairn.ops import cpu_norm
+
+    return cpu_norm.add_rms_norm(x, delta, weight, eps, zero_centred)
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The kernel set a model runs with; each field documents its contract in its reference module."""
@@ -46,6 +55,9 @@ class Kernels:
     # x -> the fused Gated DeltaNet decode op for that batch, or None for the kernels above (bf16 on CPU:
     # cairn's C++ op, cairn/ops/cpu_gdn.py; cpu_gdn.reference_op_for keeps the reference everywhere)
     gdn_decode_op: Callable = fused_gdn_decode_op
+    # (x, delta | None, weight, eps, zero_centred) -> (x + delta, rms_norm(x + delta)): the residual add and the
+    # norm after it (cairn/ops/norm.py); bf16 on CPU through one C++ op with the same bits (cpu_norm.py)
+    add_rms_norm: Callable = fused_add_rms_norm
 
 
 REFERENCE = Kernels(name="reference")
