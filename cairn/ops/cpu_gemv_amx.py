@@ -48,6 +48,7 @@ inline void memory_fence() { asm volatile("" ::: "memory"); }
 template <int NB>
 __attribute__((target("amx-tile,amx-bf16,avx512f")))
 void amx_block(const uint16_t* w, int64_t k, const uint16_t* xb, float* out) {
+  memory_fence();  // the caller's stores into a padded copy of w land before the first tile load
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
   const int64_t full = k / 32, stride = k * 2;
