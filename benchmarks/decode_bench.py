@@ -1,8 +1,9 @@
 """Decode speed against the memory bandwidth, and against transformers on the same weights, in one run.
 
 Per dtype and batch size: cairn's decode tokens/s (aggregate over the batch) for each weight layout
-asked for (plain, packed, gemv: cairn's own bf16 gemv kernel, gemv-unfused: the same without the fused
-Gated DeltaNet decode op, int8), the weight bytes one decode step
+asked for (plain, packed, gemv: cairn's own bf16 gemv kernel on the best path the CPU has, gemv-unfused:
+the same without the fused Gated DeltaNet decode op, gemv-avx512: the kernel forced onto its AVX512-BF16
+dot products where `gemv` takes AMX tiles, int8), the weight bytes one decode step
 reads, the weight-read bandwidth that achieves (bytes x steps/s), the machine's memory bandwidth
 measured in the same run (a plain `sum` over a large fp32 tensor, best of its runs), their ratio,
 the same against cairn's own streaming read of that tensor (a loop of vector loads in the gemv
@@ -86,8 +87,24 @@ def variants(layouts: list[str]) -> dict[str, dict]:
     """Engine model options per layout name: plain / packed weight layouts, int8 weight-only quantization."""
     table = {"auto": {}, "plain": {"weight_layout": "plain"}, "packed": {"weight_layout": "packed"},
              "gemv": {"weight_layout": "gemv"}, "gemv-unfused": {"weight_layout": "gemv"},
+             "gemv-avx512": {"weight_layout": "gemv"},
              "int8": {"quantization": "int8"}}
     return {name: table[name] for name in layouts}
+
+
+def force_gemv_isa(model, isa: str) -> bool:
+    """Put the gemv layout's linears on the kernel's `isa` path (with that path's rows, F.linear above):
+    the AVX512-BF16 dot products beside the AMX tiles `auto` picks. False where the path does not load."""
+    from cairn.model.layout import GemvLinear
+    from cairn.ops import cpu_gemv
+
+    kernel = cpu_gemv.load(cpu_gemv.cpu_flags(), isa)
+    if isinstance(kernel, str):
+        return False
+    for module in model.modules():
+        if isinstance(module, GemvLinear):
+            module.kernel, module.direct_rows = kernel, kernel.direct_rows
+    return True
 
 
 def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) -> dict:
@@ -103,6 +120,9 @@ def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) ->
             continue
         if name == "gemv-unfused":  # the Gated DeltaNet decode on the reference kernels, not the fused op
             engine.model.kernels = dataclasses.replace(engine.model.kernels, gdn_decode_op=cpu_gdn.reference_op_for)
+        if name == "gemv-avx512" and not force_gemv_isa(engine.model, "avx512_bf16"):
+            print(f"  {dtype} {name}: skipped (no AVX512-BF16 path here)")
+            continue
         engines[name] = (engine, decode_weight_bytes(engine.model))
     return engines
 
@@ -224,7 +244,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16", type=lambda s: [int(b) for b in s.split(",")])
     ap.add_argument("--layouts", default="plain,packed,gemv,int8",
                     help="cairn variants: plain, packed, gemv, gemv-unfused (gemv with the Gated DeltaNet decode on "
-                    "the reference kernels instead of the fused op), int8 (quantized) or auto; unsupported ones are "
+                    "the reference kernels instead of the fused op), gemv-avx512 (gemv on the AVX512-BF16 path, 2 "
+                    "rows, F.linear above, where gemv takes AMX), int8 (quantized) or auto; unsupported ones are "
                     "skipped")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     ap.add_argument("--new-tokens", type=int, default=16, help="decode tokens timed per request")

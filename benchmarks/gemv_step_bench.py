@@ -8,8 +8,15 @@ The other kernel is any cpu_gemv.py, e.g. main's:
     git show main:cairn/ops/cpu_gemv.py > /tmp/cpu_gemv_main.py
     PYTHONPATH=. python benchmarks/gemv_step_bench.py --baseline /tmp/cpu_gemv_main.py --rows 1,2
 
-Both kernels must give the same outputs bit for bit (checked on the first linears): the comparison is
-of speed alone. A benchmark: asserts nothing else.
+On the same instruction path both kernels must give the same outputs bit for bit (checked on the first
+linears): the comparison is of speed alone. Across paths (this checkout's AMX path against a baseline's
+AVX512-BF16 one, or `--baseline-isa` forcing this checkout's kernel onto another path) the outputs only
+agree within bf16 rounding, and the largest difference is printed instead. `--linear` adds F.linear
+(oneDNN) to the alternation, the layouts' choice above the kernel's rows:
+
+    PYTHONPATH=. python benchmarks/gemv_step_bench.py --baseline-isa avx512_bf16 --rows 1,2,4,16 --linear
+
+A benchmark: asserts nothing else.
 """
 
 from __future__ import annotations
@@ -40,12 +47,14 @@ def step_order() -> list[tuple[int, int]]:
     return order + [shape["lm_head"]]
 
 
-def baseline_kernel(path: str) -> cpu_gemv.GemvKernel:
-    spec = importlib.util.spec_from_file_location("baseline_cpu_gemv", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    kernel = module.load(module.cpu_flags())
+def baseline_kernel(path: str | None, isa: str | None) -> cpu_gemv.GemvKernel:
+    module = cpu_gemv
+    if path:
+        spec = importlib.util.spec_from_file_location("baseline_cpu_gemv", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    kernel = module.load(module.cpu_flags(), isa) if isa else module.load(module.cpu_flags())
     if isinstance(kernel, str):
         raise SystemExit(f"the baseline kernel does not load: {kernel}")
     return kernel
@@ -53,13 +62,19 @@ def baseline_kernel(path: str) -> cpu_gemv.GemvKernel:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", required=True, help="path of the other cpu_gemv.py")
+    ap.add_argument("--baseline", default=None, help="path of the other cpu_gemv.py (default: this one)")
+    ap.add_argument("--baseline-isa", default=None, help="force the baseline kernel onto this path (avx512_bf16, avx2)")
+    ap.add_argument("--linear", action="store_true", help="also time F.linear over the same weights")
     ap.add_argument("--rows", default="1,2", type=lambda s: [int(r) for r in s.split(",")])
     ap.add_argument("--repeats", type=int, default=7, help="alternating steps per kernel (the median is reported)")
     args = ap.parse_args()
-    kernels = {"baseline": baseline_kernel(args.baseline), "this": cpu_gemv.load(cpu_gemv.cpu_flags())}
+    base = baseline_kernel(args.baseline, args.baseline_isa)
+    kernels = {"baseline": base, "this": cpu_gemv.load(cpu_gemv.cpu_flags())}
     if isinstance(kernels["this"], str):
         raise SystemExit(f"this checkout's kernel does not load: {kernels['this']}")
+    print(f"baseline: {args.baseline or 'this checkout'} on {base.isa}; this: {kernels['this'].isa}")
+    if args.linear:
+        kernels["F.linear"] = torch.nn.functional.linear
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out_f, in_f, generator=gen) * 0.02).bfloat16() for out_f, in_f in step_order()]
     step_bytes = sum(w.numel() * 2 for w in weights)
@@ -67,8 +82,13 @@ def main() -> None:
     print(f"{step_bytes / 1e6:.0f} MB of weights per step, {torch.get_num_threads()} threads")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {w.shape[1] for w in weights}}
+        diff = 0.0
         for w in weights[:8]:
-            assert torch.equal(kernels["baseline"](xs[w.shape[1]], w), kernels["this"](xs[w.shape[1]], w))
+            a, b = kernels["baseline"](xs[w.shape[1]], w), kernels["this"](xs[w.shape[1]], w)
+            assert base.isa != kernels["this"].isa or torch.equal(a, b)
+            diff = max(diff, ((a.float() - b.float()).abs() / b.float().abs().clamp(min=1e-3)).max().item())
+        if diff:
+            print(f"rows {rows}: the two paths' outputs differ by up to {diff:.2g} relative (bf16 rounding)")
         gbs: dict[str, list[float]] = {"sum": [], "own read": [], **{name: [] for name in kernels}}
         for _ in range(args.repeats):
             t0 = time.perf_counter()
@@ -85,7 +105,8 @@ def main() -> None:
         med = {name: statistics.median(v) for name, v in gbs.items()}
         print(f"rows {rows}: " + ", ".join(f"{name} {v:.1f} GB/s" for name, v in med.items())
               + f" (medians); this / baseline {med['this'] / med['baseline']:.2f}x, this / sum "
-              f"{100 * med['this'] / med['sum']:.0f}%", flush=True)
+              f"{100 * med['this'] / med['sum']:.0f}%"
+              + (f", this / F.linear {med['this'] / med['F.linear']:.2f}x" if "F.linear" in med else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,11 @@ class ModelOptions:
     quantization: str = _f("none", "weight-only quantization of the linear layers (CPU, dense models): none or "
                            "int8 (one scale per output channel; half the bytes a bf16 decode step reads)",
                            choices=("none", "int8"))
-    weight_layout: str = _f("auto", "layout of the linear weights: auto (gemv for bf16 on a CPU with AVX512-BF16 "
-                            "where the kernel builds, else plain; logged at start-up), plain, packed (oneDNN's "
-                            "blocked layout for AMX / AVX512-BF16), or gemv (cairn's bf16 gemv kernel for "
-                            "batches of up to 8 rows, built on first use; AVX512-BF16 or AVX2)",
+    weight_layout: str = _f("auto", "layout of the linear weights: auto (gemv for bf16 on a CPU with AMX-BF16 or "
+                            "AVX512-BF16 where the kernel builds, else plain; logged at start-up), plain, packed "
+                            "(oneDNN's blocked layout for AMX / AVX512-BF16), or gemv (cairn's bf16 gemv kernel "
+                            "for decode batches of up to 16 rows on AMX, 2 on AVX512-BF16 or AVX2, F.linear "
+                            "above; built on first use)",
                             choices=("auto", "plain", "packed", "gemv"))
     fast_kernels: bool = _f(False, "on CUDA, use flash-linear-attention's gated delta rule where installed "
                             "(untested on GPU so far; the reference kernels otherwise)")

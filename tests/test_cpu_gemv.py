@@ -13,14 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cairn.llm import LLM
 from cairn.model import layout
 from cairn.model.layout import GemvLinear, decode_weight_bytes
 from cairn.model.loader import load_checkpoint
 from cairn.ops import cpu_gemv
+from cairn.sampling import SamplingParams
 from tests.harness import prefill
 
 FLAGS = cpu_gemv.cpu_flags()
-ISAS = {"avx512_bf16": ["avx512_bf16", "avx2"], "avx2": ["avx2"], None: []}[cpu_gemv.isa_for(FLAGS)]
+ISAS = {"amx_bf16": ["amx_bf16", "avx512_bf16", "avx2"], "avx512_bf16": ["avx512_bf16", "avx2"], "avx2": ["avx2"],
+        None: []}[cpu_gemv.isa_for(FLAGS)]
 needs_kernel = pytest.mark.skipif(not ISAS, reason="the CPU has neither AVX512-BF16 nor AVX2 + FMA")
 
 
@@ -147,3 +150,41 @@ def test_build_command_names_the_path_this_cpu_gets_or_why_none(capsys):
     assert line == f"cairn gemv kernel: {expected}"
     with pytest.raises(SystemExit):
         cpu_gemv.main([])
+
+
+@pytest.mark.skipif("amx_bf16" not in ISAS, reason="the CPU has no AMX-BF16")
+def test_amx_gemv_decodes_a_sequence_alike_alone_and_in_a_batch_of_five(checkpoints):
+    """On AMX the layout hands the kernel every decode batch up to 16 rows (no F.linear at 3 rows and up),
+    and the kernel's outputs do not depend on the other rows: five greedy sequences decoded together get
+    the tokens and log-probabilities each gets alone, bit for bit."""
+    if kernel("amx_bf16").direct_rows < 5:
+        pytest.skip("this kernel does not take five rows")
+    path, _ = checkpoints["qwen3_next"]
+    llm = LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+    assert llm.engine.weight_layout == "gemv"
+    assert any(isinstance(m, GemvLinear) and m.kernel.isa == "amx_bf16" for m in llm.engine.model.modules())
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 9, 12, 14, 17)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True)
+    batched = llm.generate(prompts, params)
+    for prompt, together in zip(prompts, batched, strict=True):
+        alone = llm.generate([prompt], params)[0]
+        assert alone.token_ids == together.token_ids and alone.logprobs == together.logprobs
+
+
+def test_amx_refused_by_the_os_falls_back_to_the_avx512_bf16_path(monkeypatch):
+    """Flags that promise AMX while the library finds it not granted (an old kernel, no arch_prctl
+    permission): load() gives the AVX512-BF16 path, not plain F.linear; a forced amx_bf16 is refused."""
+    built = []
+
+    def fake_build(build_dir, isa):
+        built.append(isa)
+        return "the CPU lacks amx_bf16" if isa == "amx_bf16" else cpu_gemv.GemvKernel(None, isa)
+
+    monkeypatch.setattr(cpu_gemv, "_build", fake_build)
+    flags = {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"}
+    got = cpu_gemv.load(flags)
+    assert isinstance(got, cpu_gemv.GemvKernel) and got.isa == "avx512_bf16" and got.direct_rows == 2
+    assert built == ["amx_bf16", "avx512_bf16"]
+    assert cpu_gemv.load(flags, "amx_bf16") == "the CPU lacks amx_bf16"
+    assert cpu_gemv.load({"avx512_bf16", "avx512bw"}, "amx_bf16") == "the CPU lacks amx_bf16"

@@ -37,7 +37,7 @@ def bf16(*shape: int, seed: int) -> torch.Tensor:
 def test_gemv_layout_above_its_direct_rows_is_f_linear():
     w = torch.nn.Parameter(bf16(37, 64, seed=1), requires_grad=False)
     layer = GemvLinear(w, gemv_kernel())
-    x = bf16(2, GemvLinear.DIRECT_ROWS + 3, 64, seed=2)  # a prefill: more rows than the kernel serves
+    x = bf16(2, layer.direct_rows + 3, 64, seed=2)  # a prefill: more rows than the kernel serves
     assert torch.equal(layer(x), F.linear(x, w))
 
 

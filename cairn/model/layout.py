@@ -10,15 +10,16 @@ provided the matmul kernel streams the weights at that speed. The layouts:
   emits for frozen bf16 linears). A bf16 `F.linear` hands oneDNN the [out, in] weight as it lies and
   oneDNN re-blocks it inside every call; packed, the call only streams it. One packed weight serves
   every batch size (prefill included).
-- gemv: the weight as loaded, multiplied by cairn's own bf16 gemv kernel (cairn/ops/cpu_gemv.py:
-  AVX512-BF16, or AVX2 + FMA) up to `GemvLinear.DIRECT_ROWS` rows, by F.linear above (prefill keeps
+- gemv: the weight as loaded, multiplied by cairn's own bf16 gemv kernel (cairn/ops/cpu_gemv.py: AMX
+  tiles where the CPU has AMX-BF16, else AVX512-BF16 or AVX2 + FMA dot products) up to the kernel's
+  `direct_rows` (16 on AMX, 2 on the others), by F.linear above (prefill keeps
   the matmul and the same weight tensor: no second copy). Each output of the kernel is a fixed-order
   sum over its own row, so a token gets the same outputs in a decode batch of any size.
 - int8 (`--quantization int8`): weight-only, symmetric, one scale per output channel, multiplied
   with `torch._weight_int8pack_mm` (half the bytes of bf16) up to `Int8Linear.DIRECT_ROWS` rows;
   larger batches (prefill) convert the int8 weight to the activation dtype and scale the output.
 
-`auto` picks gemv for bf16 weights on a CPU with AVX512-BF16 where the kernel builds, and plain
+`auto` picks gemv for bf16 weights on a CPU with AMX-BF16 or AVX512-BF16 where the kernel builds, and plain
 otherwise (fp32: MKL's gemv already streams at memory speed; fp16; CUDA; the kernel's AVX2 path,
 which measured no faster than F.linear where it could be measured, runs only when asked for); the
 choice, and why gemv was not taken, is logged in one line. Measured (BENCHMARKS.md, gemv_bench.py):
@@ -71,13 +72,18 @@ class PackedLinear(nn.Module):
 
 
 class GemvLinear(nn.Module):
-    """y = x W^T: cairn's gemv kernel up to DIRECT_ROWS rows (decode), F.linear above; W as loaded, no bias."""
+    """y = x W^T: cairn's gemv kernel up to `kernel.direct_rows` rows (decode), F.linear above; W as loaded,
+    no bias.
 
-    # Up to this many rows the kernel streams the weight once for all of them; above, a GEMM. Measured
-    # in the engine on a quiet 2-core AVX512-BF16 Xeon (BENCHMARKS.md): the kernel is 1.32x F.linear's
-    # decode at 1 row and 1.07x at 2, but 0.90x at 4 and 0.75x at 8, where its dot products cost more
-    # than the weight read.
-    DIRECT_ROWS = 2
+    Up to that many rows the kernel streams the weight once for all of them; above, a GEMM. Measured on
+    a quiet 2-core Xeon (BENCHMARKS.md): the AVX512-BF16 path is 1.32x F.linear's decode at 1 row and
+    1.07x at 2, but 0.90x at 4 and 0.75x at 8, where its dot products cost more than the weight read
+    (DIRECT_ROWS); the AMX path reads a step's weights at 89-100% of `sum` at 1 to 16 rows (1.5-1.9x
+    F.linear), so it takes all 16 (cpu_gemv.MAX_ROWS), and a token's outputs are then bit for bit the
+    same alone or in a decode batch of up to 16.
+    """
+
+    DIRECT_ROWS = 2  # the AVX512-BF16 and AVX2 paths'
 
     def __init__(self, weight: nn.Parameter, kernel: cpu_gemv.GemvKernel):
         super().__init__()
@@ -86,10 +92,11 @@ class GemvLinear(nn.Module):
             weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.weight = weight  # the very parameter (a tied lm_head stays tied to the embedding)
         self.kernel = kernel
+        self.direct_rows = kernel.direct_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > self.DIRECT_ROWS:
+        if rows.shape[0] > self.direct_rows:
             return F.linear(x, self.weight)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
@@ -158,7 +165,7 @@ def choose_layout(requested: str, dtype: torch.dtype, device: torch.device, cpu_
                   build_dir: str | None = None) -> tuple[str, cpu_gemv.GemvKernel | None, str]:
     """(layout, the gemv kernel when chosen, why gemv was not chosen: "" when it was or was not a candidate).
 
-    `auto` -> gemv for bf16 on an AVX512-BF16 CPU where the kernel loads, else plain (module docstring);
+    `auto` -> gemv for bf16 on an AMX-BF16 or AVX512-BF16 CPU where the kernel loads, else plain (module docstring);
     packed only when asked, on a CPU whose oneDNN has it. A gemv that cannot load (no compiler, a CPU
     without the instructions) falls back to plain, asked for or not. `cpu_flags` / `build_dir` are for
     tests that force the fallback (None: /proc/cpuinfo, torch's extensions directory).
@@ -179,7 +186,7 @@ def choose_layout(requested: str, dtype: torch.dtype, device: torch.device, cpu_
     if requested == "plain" or not gemv_fits:
         return "plain", None, ""
     flags = cpu_gemv.cpu_flags() if cpu_flags is None else cpu_flags
-    if requested == "auto" and cpu_gemv.isa_for(flags) != "avx512_bf16":
+    if requested == "auto" and cpu_gemv.isa_for(flags) not in ("amx_bf16", "avx512_bf16"):
         return "plain", None, "the CPU lacks avx512_bf16 (its AVX2 path only when asked: --weight-layout gemv)"
     kernel = cpu_gemv.load(flags, build_dir=build_dir)
     if isinstance(kernel, str):
@@ -199,7 +206,7 @@ def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: t
     flags = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in cpu_gemv.cpu_flags())
     done = {"packed": f", {n} linear layers packed",
             "gemv": f", {n} linear layers on cairn's {kernel.isa if kernel else ''} gemv up to "
-                    f"{GemvLinear.DIRECT_ROWS} rows"}.get(layout, "")
+                    f"{kernel.direct_rows if kernel else 0} rows"}.get(layout, "")
     why = f"; gemv kernel not used: {not_gemv}" if not_gemv else ""
     (log.warning if not_gemv and requested == "gemv" else log.info)(
         "weight layout: %s (%s, %s%s; --weight-layout %s)%s%s", layout, dtype, device.type,

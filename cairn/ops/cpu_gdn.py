@@ -10,7 +10,10 @@ between in_proj and out_proj with the reference kernels:
     out = rmsnorm(o) * weight * silu(z)
 
 per (sequence, value head) on the torch threads, with no intermediate tensors: the reference runs
-about 60 small ATen calls per layer for this. Rounding follows the reference's where it rounds to bf16
+about 60 small ATen calls per layer for this. The per-head step is compiled for AVX-512 (16-wide, FMA)
+and for the baseline x86-64, the CPU picking one; each reads its fp32 state from memory once and writes
+it once (at batch 16 of the 0.8B shape, 576 MB per step: the step's largest traffic after the weights).
+Rounding follows the reference's where it rounds to bf16
 (conv products and output, beta, o, the normed o and its product with the weight), so the two agree
 within bf16 rounding (tests/test_cpu_gdn.py); it is not bit-identical to the reference, so warm and
 cold runs must both take it for decode tokens, which they do (one decode path).
@@ -29,7 +32,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_gdn"
+NAME = "cairn_cpu_gdn2"  # torch caches builds by name: a new source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -63,6 +66,80 @@ float inv_norm(const float* v, int64_t n, float eps) {
   float ss = 0.0f;
   for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
   return 1.0f / std::sqrt(ss + eps);
+}
+
+// One decode step of one (sequence, value head): the gating, the delta rule on its fp32 state and the
+// gated norm. The state is read from memory once (S^T k and S^T q in one pass), then updated while it
+// is in L2. The body is compiled twice: for AVX-512 (16-wide vectors and FMA; the loops over the state
+// are elementwise, so GCC vectorises them) and for the baseline x86-64 (SSE2), picked once per call by
+// the CPU. A given machine always runs the same one, so its results do not depend on the batch.
+struct HeadArgs {
+  const float* conv_out;
+  int64_t C, key_dim, Dk, Dv, Hv, groups;
+  float q_scale, eps;
+  const at::BFloat16* b;
+  int64_t b_stride;
+  const at::BFloat16* a;
+  int64_t a_stride;
+  const at::BFloat16 *A_log, *dt_bias, *norm_weight, *z;
+  int64_t z_stride;
+  float* state;
+  int64_t state_stride;
+  at::BFloat16* out;
+};
+// The state streams from memory one row after another; a software prefetch a few rows ahead keeps more
+// cache-line fills in flight than the hardware prefetcher alone (past the head's last row it fetches the
+// next head's, usually this thread's next; prefetches never fault). Measured at batch 16 (BENCHMARKS.md):
+// 1.2x with it, one thread; 4, 8 or 16 rows ahead alike.
+constexpr int64_t kPrefetchRows = 8;
+using HeadFn = void (*)(const HeadArgs&, int64_t, int64_t, float*);
+
+__attribute__((always_inline)) inline void head_body(const HeadArgs& p, int64_t s, int64_t h, float* buf) {
+  const int64_t Dk = p.Dk, Dv = p.Dv, hk = h / p.groups;
+  float *q = buf, *k = q + Dk, *rk = k + Dk, *rq = rk + Dv, *delta = rq + Dv, *o = delta + Dv;
+  const float* row = p.conv_out + s * p.C;
+  for (int64_t d = 0; d < Dk; ++d) { q[d] = row[hk * Dk + d]; k[d] = row[p.key_dim + hk * Dk + d]; }
+  const float nq = inv_norm(q, Dk, 1e-6f), nk = inv_norm(k, Dk, 1e-6f);
+  for (int64_t d = 0; d < Dk; ++d) { q[d] = q[d] * nq * p.q_scale; k[d] *= nk; }
+  const float* v = row + 2 * p.key_dim + h * Dv;
+  const float beta = bf(1.0f / (1.0f + std::exp(-float(p.b[s * p.b_stride + h]))));
+  const float g = -std::exp(float(p.A_log[h])) * softplus(float(p.a[s * p.a_stride + h]) + float(p.dt_bias[h]));
+  const float decay = std::exp(g);
+  float* S = p.state + s * p.state_stride + h * Dk * Dv;
+  for (int64_t e = 0; e < Dv; ++e) rk[e] = rq[e] = 0.0f;
+  for (int64_t d = 0; d < Dk; ++d) {  // S^T k and S^T q in one pass, prefetching kPrefetchRows rows ahead
+    const float* Sd = S + d * Dv;
+    for (int64_t e = 0; e < Dv; e += 16) __builtin_prefetch(Sd + kPrefetchRows * Dv + e);
+    const float kd = k[d], qd = q[d];
+    for (int64_t e = 0; e < Dv; ++e) { rk[e] += Sd[e] * kd; rq[e] += Sd[e] * qd; }
+  }
+  float kq = 0.0f;
+  for (int64_t d = 0; d < Dk; ++d) kq += k[d] * q[d];
+  for (int64_t e = 0; e < Dv; ++e) {
+    delta[e] = (v[e] - rk[e] * decay) * beta;
+    o[e] = bf(rq[e] * decay + kq * delta[e]);
+  }
+  for (int64_t d = 0; d < Dk; ++d) {  // S <- decay S + k delta^T
+    float* Sd = S + d * Dv;
+    const float kd = k[d];
+    for (int64_t e = 0; e < Dv; ++e) Sd[e] = Sd[e] * decay + kd * delta[e];
+  }
+  float ms = 0.0f;
+  for (int64_t e = 0; e < Dv; ++e) ms += o[e] * o[e];
+  const float r = 1.0f / std::sqrt(ms / float(Dv) + p.eps);
+  const at::BFloat16* zr = p.z + s * p.z_stride + h * Dv;
+  at::BFloat16* dst = p.out + s * (p.Hv * Dv) + h * Dv;
+  for (int64_t e = 0; e < Dv; ++e) {
+    const float normed = bf(float(p.norm_weight[e]) * bf(o[e] * r));
+    dst[e] = c10::BFloat16(normed * silu(float(zr[e])));
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"), flatten))
+void head_avx512(const HeadArgs& p, int64_t s, int64_t h, float* buf) { head_body(p, s, h, buf); }
+
+__attribute__((flatten)) void head_generic(const HeadArgs& p, int64_t s, int64_t h, float* buf) {
+  head_body(p, s, h, buf);
 }
 
 }  // namespace
@@ -114,45 +191,12 @@ torch::Tensor gdn_decode(const torch::Tensor& mixed, const torch::Tensor& z, con
   float* rs = rec_state.data_ptr<float>();
   auto* op = out.data_ptr<at::BFloat16>();
   const float q_scale = 1.0f / std::sqrt(float(Dk)), eps = float(norm_eps);
+  const HeadArgs args{co, C, key_dim, Dk, Dv, Hv, groups, q_scale, eps, bp, b.stride(0), ap, a.stride(0), alog, dtb,
+                      nw, zp, z.stride(0), rs, rec_state.stride(0), op};
+  const HeadFn head = __builtin_cpu_supports("avx512f") ? head_avx512 : head_generic;
   at::parallel_for(0, B * Hv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf(2 * Dk + 4 * Dv);
-    float *q = buf.data(), *k = q + Dk, *rk = k + Dk, *rq = rk + Dv, *delta = rq + Dv, *o = delta + Dv;
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t s = i / Hv, h = i % Hv, hk = h / groups;
-      const float* row = co + s * C;
-      for (int64_t d = 0; d < Dk; ++d) { q[d] = row[hk * Dk + d]; k[d] = row[key_dim + hk * Dk + d]; }
-      const float nq = inv_norm(q, Dk, 1e-6f), nk = inv_norm(k, Dk, 1e-6f);
-      for (int64_t d = 0; d < Dk; ++d) { q[d] = q[d] * nq * q_scale; k[d] *= nk; }
-      const float* v = row + 2 * key_dim + h * Dv;
-      const float beta = bf(1.0f / (1.0f + std::exp(-float(bp[s * b.stride(0) + h]))));
-      const float g = -std::exp(float(alog[h])) * softplus(float(ap[s * a.stride(0) + h]) + float(dtb[h]));
-      const float decay = std::exp(g);
-      float* S = rs + s * rec_state.stride(0) + h * Dk * Dv;
-      for (int64_t e = 0; e < Dv; ++e) rk[e] = rq[e] = 0.0f;
-      for (int64_t d = 0; d < Dk; ++d) {  // S^T k and S^T q in one pass
-        const float* Sd = S + d * Dv;
-        for (int64_t e = 0; e < Dv; ++e) { rk[e] += Sd[e] * k[d]; rq[e] += Sd[e] * q[d]; }
-      }
-      float kq = 0.0f;
-      for (int64_t d = 0; d < Dk; ++d) kq += k[d] * q[d];
-      for (int64_t e = 0; e < Dv; ++e) {
-        delta[e] = (v[e] - rk[e] * decay) * beta;
-        o[e] = bf(rq[e] * decay + kq * delta[e]);
-      }
-      for (int64_t d = 0; d < Dk; ++d) {  // S <- decay S + k delta^T
-        float* Sd = S + d * Dv;
-        for (int64_t e = 0; e < Dv; ++e) Sd[e] = Sd[e] * decay + k[d] * delta[e];
-      }
-      float ms = 0.0f;
-      for (int64_t e = 0; e < Dv; ++e) ms += o[e] * o[e];
-      const float r = 1.0f / std::sqrt(ms / float(Dv) + eps);
-      const at::BFloat16* zr = zp + s * z.stride(0) + h * Dv;
-      at::BFloat16* dst = op + s * (Hv * Dv) + h * Dv;
-      for (int64_t e = 0; e < Dv; ++e) {
-        const float normed = bf(float(nw[e]) * bf(o[e] * r));
-        dst[e] = c10::BFloat16(normed * silu(float(zr[e])));
-      }
-    }
+    for (int64_t i = lo; i < hi; ++i) head(args, i / Hv, i % Hv, buf.data());
   });
   return out;
 }

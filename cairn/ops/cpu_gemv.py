@@ -2,9 +2,15 @@
 
 What it is: a small C++ kernel built on first use with torch.utils.cpp_extension.load_inline (cached
 by torch under its extensions directory, so a machine compiles it once). Per output row it keeps fp32
-accumulators and reads the row's weights once for every row of x (up to MAX_ROWS); its two
-instruction paths, chosen once when the library loads:
+accumulators and reads the row's weights once for every row of x (up to MAX_ROWS); its three
+instruction paths, the best the CPU has chosen once when the library loads:
 
+- amx_bf16: AMX tiles (`_tile_dpbf16ps`): 16 weight rows x 32 bf16 as they lie in memory against x
+  packed into AMX's pair layout and zero-padded to 16 rows, so one instruction serves every row of x
+  and a call at 1 row runs the same instructions as one at 16; 32 weight rows per step, each prefetched
+  256 bytes ahead. Its outputs equalled F.linear's (oneDNN's AMX kernel) bit for bit on the shapes
+  tried. Linux must grant the process the tile state (arch_prctl); where it does not, the kernel takes
+  the AVX512-BF16 path;
 - avx512_bf16: `_mm512_dpbf16_ps`, 32 bf16 products per instruction; 16 weight rows streamed side by side
   for one row of x (8 for two, 4 above), each stream with a software prefetch 256 bytes ahead;
 - avx2: bf16 widened to fp32 by a shift, `_mm256_fmadd_ps`, one weight row at a time.
@@ -26,8 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cairn.ops.cpu_gemv_amx import AMX_SOURCE
+
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
-NAME = "cairn_cpu_gemv2"  # torch caches builds by name: a new kernel source gets a new name
+NAME = "cairn_cpu_gemv3"  # torch caches builds by name: a new kernel source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -35,7 +43,11 @@ _SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <atomic>
+#include <cpuid.h>
 #include <cstring>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <vector>
 
 namespace {
 
@@ -168,6 +180,7 @@ void run_tile(const Plan& p, bool whole, const uint16_t* w, int64_t k, const uin
   }
 }
 
+""" + AMX_SOURCE + r"""
 // ---- a plain streaming read, to measure the memory bandwidth beside torch's `sum` --------------------
 __attribute__((target("avx512f")))
 int64_t read_lines_avx512(const char* p, int64_t lines) {
@@ -196,7 +209,9 @@ int64_t read_lines_scalar(const char* p, int64_t lines) {
 
 }  // namespace
 
-std::string best_isa() { return has_avx512_bf16() ? "avx512_bf16" : has_avx2() ? "avx2" : ""; }
+std::string best_isa() {
+  return has_amx_bf16() ? "amx_bf16" : has_avx512_bf16() ? "avx512_bf16" : has_avx2() ? "avx2" : "";
+}
 
 // Reads every whole 64-byte line of `buf` once (threads split it in contiguous halves) and returns a
 // checksum, so nothing is optimised away: the memory bandwidth as a simple loop of vector loads sees it.
@@ -217,6 +232,10 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::st
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv: bf16 only");
   TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "gemv: rows of x and w must be contiguous");
   TORCH_CHECK(x.size(0) <= kMaxRows, "gemv: at most ", kMaxRows, " rows of x");
+  if (isa == "amx_bf16") {
+    TORCH_CHECK(has_amx_bf16(), "gemv: this CPU (or its kernel) lacks amx_bf16");
+    return gemv_amx(x, w);
+  }
   const int64_t m_rows = x.size(0), n = w.size(0), k = w.size(1), x_stride = x.stride(0);
   const Plan p = plan_for(isa, std::max<int64_t>(m_rows, 1));
   TORCH_CHECK(p.rows > 0, "gemv: this CPU lacks ", isa);
@@ -246,12 +265,21 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::st
 """
 
 
+RANK = {"avx2": 0, "avx512_bf16": 1, "amx_bf16": 2}  # each path needs what the ones below it need
+
+
 @dataclass(frozen=True)
 class GemvKernel:
-    """The loaded library and the instruction path it runs (`isa`: avx512_bf16 or avx2)."""
+    """The loaded library and the instruction path it runs (`isa`: amx_bf16, avx512_bf16 or avx2)."""
 
     library: object
     isa: str
+
+    @property
+    def direct_rows(self) -> int:
+        """Rows of x up to which the kernel beats F.linear, measured (BENCHMARKS.md): AMX's tiles take 16
+        rows for the price of one; the dot-product paths lose to F.linear above 2 rows."""
+        return MAX_ROWS if self.isa == "amx_bf16" else 2
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 (rows contiguous, M <= MAX_ROWS), weight [N, K] bf16 contiguous -> [M, N] bf16."""
@@ -276,7 +304,9 @@ def cpu_flags() -> set[str]:
 
 
 def isa_for(cpu_flags: set[str]) -> str | None:
-    """The instruction path these /proc/cpuinfo flags allow: avx512_bf16, avx2, or None."""
+    """The instruction path these /proc/cpuinfo flags allow: amx_bf16, avx512_bf16, avx2, or None."""
+    if {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"} <= cpu_flags:
+        return "amx_bf16"
     if {"avx512_bf16", "avx512bw"} <= cpu_flags:
         return "avx512_bf16"
     if {"avx2", "fma"} <= cpu_flags:
@@ -294,9 +324,12 @@ def load(cpu_flags: set[str], isa: str | None = None, build_dir: str | None = No
     """
     best = isa_for(cpu_flags)
     wanted = isa or best
-    if best is None or (wanted == "avx512_bf16" and best != wanted):
+    if best is None or RANK[wanted] > RANK[best]:
         return f"the CPU lacks {wanted or 'AVX2 + FMA'}"
-    return _build(build_dir, wanted)
+    kernel = _build(build_dir, wanted)
+    if isinstance(kernel, str) and isa is None and wanted == "amx_bf16" and kernel.startswith("the CPU lacks"):
+        return _build(build_dir, "avx512_bf16")  # the OS did not grant AMX's tile state: the dot products
+    return kernel
 
 
 @functools.cache  # one build (or one failure) per directory and path, per process
@@ -310,7 +343,8 @@ def _build(build_dir: str | None, isa: str) -> GemvKernel | str:
     except Exception as e:  # no compiler, no headers, a failed build: F.linear it is
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         return f"building the kernel failed ({type(e).__name__}: {first[:200]})"
-    if not library.best_isa() or (isa == "avx512_bf16" and library.best_isa() != isa):
+    best = library.best_isa()  # what the CPU (and for AMX, the OS) really grants, beside what the flags said
+    if not best or RANK[isa] > RANK[best]:
         return f"the CPU lacks {isa}"
     return GemvKernel(library, isa)
 
