@@ -40,6 +40,10 @@ class WorkerDied(RuntimeError):
     """The worker process running the job ended before answering (killed, out of memory, crashed)."""
 
 
+class WorkerGone(WorkerDied):
+    """The worker was gone before the job reached it (its end of the pipe closed): the job never ran."""
+
+
 class WorkersClosed(RuntimeError):
     """The pool was closed (the server is shutting down)."""
 
@@ -79,6 +83,10 @@ class _Worker:
         """fn(context, b"".join(chunks), *args) in the worker; empties `chunks` as it sends them."""
         try:
             self.conn.send((fn, args, len(chunks)))
+        except OSError as e:  # nothing was delivered (and `chunks` is untouched): it could be run elsewhere
+            self.process.join(1.0)
+            raise WorkerGone(f"the request worker process was gone (exit code {self.process.exitcode})") from e
+        try:
             while chunks:
                 self.conn.send_bytes(chunks.pop(0))
             status, value = self.conn.recv()
@@ -130,12 +138,13 @@ class ProcessWorkers:
         self.start()
         worker = self._idle.get()
         if not worker.process.is_alive():  # it died while idle (killed): this job need not fail
-            log.warning("a request worker process died while idle (exit code %s); starting another",
-                        worker.process.exitcode)
-            worker.close()
-            worker = _Worker(self._mp, self._context)
+            worker = self._replace_idle(worker)
         try:
-            return worker.run(fn, chunks, args)
+            try:
+                return worker.run(fn, chunks, args)
+            except WorkerGone:  # it died idle but still looked alive (killed a moment ago): the job never ran
+                worker = self._replace_idle(worker)
+                return worker.run(fn, chunks, args)
         except WorkerDied:
             worker.close()
             if self._closed:
@@ -148,6 +157,12 @@ class ProcessWorkers:
                 worker.close()
             else:
                 self._idle.put(worker)
+
+    def _replace_idle(self, worker: _Worker) -> _Worker:
+        log.warning("a request worker process died while idle (exit code %s); starting another",
+                    worker.process.exitcode)
+        worker.close()
+        return _Worker(self._mp, self._context)
 
     def close(self) -> None:
         """Stop the workers; a job running now still ends, later ones raise WorkersClosed."""
