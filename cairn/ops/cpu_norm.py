@@ -233,13 +233,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         return norm.add_rms_norm(x, delta, weight, eps, zero_centred)
     if delta is None:
         return x, op.library.rms_norm(x, weight, eps, zero_centred, op.lanes)
-    res, out = op.library.add_rms_norm(x, delta, weight, eps, zero_centred, op.lanes)
-    return res, out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
-    """norm.rms_norm, the same way (add_rms_norm without a delta)."""
-    return add_rms_norm(x, None, weight, eps, zero_centred)[1]
+    return op.library.add_rms_norm(x, delta, weight, eps, zero_centred, op.lanes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,7 +66,7 @@ class TierSet:
 
     def page_allocators(self) -> dict:
         """Tier name -> KV page allocator, for every page tier (the tree counts references on them)."""
-        return {tier.name: tier.pages for tier in self.tiers if tier.pages is not None}
+        return {tier.name: tier.pages for tier in self.page_tiers}
 
     def holding(self, copies: dict[str, Any]) -> list[Tier]:
         """The tiers among `copies`' keys, fastest first (copies: a node's kv or a snapshot handle's copies)."""
