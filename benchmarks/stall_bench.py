@@ -18,7 +18,10 @@ detokenizer held back. The sender opens its connection before the window starts,
 sending is inside it; with `--sender-idle` it runs as SCHED_IDLE, on CPU nothing else wants, as a
 client on another machine would (the kernel's work moving the bytes still counts). With several
 --repo values the servers are measured alternately, round by round, so that a noisy machine affects
-each the same way. Asserts nothing.
+each the same way. Each round also says how much CPU time the hypervisor took from the machine (a VM's
+steal time, /proc/stat) in the control second and in the request's window: on a VM, a step during
+which the host runs something else for 10-40 ms is that much late, whatever the server does. Asserts
+nothing.
 
 With `--cpu`, no stream runs: each round sends the big request alone and reports the CPU time each
 thread of the server process spent meanwhile (from /proc/<pid>/task/<tid>/schedstat: CPU time, not
@@ -59,6 +62,8 @@ class Round:
     max_gap_s: float  # largest gap between two tokens while the big request was in flight
     big_s: float  # the big request's response time
     big_status: int
+    control_stolen_ms: float = 0.0  # time the hypervisor took from this VM's CPUs in the control second
+    stolen_ms: float = 0.0  # the same while the big request was in flight (0 on bare metal)
 
     @property
     def ratio(self) -> float:
@@ -124,6 +129,14 @@ print(r.status_code, time.monotonic() - t0)
 """
 
 
+def stolen_ms() -> float:
+    """Time the hypervisor has run something else on this VM's CPUs, all CPUs summed, in ms (10 ms
+    ticks; /proc/stat's steal column, 0 on bare metal). A thread loses that time without any CPU time
+    or run-queue wait of its own: a step during which 10-40 ms are stolen is that much late."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8]) * 1e3 / os.sysconf("SC_CLK_TCK")
+
+
 def start_stream(url: str, warmup_tokens: int) -> tuple[list[float], threading.Event, threading.Thread]:
     """A stream read on a thread into its token times, returned once it has `warmup_tokens` of them; set
     the event to stop it."""
@@ -149,19 +162,22 @@ def one_round(url: str, mib: int, kind: str, warmup_tokens: int, sender_idle: bo
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if sender.stdout.readline().strip() != "ready":
         raise RuntimeError("the sender did not start")
-    control_t0 = time.monotonic()
+    control_t0, steal0 = time.monotonic(), stolen_ms()
     time.sleep(CONTROL_S)
-    t0 = time.monotonic()
+    t0, steal1 = time.monotonic(), stolen_ms()
     out, _ = sender.communicate("go\n")
     t1 = time.monotonic()
     status, big_s = out.split()
-    time.sleep(0.2)  # a few more tokens: a gap that ends after the answer counts too
+    time.sleep(0.1)
+    steal2 = stolen_ms()
+    time.sleep(0.1)  # a few more tokens: a gap that ends after the answer counts too
     stop.set()
     thread.join(30)
     before = [t for t in times if t < t0]
     normal = statistics.median(b - a for a, b in zip(before[5:], before[6:], strict=False))
     control_t0 = max(control_t0, t0 - (t1 + 0.1 - t0))  # as long as the measured window (when it is shorter)
-    return Round(normal, max_gap(times, control_t0, t0), max_gap(times, t0, t1 + 0.1), float(big_s), int(status))
+    return Round(normal, max_gap(times, control_t0, t0), max_gap(times, t0, t1 + 0.1), float(big_s), int(status),
+                 steal1 - steal0, steal2 - steal1)
 
 
 def max_gap(times: list[float], start: float, end: float) -> float:
@@ -247,17 +263,21 @@ def main() -> int:
             proc.terminate()
             proc.wait(30)
     print(f"| checkout | normal gap (ms) | largest gap, same window alone before (ms) | largest gap while a "
-          f"{ns.big_mib} MiB {ns.big_kind} request is in flight (ms) | ratio | big request (s, status) |")
-    print("|---|---|---|---|---|---|")
+          f"{ns.big_mib} MiB {ns.big_kind} request is in flight (ms) | ratio | big request (s, status) | "
+          "stolen by the hypervisor: control second, request window (ms) |")
+    print("|---|---|---|---|---|---|---|")
     for repo, rounds in results.items():
         for r in rounds:
             print(f"| {repo.name} | {r.normal_gap_s * 1e3:.1f} | {r.control_gap_s * 1e3:.1f} | "
-                  f"{r.max_gap_s * 1e3:.1f} | {r.ratio:.1f} | {r.big_s:.2f}, {r.big_status} |")
+                  f"{r.max_gap_s * 1e3:.1f} | {r.ratio:.1f} | {r.big_s:.2f}, {r.big_status} | "
+                  f"{r.control_stolen_ms:.0f}, {r.stolen_ms:.0f} |")
     for repo, rounds in results.items():
         print(f"\n{repo.name}: median ratio {statistics.median(r.ratio for r in rounds):.1f}, "
               f"largest gap median {statistics.median(r.max_gap_s for r in rounds) * 1e3:.1f} ms, "
               f"control median {statistics.median(r.control_gap_s for r in rounds) * 1e3:.1f} ms "
-              f"(ratio {statistics.median(r.control_gap_s / r.normal_gap_s for r in rounds):.1f})")
+              f"(ratio {statistics.median(r.control_gap_s / r.normal_gap_s for r in rounds):.1f}); rounds over 2x: "
+              f"{sum(r.ratio > 2 for r in rounds)} of {len(rounds)}, of which with time stolen in the request window: "
+              f"{sum(r.ratio > 2 and r.stolen_ms > 0 for r in rounds)}")
     print(f"\nCPU: {os.cpu_count()} cores; command: python benchmarks/stall_bench.py "
           + " ".join(sys.argv[1:]))
     if ns.out:

@@ -23,7 +23,9 @@ the collections take, and what coincided with the largest gaps. `--switch-interv
 traced server's `sys.setswitchinterval`, `--read-kib` its socket read size for a body received past h11.
 With `--stream-only --threads`, each step also records what every thread of the server did during it
 (CPU time and run-queue wait, from /proc/self/task/*/schedstat) and how long the engine's parts took
-(the model call, scheduling, sampling, appending); the report compares the slow steps (over 1.5x the
+(the model call, scheduling, sampling, appending), and the engine thread's user and system CPU time,
+page faults and involuntary context switches (getrusage), and the time the hypervisor took from this
+VM's CPUs (/proc/stat's steal, in 10 ms ticks); the report compares the slow steps (over 1.5x the
 median) with the usual ones: a slow step's extra time is the engine thread's CPU (more work, or a
 slower core), its run-queue wait (no core free), or sleep (the interpreter lock; a torch barrier
 waiting for its worker thread). `--cpu-probe` adds a SCHED_IDLE process timing a fixed piece of work
@@ -44,6 +46,7 @@ import bisect
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -79,11 +82,18 @@ def traced_serve(argv: list[str]) -> int:
         interpreter lock, or in a torch barrier (a barrier's spinning counts as CPU)."""
         def wrapper(*args):
             parts.clear()
+            usage0, steal0 = resource.getrusage(resource.RUSAGE_THREAD), steal_ms()
             before, t0_s, cpu0_s = schedstat(), time.monotonic(), time.thread_time()
             try:
                 return step(*args)
             finally:
                 t1_s, cpu_s, after = time.monotonic(), time.thread_time() - cpu0_s, schedstat()
+                usage = resource.getrusage(resource.RUSAGE_THREAD)
+                parts.update({"user": (usage.ru_utime - usage0.ru_utime) * 1e3,
+                              "system": (usage.ru_stime - usage0.ru_stime) * 1e3,
+                              "page faults": usage.ru_minflt - usage0.ru_minflt + usage.ru_majflt - usage0.ru_majflt,
+                              "involuntary switches": usage.ru_nivcsw - usage0.ru_nivcsw,
+                              "stolen (10 ms ticks)": steal_ms() - steal0})
                 threads = {k: ((c - before[k][0]) / 1e6, (w - before[k][1]) / 1e6)
                            for k, (c, w) in after.items() if k in before and (c - before[k][0] or w - before[k][1])}
                 events.append({"kind": kind, "t0": t0_s, "t1": t1_s, "cpu_s": cpu_s, "threads": threads,
@@ -117,6 +127,13 @@ def traced_serve(argv: list[str]) -> int:
         return cli.main(["serve", *argv])
     finally:
         Path(os.environ[TRACE_ENV]).write_text(json.dumps(events))
+
+
+def steal_ms() -> float:
+    """The time the hypervisor ran something else on this VM's CPUs, all CPUs summed (ms, in 10 ms
+    ticks): /proc/stat's steal column. Stolen time is neither a thread's CPU time nor its run-queue wait."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8]) * 1e3 / os.sysconf("SC_CLK_TCK")
 
 
 def schedstat() -> dict[str, tuple[int, int]]:
