@@ -340,9 +340,12 @@ def report_stream(events: list[dict], times: list[float]) -> None:
     for a, b in sorted(zip(times, times[1:], strict=False), key=lambda ab: ab[0] - ab[1])[:5]:
         overlapping = [f"{e['kind']} {(e['t1'] - e['t0']) * 1e3:.1f} ms on {e['thread']}" for e in collections
                        if e["t0"] < b and e["t1"] > a]
-        longest = max((e["t1"] - e["t0"] for e in steps if e["t0"] < b and e["t1"] > a), default=0.0)
+        inside = [e for e in steps if e["t0"] < b and e["t1"] > a]
+        longest = max((e["t1"] - e["t0"] for e in inside), default=0.0)
+        stolen = sum(e.get("parts", {}).get("stolen (10 ms ticks)", 0.0) for e in inside)
         print(f"  {(b - a) * 1e3:.1f} ms at +{a - start:.2f} s: longest step {longest * 1e3:.1f} ms; "
-              + ("; ".join(overlapping) or "no collection"))
+              + ("; ".join(overlapping) or "no collection")
+              + (f"; stolen by the hypervisor {stolen:.0f} ms" if any("parts" in e for e in inside) else ""))
 
 
 CPU_PROBE = """
