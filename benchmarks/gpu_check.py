@@ -76,15 +76,16 @@ def kernel_rows(fast: Kernels, shapes: list[str], device: str) -> list[dict]:
     return rows
 
 
-def engine(path: Path, device: str, fast: bool, context: int):
+def engine(path: Path, device: str, fast: bool, args):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
     from cairn.engine import Engine
 
     cfg = EngineConfig(ModelOptions(model=str(path), dtype="bfloat16", device=device, fast_kernels=fast),
                        MemoryOptions(page_size=16, kv_cache_gib=2.0, state_cache_gib=1.0),
-                       SchedulerOptions(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=context + 512),
-                       CacheOptions(prefix_cache=True, snapshot_interval=1024, device_snapshot_gib=2.0,
-                                    host_cache_gib=0.0))
+                       SchedulerOptions(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=args.context + 512,
+                                        prefill_block=args.prefill_block),
+                       CacheOptions(prefix_cache=True, snapshot_interval=args.snapshot_interval,
+                                    device_snapshot_gib=2.0, host_cache_gib=0.0))
     return Engine(cfg, show_progress=False)
 
 
@@ -194,12 +195,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,16", type=lambda s: [int(b) for b in s.split(",")])
     ap.add_argument("--context", type=int, default=4096, help="compaction replay: the cached conversation")
+    ap.add_argument("--snapshot-interval", type=int, default=1024)
+    ap.add_argument("--prefill-block", type=int, default=None, help="default: the engine's (512 in bf16)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/out", help="directory (default $OUT)")
+    if ap.parse_known_args(argv)[0].dry_run:  # smaller defaults; options given still win
+        ap.set_defaults(device="cpu", sizes="tiny", shapes="test", prefill_len=64, decode_tokens=4, batches=[1, 2],
+                        context=160, snapshot_interval=64, prefill_block=64, repeats=1)
     args = ap.parse_args(argv)
-    if args.dry_run:
-        args.device, args.sizes, args.shapes = "cpu", "tiny", "test"
-        args.prefill_len, args.decode_tokens, args.batches, args.context, args.repeats = 64, 4, [1, 2], 160, 1
     fast = select_kernels(args.device, fast=True)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
               "torch": torch.__version__, "imports": imports(), "fast_kernels": fast.name,
@@ -209,8 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
         for size in sizes:
             path = Path(d) / size
             make_checkpoint(size, path)
-            engines = {"reference": engine(path, args.device, False, args.context),
-                       "fast": engine(path, args.device, True, args.context)}
+            engines = {side: engine(path, args.device, side == "fast", args)
+                       for side in ("reference", "fast")}
             result["models"].append(model_row(engines["reference"], engines["fast"], size, 100, 8))
             if size == sizes[-1]:
                 result["speed_size"] = size
