@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from cairn.llm import LLM
 from cairn.ops import REFERENCE, attention, cuda_attention, select_kernels
-from cairn.sampling import SamplingParams
+from tests.test_cuda_conv import assert_same_generations, greedy
 
 
 class StandInWrapper:
@@ -140,10 +140,9 @@ def test_gated_attention_model_with_the_adapter_generates_what_the_reference_gen
     write_checkpoint("qwen3_5_text", tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
               page_size=4)
-    params = SamplingParams(max_tokens=6, temperature=0.0, cache_prompt=False)
     prompts = [list(range(3, 30)), list(range(40, 49))]  # several pages each, decoded as one batch
-    expected = [c.token_ids for c in llm.generate(prompts, params)]
+    expected = greedy(llm, prompts)
     llm.engine.model.kernels = dataclasses.replace(REFERENCE, name="stand-in", **cuda_attention.kernels())
     before = StandInWrapper.plans
-    assert [c.token_ids for c in llm.generate(prompts, params)] == expected
+    assert_same_generations(greedy(llm, prompts), expected)
     assert StandInWrapper.plans > before  # the adapter ran

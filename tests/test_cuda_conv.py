@@ -134,10 +134,17 @@ def test_fast_kernels_take_the_conv_adapter_on_cuda(fake_conv, monkeypatch):
     assert chosen.chunk_gated_delta_rule is REFERENCE.chunk_gated_delta_rule
 
 
-def greedy(llm: LLM, prompts: list[list[int]], tokens: int = 6) -> list[list[int]]:
-    """The prompts together (decode steps batched), each prefilled from scratch (no prefix cache)."""
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, cache_prompt=False)
-    return [c.token_ids for c in llm.generate(prompts, params)]
+def greedy(llm: LLM, prompts: list[list[int]], tokens: int = 6) -> list[tuple[list[int], torch.Tensor]]:
+    """Tokens and their log-probabilities per prompt, the prompts together (decode steps batched), each
+    prefilled from scratch (no prefix cache)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=True, cache_prompt=False)
+    return [(c.token_ids, torch.tensor(c.logprobs)) for c in llm.generate(prompts, params)]
+
+
+def assert_same_generations(got, expected) -> None:
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens
+        assert (logprobs - ref_logprobs).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])  # Gated DeltaNet, Mamba2
@@ -149,4 +156,4 @@ def test_models_with_the_conv_adapter_generate_what_the_reference_generates(fake
     prompts = [list(range(3, 40)), list(range(50, 52))]  # a prefill longer than the conv, one shorter
     expected = greedy(llm, prompts)
     llm.engine.model.kernels = dataclasses.replace(REFERENCE, name="stand-in", **cuda_conv.kernels())
-    assert greedy(llm, prompts) == expected
+    assert_same_generations(greedy(llm, prompts), expected)
