@@ -181,10 +181,48 @@ def table(result: dict) -> str:
         lines += [f"| {r['side']} | {r['kernels']} | compaction replay TTFT warm (resumed at {r['resumed_at']}) | "
                   f"{r['ttft_warm_s']:.3f} s |",
                   f"| {r['side']} | {r['kernels']} | compaction replay TTFT cold | {r['ttft_cold_s']:.3f} s |"]
+    lines += ["", *(f"error: {e}" for e in result["errors"])]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
+class Parts:
+    """Runs the check's parts in order: a part that fails is recorded in result["errors"] and the rest still
+    run; one not started within the time budget is skipped; the JSON is rewritten after each part, so a run
+    cut short by the device call's time limit leaves what it had."""
+
+    def __init__(self, result: dict, out: Path, budget_s: float):
+        self.result, self.out, self.budget_s, self.started = result, out, budget_s, time.perf_counter()
+
+    def run(self, name: str, step) -> None:
+        if time.perf_counter() - self.started > self.budget_s:
+            self.result["errors"].append(f"{name}: skipped, past the {self.budget_s} s budget")
+        else:
+            try:
+                step()
+            except Exception as e:
+                self.result["errors"].append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+        (self.out / "gpu_check.json").write_text(json.dumps(self.result, indent=2))
+
+
+def model_parts(parts: Parts, args, size: str, timed: bool, folder: str) -> None:
+    """The whole-model check at one size, then (for the timed size) the speed and the replay figures."""
+    result, engines = parts.result, {}
+
+    def load() -> None:
+        path = Path(folder) / size
+        make_checkpoint(size, path)
+        for side in ("reference", "fast"):
+            engines[side] = engine(path, args.device, side == "fast", args)
+        result["models"].append(model_row(engines["reference"], engines["fast"], size, 100, 8))
+
+    parts.run(f"model {size}", load)
+    if timed and len(engines) == 2:
+        result["speed_size"] = size
+        parts.run("speed", lambda: result["speed"].extend(speed_rows(engines, args)))
+        parts.run("replay", lambda: result["replay"].extend(replay_rows(engines, args.context)))
+
+
+def parse(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes and lengths: checks the harness")
@@ -198,31 +236,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--snapshot-interval", type=int, default=1024)
     ap.add_argument("--prefill-block", type=int, default=None, help="default: the engine's (512 in bf16)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=420, help="parts not started by then are skipped")
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/out", help="directory (default $OUT)")
     if ap.parse_known_args(argv)[0].dry_run:  # smaller defaults; options given still win
         ap.set_defaults(device="cpu", sizes="tiny", shapes="test", prefill_len=64, decode_tokens=4, batches=[1, 2],
                         context=160, snapshot_interval=64, prefill_block=64, repeats=1)
-    args = ap.parse_args(argv)
-    fast = select_kernels(args.device, fast=True)
-    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-              "torch": torch.__version__, "imports": imports(), "fast_kernels": fast.name,
-              "kernels": kernel_rows(fast, args.shapes.split(","), args.device), "models": []}
-    sizes = args.sizes.split(",")
-    with tempfile.TemporaryDirectory() as d:
-        for size in sizes:
-            path = Path(d) / size
-            make_checkpoint(size, path)
-            engines = {side: engine(path, args.device, side == "fast", args)
-                       for side in ("reference", "fast")}
-            result["models"].append(model_row(engines["reference"], engines["fast"], size, 100, 8))
-            if size == sizes[-1]:
-                result["speed_size"] = size
-                result["speed"] = speed_rows(engines, args)
-                result["replay"] = replay_rows(engines, args.context)
-            del engines
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    fast = select_kernels(args.device, fast=True)
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+              "torch": torch.__version__, "imports": imports(), "fast_kernels": fast.name, "kernels": [],
+              "models": [], "speed": [], "replay": [], "errors": []}
+    parts = Parts(result, out, args.budget_s)
+    parts.run("kernels", lambda: result["kernels"].extend(kernel_rows(fast, args.shapes.split(","), args.device)))
+    sizes = args.sizes.split(",")
+    with tempfile.TemporaryDirectory() as folder:
+        for size in sizes:
+            model_parts(parts, args, size, size == sizes[-1], folder)
     (out / "gpu_check.md").write_text(table(result) + "\n")
     print(table(result))
     return result

@@ -19,6 +19,7 @@ def test_gpu_check_dry_run_compares_reference_with_reference_and_writes_its_json
     written = json.loads((tmp_path / "gpu_check.json").read_text())
     assert written == json.loads(json.dumps(result))
     assert "| paged decode attention |" in (tmp_path / "gpu_check.md").read_text()
+    assert written["errors"] == []
     assert written["fast_kernels"] == "reference" and set(written["imports"]) == set(gpu_check.LIBRARIES)
     rows = written["kernels"]
     assert [r["case"] for r in rows] == list(CASES)
