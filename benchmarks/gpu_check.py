@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py --dry-run          # on CPU, tiny sizes: the harness itself (a test runs it)
 
 1. Which fast-kernel libraries import (triton, fla, causal_conv1d, flashinfer), with versions or errors.
-2. Every fast kernel against the reference kernels, per shape ("test" and the Qwen3.5-0.8B dims), in
+2. Every fast kernel against the reference kernels, per shape ("tiny" and the Qwen3.5-0.8B dims), in
    bfloat16: both are compared with the reference run in float32 on the same (bf16-rounded) inputs, and a
    fast kernel passes when its error is within max(1e-3, 2x the bf16 reference's own error): bf16 outputs
    of magnitude ~1 carry a rounding step of 4e-3, so a flat 1e-3 would fail the reference itself. A
@@ -239,7 +239,7 @@ def parse(argv: list[str] | None):
     ap.add_argument("--budget-s", type=float, default=420, help="parts not started by then are skipped")
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/out", help="directory (default $OUT)")
     if ap.parse_known_args(argv)[0].dry_run:  # smaller defaults; options given still win
-        ap.set_defaults(device="cpu", sizes="tiny", shapes="test", prefill_len=64, decode_tokens=4, batches=[1, 2],
+        ap.set_defaults(device="cpu", sizes="tiny", shapes="tiny", prefill_len=64, decode_tokens=4, batches=[1, 2],
                         context=160, snapshot_interval=64, prefill_block=64, repeats=1)
     return ap.parse_args(argv)
 

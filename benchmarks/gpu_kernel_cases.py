@@ -5,8 +5,10 @@ dtype) -> list of output tensors). `run` casts the inputs to `dtype` (the recurr
 as in cairn's state pool), clones whatever a kernel updates in place, and returns every output the
 contract defines: outputs, final states and the states captured inside a segment.
 
-Shapes: "test" is the tiny test checkpoints' mixer shape; "0.8b" Qwen3.5-0.8B's (16 key and value heads
-of 128, conv kernel 4; attention 8 query / 2 KV heads of 256) with a Mamba2 conv of Nemotron-H-like width.
+Shapes: those of the `tiny` and `0.8b` random checkpoints (cairn/bench/checkpoint.py): tiny has 2 key
+and 4 value heads of 64, attention 4 query / 2 KV heads of 64 (head dims FlashInfer and fla compile
+for; the unit tests' checkpoints use 16); 0.8b is Qwen3.5-0.8B's (16 key and value heads of 128, conv
+kernel 4; attention 8 query / 2 KV heads of 256). The Mamba2 conv widths are Nemotron-H-like.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from cairn.ops import Kernels
 
 SHAPES = {
-    "test": dict(k_heads=2, v_heads=4, k_dim=16, v_dim=16, conv_kernel=4, heads=4, kv_heads=2, head_dim=16,
+    "tiny": dict(k_heads=2, v_heads=4, k_dim=64, v_dim=64, conv_kernel=4, heads=4, kv_heads=2, head_dim=64,
                  mamba_channels=160, tokens=100, batch=4, page_size=16, pages=64),
     "0.8b": dict(k_heads=16, v_heads=16, k_dim=128, v_dim=128, conv_kernel=4, heads=8, kv_heads=2, head_dim=256,
                  mamba_channels=3328, tokens=1500, batch=16, page_size=16, pages=2048),

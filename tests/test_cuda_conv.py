@@ -25,9 +25,14 @@ from cairn.sampling import SamplingParams
 
 def stand_in_conv_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
                      final_states_out=None, activation=None):
-    """causal_conv1d_fn: x [B, C, T], weight [C, K], initial_states [B, C, K-1] -> out [B, C, T], x's layout."""
+    """causal_conv1d_fn: x [B, C, T], weight [C, K], initial_states [B, C, K-1] -> out [B, C, T], x's layout;
+    with the checks of the package's C++ for a channel-last call with an initial state."""
     assert seq_idx is None and not return_final_states and activation == "silu"
-    assert initial_states is None or x.stride(1) == 1, "initial states need channel-last x"
+    assert initial_states is None or x.stride(1) == 1, "initial_states is only supported for channel last layout"
+    if x.stride(1) == 1:
+        assert x.shape[1] % 8 == 0 and x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0
+    assert initial_states is None or initial_states.stride(1) == 1
+    assert bias is None or bias.dtype == weight.dtype
     width = weight.shape[1]
     full = torch.cat([initial_states.float(), x.float()], dim=-1) if initial_states is not None else \
         F.pad(x.float(), (width - 1, 0))
@@ -78,6 +83,13 @@ def test_conv_prefill_adapter_matches_the_reference_with_captures(fake_conv, tok
         assert torch.equal(got, ref)
     with pytest.raises(ValueError, match="outside"):
         fast(x, state, weight, [(tokens + 1, got_caps[0])])
+
+
+def test_conv_prefill_adapter_takes_the_reference_for_channels_the_kernel_refuses(fake_conv):
+    x, state, weight, _ = conv_inputs(9, channels=20)  # not a multiple of 8
+    out, final = cuda_conv.make_prefill(fake_conv.causal_conv1d_fn)(x, state, weight)
+    ref_out, ref_final = conv.causal_conv1d(x, state, weight)
+    assert torch.equal(out, ref_out) and torch.equal(final, ref_final)
 
 
 def test_mamba_conv_prefill_adapter_takes_the_bias_in_mamba_order(fake_conv):

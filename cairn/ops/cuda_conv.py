@@ -8,16 +8,20 @@ Two kernels of the package are used, with their signatures as published:
                      (conv_state updated where it lies)
 
 Prefill (`causal_conv1d`, `mamba_conv1d`): cairn's segment is token-major [T, C], so `x.t()[None]` is
-the channel-last [1, C, T] the package needs when it is given an initial state; the output comes back
-in the same layout and `[0].t()` is token-major again without a copy. The states after `count` tokens
+the channel-last [1, C, T] the package needs when it is given an initial state (its C++ checks: x and
+the initial state with channel stride 1, C and x's other strides multiples of 8; a C that is not falls
+back to the reference conv for that call); the output comes back in the same layout and `[0].t()` is
+token-major again without a copy. The states after `count` tokens
 (the captures, and the final state) are the last K-1 inputs before that point: a few rows of the
 segment, or of the old state when the segment is shorter than K-1, so they are sliced here rather than
 asked of the kernel (which can return the final state only, not mid-segment ones).
 
 Decode (`causal_conv1d_update`, `mamba_conv1d_update`): the package updates the conv state where it
-lies. The reference returns a new state and leaves its argument alone; both layers write the returned
-state back to where the argument came from (a view of the state pool, or a gathered copy they scatter
-back), so either behaviour gives the same pool. A state that is not contiguous or not in x's dtype is
+lies. cairn's state has K-1 columns: the releases whose update takes `conv_state_indices` accept any
+state_len >= K-1; older builds checked for exactly K columns and refuse it (the GPU check shows which).
+The reference returns a new state and leaves its argument alone; both layers write the returned state
+back to where the argument came from (a view of the state pool, or a gathered copy they scatter back),
+so either behaviour gives the same pool. A state that is not contiguous or not in x's dtype is
 copied first and the copy returned.
 
 UNTESTED ON GPU (no GPU was lent when this was written): tests/test_cuda_conv.py checks this module's
@@ -32,6 +36,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
+
+from cairn.ops import conv
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +60,11 @@ def make_prefill(conv_fn: Callable) -> Callable:
         for count, _ in capture_at:
             if not 1 <= count <= seq_len:
                 raise ValueError(f"capture at {count} is outside the segment's {seq_len} tokens")
-        out = conv_fn(x.t()[None], weight.to(x.dtype).contiguous(), bias=None if bias is None else bias.to(x.dtype),
-                      initial_states=state.to(x.dtype)[None].contiguous(), activation="silu")
+        if x.shape[1] % 8:  # the package's channel-last kernel takes multiples of 8 channels only
+            return conv.causal_conv1d(x, state, weight, capture_at, bias=bias)
+        initial = state.to(x.dtype).t().contiguous().t()[None]  # [1, C, K-1], channel stride 1
+        out = conv_fn(x.contiguous().t()[None], weight.to(x.dtype).contiguous(),
+                      bias=None if bias is None else bias.to(x.dtype), initial_states=initial, activation="silu")
         for count, dst in capture_at:
             dst.copy_(state_after(x, state, count))
         return out[0].t(), state_after(x, state, seq_len)
