@@ -51,8 +51,9 @@ class ModelOptions:
                             "for decode batches of up to 16 rows on AMX, 2 on AVX512-BF16 or AVX2, F.linear "
                             "above; built on first use)",
                             choices=("auto", "plain", "packed", "gemv"))
-    fast_kernels: bool = _f(False, "on CUDA, use flash-linear-attention's gated delta rule where installed "
-                            "(untested on GPU so far; the reference kernels otherwise)")
+    fast_kernels: bool = _f(False, "on CUDA, use the field's kernels where installed: flash-linear-attention "
+                            "(gated delta rule), causal-conv1d (conv), FlashInfer (paged attention); untested on "
+                            "GPU so far; the reference kernels otherwise")
 
 
 @dataclass(frozen=True)

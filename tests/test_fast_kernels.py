@@ -46,13 +46,22 @@ def inputs(tokens: int, seed: int = 0):
     return q, k, v, g, beta, torch.randn(4, 16, 8, generator=gen)
 
 
-def test_fast_kernels_are_off_by_default_and_cuda_only(fake_fla):
+@pytest.fixture
+def no_other_libraries(monkeypatch):
+    """causal-conv1d and flashinfer absent (import raises ImportError), whatever this machine has."""
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+
+
+def test_fast_kernels_are_off_by_default_and_cuda_only(fake_fla, no_other_libraries):
     assert select_kernels("cuda") is REFERENCE
     assert select_kernels("cpu", fast=True) is REFERENCE
-    assert select_kernels("cuda", fast=True).name == "cuda-fla"
+    chosen = select_kernels("cuda", fast=True)
+    assert chosen.name == "cuda[fla]"
+    assert chosen.causal_conv1d is REFERENCE.causal_conv1d  # the reference stands in for what is absent
 
 
-def test_absent_package_falls_back_to_the_reference(monkeypatch):
+def test_absent_package_falls_back_to_the_reference(monkeypatch, no_other_libraries):
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)  # import raises ImportError
     assert cuda.load_fla() is None
     assert select_kernels("cuda", fast=True) is REFERENCE

@@ -2,8 +2,9 @@
 
 `select_kernels(device, fast)` returns a `Kernels` whose fields are the pure-PyTorch references in
 this package, or, when asked for (`--fast-kernels`, off by default) on CUDA, a fast implementation
-with the same signature where one is installed (cairn/ops/cuda.py). Fast kernels are imported lazily
-and only then; nothing on a CPU machine imports triton or flash-linear-attention.
+with the same signature where one is installed (cairn/ops/cuda.py: flash-linear-attention,
+causal-conv1d, FlashInfer). Fast kernels are imported lazily and only then; nothing on a CPU machine
+imports triton, flash-linear-attention, causal-conv1d or flashinfer.
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ def select_kernels(device: torch.device | str, fast: bool = False) -> Kernels:
         return REFERENCE
     from cairn.ops import cuda
 
-    fast_kernels = cuda.kernels()
-    if fast_kernels is None:
+    found = cuda.kernels()
+    if found is None:
         log.info("no fast CUDA kernels installed: using the pure-PyTorch reference kernels")
         return REFERENCE
-    chosen = dataclasses.replace(REFERENCE, name=cuda.NAME, **fast_kernels)
+    name, fast_kernels = found
+    chosen = dataclasses.replace(REFERENCE, name=name, **fast_kernels)
     log.info("kernels: %s (untested on GPU; compare with --fast-kernels off)", chosen.name)
     return chosen

@@ -1,12 +1,18 @@
 """Fast CUDA kernels from the field, behind the reference kernels' contracts (opt-in: --fast-kernels).
 
-flash-linear-attention (`fla`) provides the chunked and the recurrent gated delta rule; this module
-adapts them to the contracts in cairn/ops/gdn.py: token-major inputs of one sequence (prefill) or a
-batch (decode), the fp32 state updated where it lies, and states captured inside a prefill segment,
-which `fla` cannot return, obtained by splitting the segment at the capture points (each piece
-continues the state of the one before). The causal conv and the paged attention stay on the
-reference kernels here (causal-conv1d's streaming state and FlashInfer's paged decode are the next
-candidates), as does anything `fla` is not installed for.
+Three libraries, each imported lazily and only when asked for, each standing in for the reference
+kernels it covers when it imports (the reference stays for the rest, with one log line per library
+that does not import):
+
+    flash-linear-attention (`fla`)   chunked and recurrent gated delta rule (this module)
+    causal-conv1d                    the causal conv of Gated DeltaNet and Mamba2 (cairn/ops/cuda_conv.py)
+    flashinfer                       paged decode and prefill attention, pages read in place
+                                     (cairn/ops/cuda_attention.py)
+
+`fla`'s gated delta rule is adapted to the contracts in cairn/ops/gdn.py: token-major inputs of one
+sequence (prefill) or a batch (decode), the fp32 state updated where it lies, and states captured
+inside a prefill segment, which `fla` cannot return, obtained by splitting the segment at the capture
+points (each piece continues the state of the one before).
 
 UNTESTED ON GPU: no GPU was available when this was written. The CPU tests check the adapters against
 the references with a stand-in that has `fla`'s signature; the first GPU run must compare them with
@@ -73,14 +79,24 @@ def load_fla():
         return None
 
 
-NAME = "cuda-fla"
-
-
-def kernels() -> dict[str, Callable] | None:
-    """The fast kernels that import, by their field name in cairn.ops.Kernels (the reference stands in
-    for the others), or None when there is none."""
+def fla_kernels() -> dict[str, Callable]:
+    """The gated delta rule fields of cairn.ops.Kernels that fla provides (empty when it does not import)."""
     fla = load_fla()
     if fla is None:
-        return None
+        return {}
     return {"chunk_gated_delta_rule": make_chunk(fla.chunk_gated_delta_rule),
             "recurrent_gated_delta_rule": make_recurrent(fla.fused_recurrent_gated_delta_rule)}
+
+
+def kernels() -> tuple[str, dict[str, Callable]] | None:
+    """(name, the fast kernels that import by their field name in cairn.ops.Kernels), the reference standing
+    in for the others; None when no library imports. The name lists the libraries: "cuda[fla+flashinfer]"."""
+    from cairn.ops import cuda_attention, cuda_conv
+
+    chosen, libraries = {}, []
+    for library, fields in (("fla", fla_kernels()), ("causal-conv1d", cuda_conv.kernels()),
+                            ("flashinfer", cuda_attention.kernels())):
+        if fields:
+            chosen.update(fields)
+            libraries.append(library)
+    return (f"cuda[{'+'.join(libraries)}]", chosen) if chosen else None
