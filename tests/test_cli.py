@@ -229,3 +229,17 @@ def test_help_and_version_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_package_names_its_api_lazily():
+    """`from cairn import LLM, Engine, EngineConfig, SamplingParams` (README's example) gives the classes, and
+    an unknown name is an AttributeError."""
+    import cairn
+    from cairn.config import EngineConfig
+    from cairn.engine import Engine
+    from cairn.llm import LLM
+    from cairn.sampling import SamplingParams
+
+    assert [getattr(cairn, n) for n in cairn.__all__] == [LLM, Engine, EngineConfig, SamplingParams]
+    with pytest.raises(AttributeError):
+        cairn.Nothing  # noqa: B018
