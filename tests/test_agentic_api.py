@@ -12,6 +12,7 @@ becomes is checked at the parser level in test_chat_parsers.py.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import jsonschema
@@ -117,17 +118,25 @@ def check_calls(choice, tools: list[dict], most: int | None = None) -> None:
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_tool_choice_required_with_several_tools_constrains_decoding_to_calls(client, parallel):
-    """Random weights: the grammar alone makes the answer calls to the given tools with valid arguments."""
-    for seed in range(3):
+    """Random weights: the grammar alone makes the answer calls to the given tools with valid arguments. Three
+    seeds, each asked whole and streamed, the six requests sent at once (decoded in one batch: a seeded
+    request's answer does not depend on its neighbours, so the streamed calls equal the whole ones)."""
+    def answer(seed: int, streamed: bool):
         ask = dict(messages=ASK, tools=BOUNDED, tool_choice="required", parallel_tool_calls=parallel, model=MODEL,
                    temperature=1.0, seed=seed, max_tokens=1200)
-        whole = client.chat.completions.create(**ask)
-        check_calls(whole.choices[0], BOUNDED, None if parallel else 1)
+        if not streamed:
+            return client.chat.completions.create(**ask).choices[0]
         with client.chat.completions.stream(**ask) as stream:
-            streamed = stream.get_final_completion().choices[0]
+            return stream.get_final_completion().choices[0]
+
+    with ThreadPoolExecutor(6) as pool:
+        asked = {(seed, streamed): pool.submit(answer, seed, streamed) for seed in range(3) for streamed in (0, 1)}
+    for seed in range(3):
+        whole, streamed = asked[seed, 0].result(), asked[seed, 1].result()
+        check_calls(whole, BOUNDED, None if parallel else 1)
         check_calls(streamed, BOUNDED, None if parallel else 1)
         assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-            [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
 def test_named_tool_choice_arguments_follow_the_schema(client):

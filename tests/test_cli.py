@@ -219,3 +219,27 @@ def test_cache_admin_on_a_missing_directory_fails_with_one_line(tmp_path, action
     out = cairn("cache", action, "--disk-cache", str(tmp_path / "missing"))
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.strip() == f"cairn cache {action}: {tmp_path / 'missing'} is not a directory"
+
+
+def test_help_and_version_do_not_import_torch():
+    """`cairn --help`, `--version` and the one-line refusals build every subcommand's parser; none of that needs
+    torch (importing it takes seconds), which only a command that runs a model imports."""
+    code = ("import sys, cairn.cli\ncairn.cli.build_parser()\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_package_names_its_api_lazily():
+    """`from cairn import LLM, Engine, EngineConfig, SamplingParams` (README's example) gives the classes, and
+    an unknown name is an AttributeError."""
+    import cairn
+    from cairn.config import EngineConfig
+    from cairn.engine import Engine
+    from cairn.llm import LLM
+    from cairn.sampling import SamplingParams
+
+    assert [getattr(cairn, n) for n in cairn.__all__] == [LLM, Engine, EngineConfig, SamplingParams]
+    with pytest.raises(AttributeError):
+        cairn.Nothing  # noqa: B018

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from cairn.errors import SamplingError
 from cairn.llm import LLM
 from cairn.logits import RowContext, process_rows
-from cairn.sampling import SamplingParams, _filter_rows, generation_defaults, sample
+from cairn.sampling import SamplingParams, _filter_rows, generation_defaults, sample, sample_isolated
 
 PROMPT = list(range(30, 60))
 VOCAB = 64
@@ -270,3 +270,16 @@ def test_generation_config_defaults_are_read_and_out_of_range_ones_ignored(tmp_p
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 7}))
     assert generation_defaults(tmp_path) == {}
     assert generation_defaults(tmp_path / "missing") == {}
+
+
+def test_a_row_whose_parameters_raise_fails_alone_and_its_neighbours_are_sampled():
+    """`sample_isolated` (the engine's sampler): a row whose parameters raise (here more top_logprobs than the
+    vocabulary has tokens) comes back with `error`; the batch's other rows get the tokens `sample` gives them."""
+    logits = torch.tensor([[0.1, 2.0, 0.3, -1.0], [1.5, 0.2, 0.1, 0.0], [0.0, 0.1, 0.2, 3.0]])
+    ok = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)
+    bad = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5)
+    rows = sample_isolated(logits, [ok, bad, ok], [None, None, None])
+    assert rows[1].error and rows[1].error.startswith("sampling failed: RuntimeError")
+    assert [r.error for r in (rows[0], rows[2])] == [None, None]
+    assert [rows[0], rows[2]] == sample(logits[[0, 2]], [ok, ok], [None, None])
+    assert [rows[0].token, rows[2].token] == [1, 3]

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported when a checkpoint is made, not by `cairn --help` (SIZES is read there)
+    import torch
 
 _QWEN = {
     "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
@@ -88,13 +90,14 @@ CHATML = (
 )
 
 
-def make_checkpoint(size: str, path: Path, dtype: torch.dtype = torch.float32):
-    """Write a checkpoint of `size` (one of SIZES: seed 0, weights made and saved in `dtype`) and a byte-level
-    tokenizer to `path`; returns the transformers model (eval mode)."""
+def make_checkpoint(size: str, path: Path, dtype: torch.dtype | None = None):
+    """Write a checkpoint of `size` (one of SIZES: seed 0, weights made and saved in `dtype`, fp32 if None) and a
+    byte-level tokenizer to `path`; returns the transformers model (eval mode)."""
+    import torch
     import transformers as tf
 
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(size), dtype=dtype).eval()
+    model = tf.AutoModelForCausalLM.from_config(hf_config(size), dtype=dtype or torch.float32).eval()
     model.save_pretrained(str(path))
     write_tokenizer(path)
     return model

@@ -28,14 +28,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
-
 from cairn.bench.checkpoint import SIZES, make_checkpoint
 from cairn.bench.conversation import PRESETS, Workload, WorkloadSizes
 from cairn.bench.policies import LABELS, POLICIES, SMOKE_MIN_GAP_TOKENS, parse_names, policy_config
 from cairn.bench.record import SCHEMA, BenchRecord, WorkloadResult, evaluate_targets
 from cairn.bench.report import report, requests_table
-from cairn.bench.run import run_workload
 from cairn.bench.workloads import all_workloads
 from cairn.config import EngineConfig
 from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
@@ -93,6 +90,8 @@ def bench(opts: BenchOptions, base: EngineConfig, command: str = "", sizes: Work
     """Run every selected (workload, policy), then write and print the record. Returns it.
 
     `sizes` replaces the preset's sizes (the record then names the preset "custom")."""
+    import torch  # here, not at the top: `cairn --help` builds this parser and should not import torch
+
     catalogue = all_workloads()
     workloads = [catalogue[n] for n in parse_names(opts.workloads, list(catalogue), "workloads")]
     if sizes is not None:
@@ -138,6 +137,7 @@ def _plot_all(results, out: Path, policy: str) -> list[Path]:
 def _in_process(opts: BenchOptions, base: EngineConfig, workloads: list[Workload], policies: list[str],
                 sizes: WorkloadSizes) -> list[WorkloadResult]:
     from cairn.bench.engine_runner import EngineRunner
+    from cairn.bench.run import run_workload
 
     results = []
     for workload in workloads:
@@ -155,6 +155,7 @@ def _in_process(opts: BenchOptions, base: EngineConfig, workloads: list[Workload
 def _over_http(opts: BenchOptions, workloads: list[Workload], sizes: WorkloadSizes,
                tokenizer: Tokenizer) -> list[WorkloadResult]:
     from cairn.bench.http_runner import HTTPRunner
+    from cairn.bench.run import run_workload
 
     results = []
     for workload in workloads:
@@ -213,6 +214,8 @@ def _size_label(opts: BenchOptions, base: EngineConfig) -> str:
 
 def environment(base: EngineConfig) -> dict:
     """What the figures depend on beside the record's own fields."""
+    import torch
+
     try:
         root = Path(__file__).resolve().parents[2]
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
