@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cairn.config import ConfigError, check_at_least
+from cairn.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 MIB = 1 << 20
 
@@ -42,10 +43,10 @@ class ServerOptions:
     allowed_origins: str | None = _f(None, "comma-separated origins browsers may call the API from (CORS), or '*'; "
                                            "default: none")
     reasoning_parser: str = _f("qwen3", "how chat answers are split into reasoning and content: qwen3 (<think> text "
-                                        "becomes reasoning_content) or none (all content)", choices=("qwen3", "none"))
+                                        "becomes reasoning_content) or none (all content)", choices=REASONING_PARSERS)
     tool_call_parser: str = _f("qwen3", "how tool calls are read from chat answers: qwen3 (<tool_call> blocks, Qwen3.5 "
                                         "XML or JSON style, become tool_calls) or none (all content)",
-                               choices=("qwen3", "none"))
+                               choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
