@@ -198,6 +198,27 @@ def measure_steps(engine, ranges: Ranges, batch: int, steps: int, prompt_len: in
     return totals
 
 
+def count_ops(engine, batch: int, steps: int, prompt_len: int) -> dict[str, int]:
+    """Top-level ATen calls per decode step, by name (an op called inside another op, or inside one of
+    cairn's C++ ops, is not counted): the Python / dispatcher overhead a step pays besides its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start_decoding(engine, batch, prompt_len, steps + 2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and parent is None:
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return {name: n / steps for name, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
 def _mixer_of(event) -> str | None:
     """The mixer range ("gdn.layer" / "attention.layer") an event runs inside, if any."""
     parent = event.cpu_parent
@@ -223,6 +244,8 @@ def main() -> None:
     ap.add_argument("--norm-side-by-side", type=int, default=0, metavar="REPEATS",
                     help="first time decode steps unprofiled with the fused add + RMSNorm and with the reference "
                     "norm, alternating REPEATS times (best of each, and their ratio; on --clock's clock)")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="also count top-level ATen calls per decode step, by name (torch.profiler)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     options = {"quantization": "int8"} if args.layout == "int8" else {"weight_layout": args.layout}
@@ -238,6 +261,10 @@ def main() -> None:
             print(" | ".join(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms/step (best {best[name]:.1f})"
                              for name, ms in runs.items())
                   + f" | reference / fused {best['reference norm'] / best['fused norm']:.3f}x")
+        if args.count_ops:
+            counts = count_ops(engine, args.batch, args.steps, args.prompt_len)
+            print(f"top-level ATen calls per decode step: {sum(counts.values()):.0f}; "
+                  + ", ".join(f"{name[6:]} {n:g}" for name, n in counts.items()))
         ranges = Ranges(time.process_time if args.clock == "cpu" else None)
         instrument(engine, ranges)
         totals = measure_steps(engine, ranges, args.batch, args.steps, args.prompt_len)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cairn.ops import norm
+from cairn.ops.cpu_build import build_inline
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +179,8 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
 @functools.cache  # one build (or one failure) per directory, per process
 def load(build_dir: str | None = None):
     """The built module (`rms_norm`, `add_rms_norm`, `row_sums`), or a one-line reason why not. Never raises."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(NAME, cpp_sources=_SOURCE, functions=["rms_norm", "add_rms_norm", "row_sums"],
-                           build_directory=build_dir, extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers, a failed build: the reference it is
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        return f"building the fused add + RMSNorm op failed ({type(e).__name__}: {first[:200]})"
+    return build_inline(NAME, _SOURCE, ["rms_norm", "add_rms_norm", "row_sums"], "the fused add + RMSNorm op",
+                        build_dir, ("-ffp-contract=off",))
 
 
 CANDIDATE_LANES = (8, 16, 4)  # floats per vector of ATen's CPU sum: AVX2, AVX-512, 128-bit builds
