@@ -72,8 +72,7 @@ class GatedAttention(nn.Module):
         for i, row, new, context in batch.prefill_segments():
             out[row:row + new] = kernels.paged_prefill_attention(
                 q[row:row + new], k_pool, v_pool, batch.page_tables[i], context, self.scale)
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        return self.o_proj(out.mul_(torch.sigmoid(gate)).view(tokens, -1))
 
 
 class Attention(nn.Module):
