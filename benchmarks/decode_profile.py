@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -257,6 +258,8 @@ def main() -> None:
     ap.add_argument("--swap", default="add_rms_norm",
                     help="Kernels fields that --norm-side-by-side puts on the reference, comma-separated: "
                     + ", ".join(REFERENCES))
+    ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                    help="stop after the unprofiled step time and --norm-side-by-side / --count-ops")
     ap.add_argument("--count-ops", action="store_true",
                     help="also count top-level ATen calls per decode step, by name (torch.profiler)")
     args = ap.parse_args()
@@ -272,13 +275,17 @@ def main() -> None:
             runs = norm_side_by_side(engine, args.batch, args.steps, args.prompt_len, args.norm_side_by_side,
                                      args.swap.split(","), clock)
             best = {name: min(ms) for name, ms in runs.items()}
-            print(" | ".join(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms/step (best {best[name]:.1f})"
-                             for name, ms in runs.items())
-                  + f" | reference ({args.swap}) / fused {best['reference'] / best['fused']:.3f}x")
+            median = {name: statistics.median(ms) for name, ms in runs.items()}
+            print(" | ".join(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms/step (best {best[name]:.1f}, median "
+                             f"{median[name]:.1f})" for name, ms in runs.items())
+                  + f" | reference ({args.swap}) / fused: best {best['reference'] / best['fused']:.3f}x, median "
+                  f"{median['reference'] / median['fused']:.3f}x")
         if args.count_ops:
             counts = count_ops(engine, args.batch, args.steps, args.prompt_len)
             print(f"top-level ATen calls per decode step: {sum(counts.values()):.0f}; "
                   + ", ".join(f"{name[6:]} {n:g}" for name, n in counts.items()))
+        if not args.breakdown:
+            return
         ranges = Ranges(time.process_time if args.clock == "cpu" else None)
         instrument(engine, ranges)
         totals = measure_steps(engine, ranges, args.batch, args.steps, args.prompt_len)
