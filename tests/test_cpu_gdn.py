@@ -183,3 +183,30 @@ def test_build_command_says_whether_the_op_built(capsys):
     got = cpu_gdn.load()
     expected = "built" if callable(got) else f"none ({got})"
     assert capsys.readouterr().out.strip() == f"cairn fused GDN decode op: {expected}"
+
+
+def test_decode_rows_beside_prefill_rows_in_one_step_decode_like_alone(checkpoints):
+    """A step with decode rows (the fused op) and prefill rows (the reference kernels, gated separately): a
+    short prompt decodes while a long one is still prefilling in chunks of the step budget, and both
+    generate what each generates alone (tokens; log-probabilities within bf16 noise)."""
+    op()
+    path, _ = checkpoints["qwen3_next"]
+    short, long = [5, 6, 7], torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
+              max_num_batched_tokens=8)
+    llm = LLM(**kw)
+    steps = []
+    model = llm.engine.model
+    forward = model.forward
+
+    def recorded(batch, *args):
+        steps.append((batch.num_decode, batch.num_seqs))
+        return forward(batch, *args)
+
+    model.forward = recorded
+    together = _greedy(llm, [short, long])
+    assert any(0 < nd < seqs for nd, seqs in steps)  # some step mixed decode and prefill rows
+    for got, prompt in zip(together, [short, long], strict=True):
+        alone = _greedy(LLM(**kw), [prompt])[0]  # a fresh engine: nothing cached by the mixed run
+        assert len(got.token_ids) == 6 and got.token_ids == alone.token_ids
+        assert max(abs(x - y) for x, y in zip(got.logprobs, alone.logprobs, strict=True)) < 0.05
