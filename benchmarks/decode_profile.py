@@ -19,6 +19,7 @@ time is summed and the step is split into exclusive parts:
     PYTHONPATH=. python benchmarks/decode_profile.py --dtype bfloat16 --batch 1 --layout packed
     PYTHONPATH=. python benchmarks/decode_profile.py --layout packed --threads 1 --clock cpu --batch 16
     PYTHONPATH=. python benchmarks/decode_profile.py --norm-side-by-side 3     # the fused norm against the reference
+    PYTHONPATH=. python benchmarks/decode_profile.py --norm-side-by-side 3 --swap norm_rotary_write --count-ops
 
 The profiler adds a few microseconds per op, which inflates the many small ops against the matmuls;
 the step time printed first is measured without it. On a shared machine the profiler's ranges hold
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -134,14 +136,23 @@ def step_s(engine, batch: int, steps: int, prompt_len: int, clock=time.perf_coun
     return elapsed
 
 
-def norm_side_by_side(engine, batch: int, steps: int, prompt_len: int, repeats: int,
+REFERENCES = {"add_rms_norm": "cairn.ops.norm:add_rms_norm",
+              "norm_rotary_write": "cairn.ops.attention:norm_rotary_write",
+              "gdn_decode_op": "cairn.ops.cpu_gdn:reference_op_for"}
+
+
+def norm_side_by_side(engine, batch: int, steps: int, prompt_len: int, repeats: int, fields: list[str],
                       clock=time.perf_counter) -> dict[str, list[float]]:
-    """ms per decode step on `clock`, unprofiled, with the engine's add + RMSNorm kernel and with the reference
-    (cairn/ops/norm.py) swapped in, alternating `repeats` times on the same engine."""
-    from cairn.ops import norm
+    """ms per decode step on `clock`, unprofiled, with the engine's kernels and with `fields` of them swapped for
+    their references (REFERENCES), alternating `repeats` times on the same engine."""
+    import importlib
 
     fused = engine.model.kernels
-    variants = {"fused norm": fused, "reference norm": dataclasses.replace(fused, add_rms_norm=norm.add_rms_norm)}
+    swapped = {}
+    for field in fields:
+        module, name = REFERENCES[field].split(":")
+        swapped[field] = getattr(importlib.import_module(module), name)
+    variants = {"fused": fused, "reference": dataclasses.replace(fused, **swapped)}
     runs: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, kernels in variants.items():
@@ -198,6 +209,27 @@ def measure_steps(engine, ranges: Ranges, batch: int, steps: int, prompt_len: in
     return totals
 
 
+def count_ops(engine, batch: int, steps: int, prompt_len: int) -> dict[str, int]:
+    """Top-level ATen calls per decode step, by name (an op called inside another op, or inside one of
+    cairn's C++ ops, is not counted): the Python / dispatcher overhead a step pays besides its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start_decoding(engine, batch, prompt_len, steps + 2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and parent is None:
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return {name: n / steps for name, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
 def _mixer_of(event) -> str | None:
     """The mixer range ("gdn.layer" / "attention.layer") an event runs inside, if any."""
     parent = event.cpu_parent
@@ -221,8 +253,15 @@ def main() -> None:
                     help="profiler: torch.profiler ranges; cpu: process CPU time per range, no profiler (less "
                     "distorted by other processes and by the profiler's per-op cost; one thread makes it exact)")
     ap.add_argument("--norm-side-by-side", type=int, default=0, metavar="REPEATS",
-                    help="first time decode steps unprofiled with the fused add + RMSNorm and with the reference "
-                    "norm, alternating REPEATS times (best of each, and their ratio; on --clock's clock)")
+                    help="first time decode steps unprofiled with the engine's kernels and with --swap's fields on "
+                    "their references, alternating REPEATS times (best of each, and their ratio; on --clock's clock)")
+    ap.add_argument("--swap", default="add_rms_norm",
+                    help="Kernels fields that --norm-side-by-side puts on the reference, comma-separated: "
+                    + ", ".join(REFERENCES))
+    ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                    help="stop after the unprofiled step time and --norm-side-by-side / --count-ops")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="also count top-level ATen calls per decode step, by name (torch.profiler)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     options = {"quantization": "int8"} if args.layout == "int8" else {"weight_layout": args.layout}
@@ -233,11 +272,20 @@ def main() -> None:
         wall_ms = 1e3 * step_s(engine, args.batch, args.steps, args.prompt_len)
         if args.norm_side_by_side:
             clock = time.process_time if args.clock == "cpu" else time.perf_counter
-            runs = norm_side_by_side(engine, args.batch, args.steps, args.prompt_len, args.norm_side_by_side, clock)
+            runs = norm_side_by_side(engine, args.batch, args.steps, args.prompt_len, args.norm_side_by_side,
+                                     args.swap.split(","), clock)
             best = {name: min(ms) for name, ms in runs.items()}
-            print(" | ".join(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms/step (best {best[name]:.1f})"
-                             for name, ms in runs.items())
-                  + f" | reference / fused {best['reference norm'] / best['fused norm']:.3f}x")
+            median = {name: statistics.median(ms) for name, ms in runs.items()}
+            print(" | ".join(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms/step (best {best[name]:.1f}, median "
+                             f"{median[name]:.1f})" for name, ms in runs.items())
+                  + f" | reference ({args.swap}) / fused: best {best['reference'] / best['fused']:.3f}x, median "
+                  f"{median['reference'] / median['fused']:.3f}x")
+        if args.count_ops:
+            counts = count_ops(engine, args.batch, args.steps, args.prompt_len)
+            print(f"top-level ATen calls per decode step: {sum(counts.values()):.0f}; "
+                  + ", ".join(f"{name[6:]} {n:g}" for name, n in counts.items()))
+        if not args.breakdown:
+            return
         ranges = Ranges(time.process_time if args.clock == "cpu" else None)
         instrument(engine, ranges)
         totals = measure_steps(engine, ranges, args.batch, args.steps, args.prompt_len)

@@ -126,9 +126,40 @@ def test_engine_decodes_bf16_with_the_fused_op_like_the_reference_kernels(checkp
 def test_fused_op_is_only_offered_for_bf16_on_cpu():
     bf, fp = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
     assert cpu_gdn.op_for(fp, bf) is None and cpu_gdn.op_for(bf, fp) is None
-    assert cpu_gdn.reference_op_for(bf) is None
     if callable(cpu_gdn.load()):
         assert cpu_gdn.op_for(bf, bf) is cpu_gdn.load()
+
+
+def test_reference_op_for_keeps_bf16_decode_on_the_reference_kernels(checkpoints):
+    """The Kernels field value that decode_bench's `-unfused` layouts and the test above use to compare with
+    the reference: with it every bf16 decode token runs the reference recurrent step, with the default none."""
+    op()
+    path, _ = checkpoints["qwen3_next"]
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return recurrent_gated_delta_rule(*args)
+
+    def decode_steps(gdn_decode_op):
+        llm = LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+        kernels = llm.engine.model.kernels
+        llm.engine.model.kernels = dataclasses.replace(kernels, gdn_decode_op=gdn_decode_op,
+                                                       recurrent_gated_delta_rule=counted)
+        calls.clear()
+        llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        return len(calls)
+
+    gdn_layers = sum(t == "linear_attention" for t in _layer_types(path))
+    assert decode_steps(cpu_gdn.reference_op_for) == 3 * gdn_layers  # 4 tokens: the first comes from prefill
+    assert decode_steps(ops.fused_gdn_decode_op) == 0
+
+
+def _layer_types(path) -> list[str]:
+    import json
+
+    raw = json.loads((path / "config.json").read_text())
+    return (raw.get("text_config") or raw)["layer_types"]
 
 
 def test_fused_op_falls_back_to_the_reference_in_one_line_when_it_does_not_build(caplog, monkeypatch, tmp_path):
@@ -152,3 +183,30 @@ def test_build_command_says_whether_the_op_built(capsys):
     got = cpu_gdn.load()
     expected = "built" if callable(got) else f"none ({got})"
     assert capsys.readouterr().out.strip() == f"cairn fused GDN decode op: {expected}"
+
+
+def test_decode_rows_beside_prefill_rows_in_one_step_decode_like_alone(checkpoints):
+    """A step with decode rows (the fused op) and prefill rows (the reference kernels, gated separately): a
+    short prompt decodes while a long one is still prefilling in chunks of the step budget, and both
+    generate what each generates alone (tokens; log-probabilities within bf16 noise)."""
+    op()
+    path, _ = checkpoints["qwen3_next"]
+    short, long = [5, 6, 7], torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
+              max_num_batched_tokens=8)
+    llm = LLM(**kw)
+    steps = []
+    model = llm.engine.model
+    forward = model.forward
+
+    def recorded(batch, *args):
+        steps.append((batch.num_decode, batch.num_seqs))
+        return forward(batch, *args)
+
+    model.forward = recorded
+    together = _greedy(llm, [short, long])
+    assert any(0 < nd < seqs for nd, seqs in steps)  # some step mixed decode and prefill rows
+    for got, prompt in zip(together, [short, long], strict=True):
+        alone = _greedy(LLM(**kw), [prompt])[0]  # a fresh engine: nothing cached by the mixed run
+        assert len(got.token_ids) == 6 and got.token_ids == alone.token_ids
+        assert max(abs(x - y) for x, y in zip(got.logprobs, alone.logprobs, strict=True)) < 0.05

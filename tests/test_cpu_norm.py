@@ -3,7 +3,8 @@
 The op must give the reference's bits: the residual sum and the normed rows, zero-centred and plain
 scales, widths that are and are not multiples of a CPU vector, one row (decode) and many (prefill),
 rows that are a strided view (attention's q heads). In the engine, bf16 greedy decoding with the op
-gives the same tokens and log-probabilities as with the reference, bit for bit, batched or alone. Its
+gives the same tokens and log-probabilities as with the reference (the attention layers' q / k norms, rotary
+and KV writes too: cpu_norm_rotary.py), bit for bit, batched or alone. Its
 dispatch: fp32 stays on the reference, and an op that does not build, or whose sums are not ATen's
 here, leaves the reference in one log line.
 """
@@ -18,7 +19,7 @@ import torch
 
 from cairn import ops
 from cairn.llm import LLM
-from cairn.ops import cpu_norm, norm
+from cairn.ops import attention, cpu_norm, norm
 from cairn.sampling import SamplingParams
 
 
@@ -79,10 +80,12 @@ def test_engine_decodes_bf16_with_the_fused_norm_bit_for_bit_like_the_reference(
     kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
     llm = LLM(**kw)
     assert llm.engine.model.kernels.add_rms_norm is ops.fused_add_rms_norm
+    assert llm.engine.model.kernels.norm_rotary_write is ops.fused_norm_rotary_write
     batched = _greedy(llm, prompts)
     alone = [_greedy(llm, [p])[0] for p in prompts]
     ref_llm = LLM(**kw)
-    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels, add_rms_norm=norm.add_rms_norm)
+    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels, add_rms_norm=norm.add_rms_norm,
+                                                       norm_rotary_write=attention.norm_rotary_write)
     for got, one, ref in zip(batched, alone, _greedy(ref_llm, prompts), strict=True):
         assert got.token_ids == one.token_ids == ref.token_ids
         assert got.logprobs == one.logprobs == ref.logprobs

@@ -1,7 +1,8 @@
 """Full attention over the paged KV pool: Qwen's gated attention, and plain attention.
 
 GatedAttention, per head: q and k get a zero-centred RMSNorm over head_dim, then partial rotary; keys and values of
-the new tokens are written to the pool, then each query attends over its sequence's whole context.
+the new tokens are written to the pool (the three in one `Kernels.norm_rotary_write` call: one C++ op in bf16 on
+CPU), then each query attends over its sequence's whole context.
 The output is scaled by sigmoid(gate), where the gate is the second half of each head's q_proj row
 block ([q_h | gate_h] per head), and projected back by o_proj. Grouped-query: num_heads is a multiple
 of num_kv_heads.
@@ -23,6 +24,7 @@ from cairn.layers.norm import RMSNorm
 from cairn.layers.rotary import PartialRotary
 from cairn.memory.kv_pool import KVPool
 from cairn.ops import Kernels
+from cairn.ops.attention import write_kv
 
 
 @dataclass(frozen=True)
@@ -56,13 +58,11 @@ class GatedAttention(nn.Module):
                 kv: KVPool, kernels: Kernels) -> torch.Tensor:
         tokens = x.shape[0]
         q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        _, q = self.q_norm.add_and_norm(q, None, kernels)
-        _, k = self.k_norm.add_and_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), None, kernels)
-        q, k = self.rotary.apply(q, *cos_sin), self.rotary.apply(k, *cos_sin)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         k_pool, v_pool = kv.k[self.pool_index], kv.v[self.pool_index]
-        k_pool.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
-        v_pool.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
+        q = kernels.norm_rotary_write(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                      self.q_norm.zero_centred, *cos_sin, k_pool, v_pool, batch.slot_mapping)
 
         out = torch.empty_like(q)
         nd = batch.num_decode
@@ -72,8 +72,7 @@ class GatedAttention(nn.Module):
         for i, row, new, context in batch.prefill_segments():
             out[row:row + new] = kernels.paged_prefill_attention(
                 q[row:row + new], k_pool, v_pool, batch.page_tables[i], context, self.scale)
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        return self.o_proj(out.mul_(torch.sigmoid(gate)).view(tokens, -1))
 
 
 class Attention(nn.Module):
@@ -107,10 +106,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Fo
     """Write the step's k, v [T, kv_heads, head_dim] into layer `pool_index` of the pool, then attend each
     query [T, heads, head_dim] over its sequence's whole context: decode rows as one batch, each prefill
     segment on its own. Returns [T, heads, head_dim]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_pool, v_pool = kv.k[pool_index], kv.v[pool_index]
-    k_pool.view(-1, num_kv_heads, head_dim)[batch.slot_mapping] = k
-    v_pool.view(-1, num_kv_heads, head_dim)[batch.slot_mapping] = v
+    write_kv(k, v, k_pool, v_pool, batch.slot_mapping)
     out = torch.empty_like(q)
     nd = batch.num_decode
     if nd:

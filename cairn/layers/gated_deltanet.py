@@ -77,21 +77,30 @@ class GatedDeltaNet(RecurrentMixer):
         return self.spec.state_entries(dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool, kernels: Kernels) -> torch.Tensor:
-        tokens = x.shape[0]
         projected = self.in_proj(x)
         nd = batch.num_decode
         fused = kernels.gdn_decode_op(projected, self.conv_weight, self.A_log, self.dt_bias,
                                       self.norm.weight) if nd else None
-        if fused is not None and nd == tokens:  # a pure decode batch: one op between the projections
-            return self.out_proj(self._fused_decode(fused, projected, batch, states))
-        mixed, z, b, a = projected.split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], dim=-1)
+        if fused is None:
+            return self.out_proj(self._reference_rows(projected, 0, batch, states, kernels))
+        decoded = self._fused_decode(fused, projected[:nd], batch, states)
+        if nd == x.shape[0]:  # a pure decode batch: one op between the projections
+            return self.out_proj(decoded)
+        return self.out_proj(torch.cat([decoded, self._reference_rows(projected, nd, batch, states, kernels)]))
+
+    def _reference_rows(self, projected: torch.Tensor, first: int, batch: ForwardBatch, states: StatePool,
+                        kernels: Kernels) -> torch.Tensor:
+        """Rows [first, T) of in_proj's output through the reference kernels: [T - first, value_dim], out_proj's
+        input. first is 0 (every row) or num_decode (the fused op took the decode rows; their gating is not
+        computed again here)."""
+        tokens, nd = projected.shape[0] - first, batch.num_decode if first == 0 else 0
+        mixed, z, b, a = projected[first:].split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         own = states.of_layer(self.layer)
         conv_states, rec_states = own["conv"], own["recurrent"]
-        out = torch.empty(tokens, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
-
-        if nd and fused is None:
+        out = torch.empty(tokens, self.v_heads, self.v_dim, dtype=projected.dtype, device=projected.device)
+        if nd:
             slots = batch.decode_slots()  # a slice (a view into the pool) when the slots are consecutive
             mixed_d, conv_states[slots] = kernels.causal_conv1d_update(mixed[:nd], conv_states[slots], self.conv_weight)
             q, k, v = self._split_heads(mixed_d)
@@ -99,19 +108,14 @@ class GatedDeltaNet(RecurrentMixer):
             out[:nd], state = kernels.recurrent_gated_delta_rule(q, k, v, g[:nd], beta[:nd], state)
             if not isinstance(slots, slice):  # a gathered copy: write it back
                 rec_states[slots] = state
-        for rows, slot, caps in self.prefill_pieces(batch):
+        for absolute, slot, caps in self.prefill_pieces(batch):
+            rows = slice(absolute.start - first, absolute.stop - first)
             mixed_p, conv_states[slot] = kernels.causal_conv1d(
                 mixed[rows], conv_states[slot], self.conv_weight, [(c, dst["conv"]) for c, dst in caps])
             q, k, v = self._split_heads(mixed_p)
             out[rows], rec_states[slot] = kernels.chunk_gated_delta_rule(
                 q, k, v, g[rows], beta[rows], rec_states[slot], [(c, dst["recurrent"]) for c, dst in caps])
-
-        first = nd if fused is not None else 0  # rows the fused op already normed
-        normed = self.norm(out[first:], z[first:].reshape(tokens - first, self.v_heads, self.v_dim))
-        normed = normed.reshape(tokens - first, self.value_dim)
-        if first:
-            normed = torch.cat([self._fused_decode(fused, projected[:nd], batch, states), normed])
-        return self.out_proj(normed)
+        return self.norm(out, z.reshape(tokens, self.v_heads, self.v_dim)).reshape(tokens, self.value_dim)
 
     def _fused_decode(self, fused, projected: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
         """The decode rows through the fused op (cairn/ops/cpu_gdn.py): [nd, value_dim], out_proj's input.

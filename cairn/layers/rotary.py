@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cairn.ops import attention
+
 
 class PartialRotary(nn.Module):
     def __init__(self, rotary_dim: int, theta: float):
@@ -23,12 +25,4 @@ class PartialRotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim]."""
-        rd = cos.shape[-1]
-        rot, rest = x[..., :rd], x[..., rd:]
-        half = rd // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        rot = rot * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-        return torch.cat([rot, rest], dim=-1)
+    apply = staticmethod(attention.rotate)  # x [T, heads, head_dim], cos, sin [T, rotary_dim] -> x rotated

@@ -38,6 +38,14 @@ def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
     return cpu_norm.add_rms_norm(x, delta, weight, eps, zero_centred)
 
 
+def fused_norm_rotary_write(*args):
+    """cpu_norm.norm_rotary_write (bf16 on CPU: one C++ op, the reference's bits; else the reference),
+    imported on first use like fused_gdn_decode_op."""
+    from cairn.ops import cpu_norm
+
+    return cpu_norm.norm_rotary_write(*args)
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The kernel set a model runs with; each field documents its contract in its reference module."""
@@ -59,6 +67,9 @@ class Kernels:
     # (x, delta | None, weight, eps, zero_centred) -> (x + delta, rms_norm(x + delta)): the residual add and the
     # norm after it (cairn/ops/norm.py); bf16 on CPU through one C++ op with the same bits (cpu_norm.py)
     add_rms_norm: Callable = fused_add_rms_norm
+    # the gated attention's q / k norms, rotary and KV write (cairn/ops/attention.py: norm_rotary_write); bf16 on
+    # CPU through one C++ op with the same bits (cpu_norm_rotary.py)
+    norm_rotary_write: Callable = fused_norm_rotary_write
 
 
 REFERENCE = Kernels(name="reference")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cairn.ops import norm
+
 
 def consecutive_run(pages: torch.Tensor) -> slice | None:
     """pages as a slice of the pool when they are consecutive ids (checked on CPU tensors only: on a
@@ -33,6 +35,36 @@ def gather_pages(pool: torch.Tensor, page_table: torch.Tensor, length: int) -> t
     pages = page_table[:-(-length // pool.shape[1])]
     run = consecutive_run(pages)
     return (pool[run] if run is not None else pool[pages]).flatten(0, 1)[:length]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary: the first rotary_dim dims of each head rotated in halves. x: [T, heads, head_dim];
+    cos, sin: [T, rotary_dim] in x's dtype."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    rot = rot * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return torch.cat([rot, rest], dim=-1)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write a step's k, v [T, kv_heads, head_dim] into one layer's pool at each token's flat index."""
+    k_pool.view(-1, *k.shape[1:])[slot_mapping] = k
+    v_pool.view(-1, *v.shape[1:])[slot_mapping] = v
+
+
+def norm_rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, eps: float, zero_centred: bool, cos: torch.Tensor, sin: torch.Tensor,
+                      k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The gated attention's inputs: q [T, H, D] and k [T, KVH, D] RMSNormed over D (norm.rms_norm) and
+    rotated (`rotate`), k and v [T, KVH, D] written to the pool at slot_mapping [T] (`write_kv`); returns
+    the rotated q [T, H, D]. q may be a strided view (Qwen's [q_h | gate_h] rows); nothing is modified but
+    the pools."""
+    q = rotate(norm.rms_norm(q, q_weight, eps, zero_centred), cos, sin)
+    write_kv(rotate(norm.rms_norm(k, k_weight, eps, zero_centred), cos, sin), v, k_pool, v_pool, slot_mapping)
+    return q
 
 
 def paged_prefill_attention(

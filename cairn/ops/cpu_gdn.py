@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from cairn.ops.cpu_build import build_inline
+
 log = logging.getLogger(__name__)
 
 NAME = "cairn_cpu_gdn2"  # torch caches builds by name: a new source gets a new name
@@ -208,14 +210,9 @@ def load(build_dir: str | None = None):
     """The built op (a callable with gdn_decode's signature), or a one-line reason why not.
 
     `build_dir`: where to build (None: torch's extensions directory). Never raises."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        library = load_inline(NAME, cpp_sources=_SOURCE, functions=["gdn_decode"], build_directory=build_dir,
-                              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers, a failed build: the reference path it is
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        return f"building the fused GDN decode op failed ({type(e).__name__}: {first[:200]})"
+    library = build_inline(NAME, _SOURCE, ["gdn_decode"], "the fused GDN decode op", build_dir)
+    if isinstance(library, str):
+        return library
     return library.gdn_decode
 
 

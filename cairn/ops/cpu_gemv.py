@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cairn.ops.cpu_build import build_inline
 from cairn.ops.cpu_gemv_amx import AMX_SOURCE
 
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
@@ -334,15 +335,9 @@ def load(cpu_flags: set[str], isa: str | None = None, build_dir: str | None = No
 
 @functools.cache  # one build (or one failure) per directory and path, per process
 def _build(build_dir: str | None, isa: str) -> GemvKernel | str:
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        library = load_inline(NAME, cpp_sources=_SOURCE, functions=["gemv", "best_isa", "stream_read"],
-                              build_directory=build_dir, extra_cflags=["-O3", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers, a failed build: F.linear it is
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        return f"building the kernel failed ({type(e).__name__}: {first[:200]})"
+    library = build_inline(NAME, _SOURCE, ["gemv", "best_isa", "stream_read"], "the kernel", build_dir)
+    if isinstance(library, str):  # F.linear it is
+        return library
     best = library.best_isa()  # what the CPU (and for AMX, the OS) really grants, beside what the flags said
     if not best or RANK[isa] > RANK[best]:
         return f"the CPU lacks {isa}"

@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cairn.ops import norm
+from cairn.ops import attention, norm
+from cairn.ops.cpu_build import build_inline
+from cairn.ops.cpu_norm_rotary import NORM_ROTARY_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_norm"
+NAME = "cairn_cpu_norm2"  # torch caches builds by name: a new source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -172,21 +174,15 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
   run(x, &delta, &res, out, weight, eps, zero_centred, lanes);
   return {res, out};
 }
-"""
+""" + NORM_ROTARY_SOURCE
 
 
 @functools.cache  # one build (or one failure) per directory, per process
 def load(build_dir: str | None = None):
-    """The built module (`rms_norm`, `add_rms_norm`, `row_sums`), or a one-line reason why not. Never raises."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(NAME, cpp_sources=_SOURCE, functions=["rms_norm", "add_rms_norm", "row_sums"],
-                           build_directory=build_dir, extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers, a failed build: the reference it is
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        return f"building the fused add + RMSNorm op failed ({type(e).__name__}: {first[:200]})"
+    """The built module (`rms_norm`, `add_rms_norm`, `row_sums`, `norm_rotary_write`), or a one-line reason why
+    not. Never raises."""
+    functions = ["rms_norm", "add_rms_norm", "row_sums", "norm_rotary_write"]
+    return build_inline(NAME, _SOURCE, functions, "the fused add + RMSNorm op", build_dir, ("-ffp-contract=off",))
 
 
 CANDIDATE_LANES = (8, 16, 4)  # floats per vector of ATen's CPU sum: AVX2, AVX-512, 128-bit builds
@@ -234,6 +230,20 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if delta is None:
         return x, op.library.rms_norm(x, weight, eps, zero_centred, op.lanes)
     return op.library.add_rms_norm(x, delta, weight, eps, zero_centred, op.lanes)
+
+
+def norm_rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, eps: float, zero_centred: bool, cos: torch.Tensor, sin: torch.Tensor,
+                      k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """attention.norm_rotary_write's contract and bits, through one C++ op for bf16 on CPU
+    (cairn/ops/cpu_norm_rotary.py; the reference otherwise, or when the op does not build or cannot
+    reproduce ATen's sum here)."""
+    op = _loaded() if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None
+    if op is None or q_weight.dtype != k_weight.dtype:
+        return attention.norm_rotary_write(q, k, v, q_weight, k_weight, eps, zero_centred, cos, sin, k_pool, v_pool,
+                                           slot_mapping)
+    return op.library.norm_rotary_write(q, k, v, q_weight, k_weight, eps, zero_centred, cos, sin, k_pool, v_pool,
+                                        slot_mapping, op.lanes)
 
 
 def main(argv: list[str] | None = None) -> int:
