@@ -126,7 +126,7 @@ def test_prefill_adapter_matches_the_reference_causal_mask(fake_flashinfer, new)
 
 def test_absent_flashinfer_falls_back_to_the_reference(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "flashinfer", None)
-    with caplog.at_level("INFO", logger="cairn.ops.cuda_attention"):
+    with caplog.at_level("INFO", logger="cairn.ops.optional"):
         assert cuda_attention.kernels() == {}
     assert "flashinfer unavailable" in caplog.text
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)

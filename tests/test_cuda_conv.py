@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from cairn.llm import LLM
-from cairn.ops import REFERENCE, conv, cuda_conv, mamba2, select_kernels
+from cairn.ops import REFERENCE, conv, cuda_conv, mamba2, optional, select_kernels
 from cairn.sampling import SamplingParams
 
 
@@ -131,8 +131,8 @@ def test_absent_or_broken_causal_conv1d_falls_back_to_the_reference(monkeypatch,
     def broken(name):
         raise OSError("undefined symbol: built against another torch")  # what a mismatched CUDA extension raises
 
-    monkeypatch.setattr(cuda_conv.importlib, "import_module", broken)
-    with caplog.at_level("INFO", logger="cairn.ops.cuda_conv"):
+    monkeypatch.setattr(optional.importlib, "import_module", broken)
+    with caplog.at_level("INFO", logger="cairn.ops.optional"):
         assert cuda_conv.kernels() == {}
     assert "causal-conv1d unavailable" in caplog.text
 

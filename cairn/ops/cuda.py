@@ -21,15 +21,12 @@ the reference kernels (1e-3 in bf16) before anyone turns them on.
 
 from __future__ import annotations
 
-import importlib
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
 from cairn.ops import gdn
-
-log = logging.getLogger(__name__)
+from cairn.ops.optional import import_optional
 
 
 def make_chunk(fla_chunk: Callable) -> Callable:
@@ -72,11 +69,7 @@ def make_recurrent(fla_recurrent: Callable) -> Callable:
 
 def load_fla():
     """fla's gated delta rule module, or None when it is not installed (or fails to import)."""
-    try:
-        return importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception as e:  # ImportError, or triton failing to initialise without a GPU
-        log.info("flash-linear-attention unavailable (%s): reference gated delta rule", e)
-        return None
+    return import_optional("fla.ops.gated_delta_rule", "flash-linear-attention", "reference gated delta rule")
 
 
 def fla_kernels() -> dict[str, Callable]:

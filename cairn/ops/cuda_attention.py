@@ -23,14 +23,12 @@ reference; benchmarks/gpu_check.py compares the real kernels with the references
 
 from __future__ import annotations
 
-import importlib
-import logging
 import weakref
 from collections.abc import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+from cairn.ops.optional import import_optional
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's float workspace per wrapper (its examples' size)
 
@@ -105,11 +103,7 @@ class FlashInferPrefill(Wrapped):
 
 def load() -> object | None:
     """The flashinfer package, or None when it is absent or fails to import."""
-    try:
-        return importlib.import_module("flashinfer")
-    except Exception as e:
-        log.info("flashinfer unavailable (%s): reference paged attention (pages gathered)", e)
-        return None
+    return import_optional("flashinfer", "flashinfer", "reference paged attention (pages gathered)")
 
 
 def kernels() -> dict[str, Callable]:

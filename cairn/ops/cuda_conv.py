@@ -31,15 +31,12 @@ compares the real kernels with the references when a GPU and the package are the
 
 from __future__ import annotations
 
-import importlib
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
 from cairn.ops import conv
-
-log = logging.getLogger(__name__)
+from cairn.ops.optional import import_optional
 
 
 def state_after(x: torch.Tensor, state: torch.Tensor, count: int) -> torch.Tensor:
@@ -98,11 +95,7 @@ def make_mamba_prefill(conv_fn: Callable) -> Callable:
 def load() -> object | None:
     """The causal_conv1d package, or None when it is absent or fails to import (its CUDA extension is
     built against one torch / CUDA pair; any other raises at import)."""
-    try:
-        return importlib.import_module("causal_conv1d")
-    except Exception as e:
-        log.info("causal-conv1d unavailable (%s): reference causal conv", e)
-        return None
+    return import_optional("causal_conv1d", "causal-conv1d", "reference causal conv")
 
 
 def kernels() -> dict[str, Callable]:
