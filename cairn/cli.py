@@ -99,9 +99,10 @@ def run_serve(ns: argparse.Namespace) -> int:
     options = build_group(ServerOptions, ns)
     check_port(options.host, options.port)
     check_model(ns.model)
+    config = config_from_args(ns)  # torch-free: a refused flag costs no torch import
     from cairn.server.main import serve  # imports torch and the server: after the one-line checks
 
-    return serve(config_from_args(ns), options)
+    return serve(config, options)
 
 
 def _lazy(module: str) -> tuple[typing.Callable, typing.Callable]:

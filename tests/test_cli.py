@@ -243,3 +243,13 @@ def test_the_package_names_its_api_lazily():
     assert [getattr(cairn, n) for n in cairn.__all__] == [LLM, Engine, EngineConfig, SamplingParams]
     with pytest.raises(AttributeError):
         cairn.Nothing  # noqa: B018
+
+
+def test_a_refused_serve_flag_is_refused_before_torch_is_imported():
+    """`cairn serve --max-num-seqs 0` is a one-line refusal that costs no torch import (seconds a user waits
+    for the line): the engine config is checked before the server's modules load."""
+    code = ("import sys, cairn.cli\nrc = cairn.cli.main(['serve', '--port', '0', '--max-num-seqs', '0'])\n"
+            "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "--max-num-seqs must be at least 1, got 0" in out.stderr
+    assert out.stdout.strip() == "2 []"
