@@ -29,7 +29,8 @@ VM's CPUs (/proc/stat's steal, in 10 ms ticks); the report compares the slow ste
 median) with the usual ones: a slow step's extra time is the engine thread's CPU (more work, or a
 slower core), its run-queue wait (no core free), or sleep (the interpreter lock; a torch barrier
 waiting for its worker thread). `--cpu-probe` adds a SCHED_IDLE process timing a fixed piece of work
-meanwhile: whether the whole machine ran slower at the slow steps. `--keep-trace` keeps the events.
+meanwhile: whether the whole machine ran slower at the slow steps (both in stall_threads.py).
+`--keep-trace` keeps the events.
 For each round it prints the phases of the big request (receiving its body, the worker preparing it)
 and the largest token gap in each; then, over all rounds, the median engine-step duration in each
 phase against the control window's (the stream alone), in wall time and in the engine thread's CPU
@@ -57,6 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stall_bench  # noqa: E402  (the rounds, the server flags, the sender)
+import stall_threads  # noqa: E402  (--threads: each step split by thread and part; --cpu-probe)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRACE_ENV = "STALL_TIMELINE_OUT"  # where the traced server writes its events at exit
@@ -82,18 +84,18 @@ def traced_serve(argv: list[str]) -> int:
         interpreter lock, or in a torch barrier (a barrier's spinning counts as CPU)."""
         def wrapper(*args):
             parts.clear()
-            usage0, steal0 = resource.getrusage(resource.RUSAGE_THREAD), steal_ms()
-            before, t0_s, cpu0_s = schedstat(), time.monotonic(), time.thread_time()
+            usage0, steal0 = resource.getrusage(resource.RUSAGE_THREAD), stall_bench.stolen_ms()
+            before, t0_s, cpu0_s = stall_threads.schedstat(), time.monotonic(), time.thread_time()
             try:
                 return step(*args)
             finally:
-                t1_s, cpu_s, after = time.monotonic(), time.thread_time() - cpu0_s, schedstat()
+                t1_s, cpu_s, after = time.monotonic(), time.thread_time() - cpu0_s, stall_threads.schedstat()
                 usage = resource.getrusage(resource.RUSAGE_THREAD)
                 parts.update({"user": (usage.ru_utime - usage0.ru_utime) * 1e3,
                               "system": (usage.ru_stime - usage0.ru_stime) * 1e3,
                               "page faults": usage.ru_minflt - usage0.ru_minflt + usage.ru_majflt - usage0.ru_majflt,
                               "involuntary switches": usage.ru_nivcsw - usage0.ru_nivcsw,
-                              "stolen (10 ms ticks)": steal_ms() - steal0})
+                              "stolen (10 ms ticks)": stall_bench.stolen_ms() - steal0})
                 threads = {k: ((c - before[k][0]) / 1e6, (w - before[k][1]) / 1e6)
                            for k, (c, w) in after.items() if k in before and (c - before[k][0] or w - before[k][1])}
                 events.append({"kind": kind, "t0": t0_s, "t1": t1_s, "cpu_s": cpu_s, "threads": threads,
@@ -112,7 +114,7 @@ def traced_serve(argv: list[str]) -> int:
 
     step_timer = timed_step if os.environ.get(THREADS_ENV) else timed
     if os.environ.get(THREADS_ENV):
-        time_parts(parts)
+        stall_threads.time_parts(parts)
     bridge.EngineBridge._step = step_timer("step", bridge.EngineBridge._step)
     trace_hand_off(events, bridge, h11_impl)
     gc.callbacks.append(gc_tracer(events))
@@ -127,50 +129,6 @@ def traced_serve(argv: list[str]) -> int:
         return cli.main(["serve", *argv])
     finally:
         Path(os.environ[TRACE_ENV]).write_text(json.dumps(events))
-
-
-def steal_ms() -> float:
-    """The time the hypervisor ran something else on this VM's CPUs, all CPUs summed (ms, in 10 ms
-    ticks): /proc/stat's steal column. Stolen time is neither a thread's CPU time nor its run-queue wait."""
-    with open("/proc/stat") as f:
-        return int(f.readline().split()[8]) * 1e3 / os.sysconf("SC_CLK_TCK")
-
-
-def schedstat() -> dict[str, tuple[int, int]]:
-    """Per thread of this process (by name and id): CPU time and time spent runnable but waiting for a
-    core (the run queue), in ns, from /proc/self/task/<tid>/schedstat."""
-    out = {}
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                cpu, wait = f.read().split()[:2]
-            with open(f"/proc/self/task/{task}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        out[f"{name}/{task}"] = (int(cpu), int(wait))
-    return out
-
-
-def time_parts(parts: dict[str, float]) -> None:
-    """Add to `parts` the wall time (ms) of the engine's model call, scheduling, bookkeeping after the
-    step, sampling and appending, each time they run."""
-    from cairn import engine, runner, scheduler
-
-    def timer(name: str, fn):
-        def wrapper(*args, **kwargs):
-            t0_s = time.monotonic()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                parts[name] = parts.get(name, 0.0) + (time.monotonic() - t0_s) * 1e3
-        return wrapper
-
-    runner.ModelRunner.run = timer("model", runner.ModelRunner.run)
-    scheduler.Scheduler.schedule = timer("schedule", scheduler.Scheduler.schedule)
-    scheduler.Scheduler.after_step = timer("after_step", scheduler.Scheduler.after_step)
-    engine.sample_isolated = timer("sample", engine.sample_isolated)
-    engine.Engine._append = timer("append", engine.Engine._append)
 
 
 def trace_hand_off(events: list[dict], bridge, h11_impl) -> None:
@@ -348,84 +306,6 @@ def report_stream(events: list[dict], times: list[float]) -> None:
               + (f"; stolen by the hypervisor {stolen:.0f} ms" if any("parts" in e for e in inside) else ""))
 
 
-CPU_PROBE = """
-import json, os, sys, time
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # runs only on a core nothing else wants
-out, samples = sys.argv[1], []
-while not os.path.exists(out + ".stop"):
-    t0, c0 = time.monotonic(), time.thread_time()
-    sum(range(20000))  # a fixed piece of work: its CPU time is how fast the core runs now
-    samples.append((t0, time.thread_time() - c0))
-    time.sleep(0.002)
-with open(out, "w") as f:
-    json.dump(samples, f)
-"""
-
-
-def start_cpu_probe(out: Path) -> subprocess.Popen:
-    """A SCHED_IDLE process timing a fixed piece of work (CPU time) every ~2 ms on whatever core is free:
-    if the server's steps take more CPU time while the probe's work does too, the machine (the host
-    under this VM, another guest) slowed every core, not the server."""
-    return subprocess.Popen([sys.executable, "-c", CPU_PROBE, str(out)])
-
-
-def stop_cpu_probe(proc: subprocess.Popen, out: Path) -> list[tuple[float, float]]:
-    Path(str(out) + ".stop").touch()
-    proc.wait(30)
-    return json.loads(out.read_text())
-
-
-def probe_cost(samples: list[tuple[float, float]], start: float, end: float) -> float | None:
-    """The probe's median CPU time (ms) per piece of work in [start, end], None without a sample there."""
-    costs = [c for t, c in samples if start <= t <= end]
-    return statistics.median(costs) * 1e3 if costs else None
-
-
-def _label(key: str, engine_tid: int, pid: int) -> str:
-    name, tid = key.rsplit("/", 1)
-    if int(tid) == engine_tid:
-        return "engine"
-    return "loop" if int(tid) == pid else f"{name}/{tid}"
-
-
-def step_parts(e: dict, pid: int) -> dict[str, float]:
-    """A traced step's wall time split (ms): the engine thread's CPU, its run-queue wait, the rest
-    (asleep: the interpreter lock, a torch barrier); and each other thread's CPU and wait meanwhile."""
-    threads = {_label(k, e["engine_tid"], pid): v for k, v in e["threads"].items()}
-    cpu, wait = threads.pop("engine", (0.0, 0.0))
-    wall = (e["t1"] - e["t0"]) * 1e3
-    parts = {"wall": wall, "cpu": cpu, "wait": wait, "asleep": wall - cpu - wait, **e.get("parts", {})}
-    for name, (c, w) in threads.items():
-        parts[f"{name} cpu"], parts[f"{name} wait"] = c, w
-    return parts
-
-
-def report_threads(events: list[dict], times: list[float], pid: int,
-                   probe: list[tuple[float, float]] | None = None) -> None:
-    """Where the slow steps' time went, against the usual ones: the mean of each part (ms); with the CPU
-    probe's samples, its cost per piece of work during each step ("probe", ms)."""
-    steps = [e for e in events if e["kind"] == "step" and "threads" in e and times[0] <= e["t0"] <= times[-1]]
-    if not steps:
-        return
-    for e in steps:
-        cost = probe_cost(probe or [], e["t0"], e["t1"])
-        if cost is not None:
-            e.setdefault("parts", {})["probe"] = cost
-    median = statistics.median(e["t1"] - e["t0"] for e in steps)
-    slow = [step_parts(e, pid) for e in steps if e["t1"] - e["t0"] > 1.5 * median]
-    usual = [step_parts(e, pid) for e in steps if e["t1"] - e["t0"] <= 1.5 * median]
-    names = sorted({k for p in slow + usual for k in p}, key=lambda k: (k not in ("wall", "cpu", "wait", "asleep"), k))
-    print(f"\n| step part, mean (ms) | usual steps (<= 1.5x median, n={len(usual)}) | slow steps (n={len(slow)}) |")
-    print("|---|---:|---:|")
-    for k in names:
-        mean = [statistics.fmean(p.get(k, 0.0) for p in group) if group else 0.0 for group in (usual, slow)]
-        if max(mean) >= 0.05:
-            print(f"| {k} | {mean[0]:.2f} | {mean[1]:.2f} |")
-    print("\nthe 8 slowest steps (ms):")
-    for e in sorted(steps, key=lambda e: e["t0"] - e["t1"])[:8]:
-        print("  " + ", ".join(f"{k} {v:.1f}" for k, v in step_parts(e, pid).items() if abs(v) >= 0.1))
-
-
 def main() -> int:
     if sys.argv[1:2] == ["--serve"]:
         return traced_serve(sys.argv[2:])
@@ -451,9 +331,9 @@ def main() -> int:
                                  ns.read_kib, ns.threads)
         try:
             if ns.stream_only:
-                probe_proc = start_cpu_probe(Path(d) / "probe.json") if ns.cpu_probe else None
+                probe_proc = stall_threads.start_cpu_probe(Path(d) / "probe.json") if ns.cpu_probe else None
                 times = stream_alone(url, ns.stream_only)
-                probe = stop_cpu_probe(probe_proc, Path(d) / "probe.json") if probe_proc else None
+                probe = stall_threads.stop_cpu_probe(probe_proc, Path(d) / "probe.json") if probe_proc else None
             else:
                 rounds = [one_round(url, ns.sender_idle) for _ in range(ns.rounds)]
         finally:
@@ -465,7 +345,7 @@ def main() -> int:
                 ns.keep_trace.write_text(json.dumps({"events": events, "times": times, "pid": proc.pid,
                                                      "probe": probe}))
             report_stream(events, times)
-            report_threads(events, times, proc.pid, probe)
+            stall_threads.report_threads(events, times, proc.pid, probe)
         else:
             report(json.loads(trace.read_text()), rounds)
     print(f"\nCPU: {os.cpu_count()} cores; command: python benchmarks/stall_timeline.py " + " ".join(sys.argv[1:]))
