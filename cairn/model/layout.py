@@ -78,12 +78,10 @@ class GemvLinear(nn.Module):
     Up to that many rows the kernel streams the weight once for all of them; above, a GEMM. Measured on
     a quiet 2-core Xeon (BENCHMARKS.md): the AVX512-BF16 path is 1.32x F.linear's decode at 1 row and
     1.07x at 2, but 0.90x at 4 and 0.75x at 8, where its dot products cost more than the weight read
-    (DIRECT_ROWS); the AMX path reads a step's weights at 89-100% of `sum` at 1 to 16 rows (1.5-1.9x
-    F.linear), so it takes all 16 (cpu_gemv.MAX_ROWS), and a token's outputs are then bit for bit the
-    same alone or in a decode batch of up to 16.
+    (`GemvKernel.direct_rows`: 2); the AMX path reads a step's weights at 89-100% of `sum` at 1 to 16
+    rows (1.5-1.9x F.linear), so it takes all 16 (cpu_gemv.MAX_ROWS), and a token's outputs are then bit
+    for bit the same alone or in a decode batch of up to 16.
     """
-
-    DIRECT_ROWS = 2  # the AVX512-BF16 and AVX2 paths'
 
     def __init__(self, weight: nn.Parameter, kernel: cpu_gemv.GemvKernel):
         super().__init__()
