@@ -52,11 +52,12 @@ def cairn_prefill_s(engine, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def cairn_decode_tok_s(engine, batch: int, new_tokens: int, prompt_len: int = 128) -> float:
-    """Aggregate decode tokens/s once every request has its first token."""
+def cairn_decode_tok_s(engine, batch: int, new_tokens: int, prompt_len: int = 128, cache_prompt: bool = True) -> float:
+    """Aggregate decode tokens/s once every request has its first token (cache_prompt False: the prompts
+    are neither resumed from nor stored in an engine's prefix cache)."""
     from cairn.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True, cache_prompt=cache_prompt)
     ids = {engine.add_request(prompt(prompt_len, seed=i), params) for i in range(batch)}
     started, t0, produced = set(), None, 0
     while engine.has_unfinished():

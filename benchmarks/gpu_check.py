@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.cache_bench import ttft_s
-from benchmarks.engine_throughput import prompt
+from benchmarks.engine_throughput import cairn_decode_tok_s, prompt
 from benchmarks.gpu_kernel_cases import CASES, SHAPES
 from cairn.bench.checkpoint import make_checkpoint
 from cairn.ops import REFERENCE, Kernels, select_kernels
@@ -115,25 +115,12 @@ def model_row(ref_eng, fast_eng, size: str, prompt_len: int, tokens: int) -> dic
             "tokens": tokens * len(prompts), "max_logprob_diff": max(diffs, default=None)}
 
 
-def decode_tok_s(eng, batch: int, prompt_len: int, tokens: int) -> float:
-    from cairn.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, cache_prompt=False)
-    for s in range(batch):
-        eng.add_request(prompt(prompt_len, seed=100 + s), params)
-    eng.step()  # the prompts' prefill (they fit one step): decode is timed from here
-    t0, generated = time.perf_counter(), 0
-    while eng.has_unfinished():
-        generated += sum(len(o.delta_token_ids) for o in eng.step())
-    return generated / (time.perf_counter() - t0)
-
-
 def speed_rows(engines: dict, args) -> list[dict]:
     """Each figure for the reference and the fast kernels, alternated, the best of `repeats` kept."""
     rows = []
     for eng in engines.values():
         ttft_s(eng, prompt(args.prefill_len, seed=7), cache=False)  # warm-up (allocations, kernel builds)
-        decode_tok_s(eng, 1, 32, 4)
+        cairn_decode_tok_s(eng, 1, 4, 32, cache_prompt=False)
     figures = {name: {} for name in engines}
     for _ in range(args.repeats):
         for name, eng in engines.items():
@@ -142,7 +129,7 @@ def speed_rows(engines: dict, args) -> list[dict]:
             f["prefill_tok_s"] = max(f.get("prefill_tok_s", 0), args.prefill_len / seconds)
             for b in args.batches:
                 key = f"decode_b{b}_tok_s"
-                f[key] = max(f.get(key, 0), decode_tok_s(eng, b, 32, args.decode_tokens))
+                f[key] = max(f.get(key, 0), cairn_decode_tok_s(eng, b, args.decode_tokens, 32, cache_prompt=False))
     for name, f in figures.items():
         rows.append({"kernels": engines[name].model.kernels.name, "side": name, **f})
     return rows
