@@ -12,6 +12,13 @@ import torch
 import torch.nn.functional as F
 
 
+def check_captures(capture_at: Sequence[tuple[int, torch.Tensor]], seq_len: int) -> None:
+    """Every capture point of a prefill segment lies in 1..seq_len (ValueError naming it otherwise)."""
+    for count, _ in capture_at:
+        if not 1 <= count <= seq_len:
+            raise ValueError(f"capture at {count} is outside the segment's {seq_len} tokens")
+
+
 def causal_conv1d(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, capture_at: Sequence[tuple[int, torch.Tensor]] = (),
     bias: torch.Tensor | None = None,
@@ -33,9 +40,8 @@ def causal_conv1d(
     if bias is not None:
         out += bias.to(x.dtype)
     new_state = window[seq_len:].transpose(0, 1)  # the last K-1 inputs
+    check_captures(capture_at, seq_len)
     for count, dst in capture_at:  # after `count` tokens, the last K-1 inputs are window[count : count + K-1]
-        if not 1 <= count <= seq_len:
-            raise ValueError(f"capture at {count} is outside the segment's {seq_len} tokens")
         dst.copy_(window[count : count + kernel - 1].transpose(0, 1))
     return F.silu(out), new_state.contiguous()
 

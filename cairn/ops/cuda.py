@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cairn.ops import gdn
+from cairn.ops import conv, gdn
 from cairn.ops.optional import import_optional
 
 
@@ -33,9 +33,7 @@ def make_chunk(fla_chunk: Callable) -> Callable:
     def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, capture_at: Sequence[tuple[int, torch.Tensor]] = ()):
         seq_len, num_v_heads = v.shape[0], v.shape[1]
         q, k = gdn._expand_heads(q, k, num_v_heads)  # fla takes [batch, time, heads, dim], q / k per value head
-        for count, _ in capture_at:
-            if not 1 <= count <= seq_len:
-                raise ValueError(f"capture at {count} is outside the segment's {seq_len} tokens")
+        conv.check_captures(capture_at, seq_len)
         cuts = sorted({c for c, _ in capture_at if c < seq_len}) + [seq_len]
         state, pieces, start = initial_state.float(), [], 0
         for end in cuts:

@@ -54,9 +54,7 @@ def make_prefill(conv_fn: Callable) -> Callable:
     def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
                       capture_at: Sequence[tuple[int, torch.Tensor]] = (), bias: torch.Tensor | None = None):
         seq_len = x.shape[0]
-        for count, _ in capture_at:
-            if not 1 <= count <= seq_len:
-                raise ValueError(f"capture at {count} is outside the segment's {seq_len} tokens")
+        conv.check_captures(capture_at, seq_len)
         if x.shape[1] % 8:  # the package's channel-last kernel takes multiples of 8 channels only
             return conv.causal_conv1d(x, state, weight, capture_at, bias=bias)
         initial = state.to(x.dtype).t().contiguous().t()[None]  # [1, C, K-1], channel stride 1
