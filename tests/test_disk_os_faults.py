@@ -1,0 +1,164 @@
+"""The disk store when the operating system fails it: a lock file that is not a file, a namespace other users
+can read, a quarantine that cannot take a bad entry, a file removed by another process between the listing
+and the read, an I/O error on a read, a directory fsync that fails. Each is made by the environment (a FIFO,
+a mode, a file where a directory should be, a real unlink) or, where nothing else can make it on a healthy
+disk (EIO, a failing fsync), injected at the one OS call that fails; each ends as a counted fault or a
+one-line error, and the store keeps serving its other segments.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+
+from cairn.cache.disk.namespace import DiskStoreError
+from cairn.cache.disk.store import DiskStore
+from tests import test_disk_faults
+from tests.test_disk_faults import BUDGET_BYTES, DIGEST, Env, make_segment
+
+
+@pytest.fixture
+def env(tmp_path) -> Env:
+    """test_disk_faults' store: a victim segment and another, next to a directory that must stay untouched."""
+    return test_disk_faults.env.__wrapped__(tmp_path)
+
+
+def test_a_lock_that_is_not_a_regular_file_leaves_the_store_read_only_with_the_fault_counted(env):
+    (env.namespace / ".lock").unlink()  # the previous store's lock file, replaced
+    os.mkfifo(env.namespace / ".lock")  # opening a FIFO read-write does not block: fstat finds it
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        assert store.readonly and store.faults == {"lock_failed": 1}
+        assert store.get(env.victim.key) == env.victim and store.get(env.other.key) == env.other
+        assert not store.put(make_segment(300))  # a store without the lock never writes
+        assert store.faults == {"lock_failed": 1, "readonly": 1}
+    assert sorted(os.listdir(env.namespace)) == sorted([".lock", env.victim_path.name, f"{env.other.key.hex()}.seg"])
+
+
+def test_a_lock_name_taken_by_a_directory_leaves_the_store_read_only(env):
+    (env.namespace / ".lock").unlink()
+    (env.namespace / ".lock").mkdir()  # os.open(O_RDWR | O_CREAT) fails with EISDIR
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        assert store.readonly and store.faults == {"lock_failed": 1}
+        assert store.get(env.other.key) == env.other
+
+
+def test_a_namespace_other_users_can_read_is_used_with_one_warning(env, caplog):
+    env.namespace.chmod(0o755)
+    with caplog.at_level(logging.WARNING), DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        assert store.get(env.other.key) == env.other
+    assert sum("accessible to other users" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_disk_cache_path_that_is_a_file_is_refused_with_one_line(tmp_path):
+    path = tmp_path / "cache"
+    path.write_text("not a directory")
+    with pytest.raises(DiskStoreError, match="is not a directory"):
+        DiskStore(path, DIGEST, BUDGET_BYTES)
+    assert path.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("blocker", ["quarantine_is_a_file", "quarantined_name_is_a_directory"])
+def test_a_link_the_quarantine_cannot_take_is_counted_left_in_place_and_never_followed(env, blocker):
+    env.victim_path.unlink()
+    env.victim_path.symlink_to(env.outside / "secret.txt")
+    if blocker == "quarantine_is_a_file":
+        (env.namespace / "quarantine").write_text("someone's file")  # mkdir finds it, O_DIRECTORY refuses it
+    else:
+        (env.namespace / "quarantine" / env.victim_path.name / "inside").mkdir(parents=True)  # rename: EISDIR
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        assert store.faults == {"symlink": 1, "quarantine_failed": 1}
+        assert store.get(env.victim.key) is None and store.get(env.other.key) == env.other
+        assert store.put(make_segment(300))
+        store.check_integrity()
+    assert env.victim_path.is_symlink() and (env.outside / "secret.txt").read_text() == "not yours"
+
+
+def test_a_segment_removed_by_another_process_during_a_rescan_leaves_the_index_quietly(env, monkeypatch):
+    """The listing names a file that another process deletes before the store reads it (the race that a
+    purge or the writer's eviction makes with a read-only store's rescan)."""
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as writer, DiskStore(env.root, DIGEST, BUDGET_BYTES) as reader:
+        assert reader.readonly and set(reader.keys()) == {env.victim.key, env.other.key}
+        evicted = []
+        reader.on_evict = evicted.append
+        listdir = os.listdir
+
+        def listing_then_removal(fd):
+            names = listdir(fd)
+            env.victim_path.unlink()  # the writer's eviction, between our listing and our read
+            return names
+
+        monkeypatch.setattr(os, "listdir", listing_then_removal)
+        reader.scan()
+        monkeypatch.undo()
+        assert reader.keys() == [env.other.key] and evicted == [env.victim.key]
+        assert reader.faults == {} and reader.get(env.other.key) == env.other
+        reader.check_integrity()
+        assert writer.get(env.other.key) == env.other
+
+
+def test_a_rejected_link_removed_during_a_rescan_is_skipped_quietly(env, monkeypatch):
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as writer:
+        env.victim_path.unlink()
+        env.victim_path.symlink_to(env.outside / "secret.txt")
+        with DiskStore(env.root, DIGEST, BUDGET_BYTES) as reader:
+            assert reader.readonly and reader.faults == {"symlink": 1}  # remembered: not read again
+            listdir = os.listdir
+
+            def listing_then_removal(fd):
+                names = listdir(fd)
+                env.victim_path.unlink()
+                return names
+
+            monkeypatch.setattr(os, "listdir", listing_then_removal)
+            reader.scan()
+            monkeypatch.undo()
+            assert reader.keys() == [env.other.key] and reader.faults == {"symlink": 1}
+        assert writer.get(env.other.key) == env.other
+
+
+def failing(real, fail_when, err: int):
+    """`real`, raising OSError(err) on the calls for which fail_when(*args) is true."""
+    def call(*args, **kwargs):
+        if fail_when(*args):
+            raise OSError(err, os.strerror(err))
+        return real(*args, **kwargs)
+    return call
+
+
+def test_an_io_error_reading_a_segment_is_a_counted_miss_and_the_file_is_kept(env, monkeypatch):
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        monkeypatch.setattr(os, "readv", failing(os.readv, lambda fd, bufs: True, errno.EIO))
+        assert store.get(env.victim.key) is None
+        monkeypatch.undo()
+        assert store.faults == {"read_failed": 1} and store.info(env.victim.key) is None
+        assert store.get(env.other.key) == env.other
+        assert env.victim_path.exists()  # an I/O error is not proof of damage: the file stays
+        store.check_integrity()
+
+
+def test_an_io_error_reading_a_header_at_start_up_skips_that_segment(env, monkeypatch):
+    def is_victim(fd, *_):
+        return os.readlink(f"/proc/self/fd/{fd}") == str(env.victim_path)
+
+    monkeypatch.setattr(os, "pread", failing(os.pread, is_victim, errno.EIO))
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        monkeypatch.undo()
+        assert store.faults == {"read_failed": 1} and store.keys() == [env.other.key]
+        assert store.get(env.other.key) == env.other
+        store.scan()  # the disk is healthy again: the next scan indexes it
+        assert set(store.keys()) == {env.victim.key, env.other.key}
+        assert store.get(env.victim.key) == env.victim
+
+
+def test_a_failing_directory_fsync_keeps_the_written_segment_and_counts_it(env, monkeypatch):
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        dir_fd = store._dir_fd
+        monkeypatch.setattr(os, "fsync", failing(os.fsync, lambda fd: fd == dir_fd, errno.EIO))
+        fresh = make_segment(300)
+        assert store.put(fresh)  # complete and visible; only its name's durability is in doubt
+        monkeypatch.undo()
+        assert store.faults == {"dir_sync_failed": 1} and store.get(fresh.key) == fresh
+        store.check_integrity()
