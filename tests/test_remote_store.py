@@ -148,17 +148,6 @@ def test_a_value_that_expired_or_was_evicted_is_a_miss(redis_server):
     assert store.faults == {"missing": 1} and store.info(seg.key) is None
 
 
-def test_scan_forgets_segments_redis_no_longer_holds(redis_server):
-    evicted = []
-    store = make_store(redis_server.url, on_evict=evicted.append)
-    segs = chain(list(range(12)), [0, 4, 12], snapshot_at={12})
-    put_all(store, segs)
-    redis_server.client().delete(store.names.segment(segs[1].key))
-    store.scan()
-    assert evicted == [segs[1].key] and store.keys() == [segs[0].key]
-    store.close()
-
-
 def test_a_redis_that_is_down_is_a_miss_with_one_log_line_and_counted(redis_server, caplog):
     store = make_store(redis_server.url, timeout_s=0.5, cooldown_s=60.0)
     tokens = list(range(8))

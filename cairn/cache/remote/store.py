@@ -11,7 +11,7 @@
                      deeper chain is being written, the probe is repeated every WAIT_POLL_S until it has
                      landed (or the marker is gone, or wait_s has passed): the turn that follows a turn
                      served elsewhere arrives before that turn's write-behind is done
-    info / keys / get_tokens / pin / unpin / scan / len / used_bytes / close    as DiskStore's, over the
+    info / keys / get_tokens / pin / unpin / len / used_bytes / close    as DiskStore's, over the
                      segments this process knows of (those it wrote or looked up): Redis may hold more.
                      At most max_segments are known: beyond, the least recently used are forgotten here
                      (on_evict is told; Redis keeps them, a later lookup finds them again)
@@ -316,16 +316,6 @@ class RedisSegmentStore(ChainLookup, Pins):
         with self._lock:
             return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._writer.num_queued,
                     **self._counts, "marked": self.markers.num_set, "breaker_opened": self.redis.breaker.num_opened}
-
-    def scan(self) -> None:
-        """Forget the known segments Redis no longer holds (expired, evicted); nothing when it is down."""
-        with self._lock:
-            keys = [k for k in self._index if k not in self._pending]
-        if not keys:
-            return
-        present = self.redis.pipelined([("exists", self.names.segment(key)) for key in keys])
-        if present is not FAILED:
-            self._drop([k for k, n in zip(keys, present, strict=True) if not n])
 
     def check_integrity(self) -> None:
         with self._lock:
