@@ -7,6 +7,7 @@ the store keeps serving its other segments.
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,3 +183,31 @@ def test_a_compressed_section_that_does_not_decompress_is_refused(tmp_path):
         assert store.get(other.key) == other
     assert not path.exists()
 
+
+
+def snapshot_layout(tensors) -> Callable[[Parts], bytes]:
+    """The victim's meta with this snapshot layout (its section: 1000 bytes) in place of its own."""
+    def with_layout(parts: Parts) -> bytes:
+        victim = make_segment(100)
+        meta = {"kv": victim.kv_meta, "snapshot": tensors, "logits": victim.logits_meta}
+        parts.set_payload(SECTION_META, json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+        return parts.build()
+    return with_layout
+
+
+HALF = {"name": "state", "dtype": "uint8", "shape": [500], "offset": 0, "nbytes": 500}
+LAYOUTS = {
+    "not_a_tensor_list": {"tensors": "state"},
+    "a_name_twice": {"tensors": [HALF, {**HALF, "offset": 500}]},
+    "an_entry_without_its_fields": {"tensors": [{"name": "state"}]},
+    "an_unknown_dtype": {"tensors": [{**HALF, "dtype": "complex256", "shape": [1000], "nbytes": 1000}]},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_snapshot_layout_that_does_not_describe_its_section_is_refused(tmp_path, layout):
+    victim, other, path = stored_victim(tmp_path, snapshot_layout(LAYOUTS[layout]))
+    with DiskStore(tmp_path, DIGEST, BUDGET_BYTES) as store:
+        assert store.get(victim.key) is None and store.faults == {"malformed": 1}
+        assert store.get(other.key) == other
+    assert not path.exists()

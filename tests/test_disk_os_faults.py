@@ -11,6 +11,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
+import socket
 
 import pytest
 
@@ -162,3 +164,35 @@ def test_a_failing_directory_fsync_keeps_the_written_segment_and_counts_it(env, 
         monkeypatch.undo()
         assert store.faults == {"dir_sync_failed": 1} and store.get(fresh.key) == fresh
         store.check_integrity()
+
+
+def test_a_socket_named_like_a_segment_is_moved_aside_never_read(env, monkeypatch):
+    env.victim_path.unlink()
+    listener = socket.socket(socket.AF_UNIX)
+    monkeypatch.chdir(env.namespace)  # a socket's path must be short: bind its bare name
+    listener.bind(env.victim_path.name)  # opening a socket fails with ENXIO
+    try:
+        with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+            assert store.faults == {"not_regular": 1} and store.get(env.other.key) == env.other
+    finally:
+        listener.close()
+    assert (env.namespace / "quarantine" / env.victim_path.name).exists() and not env.victim_path.exists()
+
+
+@pytest.mark.parametrize("when", ["before_scan", "after_scan"])
+def test_a_valid_segment_under_another_segments_name_is_refused_and_deleted(env, when):
+    other_path = env.namespace / f"{env.other.key.hex()}.seg"
+    store = DiskStore(env.root, DIGEST, BUDGET_BYTES) if when == "after_scan" else None
+    shutil.copy(other_path, env.victim_path)  # a whole, checksummed segment: only its name is wrong
+    with store or DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        assert store.get(env.victim.key) is None and store.faults == {"malformed": 1}
+        assert store.get(env.other.key) == env.other
+    assert not env.victim_path.exists() and other_path.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_namespace_owned_by_another_user_is_refused_with_one_line(env):
+    os.chown(env.namespace, os.geteuid() + 4242, -1)  # the root is ours, the namespace in it is not
+    with pytest.raises(DiskStoreError, match="belongs to uid"):
+        DiskStore(env.root, DIGEST, BUDGET_BYTES)
+    assert len(list(env.namespace.glob("*.seg"))) == 2  # nothing touched
