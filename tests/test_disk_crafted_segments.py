@@ -63,7 +63,8 @@ class Parts:
         size = HEADER_BYTES + len(body) + len(trailing) + END_BYTES
         struct.pack_into("<Q", self.header, FILE_BYTES_AT, size)
         end = b"CAIRNEND" + struct.pack("<Q", size) + bytes(16)
-        return reseal(bytes(self.header) + body + trailing + end)
+        sealed = reseal(bytes(self.header) + body + end)  # checksums of the sections (trailing bytes have none)
+        return sealed[:-END_BYTES] + trailing + sealed[-END_BYTES:]
 
 
 def edit_flags(parts: Parts) -> bytes:
