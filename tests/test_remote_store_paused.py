@@ -5,7 +5,16 @@ Redis answers again, where another replica finds it by the prompt alone.
 
 from __future__ import annotations
 
+import time
+
 from tests.test_remote_store import chain, make_store
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
 
 
 def test_a_segment_queued_behind_a_paused_redis_is_read_from_memory_and_lands_when_it_answers(redis_server):
@@ -24,3 +33,24 @@ def test_a_segment_queued_behind_a_paused_redis_is_read_from_memory_and_lands_wh
     assert replica.get(second.key) == second
     store.close()
     replica.close()
+
+
+def test_a_snapshot_segment_refused_by_a_full_queue_takes_its_markers_back(redis_server):
+    """Its markers were announced before the write was refused: left set, other replicas would wait for it."""
+    store = make_store(redis_server.url, timeout_s=10.0, queue_segments=2)  # the markers' queue holds 2 as well
+    plain = [chain([i, i + 1, i + 2, i + 3], [0, 4])[0] for i in (10, 20, 30)]  # no snapshot: no markers
+    (with_snapshot,) = chain([40, 41, 42, 43], [0, 4], snapshot_at={4})
+    redis_server.pause()
+    try:
+        assert store.put(plain[0])
+        wait_until(store._writer._queue.empty)  # the writer took it off its queue and hangs on the paused Redis
+        assert store.put(plain[1]) and store.put(plain[2])  # queued behind it: the queue is full
+        assert not store.put(with_snapshot)  # its markers are announced, then its write is refused: withdrawn
+        assert store.faults == {"queue_full": 1} and store.info(with_snapshot.key) is None
+    finally:
+        redis_server.resume()
+    assert store.flush(timeout_s=10.0) and store.markers.flush(timeout_s=10.0)
+    r = redis_server.client()
+    assert not any(r.scan_iter(match=f"cairn:{store.names.namespace}:w:*"))  # set, then taken back
+    assert [r.exists(store.names.segment(s.key)) for s in plain] == [1, 1, 1]
+    store.close()
