@@ -175,7 +175,7 @@ def test_a_compressed_section_that_does_not_decompress_is_refused(tmp_path):
 
     def garbled_frame(parts: Parts) -> bytes:
         kv = parts.section(SECTION_KV)
-        kv[3] = kv[3][:6] + bytes(len(kv[3]) - 6)  # the frame header (and its size) kept, the body zeroed
+        kv[3] = kv[3][:14] + bytes(len(kv[3]) - 14)  # the frame header (with its content size) kept, blocks zeroed
         return parts.build()
 
     _, other, path = stored_victim(tmp_path, garbled_frame, compression="zstd")
