@@ -72,3 +72,10 @@ def test_an_engine_under_the_last_chunk_policy_takes_only_its_snapshot():
     assert [p for p, _, _ in llm.engine.cache.tree.iter_snapshots()] == [128]
     again = llm.generate([prompt + [5, 6, 7]], greedy)[0]
     assert again.cache.resume_position == 128
+
+
+def test_the_grid_skips_a_point_within_the_minimum_gap_of_a_message_or_branch_snapshot():
+    everywhere = {10: "message", 100: "message", 256: "grid", 400: "message", 500: "message", 512: "grid",
+                  700: "branch", 768: "grid", 1000: "prompt_end"}
+    assert _place("cairn") == everywhere
+    assert _place("cairn", min_gap_tokens=64) == {p: s for p, s in everywhere.items() if p != 512}  # 12 from 500
