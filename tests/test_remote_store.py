@@ -261,3 +261,25 @@ def test_remote_tier_persists_a_path_and_another_replica_resumes_its_snapshot(re
     assert k.shape == (2, 4, PAGE, 1, 2) and torch.all(k == 9.0) and torch.all(v == -1.0)
     assert found[1][2].key == segment_key(prefix_keys(tokens, [9])[9], tokens[9:22])
     writer.store.close(), reader.store.close()
+
+
+def test_another_branchs_entry_at_a_shared_page_position_is_not_taken_for_this_prompts(redis_server):
+    """Two conversations share their first 8 tokens and each ends with a snapshot at 10 (not a page multiple):
+    the second's copy of its entry at the page below its end (8, with its tail) replaces the first's there,
+    so a prompt of the first, probed at page multiples, finds an entry whose tail is not its own: not its
+    chain, and not a bad entry either (nothing counted, nothing deleted); probed at its message start 10 too,
+    it finds its own chain by the entry at the end."""
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    first, second = shared + [50, 51], shared + [60, 61]
+    writer = make_store(redis_server.url)
+    for tokens in (first, second):
+        (segment,) = chain(tokens, [0, 10], snapshot_at={10})
+        assert writer.put(segment)
+    assert writer.flush()
+    reader = make_store(redis_server.url)
+    assert reader.lookup(first + [99], [4, 8]) == []
+    assert [info.num_tokens for info in reader.lookup(second + [99], [4, 8])] == [10]
+    assert [reader.get_tokens(info.key) for info in reader.lookup(first + [99], [4, 8, 10])] == [tuple(first)]
+    assert reader.faults == {}
+    writer.close()
+    reader.close()

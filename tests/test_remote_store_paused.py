@@ -54,3 +54,4 @@ def test_a_snapshot_segment_refused_by_a_full_queue_takes_its_markers_back(redis
     assert not any(r.scan_iter(match=f"cairn:{store.names.namespace}:w:*"))  # set, then taken back
     assert [r.exists(store.names.segment(s.key)) for s in plain] == [1, 1, 1]
     store.close()
+
