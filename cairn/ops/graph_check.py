@@ -27,7 +27,6 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 
 class GraphUnsafe(RuntimeError):
@@ -81,15 +80,24 @@ class _Recorder(TorchDispatchMode):
         op = func.name()
         if op.split(".")[0] in SYNC_OPS:
             raise GraphUnsafe(f"{op} waits for the device or sizes its output from the data: not graph-safe")
-        leaves, _ = tree_flatten((args, kwargs))
-        inputs = tuple(self._tensor(op, a, True) if isinstance(a, torch.Tensor) else repr(a) for a in leaves)
+        inputs = tuple(self._tensor(op, a, True) if isinstance(a, torch.Tensor) else repr(a)
+                       for a in _leaves((args, kwargs)))
         out = func(*args, **kwargs)
-        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outputs = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
         for o in outputs:
             self.produced.add(o.untyped_storage().data_ptr())
             self.alive.append(o)
         self.ops.append((op, inputs, tuple(self._tensor(op, o, False) for o in outputs)))
         return out
+
+
+def _leaves(x) -> list:
+    """The tensors and scalars inside nested tuples, lists and dicts (an op's arguments or outputs), in order."""
+    if isinstance(x, (tuple, list)):
+        return [leaf for item in x for leaf in _leaves(item)]
+    if isinstance(x, dict):
+        return [leaf for item in x.values() for leaf in _leaves(item)]
+    return [x]
 
 
 def _first_difference(a: list[tuple], b: list[tuple]) -> str:
