@@ -71,7 +71,8 @@ class CudaGraphBackend:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: only this thread's unsafe calls fail the capture, not a cache tier's background thread
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = step()
 
         def replay() -> torch.Tensor:
