@@ -161,8 +161,8 @@ class Engine:
         it on, the model runs the graph-safe kernel set (cuda_graphs.graph_kernels)."""
         if given is None and not self.config.model.cuda_graphs:
             return None
-        reason = cuda_graphs.refusal(self.device if given is None else torch.device("cuda"), self.model.kernels,
-                                     self.model_config.ffn_types)
+        reason = ((cuda_graphs.device_refusal(self.device) if given is None else None)  # a given backend: any device
+                  or cuda_graphs.refusal(self.model.kernels, self.model_config.ffn_types))
         if reason:
             raise ConfigError(reason)
         backend = given or cuda_graphs.CudaGraphBackend()

@@ -15,6 +15,9 @@ Every matrix product of a prefill token then has the same shape (and the token t
 whether the request resumed from the cache or not, and whatever else is in the step, so its logits,
 KV and states are bit for bit those of a cold run: the kernels' results depend on the shapes of the
 products (a GEMM picks its blocking by size), not only on each row's values.
+
+With `graphs` (`--cuda-graphs`) a pure decode step with nothing to capture replays a graph captured for its
+batch bucket instead (cairn/decode_graphs.py); every other step runs as above.
 """
 
 from __future__ import annotations

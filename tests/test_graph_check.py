@@ -25,8 +25,6 @@ from cairn.sampling import SamplingParams
 from tests.checkpoints import write_checkpoint
 from tests.harness import state_pool
 
-CUDA = torch.device("cuda")
-
 
 def capture(step, **static):
     return CheckingGraphBackend().capture(step, static)
@@ -200,11 +198,12 @@ def test_cuda_graphs_are_refused_in_one_line_on_a_cpu(capsys):
 
 def test_a_decode_kernel_not_known_to_be_graph_safe_is_refused():
     fast = dataclasses.replace(REFERENCE, name="cuda[flashinfer]", paged_decode_attention=lambda *a: None)
-    reason = cuda_graphs.refusal(CUDA, fast, ("dense",))
+    reason = cuda_graphs.refusal(fast, ("dense",))
     assert "paged_decode_attention" in reason and "\n" not in reason
     prefill_only = dataclasses.replace(REFERENCE, name="cuda[x]", chunk_gated_delta_rule=lambda *a: None)
-    assert cuda_graphs.refusal(CUDA, prefill_only, ("dense",)) is None  # prefill kernels never run under a graph
-    assert cuda_graphs.refusal(CUDA, REFERENCE, ("dense",)) is None
+    assert cuda_graphs.refusal(prefill_only, ("dense",)) is None  # prefill kernels never run under a graph
+    assert cuda_graphs.refusal(REFERENCE, ("dense",)) is None
+    assert cuda_graphs.device_refusal(torch.device("cuda")) is None and cuda_graphs.device_refusal(torch.device("cpu"))
 
 
 def test_moe_models_are_refused(tmp_path):

@@ -29,10 +29,15 @@ DECODE_FIELDS = ("recurrent_gated_delta_rule", "causal_conv1d_update", "paged_de
                  "mamba_conv1d_update", "ssd_recurrent_step", "gdn_decode_op", "add_rms_norm", "norm_rotary_write")
 
 
-def refusal(device: torch.device, kernels: Kernels, ffn_types: tuple[str, ...]) -> str | None:
-    """Why `--cuda-graphs` cannot run here (one line), or None when it can."""
+def device_refusal(device: torch.device) -> str | None:
+    """Why `--cuda-graphs` cannot run on `device` (one line), or None on CUDA."""
     if device.type != "cuda":
         return f"--cuda-graphs needs a CUDA device (this one is {device.type}); drop the flag"
+    return None
+
+
+def refusal(kernels: Kernels, ffn_types: tuple[str, ...]) -> str | None:
+    """Why the graph path cannot run this model with these kernels (one line), or None when it can."""
     for field in DECODE_FIELDS:
         if getattr(kernels, field) is not getattr(REFERENCE, field):
             return (f"--cuda-graphs: the decode kernel {field} of {kernels.name} is not known to be graph-safe "
