@@ -160,6 +160,8 @@ def test_graph_decode_gives_the_eager_tokens_in_every_bucket_after_slots_and_pag
     assert backend.replays == len(lock.steps)
     first_wave = {slot for s in lock.steps[:3] for slot, _, _ in s["seqs"]}
     assert first_wave & {slot for slot, _, _ in lock.steps[-1]["seqs"]}  # the second wave reuses slots
+    first_pages = {p for s in lock.steps[:3] for _, table, _ in s["seqs"] for p in table}
+    assert first_pages & {p for _, table, _ in lock.steps[-1]["seqs"] for p in table}  # ... and pages
     for step in lock.steps:
         assert torch.equal(step["graph"].argmax(-1), step["eager"].argmax(-1))
         torch.testing.assert_close(step["graph"], step["eager"], rtol=0, atol=LOGITS_TOL)
