@@ -14,6 +14,10 @@
 3. Prefill and decode tok/s and the compaction-replay time to first token (BENCHMARKS.md, "Prefix cache
    on the device tier": a conversation cut back to 70% plus a 64-token instruction, resumed from the
    deepest snapshot below the cut), reference and fast kernels side by side, at the largest size.
+4. CUDA graphs for decode (`--cuda-graphs`, cairn/decode_graphs.py) at the largest size, reference kernels:
+   greedy tokens and log-probabilities of graph replay against the eager engine, and decode tok/s of both,
+   alternated. On CPU (--dry-run) the graph side runs the checking stand-in (cairn/ops/graph_check.py):
+   the same static-buffer path, proven graph-safe at every replay, not faster.
 
 Absent libraries are skipped (their kernels stay the reference), so the script runs on an image without
 any of them. See docs/gpu.md for the wheels to carry and the command line.
@@ -76,17 +80,23 @@ def kernel_rows(fast: Kernels, shapes: list[str], device: str) -> list[dict]:
     return rows
 
 
-def engine(path: Path, device: str, fast: bool, args):
+def engine(path: Path, device: str, fast: bool, args, graphs: bool = False):
+    """An engine on the checkpoint; `graphs`: the decode graph path (CUDA graphs on CUDA, else the checking
+    stand-in)."""
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
     from cairn.engine import Engine
+    from cairn.ops.graph_check import CheckingGraphBackend
 
-    cfg = EngineConfig(ModelOptions(model=str(path), dtype="bfloat16", device=device, fast_kernels=fast),
+    cuda_graphs = graphs and device.startswith("cuda")
+    stand_in = CheckingGraphBackend() if graphs and not cuda_graphs else None
+    cfg = EngineConfig(ModelOptions(model=str(path), dtype="bfloat16", device=device, fast_kernels=fast,
+                                    cuda_graphs=cuda_graphs),
                        MemoryOptions(page_size=16, kv_cache_gib=2.0, state_cache_gib=1.0),
                        SchedulerOptions(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=args.context + 512,
                                         prefill_block=args.prefill_block),
                        CacheOptions(prefix_cache=True, snapshot_interval=args.snapshot_interval,
                                     device_snapshot_gib=2.0, host_cache_gib=0.0))
-    return Engine(cfg, show_progress=False)
+    return Engine(cfg, show_progress=False, graph_backend=stand_in)
 
 
 def greedy(eng, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -135,6 +145,29 @@ def speed_rows(engines: dict, args) -> list[dict]:
     return rows
 
 
+def graph_rows(eager, graphed, size: str, args) -> list[dict]:
+    """Graph replay against the eager engine (both on the reference kernels): greedy tokens and log-probabilities
+    of three prompts decoded together (bucket 4, one padding row), then decode tok/s of both, alternated."""
+    prompts = [prompt(100, seed=s) for s in (1, 2, 3)]
+    eager_tokens, eager_lp = greedy(eager, prompts, 8)
+    graph_tokens, graph_lp = greedy(graphed, prompts, 8)
+    diffs = [abs(a - b) for r, g, rl, gl in zip(eager_tokens, graph_tokens, eager_lp, graph_lp, strict=True)
+             for (x, y, a, b) in zip(r, g, rl, gl, strict=True) if x == y]
+    row = {"size": size, "backend": graphed.runner.graphs.backend.name, "buckets": graphed.runner.graphs.buckets,
+           "tokens_equal": sum(a == b for r, g in zip(eager_tokens, graph_tokens, strict=True)
+                               for a, b in zip(r, g, strict=True)),
+           "tokens": 8 * len(prompts), "max_logprob_diff": max(diffs, default=None)}
+    for b in args.batches:  # first use of each bucket captures it: untimed
+        for eng in (eager, graphed):
+            cairn_decode_tok_s(eng, b, 2, 32, cache_prompt=False)
+    for _ in range(args.repeats):
+        for side, eng in (("eager", eager), ("graphs", graphed)):
+            for b in args.batches:
+                key = f"{side}_decode_b{b}_tok_s"
+                row[key] = max(row.get(key, 0), cairn_decode_tok_s(eng, b, args.decode_tokens, 32, cache_prompt=False))
+    return [row]
+
+
 def replay_rows(engines: dict, context: int, instruction: int = 64) -> list[dict]:
     keep = int(0.7 * context)
     rows = []
@@ -168,6 +201,13 @@ def table(result: dict) -> str:
         lines += [f"| {r['side']} | {r['kernels']} | compaction replay TTFT warm (resumed at {r['resumed_at']}) | "
                   f"{r['ttft_warm_s']:.3f} s |",
                   f"| {r['side']} | {r['kernels']} | compaction replay TTFT cold | {r['ttft_cold_s']:.3f} s |"]
+    lines += ["", "| size | decode graphs | tokens equal | max logprob diff | batch | eager tok/s | graphs tok/s |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for r in result["graphs"]:
+        for b in [int(k.split("_b")[1].split("_")[0]) for k in r if k.startswith("eager_decode_b")]:
+            lines.append(f"| {r['size']} | {r['backend']} | {r['tokens_equal']}/{r['tokens']} | "
+                         f"{r['max_logprob_diff']} | {b} | {r[f'eager_decode_b{b}_tok_s']:.1f} | "
+                         f"{r[f'graphs_decode_b{b}_tok_s']:.1f} |")
     lines += ["", *(f"error: {e}" for e in result["errors"])]
     return "\n".join(lines)
 
@@ -205,6 +245,13 @@ def model_parts(parts: Parts, args, size: str, timed: bool, folder: str) -> None
     parts.run(f"model {size}", load)
     if timed and len(engines) == 2:
         result["speed_size"] = size
+
+        def graphs() -> None:
+            graphed = engine(Path(folder) / size, args.device, False, args, graphs=True)
+            result["graphs"].extend(graph_rows(engines["reference"], graphed, size, args))
+            del graphed
+
+        parts.run("graphs", graphs)
         parts.run("speed", lambda: result["speed"].extend(speed_rows(engines, args)))
         parts.run("replay", lambda: result["replay"].extend(replay_rows(engines, args.context)))
 
@@ -238,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     fast = select_kernels(args.device, fast=True)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
               "torch": torch.__version__, "imports": imports(), "fast_kernels": fast.name, "kernels": [],
-              "models": [], "speed": [], "replay": [], "errors": []}
+              "models": [], "speed": [], "replay": [], "graphs": [], "errors": []}
     parts = Parts(result, out, args.budget_s)
     parts.run("kernels", lambda: result["kernels"].extend(kernel_rows(fast, args.shapes.split(","), args.device)))
     sizes = args.sizes.split(",")

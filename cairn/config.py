@@ -54,6 +54,10 @@ class ModelOptions:
     fast_kernels: bool = _f(False, "on CUDA, use the field's kernels where installed: flash-linear-attention "
                             "(gated delta rule), causal-conv1d (conv), FlashInfer (paged attention); untested on "
                             "GPU so far; the reference kernels otherwise")
+    cuda_graphs: bool = _f(False, "on CUDA, replay each pure decode step as a CUDA graph captured per batch bucket "
+                           "(1, 2, 4, ... up to --max-num-seqs; mixed steps and prefill stay eager); refused on a "
+                           "CPU, with a fast decode kernel not known to be graph-safe, or with MoE layers; reserves "
+                           "one KV page and one state slot for padding rows; untested on GPU so far")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from cairn.cache.factory import build_cache
 from cairn.choices import ChoiceGroups
 from cairn.compat import compat_digest, weights_digest
 from cairn.config import CacheOptions, ConfigError, EngineConfig
+from cairn.decode_graphs import CaptureBackend, DecodeGraphs
 from cairn.demo import DEMO_NAME, build_demo
 from cairn.errors import RequestTooLarge, SamplingError
 from cairn.grammar import GrammarCompiler, allowed_masks_isolated
@@ -40,7 +41,7 @@ from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
 from cairn.model.layout import apply_layout, quantize
 from cairn.model.loader import load_checkpoint
-from cairn.ops import select_kernels
+from cairn.ops import cuda_graphs, select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
@@ -89,7 +90,10 @@ def prefill_block(requested: int | None, dtype: torch.dtype, max_num_batched_tok
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, cache: PrefixCache | None = None, show_progress: bool = True):
+    def __init__(self, config: EngineConfig, cache: PrefixCache | None = None, show_progress: bool = True,
+                 graph_backend: CaptureBackend | None = None):
+        """graph_backend: the decode graph path with this capture backend whatever the device (the CPU tests give
+        the checking stand-in, cairn.ops.graph_check); `--cuda-graphs` gives CudaGraphBackend on CUDA."""
         self.config = config
         opts = config.model
         self.device = resolve_device(opts.device)
@@ -117,16 +121,19 @@ class Engine:
         if opts.fast_kernels:
             self.model.kernels = select_kernels(self.device, fast=True)
         self.config = config = resolve_sizes(config, self.device, is_demo=opts.model is None)
-        self.kv, self.states = self._allocate_pools(self.model_config)
-        self.max_model_len = self._max_model_len()
+        backend = self._graph_backend(graph_backend)
+        self.kv, self.states = self._allocate_pools(self.model_config, reserved_slots=int(backend is not None))
         sched = config.scheduler
-        max_num_seqs = min(sched.max_num_seqs, self.states.num_slots)
+        max_num_seqs = min(sched.max_num_seqs, self.states.num_slots - int(backend is not None))
+        graphs = None if backend is None else DecodeGraphs(self.model, self.kv, self.states, backend, max_num_seqs,
+                                                           self._max_model_len(reserved_pages=1))
+        self.max_model_len = self._max_model_len()
         self.prefill_block = prefill_block(sched.prefill_block, self.dtype, sched.max_num_batched_tokens, max_num_seqs)
         self.cache = cache if cache is not None else self._build_cache(config.cache)
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache, max_num_seqs,
                                    sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
                                    self.prefill_block)
-        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.prefill_block)
+        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.prefill_block, graphs)
         if self.prefill_block:
             log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
         self.weight_layout = opts.quantization if opts.quantization != "none" else apply_layout(
@@ -149,7 +156,21 @@ class Engine:
         return build_cache(opts, self.kv, self.states, self.model_config.vocab_size, digest, self.model_name,
                            self.prefill_block)
 
-    def _allocate_pools(self, cfg: ModelConfig) -> tuple[KVPool, StatePool]:
+    def _graph_backend(self, given: CaptureBackend | None) -> CaptureBackend | None:
+        """The decode graph path's capture backend (None: off), after the refusals (ConfigError, one line); with
+        it on, the model runs the graph-safe kernel set (cuda_graphs.graph_kernels)."""
+        if given is None and not self.config.model.cuda_graphs:
+            return None
+        reason = ((cuda_graphs.device_refusal(self.device) if given is None else None)  # a given backend: any device
+                  or cuda_graphs.refusal(self.model.kernels, self.model_config.ffn_types))
+        if reason:
+            raise ConfigError(reason)
+        backend = given or cuda_graphs.CudaGraphBackend()
+        self.model.kernels = cuda_graphs.graph_kernels(self.model.kernels)
+        log.info("decode steps replay graphs (%s), captured per batch bucket on first use", backend.name)
+        return backend
+
+    def _allocate_pools(self, cfg: ModelConfig, reserved_slots: int = 0) -> tuple[KVPool, StatePool]:
         mem = self.config.memory
         n_attn = len(cfg.attention_layers)
         page_bytes = KVPool.page_bytes(max(n_attn, 1), mem.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
@@ -158,8 +179,9 @@ class Engine:
             raise ConfigError(f"--kv-cache-gib {mem.kv_cache_gib} holds no KV page of {page_bytes} bytes")
         spec = cfg.state_spec(self.dtype)
         slot_bytes = spec.slot_bytes
-        num_slots = min(self.config.scheduler.max_num_seqs, mem.state_cache_bytes // max(slot_bytes, 1))
-        if num_slots < 1:
+        wanted = self.config.scheduler.max_num_seqs + reserved_slots  # reserved: the graph path's scratch slot
+        num_slots = min(wanted, mem.state_cache_bytes // max(slot_bytes, 1))
+        if num_slots < 1 + reserved_slots:
             raise ConfigError(f"--state-cache-gib {mem.state_cache_gib} holds no state slot of {slot_bytes} bytes")
         kv = KVPool(max(n_attn, 1), num_pages, mem.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         states = StatePool(spec, num_slots, self.device)
@@ -167,8 +189,9 @@ class Engine:
                  num_pages, mem.page_size, kv.total_bytes / 2**20, num_slots, slot_bytes / 2**20)
         return kv, states
 
-    def _max_model_len(self) -> int:
-        limit = min(self.model_config.max_position_embeddings, self.kv.num_pages * self.kv.page_size)
+    def _max_model_len(self, reserved_pages: int = 0) -> int:
+        usable = self.kv.num_pages - max(reserved_pages, len(self.kv.allocator.reserved))
+        limit = min(self.model_config.max_position_embeddings, usable * self.kv.page_size)
         asked = self.config.scheduler.max_model_len
         return min(asked, limit) if asked else limit
 
@@ -401,7 +424,7 @@ class Engine:
         """Fraction of each pool in use: KV pages (the cache's included), working slots, snapshot tiers."""
         kv, states = self.kv, self.states
         use = {"kv_pool_use": 1 - kv.allocator.num_free / kv.num_pages,
-               "working_slots_use": 1 - states.num_free / states.num_slots}
+               "working_slots_use": 1 - states.num_free / states.num_usable}
         stats = self.scheduler.cache_stats()
         for tier, used in (stats.snapshot_used_bytes.items() if stats is not None else ()):
             if stats.snapshot_budget_bytes.get(tier):
@@ -428,6 +451,6 @@ class Engine:
         """Pages, slots and the cache's bookkeeping agree: every page's refcount is the tree's references
         plus the running requests' page tables (the scheduler checks), and an idle engine holds no slot."""
         self.scheduler.check_integrity()
-        if not self.scheduler.has_work and self.states.num_free != self.states.num_slots:
+        if not self.scheduler.has_work and self.states.num_free != self.states.num_usable:
             raise AssertionError("an idle engine holds working state slots")
 

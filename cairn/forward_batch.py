@@ -46,6 +46,11 @@ class ForwardBatch:
     captures: list[list[tuple[int, int]]] = field(default_factory=list)  # per sequence: (absolute position
     # strictly inside its segment, slot of capture_pool) where every linear layer saves its state
     capture_pool: SlotTensors | None = None  # where captured states go (the cache's device snapshot pool)
+    # set by the CUDA graph path (cairn/decode_graphs.py) only: a pure decode batch of static device buffers,
+    # this tensor [num_decode] long being its context lengths. Nothing then reads a value on the host:
+    # decode_slots() is the index tensor (gathered and scattered, never a slice chosen from the slot values)
+    # and decode_context_lens() is this tensor (the list context_lens is not read).
+    static_context_lens: torch.Tensor | None = None
     # computed once per step by the first layer that asks, not once per layer
     _decode_slots: slice | torch.Tensor | None = field(default=None, init=False, repr=False)
     _decode_context_lens: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -57,6 +62,8 @@ class ForwardBatch:
     def decode_slots(self) -> slice | torch.Tensor:
         """The decode sequences' state slots: a slice when they are consecutive and ascending (indexing the
         pool with it gives a view, updated in place), else the index tensor (a gathered copy)."""
+        if self.static_context_lens is not None:
+            return self.state_slots[: self.num_decode]
         if self._decode_slots is None:
             slots = self.state_slots[: self.num_decode]
             first = int(slots[0])
@@ -66,6 +73,8 @@ class ForwardBatch:
         return self._decode_slots
 
     def decode_context_lens(self) -> torch.Tensor:
+        if self.static_context_lens is not None:
+            return self.static_context_lens
         if self._decode_context_lens is None:
             self._decode_context_lens = torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long,
                                                      device=self.input_ids.device)

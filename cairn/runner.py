@@ -15,12 +15,16 @@ Every matrix product of a prefill token then has the same shape (and the token t
 whether the request resumed from the cache or not, and whatever else is in the step, so its logits,
 KV and states are bit for bit those of a cold run: the kernels' results depend on the shapes of the
 products (a GEMM picks its blocking by size), not only on each row's values.
+
+With `graphs` (`--cuda-graphs`) a pure decode step with nothing to capture replays a graph captured for its
+batch bucket instead (cairn/decode_graphs.py); every other step runs as above.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cairn.decode_graphs import DecodeGraphs
 from cairn.forward_batch import ForwardBatch
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -33,13 +37,19 @@ Item = tuple[Sequence, int, int, list[tuple[int, int]]]  # (seq, first position,
 
 class ModelRunner:
     def __init__(self, model: HybridModel, kv: KVPool, states: StatePool, device: torch.device,
-                 prefill_block: int = 0):
+                 prefill_block: int = 0, graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv = kv
         self.states = states
         self.device = device
         self.page_size = kv.page_size
         self.prefill_block = prefill_block  # 0: one call per step; else one call per block (see above)
+        self.graphs = graphs  # --cuda-graphs: pure decode steps replay a captured graph (cairn/decode_graphs.py)
+
+    def takes_graph(self, batch: ScheduledBatch) -> bool:
+        """A pure decode step of at most the largest bucket's sequences, with nothing to capture."""
+        return (self.graphs is not None and batch.num_decode == len(batch.seqs) and not batch.captures
+                and self.graphs.bucket(batch.num_decode) is not None)
 
     def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
         """The whole step as one model call."""
@@ -105,6 +115,9 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [len(sampled), vocab] (fp32, on CPU) for the sequences that need a next token."""
+        if self.takes_graph(batch):
+            seqs = list(batch.seqs)
+            return self.graphs.run(seqs).cpu(), seqs
         if not self.prefill_block:
             fb, sampled = self.build(batch)
             return self.model(fb, self.kv, self.states).cpu(), sampled

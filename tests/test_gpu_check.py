@@ -32,3 +32,8 @@ def test_gpu_check_dry_run_compares_reference_with_reference_and_writes_its_json
     assert all(r["prefill_tok_s"] > 0 and r["decode_b1_tok_s"] > 0 for r in written["speed"])
     for replay in written["replay"]:
         assert 0 < replay["resumed_at"] < replay["replay_tokens"]  # resumed from a snapshot
+    [graphs] = written["graphs"]  # the decode graph path through the checking stand-in, against eager
+    assert graphs["backend"].startswith("checking stand-in") and graphs["buckets"][0] == 1
+    assert graphs["tokens_equal"] == graphs["tokens"] > 0 and graphs["max_logprob_diff"] < 0.1
+    assert graphs["eager_decode_b1_tok_s"] > 0 and graphs["graphs_decode_b1_tok_s"] > 0
+    assert "| decode graphs |" in (tmp_path / "gpu_check.md").read_text()

@@ -38,7 +38,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
                 "cairn.sizing", "cairn.compat"),
                frozenset({"scheduler", "runner", "cache", "memory", "model", "ops", "request", "leaf"})),
     # the model runner: one forward pass for a scheduled batch
-    "runner": (("cairn.runner",), frozenset({"scheduler", "model", "memory", "leaf"})),
+    "runner": (("cairn.runner", "cairn.decode_graphs"), frozenset({"scheduler", "model", "memory", "leaf"})),
     # continuous batching and admission; the request's state (Sequence)
     "scheduler": (("cairn.scheduler", "cairn.sequence"), frozenset({"cache", "memory", "request", "leaf"})),
     # the prefix cache: radix tree, policies, tiers, disk store

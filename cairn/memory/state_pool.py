@@ -41,6 +41,7 @@ class StatePool:
         self._device = torch.empty(0, device=device).device
         self._pinned = pin_memory
         self._free = list(range(num_slots - 1, -1, -1))
+        self.reserved: list[int] = []  # slots out of circulation for good (reserve)
 
     @classmethod
     def like(cls, other: StatePool, num_slots: int, device: torch.device | str, pin_memory: bool = False) -> StatePool:
@@ -77,8 +78,20 @@ class StatePool:
                 stacked[:, slot].zero_()
         return slot
 
+    def reserve(self) -> int:
+        """A slot taken out of circulation for good (the CUDA graph path's scratch slot, which padding rows
+        read and write): never handed out again, never freed (free raises). Raises OutOfSlots when none is free."""
+        slot = self.alloc()
+        self.reserved.append(slot)
+        return slot
+
+    @property
+    def num_usable(self) -> int:
+        """Slots that requests can hold: all but the reserved ones."""
+        return self._num_slots - len(self.reserved)
+
     def free(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.num_slots:
+        if slot in self._free or not 0 <= slot < self.num_slots or slot in self.reserved:
             raise AssertionError(f"free of slot {slot} that is not allocated")
         self._free.append(slot)
 

@@ -100,11 +100,28 @@ def paged_decode_attention(
     when they are consecutive (see the module docstring)."""
     batch = q.shape[0]
     run = consecutive_run(page_tables[0]) if batch == 1 else None
-    if run is not None:
-        k, v = k_pool[run].flatten(0, 1).unsqueeze(0), v_pool[run].flatten(0, 1).unsqueeze(0)  # [1, S, KVH, D]
-    else:
-        k = k_pool[page_tables].flatten(1, 2)  # [B, S, KVH, D]
-        v = v_pool[page_tables].flatten(1, 2)
+    if run is None:
+        return paged_decode_attention_by_table(q, k_pool, v_pool, page_tables, context_lens, scale)
+    k, v = k_pool[run].flatten(0, 1).unsqueeze(0), v_pool[run].flatten(0, 1).unsqueeze(0)  # [1, S, KVH, D]
+    return _attend(q, k, v, context_lens, scale)
+
+
+def paged_decode_attention_by_table(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """paged_decode_attention with every sequence's pages gathered by its table (a copy), never a view chosen
+    on the host: no host read, no sync, the same ops whatever the pages (the CUDA graph path's; the same values
+    as the view, so the same result)."""
+    k = k_pool[page_tables].flatten(1, 2)  # [B, S, KVH, D]
+    v = v_pool[page_tables].flatten(1, 2)
+    return _attend(q, k, v, context_lens, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q [B, H, D] over k, v [B, S, KVH, D], each row's first context_lens[b] keys: [B, H, D]."""
+    batch = q.shape[0]
     mask = torch.arange(k.shape[1], device=q.device).unsqueeze(0) < context_lens.unsqueeze(1)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.view(batch, 1, 1, -1),
