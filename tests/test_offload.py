@@ -122,3 +122,30 @@ def test_closed_workers_refuse_new_jobs(workers):
     workers.close()
     with pytest.raises(WorkersClosed, match="shutdown"):
         asyncio.run(workers.run(pid, []))
+
+
+def write_at_exit(_context, body: bytes) -> None:
+    import atexit
+    atexit.register(Path(body.decode()).write_text, "exited")
+
+
+def stuck(_context, _body) -> None:
+    import atexit
+    atexit.register(time.sleep, 60)  # its exit never ends
+
+
+def test_closed_pool_lets_its_idle_worker_exit_by_itself_so_its_exit_handlers_run(workers, tmp_path):
+    """Closing the pool closes each idle worker's pipe: its loop ends and the process exits normally
+    (exit handlers run: coverage's data, logs flushed), instead of being killed on the spot."""
+    marker = tmp_path / "exited"
+    asyncio.run(workers.run(write_at_exit, [str(marker).encode()]))
+    workers.close()
+    assert marker.read_text() == "exited"
+
+
+def test_closed_worker_that_does_not_end_is_killed(workers):
+    """A worker whose exit does not end within WORKER_EXIT_S once its pipe is closed is killed and reaped."""
+    worker = asyncio.run(workers.run(pid, []))
+    asyncio.run(workers.run(stuck, []))  # the same worker (the idle ones are a stack)
+    workers.close()
+    assert not Path(f"/proc/{worker}").exists()  # killed and reaped, not left sleeping its 60 s
