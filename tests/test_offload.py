@@ -149,3 +149,48 @@ def test_closed_worker_that_does_not_end_is_killed(workers):
     asyncio.run(workers.run(stuck, []))  # the same worker (the idle ones are a stack)
     workers.close()
     assert not Path(f"/proc/{worker}").exists()  # killed and reaped, not left sleeping its 60 s
+
+
+def unpicklable(_context, _body):
+    return lambda: None  # a result that cannot cross the process boundary
+
+
+def test_result_that_does_not_pickle_fails_that_job_only(workers):
+    with pytest.raises(RuntimeError, match="not picklable"):
+        asyncio.run(workers.run(unpicklable, []))
+    assert asyncio.run(workers.run(slow_echo, [b"next"], 0.0)) == b"next"
+
+
+def slow_die(_context, _body, delay_s: float) -> None:
+    time.sleep(delay_s)
+    os._exit(3)
+
+
+def slow_pid(_context, _body, delay_s: float) -> int:
+    time.sleep(delay_s)
+    return os.getpid()
+
+
+def close_during(pool: ProcessWorkers, fn, *args):
+    """Run fn in one worker and close the pool while it runs; the job's answer or exception."""
+    async def run():
+        job = asyncio.ensure_future(pool.run(fn, [], *args))
+        await pool.run(pid, [])  # on the other worker: both are started by now
+        await asyncio.sleep(0.3)
+        pool.close()
+        (answer,) = await asyncio.gather(job, return_exceptions=True)
+        return answer
+    return asyncio.run(run())
+
+
+def test_job_running_when_the_pool_closes_still_answers_then_its_worker_stops(workers):
+    worker = close_during(workers, slow_pid, 1.0)
+    assert isinstance(worker, int)
+    assert not Path(f"/proc/{worker}").exists()  # stopped and reaped once it answered, not put back
+
+
+def test_worker_dying_while_the_pool_closes_fails_its_job_and_is_not_replaced(workers, caplog):
+    with caplog.at_level(logging.ERROR, logger="cairn.server.workers"):
+        died = close_during(workers, slow_die, 1.0)
+    assert isinstance(died, WorkerDied) and "exit code 3" in str(died)
+    assert not any("starting another" in r.getMessage() for r in caplog.records)
