@@ -1,0 +1,53 @@
+"""The offline API's refusals (`cairn.LLM`, issue 11's fifth coverage pass): input that can never run
+is refused when it is queued, with the error a caller catches, and the engine keeps generating. The
+server checks the same things itself before they reach the engine; these are the engine's own checks,
+which only the Python API reaches."""
+
+from __future__ import annotations
+
+import pytest
+
+from cairn.errors import RequestTooLarge, SamplingError
+from cairn.llm import LLM
+from cairn.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(kv_cache_gib=0.02, state_cache_gib=0.02) as model:
+        yield model
+
+
+def test_unknown_engine_option_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match=r"unknown engine options: \['kv_cache_gb'\]"):
+        LLM(kv_cache_gb=1)
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(llm):
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(RequestTooLarge, match=rf"prompt token ids must be in \[0, {vocab}\)"):
+        llm.generate([1, 2, vocab])
+    assert llm.generate([1, 2, 3], GREEDY)[0].token_ids
+
+
+def test_stop_token_id_outside_the_vocabulary_is_refused(llm):
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(SamplingError, match="stop_token_ids must be in"):
+        llm.generate("hi", SamplingParams(stop_token_ids=[vocab + 5]))
+
+
+def test_text_prompt_longer_than_the_context_is_refused(llm):
+    with pytest.raises(RequestTooLarge):
+        llm.generate("x" * (llm.engine.max_model_len + 1))
+    assert llm.generate("x", GREEDY)[0].token_ids
+
+
+def test_one_stop_string_given_alone_stops_like_a_list_of_one(llm):
+    free = llm.generate("Once", GREEDY)[0].text
+    stop = free[3:5]
+    assert stop and free.index(stop) < len(free) - len(stop)
+    alone = llm.generate("Once", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=stop))[0]
+    assert alone.text == free[:free.index(stop)]
+    assert SamplingParams(stop=stop).stop == (stop,)  # a str is one stop string, not a set of characters
