@@ -10,8 +10,10 @@ extras (matplotlib for --plots, transformers for --size) named with the pip comm
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -117,3 +119,14 @@ def test_an_http_run_with_another_tokenizer_than_the_servers_says_to_pass_tokeni
         with pytest.raises(RuntimeError, match=r"^original: the server counted \d+ prompt tokens, the local "
                                                r"tokenizer \d+: pass --tokenizer"):
             run_workload(all_workloads()["edit"], "server", lambda: runner, SIZES, seed=0)
+
+
+def test_a_bench_on_a_machine_without_git_records_the_commit_as_unknown(tmp_path):
+    """An installed cairn run where `git` is not on PATH: the record's environment says so instead of failing."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # the interpreter's directory: no git there
+    done = subprocess.run([sys.executable, "-m", "cairn.bench", "--url", "http://127.0.0.1:9", "--workloads",
+                           "restart", "--no-plots", "--out", str(tmp_path)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "record.json").read_text())["environment"]["git"] == "unknown"
+    assert "commit unknown" in done.stdout
