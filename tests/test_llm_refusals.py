@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cairn.errors import RequestTooLarge, SamplingError
+from cairn.errors import ChatTemplateError, RequestTooLarge, SamplingError
 from cairn.llm import LLM
 from cairn.sampling import SamplingParams
 
@@ -51,3 +51,16 @@ def test_one_stop_string_given_alone_stops_like_a_list_of_one(llm):
     alone = llm.generate("Once", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=stop))[0]
     assert alone.text == free[:free.index(stop)]
     assert SamplingParams(stop=stop).stop == (stop,)  # a str is one stop string, not a set of characters
+
+
+def test_a_refused_prompt_in_a_list_leaves_no_earlier_prompt_queued(llm):
+    """generate([ok, refused]): the refusal is raised and the prompts queued before it are aborted, not
+    left to run (unread) inside the next call's batch."""
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(RequestTooLarge):
+        llm.generate(["hello", [1, vocab]], GREEDY)
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ChatTemplateError):
+        llm.chat([[{"role": "user", "content": "hi"}], [{"role": "nobody", "content": 5}]], GREEDY)
+    assert not llm.engine.has_unfinished()
+    assert [len(c.token_ids) for c in llm.generate(["a", "b"], GREEDY)] == [12, 12]
