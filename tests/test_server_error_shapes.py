@@ -8,6 +8,8 @@ XML-style tool calls, so a tool schema is compiled to the XML call grammar.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -142,3 +144,31 @@ def test_probe_body_with_an_unsupported_field_value_is_400_naming_it(http):
     r = http.post("/v1/cache/probe", json={"model": MODEL, "prompt": "x", "best_of": 3})
     assert_openai_error(r, 400, "unsupported_value", "best_of")
     assert_still_serving(http)
+
+
+def test_unimplemented_fields_sent_with_their_neutral_value_are_accepted(http):
+    """Clients fill in fields cairn does not implement with their defaults (echo false, best_of 1): those
+    change nothing and are accepted; any other value is refused naming the field."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1, "echo": False,
+                                           "best_of": 1, "suffix": None})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1, "echo": True})
+    assert_openai_error(r, 400, "unsupported_value", "echo")
+
+
+def test_body_that_is_json_but_not_an_object_is_400(http):
+    r = http.post("/v1/chat/completions", json=[{"model": MODEL, "messages": CHAT}])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert_still_serving(http)
+
+
+def test_xml_call_enum_of_strings_that_read_as_json_is_written_as_json(http):
+    """An enum without a type whose strings read as JSON ("1", "true"): the parser reads a raw value as
+    JSON, so the grammar writes the value as a JSON string and the call's argument is one of the strings."""
+    parameters = {"type": "object", "properties": {"v": {"enum": ["1", "true"]}}, "required": ["v"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    r = chat(http, tools=[tool], tool_choice="required", max_tokens=200, temperature=0)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["v"] in ("1", "true")
