@@ -5,6 +5,8 @@ which only the Python API reaches."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from cairn.errors import ChatTemplateError, RequestTooLarge, SamplingError
@@ -64,3 +66,27 @@ def test_a_refused_prompt_in_a_list_leaves_no_earlier_prompt_queued(llm):
         llm.chat([[{"role": "user", "content": "hi"}], [{"role": "nobody", "content": 5}]], GREEDY)
     assert not llm.engine.has_unfinished()
     assert [len(c.token_ids) for c in llm.generate(["a", "b"], GREEDY)] == [12, 12]
+
+
+def test_half_precision_with_no_room_for_a_prefill_block_says_resumes_match_only_within_rounding(caplog):
+    """bfloat16 with a step budget too small for one 64-token prefill block next to every decode row: the
+    engine runs (no exact-resumption block) and says what that costs."""
+    with caplog.at_level(logging.WARNING, logger="cairn.engine"), LLM(
+            dtype="bfloat16", max_num_batched_tokens=64, max_num_seqs=4, kv_cache_gib=0.02,
+            state_cache_gib=0.02) as small:
+        assert small.engine.prefill_block == 0
+        assert small.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    assert any("leaves no room for a 64-token prefill block" in r.getMessage() for r in caplog.records)
+
+
+def test_checkpoint_without_its_tokenizer_is_refused_by_the_python_api(tmp_path):
+    """`cairn serve` refuses it before loading (preflight); LLM(model=...) names the missing file too."""
+    import shutil
+
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint("qwen3_5_text", tmp_path / "ckpt")
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        LLM(model=str(tmp_path / "m"), kv_cache_gib=0.02, state_cache_gib=0.02)
