@@ -43,6 +43,9 @@ def test_stop_token_id_outside_the_vocabulary_is_refused(llm):
 def test_text_prompt_longer_than_the_context_is_refused(llm):
     with pytest.raises(RequestTooLarge):
         llm.generate("x" * (llm.engine.max_model_len + 1))
+    surely = llm.engine.tokenizer.max_chars_per_token * llm.engine.max_model_len + 1  # refused before encoding
+    with pytest.raises(RequestTooLarge, match=f"\\({surely} characters\\)"):
+        llm.generate("x" * surely)
     assert llm.generate("x", GREEDY)[0].token_ids
 
 

@@ -172,3 +172,12 @@ def test_xml_call_enum_of_strings_that_read_as_json_is_written_as_json(http):
     assert r.status_code == 200, r.text
     (call,) = r.json()["choices"][0]["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"])["v"] in ("1", "true")
+
+
+def test_prompt_too_long_to_fit_whatever_its_tokens_is_refused_before_encoding(http):
+    """A text longer than the context's tokens could cover (no token of the demo's byte tokenizer covers
+    more than 13 characters: its longest special token) is refused without being tokenized, with the same
+    400 as a prompt counted too long."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (13 * 1024 + 1), "max_tokens": 1})
+    message = assert_openai_error(r, 400, "context_length_exceeded", "prompt")
+    assert "more than 1024 tokens (13313 characters)" in message and "context is 1024 tokens" in message
