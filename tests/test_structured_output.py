@@ -117,9 +117,9 @@ def test_reasoning_without_a_budget_runs_until_the_model_ends_it(llm):
     grammar leaves the reasoning free (the demo model's random weights never write `</think>`), so
     nothing is forced and the output is all reasoning until max_tokens, unlike with a budget."""
     spec = StructuredOutput("json_schema", json.dumps(SMALL), think_end="</think>")
-    (out,) = llm.generate(PROMPT, SamplingParams(structured=spec, max_tokens=40, temperature=1.0, seed=7))
-    assert out.finish_reason == "length" and len(out.token_ids) == 40
+    (out,) = llm.generate(PROMPT, SamplingParams(structured=spec, max_tokens=16, temperature=1.0, seed=7))
+    assert out.finish_reason == "length" and len(out.token_ids) == 16
     assert "</think>" not in out.text
     budgeted = replace(spec, think_budget=5)
-    (forced,) = llm.generate(PROMPT, SamplingParams(structured=budgeted, max_tokens=40, temperature=1.0, seed=7))
+    (forced,) = llm.generate(PROMPT, SamplingParams(structured=budgeted, max_tokens=16, temperature=1.0, seed=7))
     assert forced.token_ids[:5] == out.token_ids[:5] and forced.token_ids[5:13] == list(b"</think>")
