@@ -6,6 +6,9 @@ the server (cairn/server/ streams the same RequestOutputs over HTTP).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from cairn.config import EngineConfig, config_with_overrides
 from cairn.engine import Engine
 from cairn.outputs import Completion, accumulate
@@ -28,15 +31,15 @@ class LLM:
         `prompts`: one prompt or a list of strings / token-id lists."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [self.engine.add_request(p, params or SamplingParams()) for p in prompts]
-        return self._run(ids)
+        params = params or SamplingParams()
+        return self._run(self._add_all(prompts, lambda prompt: self.engine.add_request(prompt, params)))
 
     def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[Completion]:
         """One output per conversation (a list of {"role", "content"} messages)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        ids = [self.engine.add_request(None, params or SamplingParams(), messages=m) for m in conversations]
-        return self._run(ids)
+        params = params or SamplingParams()
+        return self._run(self._add_all(conversations, lambda m: self.engine.add_request(None, params, messages=m)))
 
     def close(self) -> None:
         self.engine.close()
@@ -46,6 +49,19 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _add_all(self, items: list, add: Callable[[Any], str]) -> list[str]:
+        """add(item) for each item (it queues a request, returning its id); when one is refused, abort the
+        ones queued before it (else they would run, unread, inside the next call's batch) and raise."""
+        ids: list[str] = []
+        try:
+            for item in items:
+                ids.append(add(item))
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        return ids
 
     def _run(self, ids: list[str]) -> list[Completion]:
         """The finished answers of these requests: in request order, each request's choices by index."""

@@ -34,9 +34,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str, fmt: str = "text") -> None:
-    """Configure the root logger once for the process (replacing any handler set before)."""
-    if fmt not in LOG_FORMATS:
-        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    """Configure the root logger once for the process (replacing any handler set before). `fmt` is one of
+    LOG_FORMATS (the command line's choices for --log-format): "json", else text."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -9,7 +9,8 @@ prints that line and exits with status 2, without a traceback. What is checked:
     check_port(host, port)  the server's address can be bound now (not after the model has loaded)
 
 What this is not: the loader (cairn.model.loader), which still validates everything it reads. This
-module imports neither torch nor the server.
+module imports neither torch nor the server; the last check of a --model directory, its config against
+the model families, imports torch (seconds), so every file check comes before it.
 """
 
 from __future__ import annotations
@@ -41,26 +42,30 @@ def check_model(model: str | None) -> None:
         raise UserError(f"--model {model}: no such directory (pass a Hugging Face checkpoint directory)")
     if not path.is_dir():
         raise UserError(f"--model {model}: not a directory (pass the checkpoint's directory, not a file in it)")
-    _check_config(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"--model {model}: no config.json (is this a Hugging Face checkpoint directory?)")
+    raw = _read_config(path)
     if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
         raise UserError(f"--model {model}: no *.safetensors weights in the directory (is the download complete?)")
     if not (path / "tokenizer.json").is_file():
         raise UserError(f"--model {model}: no tokenizer.json in the directory (is the download complete?)")
+    _check_config(path, raw)  # last: the model families import torch (seconds before the line above would show)
 
 
-def _check_config(path: Path) -> None:
-    from cairn.model.config import ConfigError
-    from cairn.model.families import config_from_hf
-
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise UserError(f"--model {path}: no config.json (is this a Hugging Face checkpoint directory?)")
+def _read_config(path: Path) -> dict:
     try:
-        raw = json.loads(cfg_file.read_text())
+        raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--model {path}: config.json cannot be read: {e}") from None
     if not isinstance(raw, dict):
         raise UserError(f"--model {path}: config.json is not a JSON object")
+    return raw
+
+
+def _check_config(path: Path, raw: dict) -> None:
+    from cairn.model.config import ConfigError
+    from cairn.model.families import config_from_hf
+
     try:
         config_from_hf(raw)
     except ConfigError as e:

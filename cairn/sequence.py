@@ -75,10 +75,6 @@ class Sequence:
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 

@@ -244,3 +244,11 @@ def test_served_unenforceable_keyword_is_a_400_naming_it(client):
                                        tools=[tool], tool_choice="required", max_tokens=20)
     error = info.value.body
     assert error["param"] == "tools" and "no-such-format" in error["message"], error
+
+
+def test_pattern_ending_in_an_escaped_dollar_is_not_anchored_at_the_end():
+    """`\\$` at the end is a literal dollar sign, not the end anchor; `\\\\$` is a backslash, then the anchor."""
+    literal = re.compile(pattern_regex(r"^[0-9]+\$").replace("(?s:.*)", "[\\s\\S]*"))
+    assert [bool(literal.fullmatch(s)) for s in ("12$", "12$ more", "12")] == [True, True, False]
+    anchored = re.compile(pattern_regex(r"^[0-9]+\\$").replace("(?s:.*)", "[\\s\\S]*"))
+    assert [bool(anchored.fullmatch(s)) for s in ("12\\", "12\\ more")] == [True, False]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from cairn.bench import checkpoint as bench_checkpoint
 from cairn.bench.cli import BenchOptions, bench
 from cairn.bench.conversation import Reply, WorkloadSizes
 from cairn.bench.engine_runner import EngineRunner
@@ -261,3 +262,20 @@ def test_an_http_run_reports_what_the_in_process_run_does(one_thread):
         [[getattr(x, f) for f in fields] for x in local.requests]
     assert all(x.cached_tokens <= x.oracle_tokens for x in remote.requests)
     assert sum(x.cached_tokens for x in remote.requests) > 0
+
+
+FAMILY_BY_PREFIX = {"nemotron-h": "nemotron_h", "falcon-h1": "falcon_h1", "granite": "granitemoehybrid"}
+
+
+@pytest.mark.parametrize("size", bench_checkpoint.SIZES)
+def test_every_bench_size_is_a_config_cairn_loads_as_its_family(size):
+    """`cairn bench --size` (and the benchmarks) write random weights from these configs: each must be
+    one cairn's families accept (as config.json is saved), of the family its name says."""
+    from cairn.model.families import config_from_hf
+
+    hf = bench_checkpoint.hf_config(size)
+    config = config_from_hf(json.loads(hf.to_json_string()))  # what save_pretrained writes
+    family = next((f for prefix, f in FAMILY_BY_PREFIX.items() if size.startswith(prefix)), "qwen3_5")
+    assert config.family == family
+    assert len(config.layer_types) == hf.num_hidden_layers and config.vocab_size == hf.vocab_size
+    assert config.recurrent_layers

@@ -10,8 +10,10 @@ extras (matplotlib for --plots, transformers for --size) named with the pip comm
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -89,3 +91,42 @@ def test_an_http_run_refused_by_the_server_names_the_request_and_the_status():
         runner = HTTPRunner("http://testserver", ByteTokenizer(), model="nope", client=client)
         with pytest.raises(RuntimeError, match=r"^original: HTTP 404: .*model_not_found"):
             run_workload(all_workloads()["edit"], "server", lambda: runner, SIZES, seed=0)
+
+
+def test_a_bench_whose_every_workload_is_skipped_reports_it_and_draws_no_plot(tmp_path):
+    """Over --url the restart workload is skipped before any request: the run still ends with its report
+    and record (nothing to plot, no empty figure), and `python -m cairn.bench.plots` redraws nothing."""
+    done = bench_command("--url", "http://127.0.0.1:9", "--workloads", "restart", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "| restart | - | - | - | skipped |" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "report.md"]
+    redrawn = subprocess.run([sys.executable, "-m", "cairn.bench.plots", str(tmp_path)], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert redrawn.returncode == 0 and redrawn.stdout.strip() == "", redrawn.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "report.md"]
+
+
+def test_an_http_run_with_another_tokenizer_than_the_servers_says_to_pass_tokenizer(tmp_path):
+    """The bench counts prompt tokens with its own tokenizer (the oracle needs them): one that is not the
+    server's would make every figure wrong, so the first request whose count differs stops the run."""
+    from cairn.bench.checkpoint import CHATML
+    from cairn.tokenizer import HFTokenizer
+    from tests.test_chat_templates import write_checkpoint_tokenizer
+
+    write_checkpoint_tokenizer(tmp_path, CHATML.replace("<|im_start|>", "<|im_start|> "))  # not the demo's count
+    with TestClient(create_app(Engine(CONFIG), ServerOptions())) as client:
+        runner = HTTPRunner("http://testserver", HFTokenizer(tmp_path), model="cairn-demo", client=client)
+        with pytest.raises(RuntimeError, match=r"^original: the server counted \d+ prompt tokens, the local "
+                                               r"tokenizer \d+: pass --tokenizer"):
+            run_workload(all_workloads()["edit"], "server", lambda: runner, SIZES, seed=0)
+
+
+def test_a_bench_on_a_machine_without_git_records_the_commit_as_unknown(tmp_path):
+    """An installed cairn run where `git` is not on PATH: the record's environment says so instead of failing."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # the interpreter's directory: no git there
+    done = subprocess.run([sys.executable, "-m", "cairn.bench", "--url", "http://127.0.0.1:9", "--workloads",
+                           "restart", "--no-plots", "--out", str(tmp_path)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "record.json").read_text())["environment"]["git"] == "unknown"
+    assert "commit unknown" in done.stdout

@@ -160,3 +160,22 @@ def test_odd_tool_schemas_never_break_parsing():
     for name in odd:
         call = parse_call(f"<function={name}>\n<parameter=x>\n1\n</parameter>\n</function>", odd, True)
         assert json.loads(call.arguments) == {"x": 1}
+
+
+@pytest.mark.parametrize("block", [
+    "\n<function=search>\n<parameter=q>\nx\n</parameter>\n",  # closed call without </function>
+    '{"name": "search", "arguments": "{oops"}',  # arguments a string that is not JSON
+    '{"name": 5, "arguments": {}}',  # a name that is not a string
+    '["search", {"q": "x"}]',  # JSON, not an object
+    "search(q='x')",  # neither JSON nor XML
+])
+def test_malformed_call_the_model_writes_stays_content(block):
+    text = f"</think>Sure. <tool_call>{block}</tool_call>"
+    _, content, calls, _ = shape(text, PLAN)
+    assert calls == [] and content == f"Sure. <tool_call>{block}</tool_call>"
+
+
+def test_call_whose_arguments_are_a_json_string_is_a_call():
+    _, content, calls, _ = shape('</think><tool_call>{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}</tool_call>',
+                                 PLAN)
+    assert calls == [("search", {"q": "x"})] and content == ""

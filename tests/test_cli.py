@@ -253,3 +253,11 @@ def test_a_refused_serve_flag_is_refused_before_torch_is_imported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "--max-num-seqs must be at least 1, got 0" in out.stderr
     assert out.stdout.strip() == "2 []"
+
+
+def test_generate_answers_a_conversation_given_as_messages():
+    messages = json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}])
+    out = cairn("generate", "--messages", messages, "--max-tokens", "3", "--kv-cache-gib", "0.02", "--log-level",
+                "WARNING")
+    assert out.returncode == 0, out.stderr
+    assert "first token" in out.stderr and "tok/s decode" in out.stderr

@@ -122,3 +122,75 @@ def test_closed_workers_refuse_new_jobs(workers):
     workers.close()
     with pytest.raises(WorkersClosed, match="shutdown"):
         asyncio.run(workers.run(pid, []))
+
+
+def write_at_exit(_context, body: bytes) -> None:
+    import atexit
+    atexit.register(Path(body.decode()).write_text, "exited")
+
+
+def stuck(_context, _body) -> None:
+    import atexit
+    atexit.register(time.sleep, 60)  # its exit never ends
+
+
+def test_closed_pool_lets_its_idle_worker_exit_by_itself_so_its_exit_handlers_run(workers, tmp_path):
+    """Closing the pool closes each idle worker's pipe: its loop ends and the process exits normally
+    (exit handlers run: coverage's data, logs flushed), instead of being killed on the spot."""
+    marker = tmp_path / "exited"
+    asyncio.run(workers.run(write_at_exit, [str(marker).encode()]))
+    workers.close()
+    assert marker.read_text() == "exited"
+
+
+def test_closed_worker_that_does_not_end_is_killed(workers):
+    """A worker whose exit does not end within WORKER_EXIT_S once its pipe is closed is killed and reaped."""
+    worker = asyncio.run(workers.run(pid, []))
+    asyncio.run(workers.run(stuck, []))  # the same worker (the idle ones are a stack)
+    workers.close()
+    assert not Path(f"/proc/{worker}").exists()  # killed and reaped, not left sleeping its 60 s
+
+
+def unpicklable(_context, _body):
+    return lambda: None  # a result that cannot cross the process boundary
+
+
+def test_result_that_does_not_pickle_fails_that_job_only(workers):
+    with pytest.raises(RuntimeError, match="not picklable"):
+        asyncio.run(workers.run(unpicklable, []))
+    assert asyncio.run(workers.run(slow_echo, [b"next"], 0.0)) == b"next"
+
+
+def slow_die(_context, _body, delay_s: float) -> None:
+    time.sleep(delay_s)
+    os._exit(3)
+
+
+def slow_pid(_context, _body, delay_s: float) -> int:
+    time.sleep(delay_s)
+    return os.getpid()
+
+
+def close_during(pool: ProcessWorkers, fn, *args):
+    """Run fn in one worker and close the pool while it runs; the job's answer or exception."""
+    async def run():
+        job = asyncio.ensure_future(pool.run(fn, [], *args))
+        await pool.run(pid, [])  # on the other worker: both are started by now
+        await asyncio.sleep(0.3)
+        pool.close()
+        (answer,) = await asyncio.gather(job, return_exceptions=True)
+        return answer
+    return asyncio.run(run())
+
+
+def test_job_running_when_the_pool_closes_still_answers_then_its_worker_stops(workers):
+    worker = close_during(workers, slow_pid, 1.0)
+    assert isinstance(worker, int)
+    assert not Path(f"/proc/{worker}").exists()  # stopped and reaped once it answered, not put back
+
+
+def test_worker_dying_while_the_pool_closes_fails_its_job_and_is_not_replaced(workers, caplog):
+    with caplog.at_level(logging.ERROR, logger="cairn.server.workers"):
+        died = close_during(workers, slow_die, 1.0)
+    assert isinstance(died, WorkerDied) and "exit code 3" in str(died)
+    assert not any("starting another" in r.getMessage() for r in caplog.records)

@@ -105,3 +105,14 @@ def test_server_logs_access_and_finished_lines_by_default():
     assert "POST /v1/completions 200" in log and "cairn.access" in log
     assert "GET /health" not in log  # probes are logged at DEBUG
     assert "finished " in log and "finish length" in log
+
+
+def test_json_log_line_of_an_exception_carries_its_traceback_in_the_same_object():
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("cairn.server", logging.ERROR, __file__, 1, "request failed", (), sys.exc_info())
+    line = JsonFormatter().format(record)
+    assert "\n" not in line  # one line per record, even with a multi-line traceback
+    obj = json.loads(line)
+    assert obj["msg"] == "request failed" and "Traceback" in obj["exc"] and "ValueError: boom" in obj["exc"]

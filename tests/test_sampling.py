@@ -5,6 +5,7 @@ sampler's numerical safety over every accepted value (hypothesis)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -283,3 +284,10 @@ def test_a_row_whose_parameters_raise_fails_alone_and_its_neighbours_are_sampled
     assert [r.error for r in (rows[0], rows[2])] == [None, None]
     assert [rows[0], rows[2]] == sample(logits[[0, 2]], [ok, ok], [None, None])
     assert [rows[0].token, rows[2].token] == [1, 3]
+
+
+def test_unreadable_generation_config_gives_no_defaults_and_says_so(tmp_path, caplog):
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6,')  # cut short
+    with caplog.at_level(logging.WARNING, logger="cairn.sampling"):
+        assert generation_defaults(tmp_path) == {}
+    assert any("unreadable" in r.getMessage() and "no sampling defaults" in r.getMessage() for r in caplog.records)

@@ -194,3 +194,20 @@ def test_metrics_expose_requests_tokens_latency_and_pools(http, client):
     for name in ("cairn_num_requests_running", "cairn_num_requests_waiting", "cairn_kv_pages_free",
                  'cairn_pool_used_bytes{pool="kv"}', 'cairn_pool_capacity_bytes{pool="state"}'):
         assert metric(http, name) >= 0, name
+
+
+def test_streamed_completion_logprobs_equal_the_whole_response_ones(http):
+    """Legacy logprobs in a stream: each chunk carries its tokens' logprobs with text offsets counted
+    from the choice's start, so that the chunks put together are the whole response's logprobs."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "logprobs": 2, "temperature": 0, "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(e) for e in sse_events(r.iter_lines())[:-1]]
+    pieces = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert len(pieces) > 1
+    joined = {k: [v for p in pieces for v in p[k]] for k in whole}
+    assert joined["tokens"] == whole["tokens"] and joined["text_offset"] == whole["text_offset"]
+    assert joined["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=1e-4)  # (the second may
+    #   resume from the first's cached prefix: equal within rounding)
+    for got, want in zip(joined["top_logprobs"], whole["top_logprobs"], strict=True):
+        assert got == pytest.approx(want, abs=1e-4)

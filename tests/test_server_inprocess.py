@@ -167,3 +167,39 @@ def test_no_cors_headers_unless_origins_are_allowed(client):
     r = client.options("/v1/chat/completions", headers={"Origin": "https://a.example",
                                                          "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in r.headers
+
+
+MESSAGES = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_step_exception_on_messages_is_an_anthropic_shaped_500_logged_with_its_traceback(client, engine, monkeypatch,
+                                                                                         caplog):
+    fail_step_on_call(engine, monkeypatch, 1)
+    with caplog.at_level(logging.ERROR, logger="cairn.server.anthropic"):
+        r = client.post("/v1/messages", json=MESSAGES)
+    assert r.status_code == 500
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
+    assert "injected fault" in r.json()["error"]["message"]
+    assert any(rec.exc_info for rec in caplog.records if rec.name == "cairn.server.anthropic")
+    assert client.post("/v1/messages", json=MESSAGES).status_code == 200
+
+
+def test_step_exception_mid_anthropic_stream_ends_it_with_an_error_event(client, engine, monkeypatch):
+    fail_step_on_call(engine, monkeypatch, 3)
+    with client.stream("POST", "/v1/messages", json={**MESSAGES, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines())
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "error" and "message_stop" not in events
+    assert '"type":"api_error"' in lines[lines.index("event: error") + 1].replace(" ", "")
+
+
+def test_after_the_engine_thread_stopped_metrics_still_answer_and_requests_are_refused_as_shutting_down(
+        client, app, caplog):
+    app.state.ctx.bridge.stop(timeout_s=5)
+    with caplog.at_level(logging.WARNING, logger="cairn.server.app"):
+        r = client.get("/metrics")
+    assert r.status_code == 200 and "cairn_engine_step_failures_total" in r.text  # the server's own series
+    assert any("engine stats unavailable" in rec.getMessage() for rec in caplog.records)
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"

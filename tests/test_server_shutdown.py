@@ -86,3 +86,24 @@ def test_second_sigterm_aborts_at_once_and_exits_0_without_a_traceback():
         assert "engine thread stopped" in log  # the engine (and its disk cache) was closed, not abandoned
     finally:
         srv.stop()
+
+
+def test_request_whose_body_is_still_arriving_at_shutdown_ends_with_one_line_and_exit_0():
+    """A client still sending its body when the server stops is no request of the engine's: nothing aborts
+    it, so uvicorn cancels its task once the grace has passed; that is one log line, not a traceback."""
+    import socket
+
+    srv = start_server("--shutdown-timeout-s", "0.5", "--log-level", "INFO")
+    try:
+        port = int(srv.base_url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: cairn\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")  # and the rest never comes
+            time.sleep(1.0)  # the request's task is waiting for the body
+            srv.signal(signal.SIGTERM)
+            assert srv.proc.wait(30) == 0, srv.log()
+        log = srv.log()
+        assert "POST /v1/completions cancelled at shutdown" in log, log
+        assert "Traceback" not in log and "CancelledError" not in log, log
+    finally:
+        srv.stop()

@@ -4,6 +4,7 @@ responsible for valid JSON; and the grammar built from a checkpoint's tokenizer.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -109,3 +110,16 @@ def test_thinking_budget_in_the_engine_forces_the_end_in_every_choice(llm):
         reasoning, answer = out.text.split("</think>", 1)
         jsonschema.validate(json.loads(answer.strip("\n")), SMALL)
     assert outs[0].token_ids[:5] != outs[1].token_ids[:5]  # the choices are sampled apart
+
+
+def test_reasoning_without_a_budget_runs_until_the_model_ends_it(llm):
+    """response_format while the prompt opened a reasoning block and no thinking budget was given: the
+    grammar leaves the reasoning free (the demo model's random weights never write `</think>`), so
+    nothing is forced and the output is all reasoning until max_tokens, unlike with a budget."""
+    spec = StructuredOutput("json_schema", json.dumps(SMALL), think_end="</think>")
+    (out,) = llm.generate(PROMPT, SamplingParams(structured=spec, max_tokens=16, temperature=1.0, seed=7))
+    assert out.finish_reason == "length" and len(out.token_ids) == 16
+    assert "</think>" not in out.text
+    budgeted = replace(spec, think_budget=5)
+    (forced,) = llm.generate(PROMPT, SamplingParams(structured=budgeted, max_tokens=16, temperature=1.0, seed=7))
+    assert forced.token_ids[:5] == out.token_ids[:5] and forced.token_ids[5:13] == list(b"</think>")

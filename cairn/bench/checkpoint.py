@@ -103,11 +103,6 @@ def make_checkpoint(size: str, path: Path, dtype: torch.dtype | None = None):
     return model
 
 
-def family(size: str) -> str:
-    """The `model_type` of a named size."""
-    return _FAMILY[size]
-
-
 def hf_config(size: str):
     """The transformers config of `size` (max_position_embeddings 32768: room for the 8k-token published
     workloads; no special token ids: the byte tokenizer's eos is <|im_end|>)."""

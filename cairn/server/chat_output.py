@@ -112,9 +112,6 @@ class ChatDelta:
     content: str = ""
     calls: list[ParsedToolCall] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
-
 
 class ChatShaper:
     """Feeds generated text through the parsers of a ChatPlan; keeps what the whole message needs."""

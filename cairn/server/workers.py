@@ -34,6 +34,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 WORKER_NICE = 10  # added to the workers' nice value: the engine thread comes first
+WORKER_EXIT_S = 1.0  # how long a closed worker has to end by itself (its exit handlers run) before it is killed
 
 
 class WorkerDied(RuntimeError):
@@ -98,9 +99,13 @@ class _Worker:
         return value
 
     def close(self) -> None:
+        """Close the pipe: an idle worker's loop sees it closed and the process exits by itself (its exit
+        handlers run); one that has not ended within WORKER_EXIT_S (stuck, or a job still running) is killed."""
         self.conn.close()
-        self.process.kill()
-        self.process.join(1.0)
+        self.process.join(WORKER_EXIT_S)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join(1.0)
 
 
 class ProcessWorkers:

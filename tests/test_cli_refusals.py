@@ -1,0 +1,99 @@
+"""The command line's one-line refusals that no other test drove (issue 11's fifth coverage pass): a
+--model directory that is not a checkpoint (a file, no config.json, a config.json that is not JSON or
+not an object, no weights, no tokenizer), an address that cannot be listened on, `cairn generate`
+without a prompt or with --messages that are not a list, an empty --api-key, a --state-cache-gib too
+small for one state slot. Each is a real `python -m cairn.cli` process, checked as the user sees it:
+exit status 2 and one line naming what is wrong, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_cli import assert_one_line_error
+
+
+def cairn(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cairn.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.checkpoints import write_checkpoint
+
+    path = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint("qwen3_5_text", path)
+    return path
+
+
+def test_model_that_is_a_file_is_one_line(checkpoint):
+    out = cairn("serve", "--model", str(checkpoint / "config.json"))
+    assert_one_line_error(out, "not a directory", "not a file in it")
+
+
+def refused_before_torch(*args: str) -> str:
+    """`cairn ARGS` run in a fresh interpreter: its one-line refusal; checks torch was never imported
+    (a refusal the user waits seconds for is no quick check)."""
+    code = ("import sys, cairn.cli\nrc = cairn.cli.main(sys.argv[1:])\n"
+            "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.stdout.strip() == "2 []", out.stdout + out.stderr
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("config, says", [
+    (None, "no config.json"),
+    ("{not json", "config.json cannot be read"),
+    ("[1, 2]", "config.json is not a JSON object"),
+])
+def test_model_directory_without_a_readable_config_is_one_line_before_torch(tmp_path, config, says):
+    if config is not None:
+        (tmp_path / "config.json").write_text(config)
+    line = refused_before_torch("generate", "hi", "--model", str(tmp_path))
+    assert str(tmp_path) in line and says in line, line
+
+
+@pytest.mark.parametrize("missing, says", [("*.safetensors", "no *.safetensors weights"),
+                                           ("tokenizer.json", "no tokenizer.json")])
+def test_incomplete_download_is_one_line_naming_what_is_missing_before_torch(checkpoint, tmp_path, missing, says):
+    shutil.copytree(checkpoint, tmp_path / "m")
+    for path in (tmp_path / "m").glob(missing):
+        path.unlink()
+    (tmp_path / "m" / "model.safetensors.index.json").unlink(missing_ok=True)
+    line = refused_before_torch("serve", "--model", str(tmp_path / "m"))
+    assert says in line and "is the download complete?" in line, line
+
+
+def test_host_that_does_not_resolve_is_one_line():
+    assert_one_line_error(cairn("serve", "--host", "no-such-host.invalid", "--port", "8123"),
+                          "--host no-such-host.invalid: cannot resolve it")
+
+
+def test_address_not_of_this_machine_is_one_line():
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never an address of this machine, so it cannot be bound
+    assert_one_line_error(cairn("serve", "--host", "192.0.2.1", "--port", "8123"), "cannot listen on 192.0.2.1:8123")
+
+
+def test_generate_without_a_prompt_is_one_line():
+    assert_one_line_error(cairn("generate"), "give a prompt or --messages")
+
+
+def test_generate_messages_that_are_not_a_list_of_messages_is_one_line():
+    out = cairn("generate", "--messages", json.dumps({"role": "user", "content": "hi"}))
+    assert_one_line_error(out, "--messages must be a JSON list of messages")
+
+
+def test_empty_api_key_is_one_line():
+    assert_one_line_error(cairn("serve", "--api-key", ""), "--api-key must not be empty")
+
+
+def test_state_cache_too_small_for_one_slot_is_one_line():
+    out = cairn("serve", "--log-level", "WARNING", "--port", "0", "--state-cache-gib", "1e-9")
+    assert_one_line_error(out, "--state-cache-gib 1e-09 holds no state slot")

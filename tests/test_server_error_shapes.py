@@ -1,0 +1,183 @@
+"""Refusals a real `cairn serve` answers that no other test drove (issue 11's fifth coverage pass): each
+is asked of the served demo model over HTTP and checked as the client sees it (status, the API's error
+shape, the field named), and the server keeps serving.
+
+One server (context 1024 tokens) serves the whole module; the demo model's chat template writes
+XML-style tool calls, so a tool schema is compiled to the XML call grammar.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server_process import served_fixture
+
+MODEL = "cairn-demo"
+CHAT = [{"role": "user", "content": "hi"}]
+
+served = served_fixture("--max-model-len", "1024", "--log-level", "WARNING")
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str, param: str | None = None) -> str:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error["message"]
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+def chat(http: httpx.Client, **fields) -> httpx.Response:
+    return http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1, **fields})
+
+
+def test_json_schema_response_format_without_its_schema_is_400(http):
+    r = chat(http, response_format={"type": "json_schema"})
+    assert_openai_error(r, 400, "invalid_value", "response_format.json_schema")
+    assert_still_serving(http)
+
+
+def test_json_schema_false_is_400_and_true_is_any_json(http):
+    """JSON Schema's boolean schemas: `false` accepts nothing (refused), `true` anything (any JSON value)."""
+    r = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": False}})
+    assert r.status_code == 400, r.text
+    assert "must be a JSON object" in r.json()["error"]["message"]
+    r = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": True}})
+    assert r.status_code == 200, r.text
+
+
+def test_top_logprobs_without_logprobs_is_400(http):
+    assert_openai_error(chat(http, top_logprobs=2), 400, "invalid_value", "top_logprobs")
+
+
+def test_chat_template_kwargs_may_not_set_the_messages(http):
+    r = chat(http, chat_template_kwargs={"messages": []})
+    assert_openai_error(r, 400, "invalid_value", "chat_template_kwargs.messages")
+
+
+def test_message_starts_with_a_text_prompt_is_400(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "message_starts": [0], "max_tokens": 1})
+    assert_openai_error(r, 400, "invalid_value", "message_starts")
+
+
+def test_earlier_tool_call_whose_arguments_are_not_json_is_400(http):
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert "tool call arguments must be a JSON object" in r.json()["error"]["message"]
+
+
+def required_call(http: httpx.Client, parameters: dict) -> httpx.Response:
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    return chat(http, tools=[tool], tool_choice="required", max_tokens=20)
+
+
+@pytest.mark.parametrize("parameters,says", [
+    ({"type": "array", "items": {"type": "string"}}, "must be an object schema"),
+    ({"type": "object", "properties": {"v": {"type": "string", "minLength": -1}}}, "minLength and maxLength"),
+    ({"type": "object", "properties": {"v": {"type": "string", "pattern": 5}}}, "'pattern' must be a string"),
+])
+def test_xml_call_schema_the_grammar_cannot_enforce_is_400_naming_tools(http, parameters, says):
+    r = required_call(http, parameters)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and says in error["message"], error
+    assert_still_serving(http)
+
+
+def test_anthropic_user_message_carrying_a_tool_use_block_is_400_in_anthropic_shape(http):
+    messages = [{"role": "user", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 1, "messages": messages})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message":
+                                                   "a user message cannot carry tool_use or thinking blocks"}}
+
+
+def test_anthropic_stream_of_an_empty_answer_still_has_one_text_block(http):
+    """A stop sequence that ends the answer at its very start: the stream still opens and closes one
+    (empty) text block, as Anthropic's clients expect."""
+    ask = {"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    first = http.post("/v1/messages", json=ask).json()["content"][0]["text"]
+    assert first
+    with http.stream("POST", "/v1/messages", json={**ask, "stream": True, "stop_sequences": [first]}) as r:
+        events = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    assert events == ["message_start", "content_block_start", "content_block_stop", "message_delta",
+                      "message_stop"], events
+
+
+def test_tokenize_without_the_generation_prompt_stops_at_the_last_message(http):
+    messages = [{"role": "user", "content": "hello there"}]
+    with_prompt = http.post("/tokenize", json={"messages": messages}).json()
+    without = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert without["count"] < with_prompt["count"]
+    assert without["tokens"] == with_prompt["tokens"][:without["count"]]
+
+
+def test_tokenize_with_both_prompt_and_messages_is_400(http):
+    r = http.post("/tokenize", json={"prompt": "a", "messages": CHAT})
+    assert r.status_code == 400 and "exactly one of prompt and messages" in r.text, r.text
+
+
+def test_probe_of_a_completion_body_counts_its_prompt_tokens(http):
+    ids = http.post("/tokenize", json={"prompt": "hello there"}).json()["tokens"]
+    r = http.post("/v1/cache/probe", json={"model": MODEL, "prompt": "hello there"})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == len(ids) and r.json()["position"] == 0
+
+
+def test_probe_body_that_is_not_json_is_400_invalid_json(http):
+    r = http.post("/v1/cache/probe", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, "invalid_json")
+
+
+def test_probe_body_with_an_unsupported_field_value_is_400_naming_it(http):
+    r = http.post("/v1/cache/probe", json={"model": MODEL, "prompt": "x", "best_of": 3})
+    assert_openai_error(r, 400, "unsupported_value", "best_of")
+    assert_still_serving(http)
+
+
+def test_unimplemented_fields_sent_with_their_neutral_value_are_accepted(http):
+    """Clients fill in fields cairn does not implement with their defaults (echo false, best_of 1): those
+    change nothing and are accepted; any other value is refused naming the field."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1, "echo": False,
+                                           "best_of": 1, "suffix": None})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1, "echo": True})
+    assert_openai_error(r, 400, "unsupported_value", "echo")
+
+
+def test_body_that_is_json_but_not_an_object_is_400(http):
+    r = http.post("/v1/chat/completions", json=[{"model": MODEL, "messages": CHAT}])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert_still_serving(http)
+
+
+def test_xml_call_enum_of_strings_that_read_as_json_is_written_as_json(http):
+    """An enum without a type whose strings read as JSON ("1", "true"): the parser reads a raw value as
+    JSON, so the grammar writes the value as a JSON string and the call's argument is one of the strings."""
+    parameters = {"type": "object", "properties": {"v": {"enum": ["1", "true"]}}, "required": ["v"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    r = chat(http, tools=[tool], tool_choice="required", max_tokens=200, temperature=0)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["v"] in ("1", "true")
+
+
+def test_prompt_too_long_to_fit_whatever_its_tokens_is_refused_before_encoding(http):
+    """A text longer than the context's tokens could cover (no token of the demo's byte tokenizer covers
+    more than 13 characters: its longest special token) is refused without being tokenized, with the same
+    400 as a prompt counted too long."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (13 * 1024 + 1), "max_tokens": 1})
+    message = assert_openai_error(r, 400, "context_length_exceeded", "prompt")
+    assert "more than 1024 tokens (13313 characters)" in message and "context is 1024 tokens" in message
