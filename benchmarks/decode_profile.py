@@ -138,7 +138,8 @@ def step_s(engine, batch: int, steps: int, prompt_len: int, clock=time.perf_coun
 
 REFERENCES = {"add_rms_norm": "cairn.ops.norm:add_rms_norm",
               "norm_rotary_write": "cairn.ops.attention:norm_rotary_write",
-              "gdn_decode_op": "cairn.ops.cpu_gdn:reference_op_for"}
+              "gdn_decode_op": "cairn.ops.cpu_gdn:reference_op_for",
+              "silu_mul": "cairn.ops.activation:silu_mul"}
 
 
 def norm_side_by_side(engine, batch: int, steps: int, prompt_len: int, repeats: int, fields: list[str],
