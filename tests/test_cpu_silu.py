@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +119,22 @@ def test_build_command_says_whether_the_op_built(capsys):
     got = cpu_silu.load()
     expected = f"none ({got})" if isinstance(got, str) else "built"
     assert capsys.readouterr().out.strip() == f"cairn fused silu * up op: {expected}"
+
+
+
+def test_op_is_kept_when_the_engine_flushes_subnormals_after_worker_threads_started():
+    """The engine sets flush-to-zero on its thread (torch.set_flush_denormal) when torch's worker threads may
+    already run without it: the load check must still find ATen's bits (it once compared the op with ATen's work
+    split over threads in both modes and refused the op in every engine). A fresh process, to start the workers
+    before the flag is set."""
+    library()
+    script = ("import torch\n"
+              "torch.set_num_threads(2)\n"
+              "torch.ones(1 << 20).bfloat16().sum()  # worker threads start without flush-to-zero\n"
+              "torch.set_flush_denormal(True)\n"
+              "from cairn.ops import cpu_silu\n"
+              "print(cpu_silu._loaded() is not None)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

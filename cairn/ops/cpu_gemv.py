@@ -36,7 +36,7 @@ from cairn.ops.cpu_build import build_inline
 from cairn.ops.cpu_gemv_amx import AMX_SOURCE
 
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
-NAME = "cairn_cpu_gemv3"  # torch caches builds by name: a new kernel source gets a new name
+NAME = "cairn_cpu_gemv4"  # torch caches builds by name: a new kernel source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>

@@ -7,7 +7,11 @@ tensor between them (with the chunk, three calls a layer and about 100 us of a d
 BENCHMARKS.md). On AVX-512 it computes the silu with libtorch's own vectorised exp, ATen's formula
 (cairn/ops/cpu_vec.py), and rounds where ATen rounds, so it gives the reference's bits; that is checked
 once when it loads, on every bf16 value (the silu's input is bf16: 65,536 cases), and where it does not
-hold the reference is used (one log line). An earlier scalar build of this op was slower than ATen's two
+hold the reference is used (one log line). One exception, ATen's own: subnormal values follow the subnormal
+mode of the thread that computes them (`torch.set_flush_denormal` sets it for the calling thread and threads
+created later), and above one thread's grain ATen and this op split the work differently; so on prefill-sized
+inputs a subnormal gate (|x| < 1.2e-38) may come out flushed in one and not the other. Decode rows run on the
+calling thread in both: the same bits. An earlier scalar build of this op was slower than ATen's two
 vectorised calls and was not kept (BENCHMARKS.md, fourth pass).
 
 What it is not: for fp32 / fp16 models (the reference), nor the MoE experts' activations (their own
@@ -87,14 +91,22 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def gives_reference_bits(library) -> bool:
-    """The op's outputs are the reference's for every bf16 gate value, against an up of 1 and a random one."""
+    """The op's outputs are the reference's for every bf16 gate value, against an up of 1 and a random one.
+
+    Both run on this thread (slices of 16,384 gates: below ATen's parallel grain), since the threads of a
+    process may differ in their subnormal mode: `torch.set_flush_denormal` (which the engine sets) changes the
+    calling thread's and those created after it, not the worker threads already running."""
     gate = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     up = torch.randn(gate.shape[0], generator=torch.Generator().manual_seed(0)).bfloat16()
     for u in (torch.ones_like(up), up):
-        gate_up = torch.cat([gate, u]).view(1, -1)
-        if not same_bits(library.silu_mul(gate_up), activation.silu_mul(gate_up)):
-            return False
+        for g, v in zip(gate.split(SLICE), u.split(SLICE), strict=True):
+            gate_up = torch.cat([g, v]).view(1, -1)
+            if not same_bits(library.silu_mul(gate_up), activation.silu_mul(gate_up)):
+                return False
     return True
+
+
+SLICE = 16384  # gates per check call: one thread for ATen's elementwise ops (their grain is 32,768 elements)
 
 
 @functools.cache  # loaded (or refused) once per process, and said so in one line
