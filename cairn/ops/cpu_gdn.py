@@ -9,9 +9,11 @@ between in_proj and out_proj with the reference kernels:
     q, k = l2norm(q) * Dk**-0.5, l2norm(k); one delta-rule step on the fp32 state (updated in place)
     out = rmsnorm(o) * weight * silu(z)
 
-per (sequence, value head) on the torch threads, with no intermediate tensors: the reference runs
-about 60 small ATen calls per layer for this. The per-head step is compiled for AVX-512 (16-wide, FMA)
-and for the baseline x86-64, the CPU picking one; each reads its fp32 state from memory once and writes
+in one parallel region of the torch threads, a task per (sequence, key head): its q / k channels' and its
+value heads' conv update, then those heads' step, with no intermediate tensors: the reference runs
+about 60 small ATen calls per layer for this. The conv update and the per-head step are compiled for
+AVX-512 (16-wide, FMA; the silus with libtorch's vectorised exp, cairn/ops/cpu_vec.py) and for the
+baseline x86-64 (std::exp), the CPU picking one; each reads its fp32 state from memory once and writes
 it once (at batch 16 of the 0.8B shape, 576 MB per step: the step's largest traffic after the weights).
 Rounding follows the reference's where it rounds to bf16
 (conv products and output, beta, o, the normed o and its product with the weight), so the two agree
