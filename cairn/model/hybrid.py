@@ -77,6 +77,7 @@ class DecoderLayer(nn.Module):
         self.mixer = mixer
         self.post_norm = make_norm() if mlp is not None else None
         self.mlp = mlp
+        self.mlp_takes_kernels = getattr(mlp, "takes_kernels", False)  # SwiGLU: its activation is a Kernels field
         self.residual_multiplier = residual_multiplier
         self.mixer_kind = ("recurrent" if isinstance(mixer, RecurrentMixer)
                            else "parallel" if isinstance(mixer, ParallelAttentionMamba2) else "attention")
@@ -93,7 +94,7 @@ class DecoderLayer(nn.Module):
             pending = self._scaled(h)
         if self.mlp is not None:
             x, h = self.post_norm.add_and_norm(x, pending, kernels)
-            pending = self._scaled(self.mlp(h))
+            pending = self._scaled(self.mlp(h, kernels) if self.mlp_takes_kernels else self.mlp(h))
         return x, pending
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:

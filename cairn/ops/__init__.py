@@ -46,6 +46,14 @@ def fused_norm_rotary_write(*args):
     return cpu_norm.norm_rotary_write(*args)
 
 
+def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """cpu_silu.silu_mul (bf16 on CPU: one C++ op, ATen's bits; else the reference), imported on first use like
+    fused_gdn_decode_op."""
+    from cairn.ops import cpu_silu
+
+    return cpu_silu.silu_mul(gate_up)
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The kernel set a model runs with; each field documents its contract in its reference module."""
@@ -70,6 +78,9 @@ class Kernels:
     # the gated attention's q / k norms, rotary and KV write (cairn/ops/attention.py: norm_rotary_write); bf16 on
     # CPU through one C++ op with the same bits (cpu_norm_rotary.py)
     norm_rotary_write: Callable = fused_norm_rotary_write
+    # gate_up [..., 2 * inner] -> silu(gate) * up, SwiGLU's activation (cairn/ops/activation.py); bf16 on CPU through
+    # one C++ op with ATen's bits (cpu_silu.py)
+    silu_mul: Callable = fused_silu_mul
 
 
 REFERENCE = Kernels(name="reference")

@@ -15,7 +15,8 @@ instruction paths, the best the CPU has chosen once when the library loads:
   for one row of x (8 for two, 4 above), each stream with a software prefetch 256 bytes ahead;
 - avx2: bf16 widened to fp32 by a shift, `_mm256_fmadd_ps`, one weight row at a time.
 
-Rows of W are split between the torch threads (`at::parallel_for`, ATen's OpenMP pool). Each output is
+Rows of W are split between the torch threads (`at::parallel_for`, ATen's OpenMP pool; on the AMX path
+each thread takes the next blocks of 32 rows from a shared counter until none is left). Each output is
 a fixed-order sum over its row alone, so it does not depend on how many rows x has, on the thread
 count or on the other rows: decode and a short prefill piece compute a token's outputs bit for bit
 alike. The result is rounded to bf16 once, like F.linear's (within bf16 rounding of it; tests compare).
@@ -36,7 +37,7 @@ from cairn.ops.cpu_build import build_inline
 from cairn.ops.cpu_gemv_amx import AMX_SOURCE
 
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
-NAME = "cairn_cpu_gemv3"  # torch caches builds by name: a new kernel source gets a new name
+NAME = "cairn_cpu_gemv4"  # torch caches builds by name: a new kernel source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>

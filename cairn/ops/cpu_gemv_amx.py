@@ -80,16 +80,19 @@ void amx_block(const uint16_t* w, int64_t k, const uint16_t* xb, float* out) {
   memory_fence();
 }
 
-// Blocks [b0, b1) of 32 weight rows on this thread: its own tile configuration, released at the end.
+// Blocks of 32 weight rows on this thread, `chunk` at a time from the shared counter `next` until all `blocks`
+// are taken (a thread that streams faster takes more: no thread waits for a slower one's fixed half); its own tile
+// configuration, released at the end. Which thread computes a row does not change its bits.
 __attribute__((target("amx-tile,amx-bf16,avx512f")))
 void amx_range(const uint16_t* w, int64_t n, int64_t k, const uint16_t* xb, int64_t m_rows, at::BFloat16* y,
-               int64_t b0, int64_t b1) {
+               std::atomic<int64_t>& next, int64_t blocks, int64_t chunk) {
   TileConfig cfg;
   for (int t = 0; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
   alignas(64) float acc[32 * 16];
   std::vector<uint16_t> padded;  // the last rows of W when fewer than 16 remain, zero-padded to 16
-  for (int64_t b = b0; b < b1; ++b) {
+  for (int64_t b0 = next.fetch_add(chunk); b0 < blocks; b0 = next.fetch_add(chunk)) {
+   for (int64_t b = b0; b < std::min(b0 + chunk, blocks); ++b) {
     const int64_t n0 = b * 32, rows = std::min<int64_t>(32, n - n0);
     if (rows == 32) {
       amx_block<2>(w + n0 * k, k, xb, acc);
@@ -107,6 +110,7 @@ void amx_range(const uint16_t* w, int64_t n, int64_t k, const uint16_t* xb, int6
     }
     for (int64_t m = 0; m < m_rows; ++m)
       for (int64_t r = 0; r < rows; ++r) y[m * n + n0 + r] = c10::BFloat16(acc[r * 16 + m]);
+   }
   }
   _tile_release();
 }
@@ -121,9 +125,11 @@ torch::Tensor gemv_amx(const torch::Tensor& x, const torch::Tensor& w) {
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = (n + 31) / 32;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, k * 64));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    amx_range(wp, n, k, xb.data(), m_rows, yp, b0, b1);
+  const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, k * 64));  // ~64 KiB a take
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), (blocks + chunk - 1) / chunk);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    amx_range(wp, n, k, xb.data(), m_rows, yp, next, blocks, chunk);
   });
   return y;
 }

@@ -1,0 +1,148 @@
+"""The SwiGLU activation for CPU (bf16 models): silu(gate) * up in one pass, ATen's bits.
+
+What it is: one C++ op (built on first use with torch.utils.cpp_extension.load_inline, cached by torch
+like cairn/ops/cpu_norm.py) that turns a bf16 [rows, 2 * inner] gate_up row ([gate | up]) into
+bf16(bf16(silu(gate)) * up), what the reference (cairn/ops/activation.py) does in two ATen calls with a
+tensor between them (with the chunk, three calls a layer and about 100 us of a decode step's CPU each,
+BENCHMARKS.md). On AVX-512 it computes the silu with libtorch's own vectorised exp, ATen's formula
+(cairn/ops/cpu_vec.py), and rounds where ATen rounds, so it gives the reference's bits; that is checked
+once when it loads, on every bf16 value (the silu's input is bf16: 65,536 cases), and where it does not
+hold the reference is used (one log line). One exception, ATen's own: subnormal values follow the subnormal
+mode of the thread that computes them (`torch.set_flush_denormal` sets it for the calling thread and threads
+created later), and above one thread's grain ATen and this op split the work differently; so on prefill-sized
+inputs a subnormal gate (|x| < 1.2e-38) may come out flushed in one and not the other. Decode rows run on the
+calling thread in both: the same bits. An earlier scalar build of this op was slower than ATen's two
+vectorised calls and was not kept (BENCHMARKS.md, fourth pass).
+
+What it is not: for fp32 / fp16 models (the reference), nor the MoE experts' activations (their own
+loops). `load()` returns the module, or a one-line reason why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from cairn.ops import activation
+from cairn.ops.cpu_build import build_inline
+from cairn.ops.cpu_vec import VEC_SOURCE
+
+log = logging.getLogger(__name__)
+
+NAME = "cairn_cpu_silu1"  # torch caches builds by name: a new source gets a new name
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <cmath>
+
+namespace {
+""" + VEC_SOURCE + r"""
+CAIRN_AVX512 void row_avx512(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t inner) {
+  for (int64_t e = 0; e < inner; e += 16) {
+    const int64_t n = std::min<int64_t>(16, inner - e);
+    const __m512 s = round_bf16_ps(silu_ps(load_bf16_ps(gate + e, n)));
+    store_bf16_ps(out + e, _mm512_mul_ps(s, load_bf16_ps(up + e, n)), n);
+  }
+}
+
+void row_generic(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t inner) {
+  for (int64_t e = 0; e < inner; ++e) {
+    const float g = float(gate[e]);
+    out[e] = c10::BFloat16(float(c10::BFloat16(g / (1.0f + std::exp(-g)))) * float(up[e]));
+  }
+}
+
+}  // namespace
+
+// gate_up [rows, 2 * inner] bf16 (each row contiguous; rows evenly spaced) -> silu(gate) * up [rows, inner] bf16
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1 &&
+              gate_up.size(1) % 2 == 0, "silu_mul: gate_up [rows, 2 * inner] bf16, rows contiguous");
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({rows, inner}, gate_up.options());
+  const auto* gp = gate_up.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const auto row = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? row_avx512 : row_generic;
+  auto run = [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) row(gp + i * stride, gp + i * stride + inner, op + i * inner, inner);
+  };
+  if (rows * inner <= 65536) run(0, rows);  // a decode step's rows: no parallel region
+  else at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(inner, 1)), run);
+  return out;
+}
+"""
+
+
+@functools.cache  # one build (or one failure) per directory, per process
+def load(build_dir: str | None = None):
+    """The built module (`silu_mul`), or a one-line reason why not. Never raises."""
+    return build_inline(NAME, _SOURCE, ["silu_mul"], "the fused silu * up op", build_dir, ("-ffp-contract=off",))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are equal bit for bit, but for NaNs, which need only be NaN alike (their payloads may differ)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+
+def gives_reference_bits(library) -> bool:
+    """The op's outputs are the reference's for every bf16 gate value, against an up of 1 and a random one.
+
+    Both run on this thread (slices of 16,384 gates: below ATen's parallel grain), since the threads of a
+    process may differ in their subnormal mode: `torch.set_flush_denormal` (which the engine sets) changes the
+    calling thread's and those created after it, not the worker threads already running."""
+    gate = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = torch.randn(gate.shape[0], generator=torch.Generator().manual_seed(0)).bfloat16()
+    for u in (torch.ones_like(up), up):
+        for g, v in zip(gate.split(SLICE), u.split(SLICE), strict=True):
+            gate_up = torch.cat([g, v]).view(1, -1)
+            if not same_bits(library.silu_mul(gate_up), activation.silu_mul(gate_up)):
+                return False
+    return True
+
+
+SLICE = 16384  # gates per check call: one thread for ATen's elementwise ops (their grain is 32,768 elements)
+
+
+@functools.cache  # loaded (or refused) once per process, and said so in one line
+def _loaded():
+    library = load()
+    if isinstance(library, str):
+        log.warning("MLP silu(gate) * up: the reference (%s)", library)
+        return None
+    if not gives_reference_bits(library):
+        log.warning("MLP silu(gate) * up: the reference (the fused op's bits are not ATen's on this CPU)")
+        return None
+    log.info("MLP silu(gate) * up: cairn's fused CPU op (ATen's bits)")
+    return library
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """activation.silu_mul's contract and bits, through the C++ op for bf16 on CPU (the reference otherwise, or
+    when the op does not build or does not reproduce ATen's bits here)."""
+    library = _loaded() if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" else None
+    if library is None or gate_up.stride(-1) != 1:
+        return activation.silu_mul(gate_up)
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    return library.silu_mul(rows).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cairn.ops.cpu_silu --build`: build (or find in torch's cache) the op."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cairn.ops.cpu_silu", description="Build cairn's silu * up op.")
+    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
+    parser.parse_args(argv)
+    library = load()
+    print("cairn fused silu * up op: " + (f"none ({library})" if isinstance(library, str) else "built"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
