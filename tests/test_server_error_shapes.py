@@ -13,35 +13,15 @@ import json
 import httpx
 import pytest
 
+from tests.api_errors import CHAT, MODEL, assert_error, assert_still_serving, chat
 from tests.server_process import served_fixture
-
-MODEL = "cairn-demo"
-CHAT = [{"role": "user", "content": "hi"}]
 
 served = served_fixture("--max-model-len", "1024", "--log-level", "WARNING")
 
 
-def assert_openai_error(r: httpx.Response, status: int, code: str, param: str | None = None) -> str:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code, error
-    if param is not None:
-        assert error["param"] == param, error
-    return error["message"]
-
-
-def assert_still_serving(http: httpx.Client) -> None:
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1})
-    assert r.status_code == 200, r.text
-
-
-def chat(http: httpx.Client, **fields) -> httpx.Response:
-    return http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1, **fields})
-
-
 def test_json_schema_response_format_without_its_schema_is_400(http):
     r = chat(http, response_format={"type": "json_schema"})
-    assert_openai_error(r, 400, "invalid_value", "response_format.json_schema")
+    assert_error(r, 400, "invalid_value", "response_format.json_schema")
     assert_still_serving(http)
 
 
@@ -55,17 +35,17 @@ def test_json_schema_false_is_400_and_true_is_any_json(http):
 
 
 def test_top_logprobs_without_logprobs_is_400(http):
-    assert_openai_error(chat(http, top_logprobs=2), 400, "invalid_value", "top_logprobs")
+    assert_error(chat(http, top_logprobs=2), 400, "invalid_value", "top_logprobs")
 
 
 def test_chat_template_kwargs_may_not_set_the_messages(http):
     r = chat(http, chat_template_kwargs={"messages": []})
-    assert_openai_error(r, 400, "invalid_value", "chat_template_kwargs.messages")
+    assert_error(r, 400, "invalid_value", "chat_template_kwargs.messages")
 
 
 def test_message_starts_with_a_text_prompt_is_400(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "message_starts": [0], "max_tokens": 1})
-    assert_openai_error(r, 400, "invalid_value", "message_starts")
+    assert_error(r, 400, "invalid_value", "message_starts")
 
 
 def test_earlier_tool_call_whose_arguments_are_not_json_is_400(http):
@@ -137,12 +117,12 @@ def test_probe_of_a_completion_body_counts_its_prompt_tokens(http):
 
 def test_probe_body_that_is_not_json_is_400_invalid_json(http):
     r = http.post("/v1/cache/probe", content=b'{"model": ', headers={"content-type": "application/json"})
-    assert_openai_error(r, 400, "invalid_json")
+    assert_error(r, 400, "invalid_json")
 
 
 def test_probe_body_with_an_unsupported_field_value_is_400_naming_it(http):
     r = http.post("/v1/cache/probe", json={"model": MODEL, "prompt": "x", "best_of": 3})
-    assert_openai_error(r, 400, "unsupported_value", "best_of")
+    assert_error(r, 400, "unsupported_value", "best_of")
     assert_still_serving(http)
 
 
@@ -153,7 +133,7 @@ def test_unimplemented_fields_sent_with_their_neutral_value_are_accepted(http):
                                            "best_of": 1, "suffix": None})
     assert r.status_code == 200, r.text
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1, "echo": True})
-    assert_openai_error(r, 400, "unsupported_value", "echo")
+    assert_error(r, 400, "unsupported_value", "echo")
 
 
 def test_body_that_is_json_but_not_an_object_is_400(http):
@@ -179,5 +159,5 @@ def test_prompt_too_long_to_fit_whatever_its_tokens_is_refused_before_encoding(h
     more than 13 characters: its longest special token) is refused without being tokenized, with the same
     400 as a prompt counted too long."""
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (13 * 1024 + 1), "max_tokens": 1})
-    message = assert_openai_error(r, 400, "context_length_exceeded", "prompt")
+    message = assert_error(r, 400, "context_length_exceeded", "prompt")["message"]
     assert "more than 1024 tokens (13313 characters)" in message and "context is 1024 tokens" in message

@@ -12,36 +12,15 @@ import time
 import httpx
 import pytest
 
+from tests.api_errors import MODEL, assert_error, assert_still_serving, chat
 from tests.server_process import served_fixture
 
-MODEL = "cairn-demo"
 MAX_MODEL_LEN = 1024
 MAX_REQUEST_BYTES = 65536
-CHAT = [{"role": "user", "content": "hi"}]
 
 
 served = served_fixture("--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes", str(MAX_REQUEST_BYTES),
                         "--log-level", "WARNING")
-
-
-def assert_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if code is not None:
-        assert error["code"] == code
-    if param is not None:
-        assert error["param"] == param
-    return error
-
-
-def assert_still_serving(http: httpx.Client) -> None:
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1})
-    assert r.status_code == 200, r.text
-
-
-def chat(http: httpx.Client, **fields) -> httpx.Response:
-    return http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1, **fields})
 
 
 def test_malformed_json_is_400_invalid_json(http):
