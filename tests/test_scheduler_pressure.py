@@ -69,3 +69,20 @@ def test_decode_rows_spending_the_token_budget_hold_a_prefill_back_until_they_le
     assert held_back, "no step had the decode rows spend the budget with a prompt mid-prefill"
     assert outputs[:6] == [alone["shared"]] * 6
     assert outputs[6] == run_checked(llm, [fresh], params)[0]
+
+
+def test_closing_an_engine_with_requests_running_and_queued_aborts_them_and_frees_every_page_and_slot():
+    """An interrupted `LLM` call leaves requests behind: close() aborts the running and the queued ones alike and
+    returns their pages and slots; what is left of the pool is the prefix cache's."""
+    llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_seqs=2, max_num_batched_tokens=16)
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request([(7 * i + j) % 200 + 10 for j in range(30)], greedy(20))
+    engine.step()
+    engine.step()
+    assert engine.scheduler.running and engine.scheduler.waiting
+    engine.close()
+    assert not engine.has_unfinished()
+    assert engine.kv.allocator.num_free + len(engine.scheduler.cache.page_refs()) == engine.kv.num_pages
+    assert engine.states.num_free == engine.states.num_slots
+    engine.check_integrity()
