@@ -291,3 +291,14 @@ def test_unreadable_generation_config_gives_no_defaults_and_says_so(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="cairn.sampling"):
         assert generation_defaults(tmp_path) == {}
     assert any("unreadable" in r.getMessage() and "no sampling defaults" in r.getMessage() for r in caplog.records)
+
+
+def test_a_greedy_row_that_cannot_be_sampled_fails_alone():
+    """Greedy rows take their own path (an argmax, no draw): a row of NaN logits, or one whose every token is
+    masked, gets the error; its greedy neighbour gets its token."""
+    logits = torch.tensor([[0.0, 1.0, 2.0], [float("nan")] * 3, [5.0, 1.0, 0.0]])
+    nothing = torch.zeros(3, dtype=torch.bool)
+    greedy = SamplingParams(temperature=0.0)
+    out = sample(logits, [greedy] * 3, [None] * 3, [None, None, RowContext([0], 1, allowed=nothing)])
+    assert out[0].error is None and out[0].token == 2
+    assert "not finite" in out[1].error and "masked" in out[2].error
