@@ -8,10 +8,11 @@ The other kernel is any cpu_gemv.py, e.g. main's:
     git show main:cairn/ops/cpu_gemv.py > /tmp/cpu_gemv_main.py
     PYTHONPATH=. python benchmarks/gemv_step_bench.py --baseline /tmp/cpu_gemv_main.py --rows 1,2
 
-On the same instruction path both kernels must give the same outputs bit for bit (checked on the first
-linears): the comparison is of speed alone. Across paths (this checkout's AMX path against a baseline's
-AVX512-BF16 one, or `--baseline-isa` forcing this checkout's kernel onto another path) the outputs only
-agree within bf16 rounding, and the largest difference is printed instead. `--linear` adds F.linear
+The outputs of the two are compared on the first linears: on the same instruction path with the same
+summation order they are equal bit for bit and the comparison is of speed alone. Across paths (this
+checkout's AMX path against a baseline's AVX512-BF16 one, or `--baseline-isa` forcing this checkout's
+kernel onto another path), or where a path's order changed (the AVX2 path's, which sums 16-weight chunks
+since cairn_cpu_gemv5), they agree within bf16 rounding, and the largest difference is printed. `--linear` adds F.linear
 (oneDNN) to the alternation, the layouts' choice above the kernel's rows:
 
     PYTHONPATH=. python benchmarks/gemv_step_bench.py --baseline-isa avx512_bf16 --rows 1,2,4,16 --linear
@@ -85,7 +86,6 @@ def main() -> None:
         diff = 0.0
         for w in weights[:8]:
             a, b = kernels["baseline"](xs[w.shape[1]], w), kernels["this"](xs[w.shape[1]], w)
-            assert base.isa != kernels["this"].isa or torch.equal(a, b)
             diff = max(diff, ((a.float() - b.float()).abs() / b.float().abs().clamp(min=1e-3)).max().item())
         if diff:
             print(f"rows {rows}: the two paths' outputs differ by up to {diff:.2g} relative (bf16 rounding)")

@@ -45,11 +45,12 @@ class ModelOptions:
     quantization: str = _f("none", "weight-only quantization of the linear layers (CPU, dense models): none or "
                            "int8 (one scale per output channel; half the bytes a bf16 decode step reads)",
                            choices=("none", "int8"))
-    weight_layout: str = _f("auto", "layout of the linear weights: auto (gemv for bf16 on a CPU with AMX-BF16 or "
-                            "AVX512-BF16 where the kernel builds, else plain; logged at start-up), plain, packed "
-                            "(oneDNN's blocked layout for AMX / AVX512-BF16), or gemv (cairn's bf16 gemv kernel "
-                            "for decode batches of up to 16 rows on AMX, 2 on AVX512-BF16 or AVX2, F.linear "
-                            "above; built on first use)",
+    weight_layout: str = _f("auto", "layout of the linear weights: auto (gemv for bf16 where the kernel builds on a "
+                            "CPU with AMX-BF16 or AVX512-BF16, or with AVX2 + FMA where oneDNN has no bf16 matmul; "
+                            "else plain; logged at start-up), plain, packed (oneDNN's blocked layout for AMX / "
+                            "AVX512-BF16), or gemv (cairn's bf16 gemv kernel for decode batches of up to 16 rows on "
+                            "AMX, 2 on AVX512-BF16, F.linear above; on AVX2 up to 16 rows and a prefill 16 rows at "
+                            "a time; built on first use)",
                             choices=("auto", "plain", "packed", "gemv"))
     fast_kernels: bool = _f(False, "on CUDA, use the field's kernels where installed: flash-linear-attention "
                             "(gated delta rule), causal-conv1d (conv), FlashInfer (paged attention); untested on "

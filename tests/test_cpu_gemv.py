@@ -81,16 +81,33 @@ def test_gemv_row_outputs_do_not_depend_on_the_other_rows_or_the_threads(isa):
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_gemv_row_outputs_do_not_depend_on_the_tile_that_holds_the_row(isa):
+    """Weight rows are walked in tiles whose height depends on the rows of x (8, 4 or 2 on AVX2; 16, 8 or 4
+    on AVX512-BF16), the last n % height rows one at a time, and K in chunks with a zero-padded tail: a
+    weight row's outputs are the same bits whether it sat in a whole tile or in the remainder."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(1003, 1030, generator=gen).bfloat16()  # 1003 rows: a remainder for every tile height
+    x = torch.randn(16, 1030, generator=gen).bfloat16()  # 1030 = 64 x 16 + 6: a K tail on every path
+    k = kernel(isa)
+    whole = k(x, w)
+    for m in range(1, 16):
+        assert torch.equal(k(x[:m], w), whole[:m])
+        assert torch.equal(k(x[m:m + 1], w), whole[m:m + 1])
+    assert torch.equal(k(x, w[997:]), whole[:, 997:])  # the last rows as the whole weight: full tiles now
+
+
+@needs_kernel
 def test_stream_read_reads_every_whole_line_of_the_buffer():
     """The benchmarks' own memory read: its checksum is the sum of the buffer's 64-bit words in whole
     64-byte lines, so it read all of them (and a trailing partial line is left out)."""
     k = kernel(ISAS[0])
-    buf = torch.arange(3 * 8 * 1000 + 5, dtype=torch.int64)  # 3000 lines and 5 words
-    assert k.stream_read(buf) == int(buf[:24000].sum())
+    buf = torch.arange(3 * 8 * 1001 + 5, dtype=torch.int64)  # 3003 lines (an odd count) and 5 words
+    assert k.stream_read(buf) == int(buf[:24024].sum())
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert k.stream_read(buf) == int(buf[:24000].sum())
+        assert k.stream_read(buf) == int(buf[:24024].sum())
     finally:
         torch.set_num_threads(threads)
 
@@ -119,7 +136,31 @@ def test_gemv_falls_back_to_plain_in_one_line_on_a_cpu_without_the_instructions(
     lines = [r for r in caplog.records if r.name == "cairn.model.layout"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert "gemv kernel not used: the CPU lacks" in lines[0].getMessage()
-    assert layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"})[0] == "plain"
+    assert layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags={"sse2"})[0] == "plain"
+
+
+def test_auto_keeps_plain_on_an_avx2_cpu_whose_onednn_has_bf16():
+    """An AVX-512 CPU without AVX512-BF16: F.linear has oneDNN's bf16 there, and the kernel's AVX2 path was
+    not measured against it, so auto keeps plain and says why."""
+    got, kernel_, why = layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"},
+                                             onednn_bf16=True)
+    assert (got, kernel_) == ("plain", None) and "F.linear has oneDNN's bf16" in why
+
+
+@needs_kernel
+def test_auto_takes_the_avx2_gemv_for_every_decode_row_where_onednn_has_no_bf16(caplog):
+    """An AVX2-only CPU: F.linear's bf16 is ATen's fallback GEMM there, slower than the kernel at every
+    decode batch, so auto takes the kernel's AVX2 path up to MAX_ROWS rows and logs it."""
+    got, kernel_, why = layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"},
+                                             onednn_bf16=False)
+    assert got == "gemv" and kernel_.isa == "avx2" and why == ""
+    assert kernel_.direct_rows == cpu_gemv.MAX_ROWS
+    if cpu_gemv.isa_for(FLAGS) == "avx2" and not layout.onednn_has_bf16():  # this machine is one
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False)).bfloat16()
+        with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
+            assert layout.apply_layout(model, "auto", torch.bfloat16, torch.device("cpu")) == "gemv"
+        line = next(r.getMessage() for r in caplog.records if r.name == "cairn.model.layout")
+        assert "on cairn's avx2 gemv up to 16 rows" in line
 
 
 @needs_kernel
@@ -152,17 +193,18 @@ def test_build_command_names_the_path_this_cpu_gets_or_why_none(capsys):
         cpu_gemv.main([])
 
 
-@pytest.mark.skipif("amx_bf16" not in ISAS, reason="the CPU has no AMX-BF16")
-def test_amx_gemv_decodes_a_sequence_alike_alone_and_in_a_batch_of_five(checkpoints):
-    """On AMX the layout hands the kernel every decode batch up to 16 rows (no F.linear at 3 rows and up),
-    and the kernel's outputs do not depend on the other rows: five greedy sequences decoded together get
-    the tokens and log-probabilities each gets alone, bit for bit."""
-    if kernel("amx_bf16").direct_rows < 5:
-        pytest.skip("this kernel does not take five rows")
+@needs_kernel
+def test_gemv_decodes_a_sequence_alike_alone_and_in_a_batch_of_five(checkpoints):
+    """Where auto hands the kernel every decode batch up to 16 rows (AMX tiles; the AVX2 path on a CPU whose
+    oneDNN has no bf16) there is no F.linear at 3 rows and up, and the kernel's outputs do not depend on the
+    other rows: five greedy sequences decoded together get the tokens and log-probabilities each gets alone,
+    bit for bit."""
     path, _ = checkpoints["qwen3_next"]
     llm = LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
-    assert llm.engine.weight_layout == "gemv"
-    assert any(isinstance(m, GemvLinear) and m.kernel.isa == "amx_bf16" for m in llm.engine.model.modules())
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, GemvLinear)]
+    if llm.engine.weight_layout != "gemv" or linears[0].direct_rows < 5:
+        pytest.skip("auto does not hand this CPU's kernel five rows")
+    assert all(m.kernel.isa in ("amx_bf16", "avx2") for m in linears)
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (5, 9, 12, 14, 17)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True)

@@ -136,14 +136,19 @@ def test_auto_layout_is_chosen_per_machine_and_logged(caplog):
     # bf16: cairn's gemv kernel where the CPU has AVX512-BF16 and it builds, plain elsewhere
     assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"avx512_bf16", "avx512bw"})[0] in (
         "gemv", "plain")
-    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"avx2", "fma"})[0] == "plain"
+    # AVX2 + FMA only: gemv where F.linear's bf16 has no oneDNN (ATen's fallback GEMM), plain where it has
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"avx2", "fma"}, onednn_bf16=True)[0] == "plain"
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"avx2", "fma"}, onednn_bf16=False)[0] in (
+        "gemv", "plain")
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"sse2"})[0] == "plain"
     assert layout.choose_layout("auto", torch.bfloat16, torch.device("cuda"))[0] == "plain"
     with pytest.raises(ValueError, match="packed needs"):
         layout.choose_layout("packed", torch.float32, cpu)
     with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
         LLM(dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
     assert any("weight layout: plain" in r.getMessage() for r in caplog.records)
-    if "avx512_bf16" in cpu_gemv.cpu_flags():
+    if "avx512_bf16" in cpu_gemv.cpu_flags() or (cpu_gemv.isa_for(cpu_gemv.cpu_flags()) == "avx2"
+                                                 and not layout.onednn_has_bf16()):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
             llm = LLM(dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)

@@ -36,9 +36,29 @@ def bf16(*shape: int, seed: int) -> torch.Tensor:
 
 def test_gemv_layout_above_its_direct_rows_is_f_linear():
     w = torch.nn.Parameter(bf16(37, 64, seed=1), requires_grad=False)
-    layer = GemvLinear(w, gemv_kernel())
+    layer = GemvLinear(w, cpu_gemv.GemvKernel(None, "avx512_bf16"))  # 2 rows, F.linear above: never called here
+    assert not layer.kernel.slices_prefill
     x = bf16(2, layer.direct_rows + 3, 64, seed=2)  # a prefill: more rows than the kernel serves
     assert torch.equal(layer(x), F.linear(x, w))
+
+
+def test_gemv_layout_on_the_avx2_path_runs_a_prefill_through_the_kernel_16_rows_at_a_time():
+    """Where the AVX2 path runs, F.linear's bf16 is ATen's slow fallback GEMM, so a prefill's rows go through
+    the kernel in slices of MAX_ROWS: each row's outputs are the bits the kernel gives it alone (a decode
+    step), and within bf16 rounding of F.linear."""
+    kernel = cpu_gemv.load(FLAGS, "avx2")
+    if isinstance(kernel, str):
+        pytest.skip(f"the AVX2 path is unavailable here: {kernel}")
+    w = torch.nn.Parameter(bf16(37, 70, seed=8), requires_grad=False)
+    layer = GemvLinear(w, kernel)
+    assert layer.kernel.slices_prefill and layer.direct_rows == cpu_gemv.MAX_ROWS
+    x = bf16(2, 20, 70, seed=9)  # 40 rows: slices of 16, 16 and 8
+    got = layer(x)
+    assert got.shape == (2, 20, 37)
+    alone = torch.cat([kernel(row.view(1, -1), w) for row in x.reshape(-1, 70)]).view(2, 20, 37)
+    assert torch.equal(got, alone)
+    ref = F.linear(x, w).float()
+    assert ((got.float() - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-3).all()
 
 
 def test_gemv_layout_of_a_non_contiguous_weight_multiplies_a_contiguous_copy():

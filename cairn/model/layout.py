@@ -12,20 +12,25 @@ provided the matmul kernel streams the weights at that speed. The layouts:
   every batch size (prefill included).
 - gemv: the weight as loaded, multiplied by cairn's own bf16 gemv kernel (cairn/ops/cpu_gemv.py: AMX
   tiles where the CPU has AMX-BF16, else AVX512-BF16 or AVX2 + FMA dot products) up to the kernel's
-  `direct_rows` (16 on AMX, 2 on the others), by F.linear above (prefill keeps
-  the matmul and the same weight tensor: no second copy). Each output of the kernel is a fixed-order
+  `direct_rows` (16 on AMX and AVX2, 2 on AVX512-BF16), by F.linear above (prefill keeps
+  the matmul and the same weight tensor: no second copy), but on the AVX2 path, where F.linear's bf16 is
+  ATen's slow fallback GEMM, by the kernel 16 rows at a time. Each output of the kernel is a fixed-order
   sum over its own row, so a token gets the same outputs in a decode batch of any size.
 - int8 (`--quantization int8`): weight-only, symmetric, one scale per output channel, multiplied
   with `torch._weight_int8pack_mm` (half the bytes of bf16) up to `Int8Linear.DIRECT_ROWS` rows;
   larger batches (prefill) convert the int8 weight to the activation dtype and scale the output.
 
-`auto` picks gemv for bf16 weights on a CPU with AMX-BF16 or AVX512-BF16 where the kernel builds, and plain
-otherwise (fp32: MKL's gemv already streams at memory speed; fp16; CUDA; the kernel's AVX2 path,
-which measured no faster than F.linear where it could be measured, runs only when asked for); the
-choice, and why gemv was not taken, is logged in one line. Measured (BENCHMARKS.md, gemv_bench.py):
-on AVX512-BF16 the kernel streams the 0.8B model's weights at batch 1 faster than F.linear and the
-packed layout. The packed layout was slower than plain at batch 1 and 4 on a quiet 2-core Xeon with
-AMX (7.1 against 9.2 tok/s at batch 1) and stays a choice (`--weight-layout packed`).
+`auto` picks gemv for bf16 weights where the kernel builds on a CPU with AMX-BF16 or AVX512-BF16, or
+with AVX2 + FMA where oneDNN has no bf16 matmul (CPUs without AVX-512: most AMD before Zen 4, many
+laptops), and plain otherwise (fp32: MKL's gemv already streams at memory speed; fp16; CUDA; an
+AVX-512 CPU without AVX512-BF16, where F.linear has oneDNN's bf16 and the kernel's AVX2 path was not
+measured against it, runs that path only when asked for); the choice, and why gemv was not taken, is
+logged in one line. Measured (BENCHMARKS.md, gemv_bench.py): on AVX512-BF16 the kernel streams the
+0.8B model's weights at batch 1 faster than F.linear and the packed layout; on an AVX2-only CPU
+F.linear's bf16 falls back to ATen's own GEMM, whose cost grows with every row of x, and the kernel's
+AVX2 path is faster at every decode batch size. The packed layout was slower than plain at batch 1
+and 4 on a quiet 2-core Xeon with AMX (7.1 against 9.2 tok/s at batch 1) and stays a choice
+(`--weight-layout packed`).
 
 Quantization changes the model's numbers, so it is applied before the prefix cache digests the
 weights (a disk cache of the float model is not resumed by the int8 one); the layouts keep the
@@ -72,15 +77,19 @@ class PackedLinear(nn.Module):
 
 
 class GemvLinear(nn.Module):
-    """y = x W^T: cairn's gemv kernel up to `kernel.direct_rows` rows (decode), F.linear above; W as loaded,
-    no bias.
+    """y = x W^T: cairn's gemv kernel up to `kernel.direct_rows` rows (decode), F.linear above (on the AVX2
+    path, the kernel MAX_ROWS rows at a time: `GemvKernel.slices_prefill`); W as loaded, no bias.
 
     Up to that many rows the kernel streams the weight once for all of them; above, a GEMM. Measured on
     a quiet 2-core Xeon (BENCHMARKS.md): the AVX512-BF16 path is 1.32x F.linear's decode at 1 row and
     1.07x at 2, but 0.90x at 4 and 0.75x at 8, where its dot products cost more than the weight read
     (`GemvKernel.direct_rows`: 2); the AMX path reads a step's weights at 89-100% of `sum` at 1 to 16
     rows (1.5-1.9x F.linear), so it takes all 16 (cpu_gemv.MAX_ROWS), and a token's outputs are then bit
-    for bit the same alone or in a decode batch of up to 16.
+    for bit the same alone or in a decode batch of up to 16. The AVX2 path takes all 16 as well: it is
+    chosen where F.linear's bf16 is ATen's fallback GEMM, slower than the kernel at every row count up
+    to 16 (BENCHMARKS.md, the AVX2-only pass), and at a prefill's hundreds of rows too, so there a prefill
+    runs the kernel 16 rows at a time; each row's outputs are then the same bits in a prefill and in a
+    decode step.
     """
 
     def __init__(self, weight: nn.Parameter, kernel: cpu_gemv.GemvKernel):
@@ -96,11 +105,16 @@ class GemvLinear(nn.Module):
         if x.dim() == 2 and x.shape[0] <= self.direct_rows and x.stride(-1) == 1:  # a decode step's rows
             return self.kernel(x, self.weight)
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > self.direct_rows:
+        if rows.shape[0] > self.direct_rows and not self.kernel.slices_prefill:
             return F.linear(x, self.weight)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        return self.kernel(rows, self.weight).view(*x.shape[:-1], self.out_features)
+        if rows.shape[0] <= self.direct_rows:
+            y = self.kernel(rows, self.weight)
+        else:  # a prefill on the AVX2 path: the kernel, MAX_ROWS rows at a time
+            step = cpu_gemv.MAX_ROWS
+            y = torch.cat([self.kernel(rows[i:i + step], self.weight) for i in range(0, rows.shape[0], step)])
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear(nn.Module):
@@ -161,14 +175,21 @@ def quantize(model: nn.Module, cfg: ModelConfig, method: str, device: torch.devi
     log.info("weights: %d linear layers quantized to int8 (weight-only, per output channel)", n)
 
 
+def onednn_has_bf16() -> bool:
+    """Whether F.linear's bf16 runs on oneDNN here (AVX-512 and up); else ATen's fallback GEMM does it."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def choose_layout(requested: str, dtype: torch.dtype, device: torch.device, cpu_flags: set[str] | None = None,
-                  build_dir: str | None = None) -> tuple[str, cpu_gemv.GemvKernel | None, str]:
+                  build_dir: str | None = None,
+                  onednn_bf16: bool | None = None) -> tuple[str, cpu_gemv.GemvKernel | None, str]:
     """(layout, the gemv kernel when chosen, why gemv was not chosen: "" when it was or was not a candidate).
 
-    `auto` -> gemv for bf16 on an AMX-BF16 or AVX512-BF16 CPU where the kernel loads, else plain (module docstring);
-    packed only when asked, on a CPU whose oneDNN has it. A gemv that cannot load (no compiler, a CPU
-    without the instructions) falls back to plain, asked for or not. `cpu_flags` / `build_dir` are for
-    tests that force the fallback (None: /proc/cpuinfo, torch's extensions directory).
+    `auto` -> gemv for bf16 where the kernel loads, on an AMX-BF16 or AVX512-BF16 CPU or on an AVX2 + FMA
+    one whose oneDNN has no bf16 matmul; else plain (module docstring); packed only when asked, on a CPU
+    whose oneDNN has it. A gemv that cannot load (no compiler, a CPU without the instructions) falls back
+    to plain, asked for or not. `cpu_flags` / `build_dir` / `onednn_bf16` are for tests that force a
+    machine or the fallback (None: /proc/cpuinfo, torch's extensions directory, onednn_has_bf16()).
     """
     if requested not in LAYOUTS:
         raise ValueError(f"--weight-layout {requested}: unknown (choose from {', '.join(LAYOUTS)})")
@@ -186,8 +207,10 @@ def choose_layout(requested: str, dtype: torch.dtype, device: torch.device, cpu_
     if requested == "plain" or not gemv_fits:
         return "plain", None, ""
     flags = cpu_gemv.cpu_flags() if cpu_flags is None else cpu_flags
-    if requested == "auto" and cpu_gemv.isa_for(flags) not in ("amx_bf16", "avx512_bf16"):
-        return "plain", None, "the CPU lacks avx512_bf16 (its AVX2 path only when asked: --weight-layout gemv)"
+    onednn = onednn_has_bf16() if onednn_bf16 is None else onednn_bf16
+    if requested == "auto" and cpu_gemv.isa_for(flags) == "avx2" and onednn:
+        return "plain", None, ("the CPU lacks avx512_bf16 and F.linear has oneDNN's bf16 (the kernel's AVX2 path "
+                               "only when asked: --weight-layout gemv)")
     kernel = cpu_gemv.load(flags, build_dir=build_dir)
     if isinstance(kernel, str):
         return "plain", None, kernel

@@ -13,7 +13,11 @@ instruction paths, the best the CPU has chosen once when the library loads:
   the AVX512-BF16 path;
 - avx512_bf16: `_mm512_dpbf16_ps`, 32 bf16 products per instruction; 16 weight rows streamed side by side
   for one row of x (8 for two, 4 above), each stream with a software prefetch 256 bytes ahead;
-- avx2: bf16 widened to fp32 by a shift, `_mm256_fmadd_ps`, one weight row at a time.
+- avx2: no bf16 dot product, so fp32 FMAs (`_mm256_fmadd_ps`): x widened to fp32 once per call, each
+  256-bit load of 16 weights split into its even and odd halves as fp32 by one shift and one mask; 8
+  weight rows streamed side by side for one row of x (4 for two, 2 in passes of up to four above), each
+  prefetched 512 bytes ahead. Where it runs (CPUs without AVX-512), F.linear's bf16 is ATen's fallback
+  GEMM, and the kernel takes every decode batch up to MAX_ROWS.
 
 Rows of W are split between the torch threads (`at::parallel_for`, ATen's OpenMP pool; on the AMX path
 each thread takes the next blocks of 32 rows from a shared counter until none is left). Each output is
@@ -37,7 +41,7 @@ from cairn.ops.cpu_build import build_inline
 from cairn.ops.cpu_gemv_amx import AMX_SOURCE
 
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
-NAME = "cairn_cpu_gemv4"  # torch caches builds by name: a new kernel source gets a new name
+NAME = "cairn_cpu_gemv5"  # torch caches builds by name: a new kernel source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -93,11 +97,24 @@ void tile_avx512(const uint16_t* w, int64_t k, const uint16_t* x, int64_t x_stri
     for (int m = 0; m < M; ++m) out[m * out_stride + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// ---- AVX2 + FMA: one weight row at a time, bf16 widened to fp32 ------------------------------------
+// ---- AVX2 + FMA: R weight rows side by side against x widened to fp32 once per call ------------------
+// No bf16 dot product here, so the weights are widened in registers: a 256-bit load holds 16 bf16 as 8
+// pairs, and (pair << 16) is the even element as an fp32, (pair & 0xffff0000) the odd one, two integer
+// ops for 16 weights. x is widened once per call (gemv_avx2) into the same order: per chunk of 16, its
+// 8 even elements then its 8 odd ones, zero-padded to whole chunks. Each (weight row, row of x) keeps
+// one fp32 accumulator over the chunks in order, even half then odd half; the chunk past the last whole
+// one reads the row's tail from a zero-padded copy. So an output's sum depends on its row and K alone,
+// not on R, on the rows of x beside it or on the thread. R rows side by side, each stream prefetched
+// kPrefetchAvx2 bytes ahead, keep enough cache-line fills in flight to read at memory speed.
+constexpr int64_t kChunk = 16;
+constexpr int64_t kPrefetchAvx2 = 512;
+
 __attribute__((target("avx2,fma")))
-inline __m256 widen8(const uint16_t* p) {
-  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+inline __m256 fma_chunk(__m256i pairs, const float* xs, __m256 acc) {
+  const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xffff0000u))));
+  acc = _mm256_fmadd_ps(even, _mm256_loadu_ps(xs), acc);
+  return _mm256_fmadd_ps(odd, _mm256_loadu_ps(xs + 8), acc);
 }
 
 __attribute__((target("avx2,fma")))
@@ -108,29 +125,53 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline float widen1(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+// The last k % 16 weights of a row, zero-padded to one chunk (never read past the row: it may end the weight).
+__attribute__((target("avx2,fma")))
+inline __m256i tail_pairs(const uint16_t* row, int64_t k) {
+  alignas(32) uint16_t tail[kChunk] = {};
+  std::memcpy(tail, row + k / kChunk * kChunk, (k % kChunk) * sizeof(uint16_t));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+}
+
+// x [m_rows, k] bf16 -> xs [m_rows, padded] fp32 in fma_chunk's order (padded: k rounded up to 16).
+__attribute__((target("avx2,fma")))
+void widen_x_avx2(const uint16_t* x, int64_t x_stride, int64_t m_rows, int64_t k, float* xs, int64_t padded) {
+  for (int64_t m = 0; m < m_rows; ++m) {
+    const uint16_t* row = x + m * x_stride;
+    float* out = xs + m * padded;
+    for (int64_t c = 0; c * kChunk < k; ++c) {
+      const __m256i pairs = (c + 1) * kChunk <= k
+          ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * kChunk)) : tail_pairs(row, k);
+      _mm256_storeu_ps(out + c * kChunk, _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)));
+      _mm256_storeu_ps(out + c * kChunk + 8,
+                       _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xffff0000u)))));
+    }
+  }
 }
 
 template <int R, int M>
 __attribute__((target("avx2,fma")))
-void tile_avx2(const uint16_t* w, int64_t k, const uint16_t* x, int64_t x_stride, float* out, int64_t out_stride) {
-  static_assert(R == 1, "the AVX2 path takes one weight row at a time");
-  __m256 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  const int64_t full = k / 8;
+void tile_avx2(const uint16_t* w, int64_t k, const float* xs, int64_t xs_stride, float* out, int64_t out_stride) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  const int64_t full = k / kChunk;
   for (int64_t c = 0; c < full; ++c) {
-    __m256 wv = widen8(w + c * 8);
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wv, widen8(x + m * x_stride + c * 8), acc[m]);
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* p = w + r * k + c * kChunk;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchAvx2, _MM_HINT_T0);
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      for (int m = 0; m < M; ++m) acc[r][m] = fma_chunk(pairs, xs + m * xs_stride + c * kChunk, acc[r][m]);
+    }
   }
-  for (int m = 0; m < M; ++m) {
-    float s = sum8(acc[m]);
-    for (int64_t i = full * 8; i < k; ++i) s += widen1(w[i]) * widen1(x[m * x_stride + i]);
-    out[m * out_stride] = s;
+  if (k % kChunk) {
+    for (int r = 0; r < R; ++r) {
+      const __m256i pairs = tail_pairs(w + r * k, k);
+      for (int m = 0; m < M; ++m) acc[r][m] = fma_chunk(pairs, xs + m * xs_stride + full * kChunk, acc[r][m]);
+    }
   }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[m * out_stride + r] = sum8(acc[r][m]);
 }
 
 using Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
@@ -148,10 +189,10 @@ struct Plan {
 bool has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
-// The plan for m_rows rows of x on `isa` (rows == 0 where this CPU lacks it).
-Plan plan_for(const std::string& isa, int64_t m_rows) {
+// The AVX512-BF16 plan for m_rows rows of x (rows == 0 where this CPU lacks it).
+Plan plan_avx512(int64_t m_rows) {
   Plan p;
-  if (isa == "avx512_bf16" && has_avx512_bf16()) {
+  if (has_avx512_bf16()) {
     p.rows = m_rows == 1 ? 16 : m_rows == 2 ? 8 : 4;
     p.width = int(std::min<int64_t>(m_rows, 4));
     const Tile by_rows[3][5] = {
@@ -163,11 +204,6 @@ Plan plan_for(const std::string& isa, int64_t m_rows) {
       p.tiles[m] = by_rows[p.rows == 16 ? 0 : p.rows == 8 ? 1 : 2][m];
       p.single[m] = single[m];
     }
-  } else if (isa == "avx2" && has_avx2()) {
-    p.rows = 1;
-    p.width = int(std::min<int64_t>(m_rows, 4));
-    const Tile tiles[5] = {nullptr, tile_avx2<1, 1>, tile_avx2<1, 2>, tile_avx2<1, 3>, tile_avx2<1, 4>};
-    for (int m = 0; m < 5; ++m) p.tiles[m] = p.single[m] = tiles[m];
   }
   return p;
 }
@@ -180,6 +216,73 @@ void run_tile(const Plan& p, bool whole, const uint16_t* w, int64_t k, const uin
     const int mm = int(std::min<int64_t>(p.width, m_rows - m0));
     (whole ? p.tiles : p.single)[mm](w, k, x + m0 * x_stride, x_stride, acc + m0 * acc_stride, acc_stride);
   }
+}
+
+// ---- the AVX2 path's walk over the weight -----------------------------------------------------------
+// Tiles of R weight rows side by side, each against every row of x in passes of up to four rows (the
+// later passes find the tile's weights in L1/L2); the last n % R rows one at a time. R x M accumulators
+// plus the pairs and their two halves fit AVX2's 16 registers: 8 weight rows at one row of x, 4 at two,
+// 2 in passes of three or four.
+using TileAvx2 = void (*)(const uint16_t*, int64_t, const float*, int64_t, float*, int64_t);
+
+struct PlanAvx2 {
+  int rows = 0;
+  TileAvx2 tiles[5] = {};
+  TileAvx2 single[5] = {};
+};
+
+PlanAvx2 plan_avx2(int64_t m_rows) {
+  PlanAvx2 p;
+  p.rows = m_rows == 1 ? 8 : m_rows == 2 ? 4 : 2;
+  const TileAvx2 by_rows[3][5] = {
+      {nullptr, tile_avx2<8, 1>, nullptr, nullptr, nullptr},
+      {nullptr, tile_avx2<4, 1>, tile_avx2<4, 2>, nullptr, nullptr},
+      {nullptr, tile_avx2<2, 1>, tile_avx2<2, 2>, tile_avx2<2, 3>, tile_avx2<2, 4>}};
+  const TileAvx2 single[5] = {nullptr, tile_avx2<1, 1>, tile_avx2<1, 2>, tile_avx2<1, 3>, tile_avx2<1, 4>};
+  for (int m = 0; m < 5; ++m) {
+    p.tiles[m] = by_rows[p.rows == 8 ? 0 : p.rows == 4 ? 1 : 2][m];
+    p.single[m] = single[m];
+  }
+  return p;
+}
+
+void run_tile_avx2(const PlanAvx2& p, bool whole, const uint16_t* w, int64_t k, const float* xs, int64_t padded,
+                   int64_t m_rows, float* acc, int64_t acc_stride) {
+  const int64_t width = std::min<int64_t>(m_rows, 4);
+  for (int64_t m0 = 0; m0 < m_rows; m0 += width) {
+    const int mm = int(std::min<int64_t>(width, m_rows - m0));
+    (whole ? p.tiles : p.single)[mm](w, k, xs + m0 * padded, padded, acc + m0 * acc_stride, acc_stride);
+  }
+}
+
+torch::Tensor gemv_avx2(const torch::Tensor& x, const torch::Tensor& w) {
+  const int64_t m_rows = x.size(0), n = w.size(0), k = w.size(1);
+  auto y = torch::empty({m_rows, n}, x.options());
+  if (m_rows == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t padded = (k + kChunk - 1) / kChunk * kChunk;
+  std::vector<float> xs(std::max<int64_t>(1, m_rows * padded));  // at most 16 rows of K floats: L2-sized
+  widen_x_avx2(xp, x.stride(0), m_rows, k, xs.data(), padded);
+  const PlanAvx2 p = plan_avx2(m_rows);
+  const int64_t tiles = (n + p.rows - 1) / p.rows;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, k * p.rows * 2));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    float acc[kMaxRows * 8];  // [m_rows, p.rows]: m_rows * p.rows <= 32 (8 x 1, 4 x 2, 2 x up to 16)
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * p.rows, rows = std::min<int64_t>(p.rows, n - n0);
+      if (rows == p.rows) {
+        run_tile_avx2(p, true, wp + n0 * k, k, xs.data(), padded, m_rows, acc, p.rows);
+      } else {
+        for (int64_t r = 0; r < rows; ++r)
+          run_tile_avx2(p, false, wp + (n0 + r) * k, k, xs.data(), padded, m_rows, acc + r, p.rows);
+      }
+      for (int64_t m = 0; m < m_rows; ++m)
+        for (int64_t r = 0; r < rows; ++r) yp[m * n + n0 + r] = c10::BFloat16(acc[m * p.rows + r]);
+    }
+  });
+  return y;
 }
 
 """ + AMX_SOURCE + r"""
@@ -197,6 +300,27 @@ int64_t read_lines_avx512(const char* p, int64_t lines) {
   }
   for (; i < lines; ++i) s0 = _mm512_add_epi64(s0, _mm512_loadu_si512(p + i * 64));
   return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3)));
+}
+
+__attribute__((target("avx2")))
+int64_t read_lines_avx2(const char* p, int64_t lines) {
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 2 <= lines; i += 2) {
+    const char* q = p + i * 64;
+    s0 = _mm256_add_epi64(s0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    s1 = _mm256_add_epi64(s1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)));
+    s2 = _mm256_add_epi64(s2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64)));
+    s3 = _mm256_add_epi64(s3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 96)));
+  }
+  for (; i < lines; ++i) {
+    s0 = _mm256_add_epi64(s0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 64)));
+    s1 = _mm256_add_epi64(s1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 64 + 32)));
+  }
+  alignas(32) int64_t lanes[4];
+  const __m256i sum = _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 
 int64_t read_lines_scalar(const char* p, int64_t lines) {
@@ -221,11 +345,10 @@ int64_t stream_read(const torch::Tensor& buf) {
   TORCH_CHECK(buf.is_contiguous(), "stream_read: a contiguous tensor");
   const char* p = static_cast<const char*>(buf.data_ptr());
   const int64_t lines = buf.numel() * buf.element_size() / 64;
-  const bool wide = __builtin_cpu_supports("avx512f");
+  const auto read = __builtin_cpu_supports("avx512f") ? read_lines_avx512
+                    : __builtin_cpu_supports("avx2") ? read_lines_avx2 : read_lines_scalar;
   std::atomic<int64_t> total{0};
-  at::parallel_for(0, lines, 4096, [&](int64_t a, int64_t b) {
-    total += wide ? read_lines_avx512(p + a * 64, b - a) : read_lines_scalar(p + a * 64, b - a);
-  });
+  at::parallel_for(0, lines, 4096, [&](int64_t a, int64_t b) { total += read(p + a * 64, b - a); });
   return total.load();
 }
 
@@ -238,8 +361,13 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::st
     TORCH_CHECK(has_amx_bf16(), "gemv: this CPU (or its kernel) lacks amx_bf16");
     return gemv_amx(x, w);
   }
+  if (isa == "avx2") {
+    TORCH_CHECK(has_avx2(), "gemv: this CPU lacks avx2");
+    return gemv_avx2(x, w);
+  }
+  TORCH_CHECK(isa == "avx512_bf16", "gemv: unknown path ", isa);
   const int64_t m_rows = x.size(0), n = w.size(0), k = w.size(1), x_stride = x.stride(0);
-  const Plan p = plan_for(isa, std::max<int64_t>(m_rows, 1));
+  const Plan p = plan_avx512(std::max<int64_t>(m_rows, 1));
   TORCH_CHECK(p.rows > 0, "gemv: this CPU lacks ", isa);
   auto y = torch::empty({m_rows, n}, x.options());
   if (m_rows == 0 || n == 0) return y;
@@ -280,8 +408,17 @@ class GemvKernel:
     @property
     def direct_rows(self) -> int:
         """Rows of x up to which the kernel beats F.linear, measured (BENCHMARKS.md): AMX's tiles take 16
-        rows for the price of one; the dot-product paths lose to F.linear above 2 rows."""
-        return MAX_ROWS if self.isa == "amx_bf16" else 2
+        rows for the price of one; the AVX512-BF16 dot products lose to oneDNN's F.linear above 2 rows; the
+        AVX2 path runs where F.linear's bf16 is ATen's fallback GEMM (no oneDNN bf16 on CPUs without
+        AVX-512), which it beats at every row count up to 16."""
+        return 2 if self.isa == "avx512_bf16" else MAX_ROWS
+
+    @property
+    def slices_prefill(self) -> bool:
+        """Whether the layout runs a prefill's rows through the kernel too, MAX_ROWS at a time, rather than
+        F.linear: on the AVX2 path, which runs where F.linear's bf16 is ATen's fallback GEMM (measured
+        BENCHMARKS.md, the AVX2-only pass)."""
+        return self.isa == "avx2"
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 (rows contiguous, M <= MAX_ROWS), weight [N, K] bf16 contiguous -> [M, N] bf16."""
