@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from cairn import ops
 from cairn.layers.norm import GatedRMSNorm
 from cairn.llm import LLM
-from cairn.ops import cpu_gdn
+from cairn.ops import cpu_gdn, cpu_gemv
 from cairn.ops.conv import causal_conv1d_update
 from cairn.ops.gdn import recurrent_gated_delta_rule
 from cairn.sampling import SamplingParams
@@ -176,6 +176,19 @@ def test_fused_op_falls_back_to_the_reference_in_one_line_when_it_does_not_build
         assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
     finally:
         cpu_gdn._loaded.cache_clear()
+
+
+def widest_body(flags: set[str]) -> str:
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "generic"
+
+
+def test_op_runs_the_widest_body_this_cpu_has():
+    """The op is compiled for AVX-512, AVX2 + FMA and baseline x86-64; the CPU picks the widest it has, so the
+    tests above ran that body (AVX2 on a CPU without AVX-512) and the build kept the others compiling."""
+    op()
+    assert cpu_gdn.vector_body() == widest_body(cpu_gemv.cpu_flags())
 
 
 def test_build_command_says_whether_the_op_built(capsys):

@@ -20,7 +20,7 @@ import torch
 
 from cairn import ops
 from cairn.llm import LLM
-from cairn.ops import activation, cpu_silu
+from cairn.ops import activation, cpu_gemv, cpu_silu
 from cairn.sampling import SamplingParams
 
 
@@ -112,6 +112,15 @@ def test_op_falls_back_to_the_reference_in_one_line(caplog, monkeypatch, tmp_pat
         assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
     finally:
         cpu_silu._loaded.cache_clear()
+
+
+def test_op_runs_the_widest_body_this_cpu_has():
+    """The op is compiled for AVX-512, AVX2 + FMA and baseline x86-64; the CPU picks the widest it has, so the
+    bit checks above ran that body (AVX2, with libtorch's 8-wide exp, on a CPU without AVX-512)."""
+    library()
+    flags = cpu_gemv.cpu_flags()
+    expected = "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
+    assert cpu_silu.vector_body() == expected
 
 
 def test_build_command_says_whether_the_op_built(capsys):

@@ -12,8 +12,9 @@ between in_proj and out_proj with the reference kernels:
 in one parallel region of the torch threads, a task per (sequence, key head): its q / k channels' and its
 value heads' conv update, then those heads' step, with no intermediate tensors: the reference runs
 about 60 small ATen calls per layer for this. The conv update and the per-head step are compiled for
-AVX-512 (16-wide, FMA; the silus with libtorch's vectorised exp, cairn/ops/cpu_vec.py) and for the
-baseline x86-64 (std::exp), the CPU picking one; each reads its fp32 state from memory once and writes
+AVX-512 (16-wide, FMA; the silus with libtorch's vectorised exp, cairn/ops/cpu_vec.py), for AVX2 + FMA
+(8-wide, the same with libtorch's 8-wide exp) and for the baseline x86-64 (std::exp), the CPU picking one
+(`vector_body()` says which); each reads its fp32 state from memory once and writes
 it once (at batch 16 of the 0.8B shape, 576 MB per step: the step's largest traffic after the weights).
 Rounding follows the reference's where it rounds to bf16
 (conv products and output, beta, o, the normed o and its product with the weight), so the two agree
@@ -37,7 +38,7 @@ from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_gdn4"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_gdn5"  # torch caches builds by name: a new source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -45,6 +46,7 @@ _SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -90,6 +92,17 @@ CAIRN_AVX512 void conv_avx512(const at::BFloat16* x, at::BFloat16* state, int64_
   }
 }
 
+CAIRN_AVX2 void conv_avx2(const at::BFloat16* x, at::BFloat16* state, int64_t sc, const at::BFloat16* w,
+                          int64_t kernel, int64_t c0, int64_t c1, float* out) {
+  for (int64_t b = c0; b < c1; b += 8) {
+    const int64_t n = std::min<int64_t>(8, c1 - b);
+    alignas(32) float acc[8] = {};
+    conv_taps(x, state, sc, w, kernel, b, b + n, acc);
+    _mm256_store_ps(acc, round_bf16_ps8(silu_ps8(_mm256_load_ps(acc))));
+    std::memcpy(out + b, acc, n * sizeof(float));
+  }
+}
+
 float inv_norm(const float* v, int64_t n, float eps) {
   float ss = 0.0f;
   for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
@@ -98,9 +111,9 @@ float inv_norm(const float* v, int64_t n, float eps) {
 
 // One decode step of one (sequence, value head): the gating, the delta rule on its fp32 state and the
 // gated norm. The state is read from memory once (S^T k and S^T q in one pass), then updated while it
-// is in L2. The body is compiled twice: for AVX-512 (16-wide vectors and FMA; the loops over the state
-// are elementwise, so GCC vectorises them) and for the baseline x86-64 (SSE2), picked once per call by
-// the CPU. A given machine always runs the same one, so its results do not depend on the batch.
+// is in L2. The body is compiled three times: for AVX-512 (16-wide vectors and FMA; the loops over the state
+// are elementwise, so GCC vectorises them), for AVX2 + FMA (8-wide) and for the baseline x86-64 (SSE2),
+// picked once per call by the CPU. A given machine always runs the same one, so its results do not depend on the batch.
 struct HeadArgs {
   const float* conv_out;
   int64_t C, key_dim, Dk, Dv, Hv, groups;
@@ -136,7 +149,22 @@ CAIRN_AVX512 void gate_avx512(const float* o, float r, const at::BFloat16* w, co
   }
 }
 
-template <bool Vec>
+// the same, 8 lanes at a time
+CAIRN_AVX2 void gate_avx2(const float* o, float r, const at::BFloat16* w, const at::BFloat16* z, at::BFloat16* dst,
+                          int64_t Dv) {
+  for (int64_t e = 0; e < Dv; e += 8) {
+    const int64_t n = std::min<int64_t>(8, Dv - e);
+    alignas(32) float oe[8] = {};
+    std::memcpy(oe, o + e, n * sizeof(float));
+    const __m256 normed_o = round_bf16_ps8(_mm256_mul_ps(_mm256_load_ps(oe), _mm256_set1_ps(r)));
+    const __m256 normed = round_bf16_ps8(_mm256_mul_ps(load_bf16_ps8(w + e, n), normed_o));
+    store_bf16_ps8(dst + e, _mm256_mul_ps(normed, silu_ps8(load_bf16_ps8(z + e, n))), n);
+  }
+}
+
+enum class Body { generic, avx2, avx512 };
+
+template <Body Vec>
 __attribute__((always_inline)) inline void head_body(const HeadArgs& p, int64_t s, int64_t h, float* buf) {
   const int64_t Dk = p.Dk, Dv = p.Dv, hk = h / p.groups;
   float *q = buf, *k = q + Dk, *rk = k + Dk, *rq = rk + Dv, *delta = rq + Dv, *o = delta + Dv;
@@ -172,8 +200,10 @@ __attribute__((always_inline)) inline void head_body(const HeadArgs& p, int64_t 
   const float r = 1.0f / std::sqrt(ms / float(Dv) + p.eps);
   const at::BFloat16* zr = p.z + s * p.z_stride + h * Dv;
   at::BFloat16* dst = p.out + s * (p.Hv * Dv) + h * Dv;
-  if constexpr (Vec) {
+  if constexpr (Vec == Body::avx512) {
     gate_avx512(o, r, p.norm_weight, zr, dst, Dv);
+  } else if constexpr (Vec == Body::avx2) {
+    gate_avx2(o, r, p.norm_weight, zr, dst, Dv);
   } else {
     for (int64_t e = 0; e < Dv; ++e) {
       const float normed = bf(float(p.norm_weight[e]) * bf(o[e] * r));
@@ -183,10 +213,21 @@ __attribute__((always_inline)) inline void head_body(const HeadArgs& p, int64_t 
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"), flatten))
-void head_avx512(const HeadArgs& p, int64_t s, int64_t h, float* buf) { head_body<true>(p, s, h, buf); }
+void head_avx512(const HeadArgs& p, int64_t s, int64_t h, float* buf) { head_body<Body::avx512>(p, s, h, buf); }
+
+__attribute__((target("avx2,fma"), flatten))
+void head_avx2(const HeadArgs& p, int64_t s, int64_t h, float* buf) { head_body<Body::avx2>(p, s, h, buf); }
 
 __attribute__((flatten)) void head_generic(const HeadArgs& p, int64_t s, int64_t h, float* buf) {
-  head_body<false>(p, s, h, buf);
+  head_body<Body::generic>(p, s, h, buf);
+}
+
+// The body this CPU runs: AVX-512 (with BW, DQ and VL), else AVX2 + FMA, else the baseline x86-64.
+Body body_for_cpu() {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl"))
+    return Body::avx512;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Body::avx2 : Body::generic;
 }
 
 }  // namespace
@@ -232,10 +273,9 @@ torch::Tensor gdn_decode(const torch::Tensor& mixed, const torch::Tensor& z, con
   const float q_scale = 1.0f / std::sqrt(float(Dk)), eps = float(norm_eps);
   const HeadArgs args{co, C, key_dim, Dk, Dv, Hv, groups, q_scale, eps, bp, b.stride(0), ap, a.stride(0), alog, dtb,
                       nw, zp, z.stride(0), rs, rec_state.stride(0), op};
-  const bool vec = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  const HeadFn head = vec ? head_avx512 : head_generic;
-  const ConvFn conv = vec ? conv_avx512 : conv_generic;
+  const Body body = body_for_cpu();
+  const HeadFn head = body == Body::avx512 ? head_avx512 : body == Body::avx2 ? head_avx2 : head_generic;
+  const ConvFn conv = body == Body::avx512 ? conv_avx512 : body == Body::avx2 ? conv_avx2 : conv_generic;
   // One parallel region: a task is one sequence's key head, its q / k channels' and its value heads' conv
   // update, then those value heads' step (each reads only channels its own task computed).
   at::parallel_for(0, B * Hk, 1, [&](int64_t lo, int64_t hi) {
@@ -254,18 +294,32 @@ torch::Tensor gdn_decode(const torch::Tensor& mixed, const torch::Tensor& z, con
   });
   return out;
 }
+
+// Which body gdn_decode runs on this CPU: "avx512", "avx2" or "generic".
+std::string vector_body() {
+  const Body body = body_for_cpu();
+  return body == Body::avx512 ? "avx512" : body == Body::avx2 ? "avx2" : "generic";
+}
 """
 
 
 @functools.cache  # one build (or one failure) per directory, per process
+def _library(build_dir: str | None):
+    return build_inline(NAME, _SOURCE, ["gdn_decode", "vector_body"], "the fused GDN decode op", build_dir)
+
+
 def load(build_dir: str | None = None):
     """The built op (a callable with gdn_decode's signature), or a one-line reason why not.
 
     `build_dir`: where to build (None: torch's extensions directory). Never raises."""
-    library = build_inline(NAME, _SOURCE, ["gdn_decode"], "the fused GDN decode op", build_dir)
-    if isinstance(library, str):
-        return library
-    return library.gdn_decode
+    library = _library(build_dir)
+    return library if isinstance(library, str) else library.gdn_decode
+
+
+def vector_body() -> str | None:
+    """The body the op runs on this CPU ("avx512", "avx2" or "generic"); None where it does not build."""
+    library = _library(None)
+    return None if isinstance(library, str) else library.vector_body()
 
 
 @functools.cache  # loaded (or refused) once per process, and said so in one line

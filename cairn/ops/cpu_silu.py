@@ -4,8 +4,9 @@ What it is: one C++ op (built on first use with torch.utils.cpp_extension.load_i
 like cairn/ops/cpu_norm.py) that turns a bf16 [rows, 2 * inner] gate_up row ([gate | up]) into
 bf16(bf16(silu(gate)) * up), what the reference (cairn/ops/activation.py) does in two ATen calls with a
 tensor between them (with the chunk, three calls a layer and about 100 us of a decode step's CPU each,
-BENCHMARKS.md). On AVX-512 it computes the silu with libtorch's own vectorised exp, ATen's formula
-(cairn/ops/cpu_vec.py), and rounds where ATen rounds, so it gives the reference's bits; that is checked
+BENCHMARKS.md). On AVX-512 (16 lanes) and on AVX2 + FMA (8 lanes; `vector_body()` says which) it computes
+the silu with libtorch's own vectorised exp, the one ATen's vectorised code calls on that CPU, in ATen's
+formula (cairn/ops/cpu_vec.py), and rounds where ATen rounds, so it gives the reference's bits; that is checked
 once when it loads, on every bf16 value (the silu's input is bf16: 65,536 cases), and where it does not
 hold the reference is used (one log line). One exception, ATen's own: subnormal values follow the subnormal
 mode of the thread that computes them (`torch.set_flush_denormal` sets it for the calling thread and threads
@@ -31,7 +32,7 @@ from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_silu1"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_silu2"  # torch caches builds by name: a new source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -39,6 +40,7 @@ _SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <cmath>
+#include <cstring>
 
 namespace {
 """ + VEC_SOURCE + r"""
@@ -47,6 +49,14 @@ CAIRN_AVX512 void row_avx512(const at::BFloat16* gate, const at::BFloat16* up, a
     const int64_t n = std::min<int64_t>(16, inner - e);
     const __m512 s = round_bf16_ps(silu_ps(load_bf16_ps(gate + e, n)));
     store_bf16_ps(out + e, _mm512_mul_ps(s, load_bf16_ps(up + e, n)), n);
+  }
+}
+
+CAIRN_AVX2 void row_avx2(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t inner) {
+  for (int64_t e = 0; e < inner; e += 8) {
+    const int64_t n = std::min<int64_t>(8, inner - e);
+    const __m256 s = round_bf16_ps8(silu_ps8(load_bf16_ps8(gate + e, n)));
+    store_bf16_ps8(out + e, _mm256_mul_ps(s, load_bf16_ps8(up + e, n)), n);
   }
 }
 
@@ -59,6 +69,12 @@ void row_generic(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16*
 
 }  // namespace
 
+// The body silu_mul runs on this CPU: "avx512", "avx2" (with FMA) or "generic".
+std::string vector_body() {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return "avx512";
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? "avx2" : "generic";
+}
+
 // gate_up [rows, 2 * inner] bf16 (each row contiguous; rows evenly spaced) -> silu(gate) * up [rows, inner] bf16
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1 &&
@@ -67,7 +83,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   auto out = torch::empty({rows, inner}, gate_up.options());
   const auto* gp = gate_up.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  const auto row = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? row_avx512 : row_generic;
+  static const std::string body = vector_body();
+  const auto row = body == "avx512" ? row_avx512 : body == "avx2" ? row_avx2 : row_generic;
   auto run = [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) row(gp + i * stride, gp + i * stride + inner, op + i * inner, inner);
   };
@@ -81,7 +98,14 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 @functools.cache  # one build (or one failure) per directory, per process
 def load(build_dir: str | None = None):
     """The built module (`silu_mul`), or a one-line reason why not. Never raises."""
-    return build_inline(NAME, _SOURCE, ["silu_mul"], "the fused silu * up op", build_dir, ("-ffp-contract=off",))
+    return build_inline(NAME, _SOURCE, ["silu_mul", "vector_body"], "the fused silu * up op", build_dir,
+                        ("-ffp-contract=off",))
+
+
+def vector_body() -> str | None:
+    """The body the op runs on this CPU ("avx512", "avx2" or "generic"); None where it does not build."""
+    library = load()
+    return None if isinstance(library, str) else library.vector_body()
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
