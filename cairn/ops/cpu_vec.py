@@ -85,18 +85,28 @@ CAIRN_AVX2 inline __m256 silu_ps8(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps8(minus_x)));
 }
 
+// (AVX2 has no masked 16-bit loads: a whole vector is loaded directly, a last partial one through a buffer)
 CAIRN_AVX2 inline __m256 load_bf16_ps8(const at::BFloat16* p, int64_t n) {
-  alignas(16) uint16_t h[8] = {};
-  std::memcpy(h, p, std::min<int64_t>(n, 8) * sizeof(uint16_t));
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  __m128i h;
+  if (n >= 8) {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t part[8] = {};
+    std::memcpy(part, p, n * sizeof(uint16_t));
+    h = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 CAIRN_AVX2 inline void store_bf16_ps8(at::BFloat16* p, __m256 v, int64_t n) {
   const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_ps8(v)), 16);
-  alignas(16) uint16_t h[8];
-  _mm_store_si128(reinterpret_cast<__m128i*>(h),
-                  _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
-  std::memcpy(p, h, std::min<int64_t>(n, 8) * sizeof(uint16_t));
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  if (n >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  } else {
+    alignas(16) uint16_t part[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(part), h);
+    std::memcpy(p, part, n * sizeof(uint16_t));
+  }
 }
 """
