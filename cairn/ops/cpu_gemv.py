@@ -25,7 +25,8 @@ a fixed-order sum over its row alone, so it does not depend on how many rows x h
 count or on the other rows: decode and a short prefill piece compute a token's outputs bit for bit
 alike. The result is rounded to bf16 once, like F.linear's (within bf16 rounding of it; tests compare).
 
-What it is not: a GEMM. Above MAX_ROWS rows the caller keeps F.linear (prefill). No bias. On a CPU
+What it is not: a GEMM. Above MAX_ROWS rows the caller keeps F.linear (prefill), except on the AVX2
+path, where it calls the kernel MAX_ROWS rows at a time (`slices_prefill`). No bias. On a CPU
 without AVX2 + FMA, without a C++ compiler, or where the build fails, `load()` returns None with the
 reason, and the caller stays with F.linear.
 """
