@@ -401,6 +401,21 @@ def test_device_kv_victims_move_to_the_host_and_a_full_host_drops_its_least_rece
     assert cache.tiers.moved == {"kv device->host": 2} and cache.tiers.dropped == {"kv_host_full": 1}
 
 
+def test_making_room_on_the_host_never_drops_the_path_of_the_kv_being_moved_there():
+    """Regression: a device KV victim below a node whose KV is only on a full host made room there by dropping
+    that node, which took the victim out of the tree mid-move (an IndexError in the eviction)."""
+    cache = Cache(host_pages=2)
+    cache.insert(P[:8])  # [0, 8): pages 0, 1
+    assert cache.evict_pages(2) == 2  # to the host, which it fills
+    parent = cache.match(P[:8]).path[-1]
+    child = cache.insert(P + (1, 2, 3, 4))  # a request resumed it: [8, 16) on the device, below a host-only node
+    assert set(parent.kv) == {"host"} and child.parent is parent and set(child.kv) == {"device"}
+    assert cache.evict_pages(2) == 2  # the host's only victim would be the child's own parent: the child goes
+    assert cache.tiers.moved == {"kv device->host": 1} and cache.tiers.dropped == {"kv_device_full": 1}
+    assert child.parent is None and parent.lock_count == 0 and cache.match(P[:8]).match_len == 8
+    assert cache.match(P).match_len == 8
+
+
 def test_a_device_snapshot_victim_moves_to_the_host_and_a_full_host_drops_its_retention_victim():
     cache = Cache(device_slots=2, host_slots=1)
     assert cache.attach(P[:4], "a") and cache.attach(P[:8], "b")

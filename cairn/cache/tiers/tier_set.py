@@ -162,7 +162,9 @@ class TierSet:
             return
         num_pages = len(page_indices(node.start, node.end, self.tree.page_size))
         for slower in below:
-            if self._make_kv_room(slower, num_pages, victims):
+            with self.tree.moving(node):  # the room is not made by dropping node's own path from `slower`
+                room = self._make_kv_room(slower, num_pages, victims)
+            if room:
                 copy = slower.store_kv(node, self)
                 if copy is not None:
                     if slower.pages is not None:
