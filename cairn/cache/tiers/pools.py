@@ -124,10 +124,9 @@ class HostTier(PoolTier):
         super().__init__(HOST, working, budget_bytes, vocab_size, "cpu", kv, bandwidth, pin_memory)
 
     def store_snapshot(self, node: Node, source: Source) -> StoredSnapshot | None:
-        state = source.node_snapshot(node)
-        if state is None:
-            return None
-        tensors, logits = state
+        """A copy of node's snapshot; None when the tier is full. Only demotion from the device stores here, and a
+        device copy is always readable (only a segment can turn out unreadable, and segment tiers are below)."""
+        tensors, logits = source.node_snapshot(node)
         stored = self.reserve(logits is not None)
         if stored is None:
             return None
