@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from cairn.cache.tree.nodes import DiskRef
 from tests.tiny_tiers import TinyCache
 
 P = tuple(range(100, 112))  # a 12-token path
@@ -425,6 +426,26 @@ def test_a_device_snapshot_victim_moves_to_the_host_and_a_full_host_drops_its_re
     copies = {cache.label(e): set(e.handle.copies) for _, e, _ in cache.tree.iter_snapshots()}
     assert copies == {"b": {"host"}, "c": {"device"}}
     assert cache.tiers.moved == {"snapshot device->host": 2} and cache.tiers.dropped == {"snapshot_host_full": 1}
+
+
+# ---- segments found in a segment tier ---------------------------------------------------------------
+
+
+def test_a_found_segment_is_recorded_on_the_nodes_the_device_already_holds_from_its_start():
+    """A segment tier's index hangs what it found (a rescan of a read-only disk, a remote lookup) on paths this
+    process computed itself: the nodes inside the segment gain its reference beside their device pages, the
+    node before the segment's start does not, and nothing else of the tree changes."""
+    cache = Cache()
+    before = cache.insert(P[:4])  # [0, 4): computed here, in no segment
+    cache.insert(P)  # [4, 12): computed here too
+    ref = DiskRef(b"k" * 32, 4, 12)
+    end = cache.tree.insert_from_segment("disk", P, 4, ref)
+    cache.check()
+    assert end.end == 12 and end.kv == {"device": end.pages, "disk": ref} and set(before.kv) == {"device"}
+    deeper = DiskRef(b"j" * 32, 4, 16)  # a longer segment from the same start: [4, 12) keeps its first reference
+    tail = cache.tree.insert_from_segment("disk", P + (7, 7, 7, 7), 4, deeper)
+    cache.check()
+    assert end.kv["disk"] is ref and tail.kv == {"disk": deeper} and tail.parent is end
 
 
 # ---- integrity ---------------------------------------------------------------------------------
