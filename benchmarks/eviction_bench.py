@@ -31,7 +31,7 @@ import torch
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
 from cairn.cache.policy.retention import RetentionKey
-from cairn.cache.tiers.pools import PoolTier
+from cairn.cache.tiers.pools import DeviceTier
 from cairn.cache.tiers.tier_set import TierSet
 from cairn.cache.tree.nodes import DEVICE, SnapshotEntry
 from cairn.cache.tree.tiered import SnapshotVictims
@@ -113,8 +113,8 @@ def build(conversations: int, turns: int) -> HybridPrefixCache:
     kv = KVPool(1, nodes + 128, PAGE, 1, 1, torch.float32)  # the tree's pages and one request's table
     entries = (StateTensor("conv", (2, 1), torch.float32), StateTensor("recurrent", (1, 1, 1), torch.float32))
     states = StatePool(StateSpec((LayerState(0, entries),)), 2)
-    device = PoolTier(DEVICE, states, (nodes + 8) * states.bytes_per_slot, 1, "cpu", kv, 20e9)
-    cache = HybridPrefixCache(kv, states, TierSet([device]), PlacementOptions(page_size=PAGE))
+    device = DeviceTier(states, (nodes + 8) * states.bytes_per_slot, 1, kv, 20e9)
+    cache = HybridPrefixCache(kv, states, TierSet(device), PlacementOptions(page_size=PAGE))
     slot = states.alloc()
     system = list(range(1000, 1000 + 8 * PAGE))
     for c in range(conversations):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
-from cairn.cache.tiers.pools import PoolTier
+from cairn.cache.tiers.pools import DeviceTier
 from cairn.llm import LLM
 from cairn.memory.kv_pool import KVPool
 from cairn.sampling import SamplingParams
@@ -64,7 +64,7 @@ def test_chunks_end_on_block_boundaries_whatever_the_budget_left():
 def test_device_tier_never_exceeds_its_budget_and_restore_does_not_consume():
     work = state_pool()
     kv = KVPool(1, 2, 2, 1, 1, torch.float32)
-    tier = PoolTier("device", work, 3 * work.bytes_per_slot + 10, vocab_size=5, device="cpu", kv=kv, bandwidth=1e9)
+    tier = DeviceTier(work, 3 * work.bytes_per_slot + 10, vocab_size=5, kv=kv, bandwidth=1e9)
     slot = work.alloc()
     for t in work.read_slot(slot).values():
         t.fill_(1.5)

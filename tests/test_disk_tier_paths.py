@@ -42,7 +42,7 @@ def test_a_disk_too_small_for_any_segment_fails_each_write_counted_and_serves_as
 def test_segments_whose_parent_is_gone_at_restart_are_counted_as_orphans_and_never_resumed(tmp_path):
     with LLM(**OPTS, disk_cache=str(tmp_path)) as first:
         run(first, CONVERSATION)
-        store = first.engine.cache.tiers.disk.store
+        store = first.engine.cache.tiers.by_name["disk"].store
         keys = store.keys()
         (root_key,) = [k for k in keys if store.info(k).parent_key is None]
         namespace = Path(store.root) / store.compat_digest

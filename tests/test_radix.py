@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from cairn.cache.tree.nodes import DiskRef
 from tests.tiny_tiers import TinyCache
 
 P = tuple(range(100, 112))  # a 12-token path
@@ -401,6 +402,21 @@ def test_device_kv_victims_move_to_the_host_and_a_full_host_drops_its_least_rece
     assert cache.tiers.moved == {"kv device->host": 2} and cache.tiers.dropped == {"kv_host_full": 1}
 
 
+def test_making_room_on_the_host_never_drops_the_path_of_the_kv_being_moved_there():
+    """Regression: a device KV victim below a node whose KV is only on a full host made room there by dropping
+    that node, which took the victim out of the tree mid-move (an IndexError in the eviction)."""
+    cache = Cache(host_pages=2)
+    cache.insert(P[:8])  # [0, 8): pages 0, 1
+    assert cache.evict_pages(2) == 2  # to the host, which it fills
+    parent = cache.match(P[:8]).path[-1]
+    child = cache.insert(P + (1, 2, 3, 4))  # a request resumed it: [8, 16) on the device, below a host-only node
+    assert set(parent.kv) == {"host"} and child.parent is parent and set(child.kv) == {"device"}
+    assert cache.evict_pages(2) == 2  # the host's only victim would be the child's own parent: the child goes
+    assert cache.tiers.moved == {"kv device->host": 1} and cache.tiers.dropped == {"kv_device_full": 1}
+    assert child.parent is None and parent.lock_count == 0 and cache.match(P[:8]).match_len == 8
+    assert cache.match(P).match_len == 8
+
+
 def test_a_device_snapshot_victim_moves_to_the_host_and_a_full_host_drops_its_retention_victim():
     cache = Cache(device_slots=2, host_slots=1)
     assert cache.attach(P[:4], "a") and cache.attach(P[:8], "b")
@@ -410,6 +426,26 @@ def test_a_device_snapshot_victim_moves_to_the_host_and_a_full_host_drops_its_re
     copies = {cache.label(e): set(e.handle.copies) for _, e, _ in cache.tree.iter_snapshots()}
     assert copies == {"b": {"host"}, "c": {"device"}}
     assert cache.tiers.moved == {"snapshot device->host": 2} and cache.tiers.dropped == {"snapshot_host_full": 1}
+
+
+# ---- segments found in a segment tier ---------------------------------------------------------------
+
+
+def test_a_found_segment_is_recorded_on_the_nodes_the_device_already_holds_from_its_start():
+    """A segment tier's index hangs what it found (a rescan of a read-only disk, a remote lookup) on paths this
+    process computed itself: the nodes inside the segment gain its reference beside their device pages, the
+    node before the segment's start does not, and nothing else of the tree changes."""
+    cache = Cache()
+    before = cache.insert(P[:4])  # [0, 4): computed here, in no segment
+    cache.insert(P)  # [4, 12): computed here too
+    ref = DiskRef(b"k" * 32, 4, 12)
+    end = cache.tree.insert_from_segment("disk", P, 4, ref)
+    cache.check()
+    assert end.end == 12 and end.kv == {"device": end.pages, "disk": ref} and set(before.kv) == {"device"}
+    deeper = DiskRef(b"j" * 32, 4, 16)  # a longer segment from the same start: [4, 12) keeps its first reference
+    tail = cache.tree.insert_from_segment("disk", P + (7, 7, 7, 7), 4, deeper)
+    cache.check()
+    assert end.kv["disk"] is ref and tail.kv == {"disk": deeper} and tail.parent is end
 
 
 # ---- integrity ---------------------------------------------------------------------------------

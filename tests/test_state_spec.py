@@ -16,7 +16,7 @@ from cairn.forward_batch import ForwardBatch
 from cairn.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
 from cairn.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from cairn.layers.recurrent import RecurrentMixer
-from cairn.memory.state_pool import StatePool
+from cairn.memory.state_pool import StatePool, _evenly_spaced
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
 from cairn.model.hybrid import HybridModel
 from cairn.ops import REFERENCE
@@ -112,6 +112,26 @@ def test_mixed_snapshot_written_to_a_segment_reads_back_bit_for_bit(dtype):
         k: (v.dtype, v.shape) for k, v in pool.read_slot(2).items()}
     pool.write_slot(0, snap.tensors)
     assert same_state(slot_copy(pool, 0), slot_copy(pool, 2))
+
+
+def test_a_snapshot_whose_layers_are_unevenly_spaced_in_its_segment_is_written_back_tensor_by_tensor():
+    """A Mamba2 layer whose conv state has the Gated DeltaNet convs' shape, between two Gated DeltaNet layers:
+    the three convs are one group, but their layers' sizes differ, so in the segment's bytes they are not
+    evenly spaced; write_slot cannot copy the group as one strided view and copies each tensor."""
+    same_conv = Mamba2Spec(HIDDEN, num_heads=4, head_dim=8, n_groups=1, state_size=16, conv_kernel=4, chunk_size=16)
+    entries = {0: GDN, 1: same_conv, 2: GDN}
+    spec = StateSpec(tuple(LayerState(i, mixer.state_entries(torch.float32)) for i, mixer in entries.items()))
+    pool = StatePool(spec, 2)
+    written, restored = pool.alloc(), pool.alloc()
+    for t in pool.read_slot(written).values():
+        t.normal_()
+    tokens = (1, 2, 3)
+    segment = Segment(segment_key(None, tokens), None, 0, tokens, b"kv", {}, **snapshot_fields(pool.read_slot(written)))
+    snap = DiskTier.snapshot_of(decode_segment(bytearray(encode_segment(segment, DIGEST)), DIGEST))
+    assert len(spec.groups()[0].members) == 3  # the convs of layers 0, 1 and 2
+    assert _evenly_spaced([snap.tensors[f"layer{i}.conv"] for i in (0, 1, 2)]) is None
+    pool.write_slot(restored, snap.tensors)
+    assert same_state(slot_copy(pool, restored), slot_copy(pool, written))
 
 
 def test_segment_whose_snapshot_layout_does_not_cover_its_bytes_is_refused():

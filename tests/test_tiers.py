@@ -124,7 +124,7 @@ def test_round_trip_device_host_disk_device_is_bitwise_equal(tmp_path):
     tiers.restore_snapshot(handle, "disk", work, slot_b)  # disk -> device
     assert same_state(slot_copy(work, slot_b), original)
     ref = node.kv["disk"]
-    k, _ = tiers.disk.kv_of(tiers.disk.read(ref.key))
+    k, _ = tiers.by_name["disk"].kv_of(tiers.by_name["disk"].read(ref.key))
     first = node.start // 8 - ref.segment_start // 8
     assert torch.equal(k[:, first:first + len(node.pages)], kv_original)
     work.free(slot_b)
@@ -163,7 +163,7 @@ def test_another_model_never_sees_the_segments(tmp_path, family):
         run(first, CONVERSATION)
     other_weights = {"demo_seed": 1} if family is None else {}  # the demo's other weights, or the demo itself
     with tiered(tmp_path, **other_weights) as other:  # another model: another namespace
-        assert len(other.engine.cache.tiers.disk.store) == 0
+        assert len(other.engine.cache.tiers.by_name["disk"].store) == 0
         assert run(other, CONVERSATION[:300] + [1]).cache.cached_tokens == 0
     assert len(os.listdir(tmp_path)) == 2
 
@@ -218,7 +218,7 @@ def test_a_segment_corrupted_after_start_up_is_dropped_when_read(tmp_path, cold)
 def test_disk_segments_hold_what_the_tree_says(tmp_path):
     with tiered(tmp_path) as llm:
         run(llm, CONVERSATION)
-        store = llm.engine.cache.tiers.disk.store
+        store = llm.engine.cache.tiers.by_name["disk"].store
         for _, entry, node in llm.engine.cache.tree.iter_snapshots():
             segment: Segment = store.get(entry.handle.copies["disk"])
             assert segment is not None and segment.end_position == node.end
@@ -226,28 +226,33 @@ def test_disk_segments_hold_what_the_tree_says(tmp_path):
 
 
 def test_a_store_into_the_host_tier_is_complete_when_it_returns_and_a_full_tier_refuses():
-    from cairn.cache.tiers.pools import HostKVBank, PoolTier
+    from cairn.cache.tiers.pools import HostKVBank, HostTier
     from cairn.memory.kv_pool import KVPool
 
     kv = KVPool(1, 4, 2, 1, 2, torch.float32)
     kv.k.normal_()
     bank = HostKVBank(kv, budget_bytes=2 * kv.bytes_per_page)
     work = state_pool()
-    host = PoolTier("host", work, 2 * work.bytes_per_slot, vocab_size=4, device="cpu", kv=bank, bandwidth=1e9)
+    host = HostTier(work, 2 * work.bytes_per_slot + 16, vocab_size=4, kv=bank, bandwidth=1e9)
     slot = work.alloc()
     for t in work.read_slot(slot).values():
         t.normal_()
-    stored = host.store(work, slot, None)
-    assert stored.tier == "host" and stored.nbytes == work.bytes_per_slot and host.pool.num_free == 1
-    assert same_state(slot_copy(host.pool, stored.slot), slot_copy(work, slot))
-    assert host.store(work, slot, None) is not None and host.store(work, slot, None) is None  # full
 
-
-    class Source:  # what TierSet hands a tier: a node's KV from its fastest copy
+    class Source:  # what TierSet hands a tier when it demotes: a node's KV and snapshot from their fastest copy
         def node_kv(self, node):
             return kv.read_pages(node.kv["device"])
 
+        def node_snapshot(self, node):
+            return work.read_slot(slot), torch.arange(4.0)
+
     node = Node(1, (5, 6, 7, 8), 0, 4, None, {"device": [1, 3]})
+    stored = host.store_snapshot(node, Source())
+    assert stored.tier == "host" and stored.nbytes == work.bytes_per_slot + 16 and host.pool.num_free == 1
+    assert same_state(slot_copy(host.pool, stored.slot), slot_copy(work, slot))
+    assert torch.equal(stored.logits, torch.arange(4.0))
+    work.read_slot(slot)["layer0.conv"].add_(1)  # the copy is the host's own: the source changing leaves it
+    assert not same_state(slot_copy(host.pool, stored.slot), slot_copy(work, slot))
+    assert host.store_snapshot(node, Source()) is None  # a slot is free, but the logits' bytes pass the budget
     pages = host.store_kv(node, Source())
     assert torch.equal(bank.k[:, pages], kv.k[:, [1, 3]])
     assert not host.kv_fits(1) and host.store_kv(node, Source()) is None
@@ -270,7 +275,7 @@ def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes
             accumulate(answers, o)
         (out,) = [a for a in answers.values() if a.finished]
         same_as_cold(cold, out, prompt)
-        counters = engine.cache.tiers.disk.counters  # the split node is written from the request's own pages
+        counters = engine.cache.tiers.by_name["disk"].counters  # the split node is written from the request's own pages
         assert counters["write_unreadable"] == 0 and counters["segments_written"] >= 1
         engine.check_integrity()
         again = run(second, prompt)  # the KV prefix under its snapshots is gone: cold, and the same

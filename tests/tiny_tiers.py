@@ -1,6 +1,6 @@
 """A real prefix cache in miniature for the radix and eviction tests: CPU pools of a few bytes per slot.
 
-`TinyCache` builds the production objects (KVPool, StatePool, PoolTier, HostKVBank, TierSet,
+`TinyCache` builds the production objects (KVPool, StatePool, DeviceTier, HostTier, HostKVBank, TierSet,
 HybridPrefixCache and its TieredRadixTree) over tiny tensors, so that tests drive the eviction that
 runs in the server: `evict_pages` is the scheduler's call, and a snapshot is stored through
 `TierSet.store_snapshot`, which demotes (or drops) the retention victims when its tier is full.
@@ -16,9 +16,9 @@ import torch
 
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
-from cairn.cache.tiers.pools import HostKVBank, PoolTier
+from cairn.cache.tiers.pools import DeviceTier, HostKVBank, HostTier
 from cairn.cache.tiers.tier_set import TierSet
-from cairn.cache.tree.nodes import DEVICE, HOST, SnapshotEntry
+from cairn.cache.tree.nodes import DEVICE, SnapshotEntry
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
@@ -33,11 +33,11 @@ class TinyCache:
         entries = (StateTensor("conv", (2, 1), torch.float32), StateTensor("recurrent", (1, 1, 1), torch.float32))
         self.states = StatePool(StateSpec((LayerState(0, entries),)), 2)
         self.slot_bytes = self.states.bytes_per_slot  # 12
-        tiers = [PoolTier(DEVICE, self.states, device_slots * self.slot_bytes, VOCAB, "cpu", self.kv, 20e9)]
+        lower = []
         if host_slots or host_pages:
             host_kv = HostKVBank(self.kv, host_pages * self.kv.bytes_per_page)
-            tiers.append(PoolTier(HOST, self.states, host_slots * self.slot_bytes, VOCAB, "cpu", host_kv, 5e9))
-        self.tiers = TierSet(tiers)
+            lower.append(HostTier(self.states, host_slots * self.slot_bytes, VOCAB, host_kv, 5e9))
+        self.tiers = TierSet(DeviceTier(self.states, device_slots * self.slot_bytes, VOCAB, self.kv, 20e9), lower)
         self.cache = HybridPrefixCache(self.kv, self.states, self.tiers, PlacementOptions(page_size=page_size))
         self.tree, self.alloc = self.cache.tree, self.kv.allocator
         self.labels: dict[int, object] = {}  # id(TieredSnapshot) -> label

@@ -22,9 +22,10 @@ from cairn.cache.policy.speeds import SpeedMeter, measure_copy_bytes_per_s
 from cairn.cache.remote.client import redacted
 from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.remote.tier import RemoteTier
-from cairn.cache.tiers.pools import HostKVBank, PoolTier
+from cairn.cache.tiers.base import LowerTier
+from cairn.cache.tiers.pools import DeviceTier, HostKVBank, HostTier
 from cairn.cache.tiers.tier_set import TierSet
-from cairn.cache.tree.nodes import DEVICE, DISK, HOST
+from cairn.cache.tree.nodes import DISK
 from cairn.config import CacheOptions
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -52,22 +53,23 @@ def build_cache(opts: CacheOptions, kv: KVPool, states: StatePool, vocab_size: i
         return NullCache()
     device = states.device
     pinned = device.type == "cuda"
-    tiers = [PoolTier(DEVICE, states, opts.device_snapshot_bytes, vocab_size, device, kv, DEVICE_BANDWIDTH)]
+    device = DeviceTier(states, opts.device_snapshot_bytes, vocab_size, kv, DEVICE_BANDWIDTH)
+    lower: list[LowerTier] = []  # slower tiers, in the order demotion tries them
     if opts.host_cache_bytes > 0:
         host_kv = HostKVBank(kv, opts.host_cache_bytes // 2, pinned)
-        tiers.append(PoolTier(HOST, states, opts.host_cache_bytes // 2, vocab_size, "cpu", host_kv, HOST_BANDWIDTH,
-                              pinned))
+        lower.append(HostTier(states, opts.host_cache_bytes // 2, vocab_size, host_kv, HOST_BANDWIDTH, pinned))
     if opts.disk_cache:
-        tiers.append(_disk_tier(opts, kv.page_size, digest, model_name))
+        lower.append(_disk_tier(opts, kv.page_size, digest, model_name))
     if opts.remote_cache:
-        tiers.append(RemoteTier(RedisSegmentStore(opts.remote_cache, _digest(digest), kv.page_size), kv.page_size))
+        lower.append(RemoteTier(RedisSegmentStore(opts.remote_cache, _digest(digest), kv.page_size), kv.page_size))
+    tiers = TierSet(device, lower)
     _measure(states, tiers)
     log.info("prefix cache: %d device snapshot slots (%.1f MiB), host %s, disk %s, remote %s, snapshot every %d "
-             "tokens", tiers[0].num_slots, opts.device_snapshot_bytes / 2**20,
+             "tokens", device.num_slots, opts.device_snapshot_bytes / 2**20,
              f"{opts.host_cache_gib:g} GiB" if opts.host_cache_bytes > 0 else "off", opts.disk_cache or "off",
              redacted(opts.remote_cache) if opts.remote_cache else "off", opts.snapshot_interval)
-    return HybridPrefixCache(kv, states, TierSet(tiers), placement_options(opts, kv.page_size, prefill_block),
-                             SpeedMeter({tier.name: tier.bandwidth for tier in tiers}))
+    return HybridPrefixCache(kv, states, tiers, placement_options(opts, kv.page_size, prefill_block),
+                             SpeedMeter({tier.name: tier.bandwidth for tier in tiers.tiers}))
 
 
 def _digest(digest: str) -> str:
@@ -86,7 +88,7 @@ def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str 
     return DiskTier(store, page_size, opts.disk_write_through, DISK, DISK_BANDWIDTH, ReadBuffer())
 
 
-def _measure(states: StatePool, tiers: list) -> None:
+def _measure(states: StatePool, tiers: TierSet) -> None:
     """Start-up bandwidths of the page tiers: the best of repeated copies of max(one state slot, 16 MiB) into
     device memory, from device memory (the device tier) and from the host tier's memory (page-locked when
     it is). A buffer that size reads the memory's bandwidth, which a restore of a whole slot approaches; a
@@ -94,10 +96,10 @@ def _measure(states: StatePool, tiers: list) -> None:
     restoring a short prompt look slower than recomputing it."""
     nbytes = max(states.bytes_per_slot, MEASURE_BYTES)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=states.device)
-    for tier in tiers:
-        if tier.pages is None or not tier.num_slots:
+    for tier in tiers.page_tiers:
+        if not tier.num_slots:
             continue
-        pool = states if tier is tiers[0] else tier.pool
+        pool = states if tier is tiers.device else tier.pool
         pinned = pool.is_pinned and pool.device.type == "cpu"
         src = torch.ones(nbytes, dtype=torch.uint8, device=pool.device, pin_memory=pinned)
         tier.bandwidth = measure_copy_bytes_per_s(src, dst)

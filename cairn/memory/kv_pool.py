@@ -54,8 +54,3 @@ class KVPool:
         """Copies of the given pages: ([layers, len(pages), page_size, kvh, d],) * 2."""
         index = torch.tensor(pages, dtype=torch.long, device=self.k.device)
         return self.k[:, index].clone(), self.v[:, index].clone()
-
-    def write_pages(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        index = torch.tensor(pages, dtype=torch.long, device=self.k.device)
-        self.k[:, index] = k.to(self.k.device, self.k.dtype)
-        self.v[:, index] = v.to(self.v.device, self.v.dtype)

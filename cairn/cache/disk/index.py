@@ -87,7 +87,8 @@ class DiskIndex:
             return 0
         entry = SnapshotEntry(self._snapshot_bytes(has_logits), self.disk.name, has_logits,  # "disk", "remote"
                               self._make_handle(has_logits, key))
-        return int(self.tree.put_snapshot(node, entry))
+        self.tree.put_snapshot(node, entry)
+        return 1
 
     def rescan(self) -> bool:
         """Re-read a read-only store's directory if the interval has passed; True when it hung new snapshots

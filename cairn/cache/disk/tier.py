@@ -1,4 +1,4 @@
-"""DiskTier: the segment tier (a `Tier`, tiers/base.py): radix-tree nodes as segments in a store, and the
+"""DiskTier: the segment tier (a `LowerTier`, tiers/base.py): radix-tree nodes as segments in a store, and the
 tree rebuilt from the segments at start-up.
 
 A node [start, end) is written as one segment: its tokens, the KV pages of its page indices (whole
@@ -94,12 +94,13 @@ class SnapshotTensors:
 
 
 class DiskTier:
-    """A segment tier (`Tier`) over a store of segments: put/get/pin/unpin/info/keys/get_tokens/readonly/on_evict.
+    """A segment tier (a `LowerTier`) over a store of segments (put/get/pin/unpin/info/keys/get_tokens/
+    readonly/on_evict).
 
     The disk tier is one instance (name DISK over a DiskStore); another store of segments (a shared
-    remote one) is another instance with its own name and store. Segments never hold a working
-    slot (`reserve` gives none) and their budget is the store's (`fits` is always true: the store
-    evicts least-recently-used segments itself and reports them through on_evict).
+    remote one) is another instance with its own name and store. It is not a page tier: it holds no
+    working slot and its budget is the store's (`fits` is always true: the store evicts least-recently-used
+    segments itself; the cache's stats read the store's bytes).
 
     `restore_buffer`: a store of files (DiskStore) reads the segment of a snapshot being restored into this
     one reused buffer (no allocation or page faults per restore); the snapshot is copied out of it before
@@ -115,24 +116,13 @@ class DiskTier:
         self._restore_buffer = restore_buffer
         self._restore_lock = threading.Lock()  # one restore at a time uses the buffer
 
-    @property
-    def used_bytes(self) -> int:
-        return self.store.used_bytes
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.store.budget_bytes
-
-    # ---- the Tier protocol ------------------------------------------------------------------------
+    # ---- the LowerTier protocol -------------------------------------------------------------------
 
     def fits(self, with_logits: bool) -> bool:
         return True
 
     def kv_fits(self, num_pages: int) -> bool:
         return True
-
-    def reserve(self, with_logits: bool = False) -> None:
-        return None
 
     def store_snapshot(self, node: Node, source: Source) -> bytes | None:
         """Write node's path (its snapshot with it); the key of the segment holding the snapshot, or None."""

@@ -1,4 +1,4 @@
-"""RemoteTier: a segment tier (a `Tier`, tiers/base.py) over a shared Redis (RedisSegmentStore).
+"""RemoteTier: a segment tier (a `LowerTier`, tiers/base.py) over a shared Redis (RedisSegmentStore).
 
 It is a DiskTier with its own name (REMOTE) and store: segments are exactly the disk tier's (same keys,
 segment_key(canonical parent key, tokens); same format; same compatibility namespace), so a chain one

@@ -1,10 +1,15 @@
-"""PoolTier: the device and host tiers, preallocated pools of snapshot slots and KV pages (a `Tier`).
+"""The page tiers (`PageTier`, tiers/base.py): the device and host tiers, preallocated pools of snapshot slots
+and KV pages.
 
 A page tier stores copies of working state slots (every linear layer's state, as StatePool names
 it) plus, optionally, the next-token logits at that position, under a byte budget it never exceeds,
-and copies of nodes' KV in its page pool: on the device that is the engine's KVPool (requests write
-there; the tree shares its pages), on the host a `HostKVBank` laid out like it (page-locked when the
-device is CUDA).
+and copies of nodes' KV in its page pool. `PoolTier` is what both share; the two differ in who writes
+them:
+
+    DeviceTier  the first tier, over the engine's KVPool: requests write it (their pages, which the tree
+                shares; `store` / `reserve` of a working slot's state), and nothing is stored into it
+    HostTier    a tier below (a `LowerTier`): demotion stores a node's snapshot and KV into it from their
+                fastest copy, into a `HostKVBank` laid out like the device pool (page-locked on CUDA)
 
 Copies are synchronous: a store has finished when it returns (on CUDA a device-to-host copy blocks
 the engine thread; overlapping it with the model step would need a side stream and an event per
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from cairn.cache.tiers.base import KV, Source, State
-from cairn.cache.tree.nodes import Node
+from cairn.cache.tree.nodes import DEVICE, HOST, Node
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
@@ -61,16 +66,6 @@ class PoolTier:
     def fits(self, with_logits: bool) -> bool:
         return self.pool.num_free > 0 and self.used_bytes + self.snapshot_bytes(with_logits) <= self.budget_bytes
 
-    def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
-        """A copy of src[slot] (and logits) in a slot of this tier; None when it does not fit."""
-        stored = self.reserve(logits is not None)
-        if stored is None:
-            return None
-        src.copy_to(slot, self.pool, stored.slot)  # synchronous; a CUDA side stream would go here
-        if logits is not None:
-            stored.logits = logits.to(self.device, torch.float32, copy=True)
-        return stored
-
     def reserve(self, with_logits: bool = False) -> StoredSnapshot | None:
         """A slot (and its bytes) set aside for a state to be written there; None when full."""
         if not self.fits(with_logits):
@@ -79,18 +74,9 @@ class PoolTier:
         self.used_bytes += nbytes
         return StoredSnapshot(self.name, self.pool.alloc(zero=False), None, nbytes)
 
-    def store_snapshot(self, node: Node, source: Source) -> StoredSnapshot | None:
-        state = source.node_snapshot(node)
-        if state is None:
-            return None
-        tensors, logits = state
-        stored = self.reserve(logits is not None)
-        if stored is None:
-            return None
-        self.pool.write_slot(stored.slot, tensors)  # synchronous; a CUDA side stream would go here
+    def _keep_logits(self, stored: StoredSnapshot, logits: torch.Tensor | None) -> None:
         if logits is not None:
             stored.logits = logits.to(self.device, torch.float32, copy=True)
-        return stored
 
     def load_snapshot(self, copy: StoredSnapshot, dst: StatePool, slot: int) -> torch.Tensor | None:
         """Copy the snapshot into dst[slot] (synchronously); returns a copy of its logits. It stays stored."""
@@ -104,7 +90,49 @@ class PoolTier:
         self.pool.free(copy.slot)
         self.used_bytes -= copy.nbytes
 
-    # ---- KV ---------------------------------------------------------------------------------------
+    def read_kv(self, node: Node) -> KV:
+        return self.kv.read_pages(node.kv[self.name])
+
+
+class DeviceTier(PoolTier):
+    """The first tier: snapshots of requests' working slots, and the engine's KV pool, whose pages requests
+    write and the tree shares. Nothing is above it, so nothing is stored into it from a `Source`."""
+
+    kv: KVPool
+
+    def __init__(self, working: StatePool, budget_bytes: int, vocab_size: int, kv: KVPool, bandwidth: float):
+        super().__init__(DEVICE, working, budget_bytes, vocab_size, working.device, kv, bandwidth)
+
+    def store(self, src: StatePool, slot: int, logits: torch.Tensor | None) -> StoredSnapshot | None:
+        """A copy of src[slot] (and logits) in a slot of this tier; None when it does not fit."""
+        stored = self.reserve(logits is not None)
+        if stored is None:
+            return None
+        src.copy_to(slot, self.pool, stored.slot)  # synchronous; a CUDA side stream would go here
+        self._keep_logits(stored, logits)
+        return stored
+
+
+class HostTier(PoolTier):
+    """A page tier below the device (a `LowerTier`) in host RAM: what demotion stores into it, read from a
+    `Source`."""
+
+    kv: HostKVBank
+
+    def __init__(self, working: StatePool, budget_bytes: int, vocab_size: int, kv: HostKVBank, bandwidth: float,
+                 pin_memory: bool = False):
+        super().__init__(HOST, working, budget_bytes, vocab_size, "cpu", kv, bandwidth, pin_memory)
+
+    def store_snapshot(self, node: Node, source: Source) -> StoredSnapshot | None:
+        """A copy of node's snapshot; None when the tier is full. Only demotion from the device stores here, and a
+        device copy is always readable (only a segment can turn out unreadable, and segment tiers are below)."""
+        tensors, logits = source.node_snapshot(node)
+        stored = self.reserve(logits is not None)
+        if stored is None:
+            return None
+        self.pool.write_slot(stored.slot, tensors)  # synchronous; a CUDA side stream would go here
+        self._keep_logits(stored, logits)
+        return stored
 
     def kv_fits(self, num_pages: int) -> bool:
         return self.pages.num_free >= num_pages
@@ -117,9 +145,6 @@ class PoolTier:
         pages = self.pages.alloc(kv[0].shape[1])
         self.kv.write_pages(pages, *kv)
         return pages
-
-    def read_kv(self, node: Node) -> KV:
-        return self.kv.read_pages(node.kv[self.name])
 
     def read_page(self, node: Node, i: int, cache: dict) -> KV:
         page = node.kv[self.name][i]
@@ -138,7 +163,6 @@ class HostKVBank:
         self.v = torch.empty(shape, dtype=like.v.dtype, pin_memory=pin_memory)
         self.allocator = PageAllocator(num_pages)
         self.bytes_per_page = like.bytes_per_page
-        self.budget_bytes = budget_bytes
 
     @property
     def used_bytes(self) -> int:

@@ -4,8 +4,8 @@ Eviction demotes before it drops: a snapshot or KV copy that must leave a tier i
 next tier down that takes it (making room there the same way) unless a slower tier already holds
 it; only when no slower tier takes it is it dropped, and every drop is counted with its reason.
 Restoring copies into the request's working slot and fresh device pages; the stored copies stay.
-The tiers are `Tier` objects (tiers/base.py): the device first, then e.g. host and disk; adding one
-is a class and a line in the factory, nothing here.
+The tiers are `Tier` objects (tiers/base.py): the device (a `DeviceTier`) first, then the `LowerTier`s,
+e.g. host and disk; adding one is a class and a line in the factory, nothing here.
 
 What this is not: it does not choose resume points (policy/planner.py), placement (policy/placement.py)
 or victims (tree/tiered.py); it keeps the radix tree's location records in step with the bytes it moves.
@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cairn.cache.tiers.base import KV, Source, State, Tier
-from cairn.cache.tree.nodes import DEVICE, DISK, RELEASE_EVICTED, Node, page_indices
+from cairn.cache.tiers.base import KV, LowerTier, PageTier, Source, State, Tier
+from cairn.cache.tiers.pools import DeviceTier
+from cairn.cache.tree.nodes import DEVICE, RELEASE_EVICTED, Node, page_indices
 from cairn.cache.tree.tiered import KVVictims, SnapshotVictims, TieredRadixTree
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -38,11 +40,10 @@ class TieredSnapshot:
 
 
 class TierSet:
-    def __init__(self, tiers: list[Tier]):
-        if not tiers or tiers[0].name != DEVICE:
-            raise ValueError("the first tier must be the device tier")
-        self.tiers = list(tiers)  # fastest first
-        self.by_name = {tier.name: tier for tier in tiers}
+    def __init__(self, device: DeviceTier, lower: Sequence[LowerTier] = ()):
+        self.device = device  # the first tier: requests write it, nothing is stored into it
+        self.tiers: list[Tier] = [device, *lower]  # fastest first
+        self.by_name = {tier.name: tier for tier in self.tiers}
         self.tree: TieredRadixTree | None = None  # bound by the cache
         self.moved: Counter[str] = Counter()  # "snapshot device->host", "kv host->disk", ...
         self.dropped: Counter[str] = Counter()  # snapshots / KV dropped by the last tier, by reason
@@ -52,15 +53,7 @@ class TierSet:
         return tuple(self.by_name)
 
     @property
-    def device(self) -> Tier:
-        return self.tiers[0]
-
-    @property
-    def disk(self) -> Tier | None:
-        return self.by_name.get(DISK)
-
-    @property
-    def page_tiers(self) -> list[Tier]:
+    def page_tiers(self) -> list[PageTier]:
         """The tiers holding KV in pages (device, host), fastest first."""
         return [tier for tier in self.tiers if tier.pages is not None]
 
@@ -72,7 +65,7 @@ class TierSet:
         """The tiers among `copies`' keys, fastest first (copies: a node's kv or a snapshot handle's copies)."""
         return [tier for tier in self.tiers if tier.name in copies]
 
-    def _below(self, tier: Tier) -> list[Tier]:
+    def _below(self, tier: Tier) -> list[LowerTier]:
         return self.tiers[self.tiers.index(tier) + 1:]
 
     # ---- reading a node's fastest copy (the `Source` a tier stores from) ---------------------------
@@ -169,7 +162,9 @@ class TierSet:
             return
         num_pages = len(page_indices(node.start, node.end, self.tree.page_size))
         for slower in below:
-            if self._make_kv_room(slower, num_pages, victims):
+            with self.tree.moving(node):  # the room is not made by dropping node's own path from `slower`
+                room = self._make_kv_room(slower, num_pages, victims)
+            if room:
                 copy = slower.store_kv(node, self)
                 if copy is not None:
                     if slower.pages is not None:
@@ -180,7 +175,7 @@ class TierSet:
                     return
         self.dropped[f"kv_{tier.name}_full"] += 1
 
-    def _make_kv_room(self, tier: Tier, num_pages: int, victims: dict[str, KVVictims]) -> bool:
+    def _make_kv_room(self, tier: LowerTier, num_pages: int, victims: dict[str, KVVictims]) -> bool:
         """Demote (or drop) `tier`'s least-recently-used KV until num_pages pages fit there."""
         while not tier.kv_fits(num_pages):
             if tier.name not in victims:
@@ -200,7 +195,7 @@ class TierSet:
             queue.push(parent)
         return freed
 
-    def page_copy(self, node: Node, i: int, cache: dict) -> tuple[Tier, KV | None]:
+    def page_copy(self, node: Node, i: int, cache: dict) -> tuple[LowerTier, KV | None]:
         """(the tier, (k, v) of node's i-th page) from node's fastest copy below the device; None: unreadable."""
         tier = next(t for t in self.holding(node.kv) if t.name != DEVICE)
         return tier, tier.read_page(node, i, cache)

@@ -60,7 +60,8 @@ class Node:
     snapshot: SnapshotEntry | None = None  # the snapshot at position end, if any
     snapshot_evicted: bool = False  # a snapshot at end was evicted and none attached since (miss tombstone)
     budget_miss: bool = False  # a snapshot due at end was not taken: its tier was full of locked snapshots
-    lock_count: int = 0  # outstanding LockHandles whose locked path passes through this node; > 0: KV kept
+    lock_count: int = 0  # outstanding LockHandles whose locked path passes through this node (and a KV move in
+    # progress below it or at it, TieredRadixTree.moving); > 0: KV kept
     last_access: int = 0  # clock tick of the last lock/insert/attach whose path entered this node
 
     @property
@@ -116,9 +117,7 @@ class LockHandle:
 
 
 def page_indices(start: int, end: int, page_size: int) -> range:
-    """Page indices a node [start, end) lists (empty for the root)."""
-    if end <= start:
-        return range(0)
+    """Page indices a node [start, end) lists (empty for the root [0, 0): (0 - 1) // page_size + 1 is 0)."""
     return range(start // page_size, (end - 1) // page_size + 1)
 
 

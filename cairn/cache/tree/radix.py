@@ -395,8 +395,6 @@ class RadixTree:
 
     def _decref(self, tier: str, pages: list[int]) -> int:
         """Drop the tree's references on `tier`'s pages; returns how many the allocator freed."""
-        if not pages:
-            return 0
         refs = self._refs[tier]
         refs.subtract(pages)
         for page in pages:

@@ -15,7 +15,8 @@ Torch-free, single-threaded.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from cairn.cache.policy.retention import retention_key
 from cairn.cache.tree.nodes import (
@@ -127,6 +128,20 @@ class TieredRadixTree(RadixTree):
         self._refs[tier].update(pages)
         node.kv[tier] = list(pages)
 
+    @contextmanager
+    def moving(self, node: Node) -> Iterator[None]:
+        """Keep node and its ancestors out of every victim queue while node's KV is moved to a slower tier:
+        making room there must not drop the path being moved (an ancestor losing its last copy takes node out
+        of the tree mid-move). A lock on each for the move's length, with no handle: over when the move is."""
+        path = list(self._ancestors(node))
+        for held in path:
+            held.lock_count += 1
+        try:
+            yield
+        finally:
+            for held in path:
+                held.lock_count -= 1
+
     def drop_kv(self, node: Node, tier: str) -> int:
         """Forget node's KV copy on `tier` (must be unlocked); returns the device pages freed. A node left with
         no copy leaves the tree with its subtree, their snapshots released as "kv_evicted"."""
@@ -153,16 +168,15 @@ class TieredRadixTree(RadixTree):
         self._release_snapshot(node, reason)
         return entry
 
-    def put_snapshot(self, node: Node, entry: SnapshotEntry) -> bool:
-        """Hang `entry` on an existing node (a snapshot found on disk at start-up); False if one is there."""
-        if node.snapshot is not None or node is self.root:
-            return False
+    def put_snapshot(self, node: Node, entry: SnapshotEntry) -> None:
+        """Hang `entry` on an existing node below the root that holds no snapshot (a snapshot found in a segment
+        tier: the segment index checks that the node holds none, and a segment's node is never the root)."""
+        assert node.snapshot is None and node is not self.root, "put_snapshot on the root or over a snapshot"
         self.clock += 1
         entry.last_access = self.clock
         node.snapshot, node.snapshot_evicted = entry, False
         self._num_snapshots += 1
         self._snapshot_bytes += entry.nbytes
-        return True
 
     def mark_budget_miss(self, tokens: Sequence[int], page_table: list[int]) -> None:
         """Insert tokens and record that the snapshot due at their end was not taken for lack of budget
