@@ -41,7 +41,7 @@ from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
 from cairn.model.layout import apply_layout, quantize
 from cairn.model.loader import load_checkpoint
-from cairn.ops import cuda_graphs, select_kernels
+from cairn.ops import cuda_graphs, load_fused_cpu_ops, select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
@@ -138,6 +138,7 @@ class Engine:
             log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
         self.weight_layout = opts.quantization if opts.quantization != "none" else apply_layout(
             self.model, opts.weight_layout, self.dtype, self.device)  # after the digest: packing keeps the numbers
+        load_fused_cpu_ops(self.model.kernels, self.dtype, self.device)  # built before /health answers, not mid-request
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
         self._seqs: dict[str, Sequence] = {}  # by sequence id: every unfinished choice

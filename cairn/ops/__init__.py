@@ -86,6 +86,22 @@ class Kernels:
 REFERENCE = Kernels(name="reference")
 
 
+def load_fused_cpu_ops(kernels: Kernels, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Load now the fused CPU ops `kernels` calls for this dtype and device (bf16 on CPU), each built once
+    with the C++ compiler or found in torch's cache, and logged in one line: at start-up, so that no request
+    waits minutes for a build while /health already answers (they would load on the first decode step)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return
+    from cairn.ops import cpu_gdn, cpu_norm, cpu_silu
+
+    if kernels.gdn_decode_op is fused_gdn_decode_op:
+        cpu_gdn.load_once()
+    if kernels.add_rms_norm is fused_add_rms_norm or kernels.norm_rotary_write is fused_norm_rotary_write:
+        cpu_norm.load_once()
+    if kernels.silu_mul is fused_silu_mul:
+        cpu_silu.load_once()
+
+
 def select_kernels(device: torch.device | str, fast: bool = False) -> Kernels:
     """The reference kernels, or with `fast` on CUDA the field's kernels that import (cairn.ops.cuda),
     the reference standing in for any that do not. Chosen once at start-up and logged."""

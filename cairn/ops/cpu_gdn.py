@@ -332,6 +332,12 @@ def _loaded():
     return None
 
 
+def load_once() -> bool:
+    """Load (build, or find in torch's cache) and check the op now, once per process; whether bf16 on CPU will
+    run it (else the reference, said so in one line)."""
+    return _loaded() is not None
+
+
 def op_for(*tensors: torch.Tensor):
     """The fused op for a decode batch (its in_proj output and the layer's conv weight, A_log, dt_bias
     and norm weight), or None (the reference path): taken when all are bf16 on CPU and the op builds

@@ -219,6 +219,12 @@ def _loaded() -> _Op | None:
     return _Op(library, lanes)
 
 
+def load_once() -> bool:
+    """Load (build, or find in torch's cache) and check the op now, once per process; whether bf16 on CPU will
+    run it (else the reference, said so in one line)."""
+    return _loaded() is not None
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """norm.add_rms_norm's contract and bits, through the C++ op for bf16 on CPU (the reference otherwise,

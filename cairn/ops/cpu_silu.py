@@ -146,6 +146,12 @@ def _loaded():
     return library
 
 
+def load_once() -> bool:
+    """Load (build, or find in torch's cache) and check the op now, once per process; whether bf16 on CPU will
+    run it (else the reference, said so in one line)."""
+    return _loaded() is not None
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """activation.silu_mul's contract and bits, through the C++ op for bf16 on CPU (the reference otherwise, or
     when the op does not build or does not reproduce ATen's bits here)."""
