@@ -25,8 +25,6 @@ import numpy as np
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
-    if n == 0:
-        return 0
     mismatch = np.flatnonzero(a[:n] != b[:n])
     return int(mismatch[0]) if mismatch.size else n
 
