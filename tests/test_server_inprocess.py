@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from cairn.config import EngineConfig, config_with_overrides
 from cairn.engine import Engine
+from cairn.errors import ChatTemplateError
 from cairn.sampling import SamplingParams
 from cairn.server.app import create_app
 from cairn.server.bridge import EngineBridge, Submission
@@ -276,3 +277,39 @@ def test_a_request_cancelled_while_its_add_waits_for_the_engine_thread_is_aborte
         assert callback_errors == []
     finally:
         bridge.stop(timeout_s=5)
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400_naming_messages(client, engine, monkeypatch):
+    """A checkpoint's template that raises on a conversation (e.g. roles it does not accept): the client
+    gets the template's own message as a 400 on `messages`, and the server goes on."""
+    def refuse(messages, **kwargs):
+        if messages is not PROBE:
+            raise ChatTemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return real(messages, **kwargs)
+
+    real = engine.tokenizer.render_chat
+    monkeypatch.setattr(engine.tokenizer, "render_chat", refuse)
+    r = client.post("/v1/chat/completions", json=CHAT)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages" and error["message"].startswith("Conversation roles")
+    monkeypatch.setattr(engine.tokenizer, "render_chat", real)
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_a_chat_message_with_a_name_is_rendered_with_it(client, engine, monkeypatch):
+    """A message's optional `name` (OpenAI's field for telling participants apart) reaches the template."""
+    rendered = []
+    real = engine.tokenizer.render_chat
+    monkeypatch.setattr(engine.tokenizer, "render_chat",
+                        lambda messages, **kw: rendered.append(messages) or real(messages, **kw))
+    body = {**CHAT, "messages": [{"role": "user", "name": "alice", "content": "hi"}]}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert [m.get("name") for m in rendered[-1]] == ["alice"]
+
+
+def test_a_batch_of_several_completion_prompts_is_refused_naming_prompt(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["one", "two"], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_value"
+    assert r.json()["error"]["param"] == "prompt" and "a batch of 2 prompts" in r.json()["error"]["message"]
+    one = client.post("/v1/completions", json={"model": MODEL, "prompt": ["one"], "max_tokens": 2})
+    assert one.status_code == 200
