@@ -32,6 +32,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     num_prompt_tokens: int
+    request_finished: bool  # every choice of the request has finished (with n = 1: finished)
     delta_logprobs: list[float] = field(default_factory=list)  # per token of delta_token_ids, when asked for
     delta_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cache: CacheReport = field(default_factory=CacheReport)
@@ -39,11 +40,6 @@ class RequestOutput:
     error: str | None = None  # set when the request failed inside the engine
     prompt_token_ids: list[int] | None = None  # the prompt's token ids, on the finished output only
     index: int = 0  # which choice of the request this is (n > 1)
-    request_finished: bool | None = None  # every choice of the request has finished (None: same as finished)
-
-    def __post_init__(self):
-        if self.request_finished is None:
-            self.request_finished = self.finished
 
 
 @dataclass

@@ -36,6 +36,7 @@ class Sequence:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
+    group_id: str  # the request this sequence is one choice of (its own request_id for choice 0)
     num_prompt_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     message_starts: list[int] = field(default_factory=list)  # token position of each chat message start
@@ -53,15 +54,12 @@ class Sequence:
     last_token_s: float | None = None
     admission: Admission | None = None  # what the prefix cache answered when it was admitted (None: not running)
     ready_logits: torch.Tensor | None = None  # next-token logits restored from the cache (nothing to compute)
-    group_id: str = ""  # the request this sequence is one choice of ("": its own request_id)
     index: int = 0  # its choice index in that request (n > 1)
     grammar: object | None = None  # cairn.grammar.Grammar when the output is constrained (structured output)
 
     def __post_init__(self):
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
-        if not self.group_id:
-            self.group_id = self.request_id
         if self.params.seed is not None:  # choice i of an n > 1 request draws with seed + i, as in vLLM
             seed = self.params.seed if self.index == 0 else (self.params.seed + self.index) % 2**64
             self.generator = torch.Generator().manual_seed(seed)

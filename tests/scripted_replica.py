@@ -25,7 +25,7 @@ ANSWER = {"id": "scripted", "object": "chat.completion", "choices": [
 class Script:
     health: int = 200  # status of GET /health
     probe: str = "good"  # good | missing (404) | garbage (not JSON) | slow (answers after `slow_s`)
-    answer: str = "ok"  # ok | busy (503) | cut_before_body | cut_mid_stream
+    answer: str = "ok"  # ok | busy (503) | cut_before_body | cut_mid_stream | stream_without_usage
     slow_s: float = 3.0
     generations: list[str] = field(default_factory=list)  # the paths of the generation requests received
 
@@ -68,6 +68,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, first, content_type="text/event-stream", length=len(first) + 1000)
             time.sleep(0.2)
             self.close_connection = True
+        elif script.answer == "stream_without_usage":  # a whole stream, as a server ignoring include_usage sends
+            events = b'data: {"choices": [{"index": 0, "delta": {"content": "scripted"}}]}\n\ndata: [DONE]\n\n'
+            self._send(200, events, content_type="text/event-stream")
         else:
             self._send(200, json.dumps(ANSWER).encode())
 

@@ -27,6 +27,7 @@ from cairn.engine import Engine
 from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
 from cairn.tokenizer import ByteTokenizer
+from tests.scripted_replica import Script, ScriptedReplica
 from tests.server_process import REPO_ROOT, start_server
 from tests.test_bench import SIZES
 
@@ -130,3 +131,48 @@ def test_a_bench_on_a_machine_without_git_records_the_commit_as_unknown(tmp_path
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "record.json").read_text())["environment"]["git"] == "unknown"
     assert "commit unknown" in done.stdout
+
+
+def failing_sample(*args, **kwargs):
+    raise RuntimeError("injected sampling fault")
+
+
+def test_an_in_process_request_the_engine_fails_stops_the_run_naming_it(monkeypatch):
+    """A request the engine finishes with an error (here its sampling raises, as an out-of-memory would)
+    ends the run with the request's label and the engine's reason, not with a figure for it."""
+    from cairn import sampling
+    from cairn.bench.engine_runner import EngineRunner
+
+    runner = EngineRunner(CONFIG)  # (its warm-up request samples before the fault)
+    monkeypatch.setattr(sampling, "sample", failing_sample)
+    with pytest.raises(RuntimeError, match=r"^original: the engine failed the request: sampling failed: "
+                                           r"RuntimeError: injected sampling fault"):
+        run_workload(all_workloads()["edit"], "cairn", lambda: runner, SIZES, seed=0)
+
+
+def test_an_http_request_the_server_fails_mid_stream_stops_the_run_naming_it(monkeypatch):
+    """The server's last event is an error (its engine step failed after the answer began): the run stops
+    with the request's label and the server's message."""
+    engine = Engine(CONFIG)
+    with TestClient(create_app(engine, ServerOptions())) as client:
+        runner = HTTPRunner("http://testserver", ByteTokenizer(), client=client)
+        real_step, calls = engine.step, [0]
+
+        def step():
+            calls[0] += 1
+            if calls[0] == 2:  # the first token has been streamed
+                raise RuntimeError("injected step fault")
+            return real_step()
+
+        monkeypatch.setattr(engine, "step", step)
+        with pytest.raises(RuntimeError, match=r"^original: the server failed the request: .*injected step fault"):
+            run_workload(all_workloads()["edit"], "server", lambda: runner, SIZES, seed=0)
+
+
+def test_an_http_run_against_a_server_that_sends_no_usage_says_so():
+    """The figures need the stream's usage (prompt tokens, cached tokens): a server that ignores
+    `stream_options.include_usage` stops the run at its first request with that reason."""
+    with ScriptedReplica(Script(answer="stream_without_usage")) as server:
+        runner = HTTPRunner(server.url, ByteTokenizer())
+        with pytest.raises(RuntimeError, match=r"^original: the stream ended without usage$"):
+            run_workload(all_workloads()["edit"], "server", lambda: runner, SIZES, seed=0)

@@ -92,3 +92,27 @@ def test_message_starts_when_the_template_refuses_a_prefix_of_the_conversation(t
     ids, starts = tok.encode_chat(CHAT)
     assert tok.decode(ids) == "Be brief.\nHello\n>"
     assert starts == [0, len(tok.encode("Be brief.\nHello"))]
+
+
+THINKING_WITH_SYSTEM_ONLY = (
+    "{%- if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{%- endif %}"
+    + CHATML.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"))
+
+
+def test_a_template_that_requires_a_system_message_is_still_seen_to_open_the_reasoning(tmp_path):
+    """The chat plan renders a one-message probe to see whether the generation prompt opens <think>; a
+    template that refuses a conversation without a system message is probed with one, so its requests'
+    answers are parsed as starting inside the reasoning the prompt opened."""
+    from cairn.server.chat_output import plan_chat
+
+    write_checkpoint_tokenizer(tmp_path, THINKING_WITH_SYSTEM_ONLY)
+    tok = HFTokenizer(tmp_path)
+    assert tok.render_chat(CHAT, add_generation_prompt=True).endswith("<think>\n")
+    assert plan_chat(tok, "qwen3", "none", {}, None, True).starts_in_reasoning
+
+
+def test_a_template_that_refuses_every_probe_plans_no_open_reasoning(tmp_path):
+    from cairn.server.chat_output import plan_chat
+
+    write_checkpoint_tokenizer(tmp_path, "{{ raise_exception('System role not supported') }}")
+    assert not plan_chat(HFTokenizer(tmp_path), "qwen3", "none", {}, None, True).starts_in_reasoning

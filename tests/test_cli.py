@@ -141,6 +141,7 @@ def test_port_in_use_is_one_line_before_the_model_loads():
     (("serve", "--max-num-seqs", "0"), "--max-num-seqs must be at least 1, got 0"),
     (("serve", "--snapshot-interval", "-1"), "--snapshot-interval must be at least 0"),
     (("serve", "--kv-cache-gib", "0"), "--kv-cache-gib must be above 0"),
+    (("serve", "--device-memory-fraction", "1.5"), "--device-memory-fraction must be in (0, 1], got 1.5"),
     (("serve", "--log-level", "WARNING", "--kv-cache-gib", "1e-9"), "--kv-cache-gib 1e-09 holds no KV page"),
     (("serve", "--log-level", "WARNING", "--prefill-block", "100"), "--prefill-block 100: must be a multiple of 64"),
     (("router", "--replica", "http://127.0.0.1:9", "--port", "70000"), "--port must be in [0, 65536)"),

@@ -116,6 +116,35 @@ def test_aborted_request_releases_its_pages_and_slot():
     assert not engine.has_unfinished()
 
 
+def test_a_request_id_still_running_is_refused_and_the_running_request_is_untouched():
+    """`Engine.add_request(request_id=...)` (the engine is public): an id in use is refused at once; the
+    request holding it runs on to its own answer, and once it has finished the id can be used again."""
+    engine = make_llm().engine
+    engine.add_request(list(range(10)), GREEDY, request_id="mine")
+    with pytest.raises(ValueError, match="request id 'mine' is already in use"):
+        engine.add_request(list(range(20)), GREEDY, request_id="mine")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs] == ["mine"] * GREEDY.max_tokens and outputs[-1].finished
+    assert outputs[-1].prompt_token_ids == list(range(10))
+    assert engine.add_request(list(range(20)), GREEDY, request_id="mine") == "mine"
+
+
+def test_aborting_a_request_whose_other_choices_wait_for_its_first_aborts_every_choice():
+    """With the prefix cache, choices 1.. of an n > 1 request wait outside the scheduler until the first has
+    computed the prompt; an abort then (a client gone before its first token) finishes all of them, and
+    nothing is left held or queued."""
+    engine = make_llm(prefix_cache=True).engine
+    rid = engine.add_request(list(range(30)), SamplingParams(n=3, max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(engine.scheduler.waiting) == 1  # the other two are held
+    out = engine.abort(rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert not engine.has_unfinished() and rid not in engine.choices
+    engine.check_integrity()
+    assert engine.step() == []
+
+
 def test_chat_input_is_rendered_with_the_chat_template():
     llm = make_llm()
     msgs = [{"role": "user", "content": "hi"}]

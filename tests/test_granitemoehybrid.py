@@ -200,3 +200,23 @@ def test_cairn_serve_loads_a_granite_checkpoint_and_resumes_its_conversation(gra
         server.stop()
     assert first.usage.completion_tokens == second.usage.completion_tokens == 6
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_a_checkpoint_without_recurrent_layers_generates_as_transformers_without_a_prefix_cache(tmp_path, monkeypatch):
+    """A family checkpoint whose layers are all attention (no Mamba2 layer: nothing to snapshot) loads with
+    no prefix cache (the engine's NullCache) and decodes greedily as transformers does; a repeated prompt
+    is computed again, reporting nothing cached."""
+    from cairn import LLM, SamplingParams
+    from tests import granite_checkpoint
+
+    monkeypatch.setitem(granite_checkpoint.BASE, "layer_types", ["attention"] * 3)
+    monkeypatch.setitem(granite_checkpoint.BASE, "num_hidden_layers", 3)
+    hf = granite_checkpoint.write_checkpoint("granitemoehybrid_dense", tmp_path)
+    ids = [71, 68, 75, 75, 78, 220, 83, 71, 68, 81, 68]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)[0, len(ids):].tolist()
+    llm = LLM(str(tmp_path), kv_cache_gib=0.01, state_cache_gib=0.01)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    first, again = llm.generate([ids], greedy)[0], llm.generate([ids], greedy)[0]
+    assert first.token_ids == expected and again.token_ids == expected
+    assert again.cache.cached_tokens == 0

@@ -129,3 +129,13 @@ def test_a_body_that_is_not_json_is_passed_on_and_nothing_remembered():
                           headers={"content-type": "application/json"})
         assert resp.status_code == 200 and replica.script.generations == ["/v1/chat/completions"]
         assert health(router)["remembered_prefixes"] == 0
+
+
+def test_a_router_stopped_by_sigterm_exits_0_as_cairn_serve_does():
+    """An operator's SIGTERM (as a supervisor sends) ends the router cleanly, status 0, nothing on its log
+    but what it logged while serving: uvicorn alone would raise the signal again and die by it (143)."""
+    with ScriptedReplica(Script()) as replica:
+        router = start_router("--replica", replica.url)
+        assert chat(router).status_code == 200
+        assert router.stop() == 0
+        assert "Traceback" not in router.log()

@@ -6,6 +6,7 @@ pipelined request is answered or dropped while the server keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -120,3 +121,20 @@ def test_chunked_body_with_a_large_content_length_goes_through_h11(server):
         answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
     assert answer.count(b"HTTP/1.1 200 ") == 2  # the chat, then /health on the same connection
+
+
+def test_bytes_sent_after_a_body_past_h11_do_not_end_its_answer_as_a_disconnect(server, http):
+    """More bytes after a large body (a pipelined request, garbage), sent while the answer is being
+    generated: dropped, never read as a request, and not taken for the client leaving (which the server
+    waits for while it generates: a 499); the whole answer comes, then the connection closes."""
+    body = padded({**CHAT, "max_tokens": 200, "ignore_eos": True})
+    with connect(server.base_url) as sock:
+        sock.sendall(head("/v1/chat/completions", len(body)) + body)
+        time.sleep(0.3)  # the body has been taken: these bytes come after its end, in a read of their own
+        with contextlib.suppress(OSError):  # (a machine fast enough to have answered already closed the socket)
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 ") == 1
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["usage"]["completion_tokens"] == 200
+    assert_still_serving(http)

@@ -5,6 +5,7 @@ dead engine thread, and filling max_tokens up to the context.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import threading
@@ -14,8 +15,12 @@ from fastapi.testclient import TestClient
 
 from cairn.config import EngineConfig, config_with_overrides
 from cairn.engine import Engine
+from cairn.errors import ChatTemplateError
+from cairn.sampling import SamplingParams
 from cairn.server.app import create_app
+from cairn.server.bridge import EngineBridge, Submission
 from cairn.server.chat_output import PROBE
+from cairn.server.offload import Offload
 from cairn.server.options import ServerOptions
 
 MODEL = "cairn-demo"
@@ -203,3 +208,108 @@ def test_after_the_engine_thread_stopped_metrics_still_answer_and_requests_are_r
     assert any("engine stats unavailable" in rec.getMessage() for rec in caplog.records)
     r = client.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+
+
+def test_an_integrity_violation_found_while_idle_is_logged_and_serving_goes_on(client, engine, monkeypatch, caplog):
+    """The engine thread checks the engine's bookkeeping each time it falls idle: a violation (a bug) is
+    logged with its traceback, and the server keeps answering."""
+    def broken() -> None:
+        raise AssertionError("injected inconsistency")
+
+    monkeypatch.setattr(engine, "check_integrity", broken)
+    with caplog.at_level(logging.ERROR, logger="cairn.server.bridge"):
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    logged = [r for r in caplog.records if "inconsistent while idle" in r.getMessage()]
+    assert logged and all("injected inconsistency" in str(r.exc_info[1]) for r in logged)
+    assert client.get("/health").status_code == 200
+
+
+def test_a_failed_step_whose_abort_fails_too_still_answers_its_client(client, engine, monkeypatch, caplog):
+    """After a step raised, the bridge aborts the requests it ran and tells their clients; an abort that
+    raises as well is logged, and the client still gets its 500 (not a request that never answers)."""
+    def abort(request_id: str) -> None:
+        raise RuntimeError("injected abort fault")
+
+    fail_step_on_call(engine, monkeypatch, 1)
+    real_abort = engine.abort
+    monkeypatch.setattr(engine, "abort", abort)
+    with caplog.at_level(logging.ERROR, logger="cairn.server.bridge"):
+        r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    assert any("failed" in rec.getMessage() and rec.exc_info and "injected abort fault" in str(rec.exc_info[1])
+               for rec in caplog.records if rec.getMessage().startswith("engine.abort("))
+    monkeypatch.setattr(engine, "abort", real_abort)
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_a_request_cancelled_while_its_add_waits_for_the_engine_thread_is_aborted_unrun(engine):
+    """A request task cancelled (as uvicorn cancels them at shutdown) while its add is queued behind other
+    engine-thread work: the add still runs later, so the bridge queues an abort behind it; the request
+    never runs unread, and the answer to the cancelled add is dropped (its future is already done)."""
+    bridge = EngineBridge(engine, Offload(engine.tokenizer, engine.max_model_len))
+    bridge.start()
+    callback_errors = []
+
+    async def scenario() -> tuple[bool, int]:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: callback_errors.append(context))
+        busy, release = threading.Event(), threading.Event()
+
+        def hold(_: Engine) -> None:
+            busy.set()
+            release.wait(30)
+
+        held = asyncio.ensure_future(bridge.call(hold))
+        await asyncio.to_thread(busy.wait, 30)
+        task = asyncio.ensure_future(bridge.submit(Submission("cancelled-1", SamplingParams(max_tokens=4),
+                                                              prompt="hello")))
+        while bridge._commands.empty():  # its add is queued behind `hold`
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        await held
+        return await bridge.call(lambda e: (e.has_unfinished(), e.num_running))
+
+    try:
+        assert asyncio.run(scenario()) == (False, 0)
+        assert callback_errors == []
+    finally:
+        bridge.stop(timeout_s=5)
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400_naming_messages(client, engine, monkeypatch):
+    """A checkpoint's template that raises on a conversation (e.g. roles it does not accept): the client
+    gets the template's own message as a 400 on `messages`, and the server goes on."""
+    def refuse(messages, **kwargs):
+        if messages is not PROBE:
+            raise ChatTemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return real(messages, **kwargs)
+
+    real = engine.tokenizer.render_chat
+    monkeypatch.setattr(engine.tokenizer, "render_chat", refuse)
+    r = client.post("/v1/chat/completions", json=CHAT)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages" and error["message"].startswith("Conversation roles")
+    monkeypatch.setattr(engine.tokenizer, "render_chat", real)
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_a_chat_message_with_a_name_is_rendered_with_it(client, engine, monkeypatch):
+    """A message's optional `name` (OpenAI's field for telling participants apart) reaches the template."""
+    rendered = []
+    real = engine.tokenizer.render_chat
+    monkeypatch.setattr(engine.tokenizer, "render_chat",
+                        lambda messages, **kw: rendered.append(messages) or real(messages, **kw))
+    body = {**CHAT, "messages": [{"role": "user", "name": "alice", "content": "hi"}]}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert [m.get("name") for m in rendered[-1]] == ["alice"]
+
+
+def test_a_batch_of_several_completion_prompts_is_refused_naming_prompt(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["one", "two"], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_value"
+    assert r.json()["error"]["param"] == "prompt" and "a batch of 2 prompts" in r.json()["error"]["message"]
+    one = client.post("/v1/completions", json={"model": MODEL, "prompt": ["one"], "max_tokens": 2})
+    assert one.status_code == 200

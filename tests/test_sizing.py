@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -65,3 +66,12 @@ def test_demo_model_pools_are_sized_to_the_demo():
         kv_bytes = llm.engine.kv.total_bytes
         assert kv_bytes <= DEMO_DEFAULTS.kv_cache_gib * GIB
         assert llm.engine.max_model_len == llm.engine.model_config.max_position_embeddings  # still the full context
+
+
+def test_device_memory_fraction_on_cpu_shares_the_machines_ram_less_this_process():
+    """On CPU the fraction is of the machine's RAM, less what this process holds (its resident set, read
+    from /proc/self/statm: torch alone is well above zero)."""
+    ram_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
+    resolved = resolve_sizes(config_with_overrides(EngineConfig(), device_memory_fraction=0.5), CPU, is_demo=True)
+    shared = resolved.memory.kv_cache_gib + resolved.memory.state_cache_gib + resolved.cache.device_snapshot_gib
+    assert 0 < shared < 0.5 * ram_gib - 0.01

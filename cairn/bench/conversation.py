@@ -79,7 +79,6 @@ RequestStream = Generator[BenchRequest, Reply, None]
 @dataclass(frozen=True)
 class Workload:
     name: str
-    summary: str  # one line, for tables
     build: Callable[[WorkloadSizes, TextSource, Tokenizer], RequestStream] = field(repr=False)
     needs_disk_tier: bool = False  # runs only when the engine has a disk tier (CacheOptions.disk_cache)
 

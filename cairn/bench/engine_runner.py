@@ -52,11 +52,9 @@ class EngineRunner:
     def _until_finished(self, request_id: str, start_s: float) -> tuple[float, Completion]:
         ttft_s, answers = None, {}
         while True:
-            if not self.engine.has_unfinished():
-                raise RuntimeError(f"{request_id} left the engine without finishing")
+            assert self.engine.has_unfinished(), request_id  # the engine finishes every request it holds
             for out in self.engine.step():
-                if out.request_id != request_id:
-                    continue
+                assert out.request_id == request_id, out.request_id  # one request at a time (the warm-up finished)
                 if ttft_s is None and out.delta_token_ids:
                     ttft_s = time.perf_counter() - start_s
                 answer = accumulate(answers, out)

@@ -67,9 +67,6 @@ class HTTPRunner:
         return Served(prompt_ids, self.tokenizer.encode(reply), reply, ttft_s or time.perf_counter() - start_s,
                       cache_report(usage))
 
-    def restart(self) -> None:
-        raise RuntimeError("the HTTP runner cannot restart the server")
-
     def snapshots(self) -> list[SnapshotPoint]:
         return []
 

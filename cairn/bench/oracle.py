@@ -25,16 +25,12 @@ import numpy as np
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
-    if n == 0:
-        return 0
     mismatch = np.flatnonzero(a[:n] != b[:n])
     return int(mismatch[0]) if mismatch.size else n
 
 
 def oracle_tokens(prompts: Sequence[Sequence[int]], full_sequences: Sequence[Sequence[int]]) -> list[int]:
     """oracle_i for every request of a stream, in order (see the module docstring)."""
-    if len(prompts) != len(full_sequences):
-        raise ValueError("one full sequence per prompt")
     seen: set[tuple[int, ...]] = set()
     earlier: list[np.ndarray] = []
     out = []

@@ -55,10 +55,9 @@ def plot_ttft(results: list[WorkloadResult], workload: str, path: Path) -> Path 
     return _save(fig, path)
 
 
-def plot_snapshots(result: WorkloadResult, path: Path) -> Path | None:
-    """The snapshot map of one run: positions by source, coloured by tier; resume points underneath."""
-    if not result.requests:
-        return None
+def plot_snapshots(result: WorkloadResult, path: Path) -> Path:
+    """The snapshot map of one run (one that took snapshots): positions by source, coloured by tier; resume
+    points underneath."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, height_ratios=(3, 2))
     rows = {s: i for i, s in enumerate(SOURCES)}
     for tier in sorted({p.tier for p in result.snapshots}):

@@ -47,8 +47,7 @@ SMOKE_MIN_GAP_TOKENS = 256  # the llama.cpp-style spacing of the smoke run (the 
 def policy_config(base: EngineConfig, policy: str, disk_dir: Path | None = None) -> EngineConfig:
     """`base` with the cache fields of `policy`; `disk_dir` puts the disk tier there. base's
     snapshot_min_gap is the user_messages policy's spacing: the other policies run without one."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    assert policy in POLICIES, policy  # its one caller passes names parse_names checked against POLICIES
     if policy == "none":
         return dataclasses.replace(base, cache=dataclasses.replace(base.cache, prefix_cache=False))
     fields = {"prefix_cache": True, "snapshot_policy": policy,

@@ -47,18 +47,14 @@ def summary_table(results: list[WorkloadResult]) -> str:
     lines = ["| workload | requests | prompt tokens | oracle tokens | " + " | ".join(map(_label, policies)) + " |",
              "|---|---:|---:|---:|" + "---:|" * len(policies)]
     for w in workloads:
-        first = next((cell[(w, p)] for p in policies if (w, p) in cell and not cell[(w, p)].skipped), None)
-        if first is None:
+        first = cell[(w, policies[0])]  # (a workload is skipped under every policy or none: the runner decides)
+        if first.skipped:
             lines.append(f"| {w} | - | - | - | " + " | ".join(["skipped"] * len(policies)) + " |")
             continue
         t = first.totals()
         cells = []
         for p in policies:
-            r = cell.get((w, p))
-            if r is None or r.skipped:
-                cells.append("skipped" if r else "-")
-                continue
-            rt = r.totals()
+            rt = cell[(w, p)].totals()
             cells.append(f"{_pct(rt['reuse_of_oracle'])} · {rt['ttft_total_s']:.2f} s")
         lines.append(f"| {w} | {t['num_requests']} | {t['prompt_tokens']:,} | {t['oracle_tokens']:,} | "
                      + " | ".join(cells) + " |")

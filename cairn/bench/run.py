@@ -40,7 +40,9 @@ class Runner(Protocol):
     def serve(self, request: BenchRequest) -> Served: ...
 
     def restart(self) -> None:
-        """Restart the server (a fresh engine over the same durable cache); raise if impossible."""
+        """Restart the server (a fresh engine over the same durable cache). Only workloads that need the
+        disk tier restart, and the HTTP runner, which cannot restart a server, is never given one: it has
+        no such method."""
 
     def snapshots(self) -> list[SnapshotPoint]:
         """The snapshots the cache holds now ([] when the runner cannot see them)."""

@@ -9,16 +9,16 @@ A workload is a generator: it yields a `BenchRequest`, the runner serves it and 
 deterministic from the seed; the replies are the model's own (greedy) text, so a client's history
 holds what the engine really generated.
 
-    compaction      one conversation several prefill chunks long, then the same conversation cut at
-                    the message boundary nearest `keep_fraction` of its tokens plus a new instruction
-    interleave      for each shared fraction f: conversation A; conversation B sharing A's first
-                    messages (the boundary nearest f of A's tokens; f = 0: nothing but the template's
-                    first tokens); then A again (A + A's reply + a new user message)
-    edit            a chat (user / assistant turns); the same with the user message nearest the middle
-                    rewritten; that edited prompt again (regenerate); then its continuation (+ the
-                    regenerated reply + a new user message)
-    shared_system   `num_users` users with one long system prompt and their own question, then
-                    each user's follow-up (question + reply + new question), in the same order
+    (a) compaction      one conversation several prefill chunks long, then the same conversation cut at
+                        the message boundary nearest `keep_fraction` of its tokens plus a new instruction
+    (c) interleave      for each shared fraction f: conversation A; conversation B sharing A's first
+                        messages (the boundary nearest f of A's tokens; f = 0: nothing but the template's
+                        first tokens); then A again (A + A's reply + a new user message)
+    (d) edit            a chat (user / assistant turns); the same with the user message nearest the middle
+                        rewritten; that edited prompt again (regenerate); then its continuation (+ the
+                        regenerated reply + a new user message)
+    (e) shared_system   `num_users` users with one long system prompt and their own question, then
+                        each user's follow-up (question + reply + new question), in the same order
 
 What it is not: a runner. Nothing here touches an engine or a server.
 """
@@ -95,11 +95,7 @@ def shared_system(sizes: WorkloadSizes, text: TextSource, tokenizer: Tokenizer) 
 
 def all_workloads() -> dict[str, Workload]:
     return {w.name: w for w in (
-        Workload("compaction", "(a) a long conversation, then the same cut far back + a new instruction", compaction),
-        Workload("agentic", "(b) agentic session: tool results, reasoning stripped, compaction at 2/3", agentic),
-        Workload("interleave", "(c) conversations A, B (sharing 0/40/60% of A), A again", interleave),
-        Workload("edit", "(d) an edit mid-history, a regenerate, a continuation", edit),
-        Workload("shared_system", "(e) many users sharing one long system prompt, two rounds", shared_system),
-        Workload("restart", "(f) a session whose server restarts halfway (needs the disk tier)", restart,
-                 needs_disk_tier=True),
+        Workload("compaction", compaction), Workload("agentic", agentic), Workload("interleave", interleave),
+        Workload("edit", edit), Workload("shared_system", shared_system),
+        Workload("restart", restart, needs_disk_tier=True),  # a fresh engine halfway: on the disk tier alone
     )}

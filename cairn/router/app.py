@@ -149,16 +149,16 @@ class Router:
         last: Response | None = None
         for replica in order:
             replica.num_in_flight += 1
+            response = None
             try:
                 response = await self._send(replica, method, path, body, headers)
             except ReplicaFailed as e:
-                replica.num_in_flight -= 1
                 self._take_out(replica, str(e))
                 last = e.answer or last
                 continue
-            except BaseException:
-                replica.num_in_flight -= 1
-                raise
+            finally:
+                if response is None:  # no answer to hand the count to (failed, or cancelled at exit)
+                    replica.num_in_flight -= 1
             if response.status_code == 200:
                 self.placements.record(list(keys), replica.url)
             return response

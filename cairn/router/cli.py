@@ -26,5 +26,15 @@ def run(ns: argparse.Namespace) -> int:
 
     from cairn.router.app import create_app
 
-    uvicorn.run(create_app(ns.replica, options), host=options.host, port=options.port, log_level="warning")
-    return 0
+    class RouterServer(uvicorn.Server):
+        """Ends `cairn router` with status 0 after SIGTERM / SIGINT, as `cairn serve` does: uvicorn's own
+        handler records the signal and raises it again once shut down, so the process died by it (143)."""
+
+        def handle_exit(self, sig: int, frame) -> None:
+            self.force_exit = self.should_exit  # a second signal: stop waiting for the answers in flight
+            self.should_exit = True
+
+    server = RouterServer(uvicorn.Config(create_app(ns.replica, options), host=options.host, port=options.port,
+                                         log_level="warning"))
+    server.run()
+    return 0 if server.started else 1

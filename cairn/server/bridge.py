@@ -42,6 +42,7 @@ from cairn.prompt import TokenizedPrompt
 from cairn.sampling import SamplingParams
 from cairn.server.errors import EngineFailure, ServerShuttingDown
 from cairn.server.offload import Offload
+from cairn.server.workers import WorkersClosed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -209,9 +210,7 @@ class EngineBridge:
             return await self.offload.tokenize(sub.prompt, sub.messages, sub.template_kwargs, sub.message_starts)
         except PromptTooLong as e:
             raise RequestTooLarge(str(e)) from None
-        except RuntimeError as e:  # the pool was shut down: the server is stopping
-            if "shutdown" not in str(e):
-                raise
+        except WorkersClosed:  # the server is stopping
             raise ServerShuttingDown("The server is shutting down and takes no new requests.") from None
 
     async def prefetch(self, prompt: TokenizedPrompt, params: SamplingParams) -> None:
@@ -258,23 +257,18 @@ class EngineBridge:
         """Run queued commands; when `block`, first sleep until one arrives (or the drain deadline)."""
         if block:
             deadline = self._drain_deadline_s
+            timeout_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self._run_one(self._commands.get(timeout=None if deadline is None else
-                                                 max(0.0, deadline - time.monotonic())))
+                command = self._commands.get(timeout=timeout_s)
             except queue.Empty:
                 return
+            command()
         while True:
             try:
-                self._run_one(self._commands.get_nowait())
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
-
-    @staticmethod
-    def _run_one(command: Callable[[], None]) -> None:
-        try:
-            command()
-        except Exception:
-            log.exception("engine-thread command failed")
+            command()  # (none raises: `call` hands fn's error to its caller, `_abort` logs the engine's)
 
     def _step(self) -> None:
         try:

@@ -37,6 +37,7 @@ from cairn.server.parsers import (
 from cairn.tokenizer import Tokenizer
 
 PROBE = [{"role": "user", "content": "probe"}]  # rendered to see how the generation prompt ends
+PROBE_WITH_SYSTEM = [{"role": "system", "content": "probe"}, *PROBE]  # for a template that requires a system message
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,16 @@ class ChatPlan:
 
 
 def opens_reasoning(tokenizer: Tokenizer, template_kwargs: dict[str, Any]) -> bool:
-    """Whether this template, with these kwargs, ends the generation prompt inside <think>."""
+    """Whether this template, with these kwargs, ends the generation prompt inside <think> (False when it
+    refuses both probe conversations: the request's own conversation is then refused too, or says)."""
     kwargs = {k: v for k, v in template_kwargs.items() if k != "tools"}
-    try:
-        rendered = tokenizer.render_chat(PROBE, add_generation_prompt=True, **kwargs)
-    except ChatTemplateError:
+    for probe in (PROBE, PROBE_WITH_SYSTEM):
+        try:
+            rendered = tokenizer.render_chat(probe, add_generation_prompt=True, **kwargs)
+            break
+        except ChatTemplateError:
+            continue
+    else:
         return False
     tail = rendered.rstrip()
     return tail.endswith(THINK_START) and THINK_END not in tail[-len(THINK_START) - 2:]

@@ -102,7 +102,7 @@ class GuardedH11Protocol(H11Protocol):
         copy of a bytes body); bytes after the body's end (a pipelined request) are dropped: the
         connection closes after this response."""
         cycle, due = self.cycle, self._direct_body_bytes
-        if due == 0 or cycle is None or cycle.response_complete:
+        if due == 0:  # (the request's cycle is there until the connection closes, which stops the reads)
             return
         piece = data if len(data) <= due else data[:due]
         self._direct_body_bytes = due - len(piece)

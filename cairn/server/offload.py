@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cairn.prompt import TokenizedPrompt, tokenize_prompt
-from cairn.server.workers import ProcessWorkers
+from cairn.server.workers import ProcessWorkers, WorkersClosed
 from cairn.tokenizer import Tokenizer
 
 LARGE_INPUT_BYTES = 256 << 10  # bodies and prompts from this size on are handled in a worker process
@@ -85,12 +85,17 @@ class Offload:
     async def tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
                        template_kwargs: dict[str, Any] | None,
                        message_starts: list[int] | None = None) -> TokenizedPrompt:
-        """tokenize_prompt (see `prompt`), refusing what cannot fit in max_model_len before encoding it."""
+        """tokenize_prompt (see `prompt`), refusing what cannot fit in max_model_len before encoding it;
+        WorkersClosed once closed."""
         args = (prompt, messages, template_kwargs, self.max_model_len, message_starts)
-        if _input_chars(prompt, messages) < self.large_input_bytes:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._threads, functools.partial(tokenize_prompt, self.tokenizer, *args))
-        return await self.workers.run(_tokenize, (), *args)
+        if _input_chars(prompt, messages) >= self.large_input_bytes:
+            return await self.workers.run(_tokenize, (), *args)
+        try:
+            job = asyncio.get_running_loop().run_in_executor(
+                self._threads, functools.partial(tokenize_prompt, self.tokenizer, *args))
+        except RuntimeError:  # the thread pool was shut down: closed
+            raise WorkersClosed("cannot tokenize after shutdown") from None
+        return await job
 
 
 def _input_chars(prompt: str | list[int] | None, messages: list[dict[str, Any]] | None) -> int:

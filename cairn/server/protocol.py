@@ -26,7 +26,6 @@ from cairn.server.errors import APIError
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-ROLES = ("system", "user", "assistant", "tool")  # the roles the supported chat templates know
 
 # Known request fields cairn does not implement, each with its neutral value (the one that changes
 # nothing, accepted). Implementing a field = declaring it on the request model and removing it here.

@@ -131,11 +131,9 @@ class ProcessWorkers:
         """fn(context, b"".join(chunks), *args) in a worker process: its result, or the exception it
         raised; WorkerDied if the worker died meanwhile; WorkersClosed once closed. `chunks` is emptied
         (see above): pass a list nothing else holds the chunks of."""
-        if self._closed:
-            raise WorkersClosed("cannot schedule new jobs after shutdown")
         try:
             job = asyncio.get_running_loop().run_in_executor(self._threads, self._run, fn, chunks, args)
-        except RuntimeError:  # closed meanwhile (the thread pool refuses new work)
+        except RuntimeError:  # closed: the thread pool refuses new work (close() shuts it down first)
             raise WorkersClosed("cannot schedule new jobs after shutdown") from None
         return await job
 
@@ -171,8 +169,8 @@ class ProcessWorkers:
 
     def close(self) -> None:
         """Stop the workers; a job running now still ends, later ones raise WorkersClosed."""
+        self._threads.shutdown(wait=False, cancel_futures=True)  # from now on, run() refuses
         self._closed = True
-        self._threads.shutdown(wait=False, cancel_futures=True)
         while True:
             try:
                 self._idle.get_nowait().close()
