@@ -1,0 +1,44 @@
+"""The test helper that runs real redis-servers (tests/redis_server.py) leaves nothing behind.
+
+Each server gets a temporary work dir (its log; a cluster node's nodes.conf): it must be gone once the
+server is stopped or killed, and when a start fails, or every run of the remote-tier tests leaves
+directories in the temporary directory.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+from tests.redis_server import cluster_or_skip, redis_or_skip, start_redis
+
+
+@pytest.fixture
+def private_tmp(monkeypatch, tmp_path):
+    """The temporary directory the helper makes its work dirs in, empty and this test's own."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("end", ["stop", "kill"])
+def test_a_redis_stopped_or_killed_leaves_no_work_dir(private_tmp, end):
+    server = redis_or_skip()
+    assert server.client().ping() and server.workdir.parent == private_tmp and server.log_path.exists()
+    getattr(server, end)()
+    assert server.proc.poll() is not None and list(private_tmp.iterdir()) == []
+
+
+def test_a_redis_that_fails_to_start_leaves_no_work_dir_and_says_why(private_tmp):
+    redis_or_skip().stop()  # skips where redis-server is not installed
+    with pytest.raises(RuntimeError, match=r"redis-server exited with \d+:(.|\n)*no-such-directive"):
+        start_redis(20.0, "--no-such-directive", "1")
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_a_stopped_cluster_leaves_no_work_dirs_and_kept_each_nodes_conf_in_its_own(private_tmp):
+    cluster = cluster_or_skip()
+    assert all((node.workdir / "nodes.conf").exists() for node in cluster.nodes)
+    assert len({node.workdir for node in cluster.nodes}) == len(cluster.nodes)
+    cluster.stop()
+    assert list(private_tmp.iterdir()) == []
