@@ -3,7 +3,8 @@
 `start_server(*flags)` starts `python -m cairn.cli serve` on the demo model with tiny pools
 (`start_router(*flags)`: `cairn router`), waits until /health answers 200, and returns a
 `ServerProcess`; `stop()` ends it (SIGTERM, then SIGKILL). The output goes to a temporary file (never
-a pipe, which could fill and block it) and is included in the error when start-up fails.
+a pipe, which could fill and block it) and is included in the error when start-up fails; stop() removes
+the file and keeps its text (`log()` still answers).
 
 `served_fixture(*flags)` is the one fixture factory of the served test files: a module-scoped fixture
 starting one server for the module and yielding a `Served` (the server plus its openai / anthropic /
@@ -43,8 +44,11 @@ class ServerProcess:
     proc: subprocess.Popen
     base_url: str
     log_path: Path
+    final_log: str | None = None  # the log's text once stop() has removed its file
 
     def log(self) -> str:
+        if self.final_log is not None:
+            return self.final_log
         return self.log_path.read_text(errors="replace")
 
     def signal(self, sig: int) -> None:
@@ -58,6 +62,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.final_log is None:  # the process is gone: keep what it wrote, and leave no file behind
+            self.final_log = self.log()
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
 
@@ -86,6 +93,7 @@ def start_cli(command: str, *flags: str, timeout_s: float, env: dict[str, str] |
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            server.stop()  # removes the log file, keeping its text
             raise RuntimeError(f"cairn {command} exited with {proc.returncode}:\n{server.log()}")
         try:
             if httpx.get(server.base_url + "/health", timeout=1.0).status_code == 200:

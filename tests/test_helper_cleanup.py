@@ -1,17 +1,22 @@
-"""The test helper that runs real redis-servers (tests/redis_server.py) leaves nothing behind.
+"""The test helpers that run real subprocesses leave nothing behind in the temporary directory.
 
-Each server gets a temporary work dir (its log; a cluster node's nodes.conf): it must be gone once the
-server is stopped or killed, and when a start fails, or every run of the remote-tier tests leaves
-directories in the temporary directory.
+tests/redis_server.py gives each redis-server a temporary work dir (its log; a cluster node's
+nodes.conf), tests/server_process.py each `cairn serve` / `cairn router` a temporary log file: they must be
+gone once the process is stopped or killed, and when a start fails, or every run of the suite leaves
+hundreds of them behind.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from tests.redis_server import cluster_or_skip, redis_or_skip, start_redis
+from tests.server_process import ServerProcess, start_cli
 
 
 @pytest.fixture
@@ -41,4 +46,20 @@ def test_a_stopped_cluster_leaves_no_work_dirs_and_kept_each_nodes_conf_in_its_o
     assert all((node.workdir / "nodes.conf").exists() for node in cluster.nodes)
     assert len({node.workdir for node in cluster.nodes}) == len(cluster.nodes)
     cluster.stop()
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_a_stopped_server_process_leaves_no_log_file_and_keeps_its_text(private_tmp):
+    fd, log_path = tempfile.mkstemp(suffix=".log")
+    with open(fd, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "print('served')"], stdout=out)
+    proc.wait()  # it has said what it says: stop() finds it ended
+    server = ServerProcess(proc, "http://127.0.0.1:1", Path(log_path))
+    assert server.stop() == 0
+    assert list(private_tmp.iterdir()) == [] and server.log() == "served\n"
+
+
+def test_a_refused_server_start_leaves_no_log_file_and_says_why(private_tmp):
+    with pytest.raises(RuntimeError, match="cairn serve exited with 2:(.|\n)*max-num-seqs"):
+        start_cli("serve", "--max-num-seqs", "0", timeout_s=60)
     assert list(private_tmp.iterdir()) == []
