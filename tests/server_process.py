@@ -15,6 +15,7 @@ Not a test module: it holds no assertions.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,10 +34,33 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_POOLS = ("--kv-cache-gib", "0.05", "--state-cache-gib", "0.05")
 
 
+# Under pytest-xdist each worker draws the ports of the servers it starts from its own slice of these, below
+# the kernel's ephemeral range (32768 and up unless configured lower), whence bind(0) and clients' connections take
+# theirs: a port one worker found free and closed cannot be handed to another worker (nor taken by a client's
+# connection) in the seconds before its server binds it, which would start one worker's server on the other's port.
+WORKER_PORTS = range(20000, 32000)
+_PORT_DRAWS = random.SystemRandom()  # not the random module's state, which a test may seed
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a server started next: the kernel's pick outside pytest-xdist, else one
+    in this worker's own slice of WORKER_PORTS."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    ports = WORKER_PORTS[int(worker.removeprefix("gw")) % count::count]  # interleaved: disjoint for any count
+    for _ in range(1000):
+        port = _PORT_DRAWS.choice(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use here (a server of this worker, another program): draw again
+                continue
+            return port
+    raise RuntimeError(f"no free port in {worker}'s slice of {WORKER_PORTS}")
 
 
 @dataclass

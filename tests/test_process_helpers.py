@@ -1,9 +1,10 @@
-"""The test helpers that run real subprocesses leave nothing behind in the temporary directory.
+"""The test helpers that run real subprocesses: ports apart under pytest-xdist, nothing left behind.
 
-tests/redis_server.py gives each redis-server a temporary work dir (its log; a cluster node's
-nodes.conf), tests/server_process.py each `cairn serve` / `cairn router` a temporary log file: they must be
-gone once the process is stopped or killed, and when a start fails, or every run of the suite leaves
-hundreds of them behind.
+Under pytest-xdist each worker starts its servers on ports from its own slice (tests/server_process.py
+free_port), so that two workers never start servers on one port. tests/redis_server.py gives each
+redis-server a temporary work dir (its log; a cluster node's nodes.conf), tests/server_process.py each
+`cairn serve` / `cairn router` a temporary log file: they must be gone once the process is stopped or
+killed, and when a start fails, or every run of the suite leaves hundreds of them behind.
 """
 
 from __future__ import annotations
@@ -16,7 +17,23 @@ from pathlib import Path
 import pytest
 
 from tests.redis_server import cluster_or_skip, redis_or_skip, start_redis
-from tests.server_process import ServerProcess, start_cli
+from tests.server_process import WORKER_PORTS, ServerProcess, free_port, start_cli
+
+
+def test_xdist_workers_draw_their_servers_ports_from_disjoint_slices_below_the_ephemeral_range(monkeypatch):
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    drawn = {}
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+        drawn[worker] = {free_port() for _ in range(50)}
+    assert drawn["gw0"].isdisjoint(drawn["gw1"] | drawn["gw2"]) and drawn["gw1"].isdisjoint(drawn["gw2"])
+    every = set().union(*drawn.values())
+    assert every <= set(WORKER_PORTS) and len(every) > 100
+    if ephemeral_low >= WORKER_PORTS.stop:  # as by default (32768): clients' connections never take them either
+        assert max(every) < ephemeral_low
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert free_port() >= ephemeral_low  # outside xdist: the kernel's pick, as before
 
 
 @pytest.fixture
