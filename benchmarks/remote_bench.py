@@ -13,6 +13,7 @@ Starts its own redis-server (no persistence) on a free loopback port, unless --u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 
 from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.segment import Segment, segment_key
@@ -32,23 +34,31 @@ NAMESPACE = "ab" * 32
 PAGE = 16
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
+@contextlib.contextmanager
+def started_redis() -> Iterator[str]:
+    """A redis-server without persistence on a free loopback port, in a temporary work dir; yields its URL,
+    then stops it and removes the dir (also when it did not start)."""
+    import redis
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="cairn-redis-bench-")
-    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    for _ in range(200):
+    with tempfile.TemporaryDirectory(prefix="cairn-redis-bench-") as workdir:
+        proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save",
+                                 "", "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL)
+        url = f"redis://127.0.0.1:{port}/0"
         try:
-            redis.Redis.from_url(url).ping()
-            return proc, url
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
+            for _ in range(200):
+                with contextlib.suppress(redis.ConnectionError):
+                    redis.Redis.from_url(url).ping()
+                    break
+                time.sleep(0.05)
+            else:
+                raise RuntimeError("redis-server did not start")
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait()
 
 
 def timed(fn) -> float:
@@ -111,16 +121,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out")
     ns = p.parse_args()
-    proc, url = (None, ns.url) if ns.url else start_redis()
-    try:
+    with contextlib.nullcontext(ns.url) if ns.url else started_redis() as url:
         store = RedisSegmentStore(url, NAMESPACE, PAGE, timeout_s=30.0)
         result = {"restore": restore_figures(store, ns.kv_mib, ns.snapshot_mib, ns.repeats),
                   "lookup": lookup_figures(store, ns.prompt_tokens, ns.repeats)}
         store.close()
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait()
     print(json.dumps(result, indent=2))
     if ns.out:
         os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)

@@ -2,7 +2,9 @@
 
 `start_redis()` starts it, waits until it answers PING and returns a `RedisServer` (url, stop(), kill(),
 pause() / resume() by SIGSTOP / SIGCONT); `redis_or_skip()` does the same but skips the calling test,
-with the reason, when redis-server is not installed (scripts/setup installs it).
+with the reason, when redis-server is not installed (scripts/setup installs it). Each server runs in a
+temporary work dir of its own (its log, a cluster node's nodes.conf), removed once the server has exited
+(stop(), kill(), or a start that failed).
 Not a test module: it holds no assertions.
 """
 
@@ -29,7 +31,11 @@ REDIS_CLI = shutil.which("redis-cli")
 class RedisServer:
     proc: subprocess.Popen
     port: int
-    log_path: Path
+    workdir: Path
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "redis.log"
 
     @property
     def url(self) -> str:
@@ -39,6 +45,17 @@ class RedisServer:
         import redis
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def answers_ping(self) -> bool:
+        """One PING without redis-py's retries (they back off for seconds while the server is not up yet)."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        try:
+            return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, retry=Retry(NoBackoff(), 0)).ping()
+        except redis.RedisError:
+            return False
 
     def pause(self) -> None:
         """SIGSTOP: connections are still accepted by the kernel, but nothing is answered (a slow Redis)."""
@@ -51,35 +68,50 @@ class RedisServer:
         if self.proc.poll() is None:
             self.resume()
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.kill()  # kills it if SIGTERM did not end it, and removes the work dir
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)  # the process is gone: nothing writes there any more
 
 
 def start_redis(timeout_s: float = 20.0, *args: str) -> RedisServer:
+    """A redis-server started with `args` (relative paths in them are inside its work dir), once it answers
+    PING; a start that fails removes the work dir and raises with the end of the server's log."""
     port = free_port()
-    workdir = tempfile.mkdtemp(prefix="cairn-redis-")
-    log_path = Path(workdir) / "redis.log"
+    workdir = Path(tempfile.mkdtemp(prefix="cairn-redis-"))
     cmd = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--dir", workdir, "--logfile", str(log_path), *args]
-    server = RedisServer(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port, log_path)
+           "--dir", str(workdir), "--logfile", str(workdir / "redis.log"), *args]
+    try:
+        with open(workdir / "redis.out", "wb") as out:  # what it says before its log is open (a bad flag)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    server = RedisServer(proc, port, workdir)
     deadline = time.monotonic() + timeout_s
+    why = f"did not answer PING in {timeout_s}s"
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {server.proc.returncode}")
-        try:
-            if server.client().ping():
-                return server
-        except Exception:
-            time.sleep(0.05)
+            why = f"exited with {server.proc.returncode}"
+            break
+        if server.answers_ping():
+            return server
+        time.sleep(0.05)
+    log = _tail(workdir / "redis.out") + "\n" + _tail(server.log_path)
     server.kill()
-    raise RuntimeError(f"redis-server did not answer PING in {timeout_s}s")
+    raise RuntimeError(f"redis-server {why}:\n{log}")
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no {path.name})"
 
 
 def redis_or_skip(*args: str) -> RedisServer:
@@ -116,7 +148,7 @@ class RedisClusterServers:
 
     def stop(self) -> None:
         for node in self.nodes:
-            node.stop()
+            node.stop()  # each node's nodes.conf is in its work dir, removed with it
 
 
 def cluster_or_skip(num_nodes: int = 3, timeout_s: float = 60.0) -> RedisClusterServers:
@@ -127,9 +159,8 @@ def cluster_or_skip(num_nodes: int = 3, timeout_s: float = 60.0) -> RedisCluster
     pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
     cluster = RedisClusterServers([])
     try:
-        for _ in range(num_nodes):
-            conf = Path(tempfile.mkdtemp(prefix="cairn-redis-cluster-")) / "nodes.conf"
-            cluster.nodes.append(start_redis(20.0, "--cluster-enabled", "yes", "--cluster-config-file", str(conf),
+        for _ in range(num_nodes):  # nodes.conf, relative: in the node's own work dir (redis-server's --dir)
+            cluster.nodes.append(start_redis(20.0, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                              "--cluster-port", str(free_port())))  # (not port + 10000: may be > 65535)
         addresses = [f"127.0.0.1:{node.port}" for node in cluster.nodes]
         subprocess.run([REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],

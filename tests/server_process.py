@@ -3,7 +3,8 @@
 `start_server(*flags)` starts `python -m cairn.cli serve` on the demo model with tiny pools
 (`start_router(*flags)`: `cairn router`), waits until /health answers 200, and returns a
 `ServerProcess`; `stop()` ends it (SIGTERM, then SIGKILL). The output goes to a temporary file (never
-a pipe, which could fill and block it) and is included in the error when start-up fails.
+a pipe, which could fill and block it) and is included in the error when start-up fails; stop() removes
+the file and keeps its text (`log()` still answers).
 
 `served_fixture(*flags)` is the one fixture factory of the served test files: a module-scoped fixture
 starting one server for the module and yielding a `Served` (the server plus its openai / anthropic /
@@ -14,6 +15,7 @@ Not a test module: it holds no assertions.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +34,33 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_POOLS = ("--kv-cache-gib", "0.05", "--state-cache-gib", "0.05")
 
 
+# Under pytest-xdist each worker draws the ports of the servers it starts from its own slice of these, below
+# the kernel's ephemeral range (32768 and up unless configured lower), whence bind(0) and clients' connections take
+# theirs: a port one worker found free and closed cannot be handed to another worker (nor taken by a client's
+# connection) in the seconds before its server binds it, which would start one worker's server on the other's port.
+WORKER_PORTS = range(20000, 32000)
+_PORT_DRAWS = random.SystemRandom()  # not the random module's state, which a test may seed
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a server started next: the kernel's pick outside pytest-xdist, else one
+    in this worker's own slice of WORKER_PORTS."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    ports = WORKER_PORTS[int(worker.removeprefix("gw")) % count::count]  # interleaved: disjoint for any count
+    for _ in range(1000):
+        port = _PORT_DRAWS.choice(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use here (a server of this worker, another program): draw again
+                continue
+            return port
+    raise RuntimeError(f"no free port in {worker}'s slice of {WORKER_PORTS}")
 
 
 @dataclass
@@ -43,8 +68,11 @@ class ServerProcess:
     proc: subprocess.Popen
     base_url: str
     log_path: Path
+    final_log: str | None = None  # the log's text once stop() has removed its file
 
     def log(self) -> str:
+        if self.final_log is not None:
+            return self.final_log
         return self.log_path.read_text(errors="replace")
 
     def signal(self, sig: int) -> None:
@@ -58,6 +86,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.final_log is None:  # the process is gone: keep what it wrote, and leave no file behind
+            self.final_log = self.log()
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
 
@@ -86,6 +117,7 @@ def start_cli(command: str, *flags: str, timeout_s: float, env: dict[str, str] |
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            server.stop()  # removes the log file, keeping its text
             raise RuntimeError(f"cairn {command} exited with {proc.returncode}:\n{server.log()}")
         try:
             if httpx.get(server.base_url + "/health", timeout=1.0).status_code == 200:

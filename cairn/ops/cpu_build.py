@@ -4,22 +4,59 @@ What it is: `build_inline` compiles an op's source on first use (torch caches th
 extensions directory by name, so a machine compiles each source once) and returns the module, or a
 one-line reason why not (no compiler, no headers, a failed build), which the op's module logs once
 before its caller keeps the reference. What it is not: a place that decides which op runs.
+
+Each build gets an extension name of its own (`extension_name`): the op's name plus a short hash of the
+torch installation it builds against, or of the caller-given directory it builds into. torch keys a build
+by name alone: its build.ninja holds the absolute paths of torch's headers and libraries, so two virtual
+environments on one machine (a developer's and a fresh clone's CI run) sharing a name would each find the
+other's build changed and compile it again, every time they take turns. And torch's in-process versioner
+hashes the build directory with the source: had a build into another directory kept the shared name, the
+next load of the shared build in that process would count as changed and compile `<name>_v1` into the
+shared directory, and the next fresh process (back on `<name>`) would compile it again: a minute or more
+each time, for nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+
 BASE_CFLAGS = ("-O3", "-fopenmp")
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def _torch_install() -> str:
+    import torch
+
+    return os.path.dirname(os.path.realpath(torch.__file__))
+
+
+def extension_name(name: str, build_dir: str | None) -> str:
+    """The extension name a build into `build_dir` uses: in torch's extensions directory (None), `name` plus a
+    short hash of the torch installation (one build per virtual environment); elsewhere `name` plus a short
+    hash of the directory's absolute path. Builds that differ in either never share a name, a versioner
+    entry or a build.ninja."""
+    if build_dir is None:
+        return f"{name}_t{_short_hash(_torch_install())}"
+    return f"{name}_d{_short_hash(os.path.abspath(build_dir))}"
 
 
 def build_inline(name: str, source: str, functions: list[str], what: str, build_dir: str | None = None,
                  extra_cflags: tuple[str, ...] = ()):
     """The built module exporting `functions`, or "building <what> failed (<error's first line>)". Never
-    raises. `build_dir`: where to build (None: torch's extensions directory)."""
+    raises. `build_dir`: where to build (None: torch's extensions directory); the build's name is
+    `extension_name(name, build_dir)`."""
     try:
         from torch.utils.cpp_extension import load_inline
 
-        return load_inline(name, cpp_sources=source, functions=functions, build_directory=build_dir,
-                           extra_cflags=[*BASE_CFLAGS, *extra_cflags], extra_ldflags=["-fopenmp"], verbose=False)
+        return load_inline(extension_name(name, build_dir), cpp_sources=source, functions=functions,
+                           build_directory=build_dir, extra_cflags=[*BASE_CFLAGS, *extra_cflags],
+                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: the caller keeps the reference
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         return f"building {what} failed ({type(e).__name__}: {first[:200]})"
