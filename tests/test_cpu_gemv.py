@@ -8,6 +8,8 @@ to plain is forced (a CPU without the instructions, a compiler that does not exi
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -268,3 +270,18 @@ def test_amx_refused_by_the_os_falls_back_to_the_avx512_bf16_path(monkeypatch):
     assert built == ["amx_bf16", "avx512_bf16"]
     assert cpu_gemv.load(flags, "amx_bf16") == "the CPU lacks amx_bf16"
     assert cpu_gemv.load({"avx512_bf16", "avx512bw"}, "amx_bf16") == "the CPU lacks amx_bf16"
+
+
+@needs_kernel
+def test_a_build_left_unfinished_by_a_killed_process_does_not_block_the_next_one(tmp_path):
+    """A build killed midway leaves torch's `lock` file in its directory, on which torch's next load there
+    would wait forever (a server stopped during its start-up build hung at every later start): the next
+    build finds it stale, removes it, and builds. Run in a child so that a regression fails, not hangs."""
+    (tmp_path / "lock").write_text("")  # what torch's FileBaton leaves when its holder is killed
+    source = "int64_t twice(int64_t x) { return 2 * x; }"
+    child = ("import sys; from cairn.ops.cpu_build import build_inline\n"
+             f"m = build_inline('cairn_test_twice', {source!r}, ['twice'], 'a test op', sys.argv[1])\n"
+             "print(m if isinstance(m, str) else m.twice(21))")
+    done = subprocess.run([sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "42", done.stderr[-2000:]
+    assert not (tmp_path / "lock").exists()

@@ -14,13 +14,24 @@ hashes the build directory with the source: had a build into another directory k
 next load of the shared build in that process would count as changed and compile `<name>_v1` into the
 shared directory, and the next fresh process (back on `<name>`) would compile it again: a minute or more
 each time, for nothing.
+
+A build killed midway (a server stopped during its start-up build) leaves torch's `lock` file in the build
+directory, and torch waits for that file to go away before it loads or builds there: forever. So every
+build or load holds a lock of cairn's own on the directory (`fcntl.flock`, which the kernel drops when its
+holder dies, even by SIGKILL); whoever holds it knows no cairn process is building there, and removes a
+`lock` file it finds as left by a dead build.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
+import logging
 import os
+
+log = logging.getLogger(__name__)
 
 BASE_CFLAGS = ("-O3", "-fopenmp")
 
@@ -52,11 +63,27 @@ def build_inline(name: str, source: str, functions: list[str], what: str, build_
     raises. `build_dir`: where to build (None: torch's extensions directory); the build's name is
     `extension_name(name, build_dir)`."""
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-        return load_inline(extension_name(name, build_dir), cpp_sources=source, functions=functions,
-                           build_directory=build_dir, extra_cflags=[*BASE_CFLAGS, *extra_cflags],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        ext = extension_name(name, build_dir)
+        directory = build_dir or _get_build_directory(ext, False)
+        with _only_builder(directory):
+            return load_inline(ext, cpp_sources=source, functions=functions, build_directory=directory,
+                               extra_cflags=[*BASE_CFLAGS, *extra_cflags], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: the caller keeps the reference
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         return f"building {what} failed ({type(e).__name__}: {first[:200]})"
+
+
+@contextlib.contextmanager
+def _only_builder(directory: str):
+    """Held while this process builds or loads in `directory`: no other cairn process does meanwhile, so a
+    torch `lock` file found there was left by a build that died, and is removed (torch would wait on it
+    forever)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "cairn.lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, "lock"))
+            log.warning("removed the lock of a build that did not finish, in %s", directory)
+        yield
