@@ -18,7 +18,6 @@ against the model's vocabulary (the engine).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cairn.prompt import TokenizedPrompt, tokenize_prompt
-from cairn.server.workers import ProcessWorkers, WorkersClosed
+from cairn.server.workers import ProcessWorkers, in_thread
 from cairn.tokenizer import Tokenizer
 
 LARGE_INPUT_BYTES = 256 << 10  # bodies and prompts from this size on are handled in a worker process
@@ -90,12 +89,7 @@ class Offload:
         args = (prompt, messages, template_kwargs, self.max_model_len, message_starts)
         if _input_chars(prompt, messages) >= self.large_input_bytes:
             return await self.workers.run(_tokenize, (), *args)
-        try:
-            job = asyncio.get_running_loop().run_in_executor(
-                self._threads, functools.partial(tokenize_prompt, self.tokenizer, *args))
-        except RuntimeError:  # the thread pool was shut down: closed
-            raise WorkersClosed("cannot tokenize after shutdown") from None
-        return await job
+        return await in_thread(self._threads, functools.partial(tokenize_prompt, self.tokenizer, *args))
 
 
 def _input_chars(prompt: str | list[int] | None, messages: list[dict[str, Any]] | None) -> int:

@@ -108,6 +108,16 @@ class _Worker:
             self.process.join(1.0)
 
 
+async def in_thread(threads: ThreadPoolExecutor, fn: Callable, *args) -> Any:
+    """fn(*args) on one of `threads`: its result; WorkersClosed once the pool has been shut down (it refuses
+    new work)."""
+    try:
+        job = asyncio.get_running_loop().run_in_executor(threads, fn, *args)
+    except RuntimeError:
+        raise WorkersClosed("cannot schedule new jobs after shutdown") from None
+    return await job
+
+
 class ProcessWorkers:
     """`num_processes` workers; jobs beyond that wait for a free one. Methods may be called from any thread."""
 
@@ -131,11 +141,7 @@ class ProcessWorkers:
         """fn(context, b"".join(chunks), *args) in a worker process: its result, or the exception it
         raised; WorkerDied if the worker died meanwhile; WorkersClosed once closed. `chunks` is emptied
         (see above): pass a list nothing else holds the chunks of."""
-        try:
-            job = asyncio.get_running_loop().run_in_executor(self._threads, self._run, fn, chunks, args)
-        except RuntimeError:  # closed: the thread pool refuses new work (close() shuts it down first)
-            raise WorkersClosed("cannot schedule new jobs after shutdown") from None
-        return await job
+        return await in_thread(self._threads, self._run, fn, chunks, args)  # (close() shuts the pool down first)
 
     def _run(self, fn: Callable, chunks: list[bytes], args: tuple) -> Any:
         self.start()
