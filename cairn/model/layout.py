@@ -14,8 +14,11 @@ provided the matmul kernel streams the weights at that speed. The layouts:
   tiles where the CPU has AMX-BF16, else AVX512-BF16 or AVX2 + FMA dot products) up to the kernel's
   `direct_rows` (16 on AMX and AVX2, 2 on AVX512-BF16), by F.linear above (prefill keeps
   the matmul and the same weight tensor: no second copy), but on the AVX2 path, where F.linear's bf16 is
-  ATen's slow fallback GEMM, by the kernel 16 rows at a time. Each output of the kernel is a fixed-order
-  sum over its own row, so a token gets the same outputs in a decode batch of any size.
+  ATen's slow fallback GEMM, by the kernel 16 rows at a time. On that path the weights are re-laid at
+  start-up into the kernel's packed 16-row blocks (`cpu_gemv.pack`), which replace the loaded parameters
+  (a tied lm_head, whose weight is the embedding table, and a weight its module reads itself stay as
+  loaded, on the row-major kernel). Each output of the kernel is a fixed-order sum over its own row, so a
+  token gets the same outputs in a decode batch of any size.
 - int8 (`--quantization int8`): weight-only, symmetric, one scale per output channel, multiplied
   with `torch._weight_int8pack_mm` (half the bytes of bf16) up to `Int8Linear.DIRECT_ROWS` rows;
   larger batches (prefill) convert the int8 weight to the activation dtype and scale the output.
@@ -34,7 +37,9 @@ and 4 on a quiet 2-core Xeon with AMX (7.1 against 9.2 tok/s at batch 1) and sta
 
 Quantization changes the model's numbers, so it is applied before the prefix cache digests the
 weights (a disk cache of the float model is not resumed by the int8 one); the layouts keep the
-weights (their products differ from plain within bf16 rounding), and are applied after.
+weights' values (their products differ from plain within bf16 rounding), and are applied after, so
+the digest, taken from the parameters as loaded, does not depend on the layout (the AVX2 gemv path's
+re-laid linears have no `weight` parameter after it).
 """
 
 from __future__ import annotations

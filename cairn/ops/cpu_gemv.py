@@ -13,11 +13,18 @@ instruction paths, the best the CPU has chosen once when the library loads:
   the AVX512-BF16 path;
 - avx512_bf16: `_mm512_dpbf16_ps`, 32 bf16 products per instruction; 16 weight rows streamed side by side
   for one row of x (8 for two, 4 above), each stream with a software prefetch 256 bytes ahead;
-- avx2: no bf16 dot product, so fp32 FMAs (`_mm256_fmadd_ps`): x widened to fp32 once per call, each
-  256-bit load of 16 weights split into its even and odd halves as fp32 by one shift and one mask; 8
-  weight rows streamed side by side for one row of x (4 for two, 2 in passes of up to four above), each
-  prefetched 512 bytes ahead. Where it runs (CPUs without AVX-512), F.linear's bf16 is ATen's fallback
-  GEMM, and the kernel takes every decode batch up to MAX_ROWS.
+- avx2: no bf16 dot product, so fp32 FMAs (`_mm256_fmadd_ps`), in the outer-product form GEMM
+  micro-kernels use, on a packed weight: `pack` re-lays a weight once, at load time, into blocks of 16
+  output rows, [ceil(N / 16), K, 16], so that one 256-bit load of a block's 16 weights at one k splits
+  by one shift and one mask into its two halves' outputs as fp32 vectors; each row of x then adds one
+  broadcast x[m, k] and two FMAs (`gemv_packed`, `GemvKernel.packed`). Per k one weight load serves
+  every row of the tile, and x is read once per 16 outputs: 4 blocks side by side at one row of x (8
+  independent chains, 4 prefetched streams), 3 x 2 rows, 2 x 3, and 1 block in passes of up to 6 rows
+  above. Each output is one sequential fp32 chain over k from 0, whatever the tile, the rows or the
+  thread. Where it runs (CPUs without AVX-512), F.linear's bf16 is ATen's fallback GEMM, and the kernel
+  takes every row: decode batches and a prefill. The row-major dot-product kernel of the earlier AVX2
+  path (x widened to fp32 once per call, 8 weight rows side by side at one row of x, 4 at two, 2 in
+  passes of up to four above) stays for a weight the layout does not re-lay (a tied lm_head).
 
 Rows of W are split between the torch threads (`at::parallel_for`, ATen's OpenMP pool; on the AMX path
 each thread takes the next blocks of 32 rows from a shared counter until none is left). Each output is
@@ -26,7 +33,8 @@ count or on the other rows: decode and a short prefill piece compute a token's o
 alike. The result is rounded to bf16 once, like F.linear's (within bf16 rounding of it; tests compare).
 
 What it is not: a GEMM. Above MAX_ROWS rows the caller keeps F.linear (prefill), except on the AVX2
-path, where it calls the kernel MAX_ROWS rows at a time (`slices_prefill`). No bias. On a CPU
+path, where it calls the kernel MAX_ROWS rows at a time (`slices_prefill`; the packed kernel takes any
+number of rows, but has no cache blocking over K for a long prefill). No bias. On a CPU
 without AVX2 + FMA, without a C++ compiler, or where the build fails, `load()` returns None with the
 reason, and the caller stays with F.linear.
 """
