@@ -245,10 +245,13 @@ def test_gemv_layout_on_the_avx2_path_keeps_a_tied_lm_head_on_the_embedding(chec
 
 def test_gemv_layout_on_the_avx2_path_keeps_a_weight_its_module_reads_itself(checkpoints):
     """Nemotron-H's routed MoE reads `router.weight` itself (an fp32 product): the AVX2 path keeps that linear
-    as loaded, re-lays the others, and the model's logits stay within bf16 rounding of plain's."""
-    avx2_kernel()
+    as loaded, re-lays the others, and the model's logits stay within bf16 rounding of the same layout with
+    every weight as loaded (the row-major kernel). Not of plain's: in this tiny MoE a bf16 rounding of a
+    router input flips an expert choice (plain against the row-major kernel: 0.3 where the logits' std is 0.4)."""
+    kern = avx2_kernel()
     path, _ = checkpoints["nemotron_h"]
     plain, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
+    layout._replace(plain, lambda w, shared: GemvLinear(w, kern, pack=False))
     model, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
     layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"})
     routers = [m.router for m in model.modules() if hasattr(m, "READS_LINEAR_WEIGHTS")]
@@ -258,7 +261,7 @@ def test_gemv_layout_on_the_avx2_path_keeps_a_weight_its_module_reads_itself(che
     prompt = [int(t) for t in torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(6))]
     cuts = [16, 20, 21]
     ref, got = prefill(plain, prompt, cuts), prefill(model, prompt, cuts)
-    assert (got - ref).abs().max().item() < 0.05 * ref.std().item()
+    assert (got - ref).abs().max().item() < 0.02 * ref.std().item()
 
 
 def test_gemv_layout_leaves_the_disk_cache_namespace_alone(checkpoints, tmp_path):
@@ -333,7 +336,7 @@ def test_a_build_into_another_directory_leaves_the_shared_build_alone(monkeypatc
     compiled it back, a minute or more each.)"""
     from torch.utils.cpp_extension import _get_build_directory
 
-    functions = ["gemv", "best_isa", "stream_read"]
+    functions = cpu_gemv.FUNCTIONS
     shared = build_inline(cpu_gemv.NAME, cpu_gemv._SOURCE, functions, "the kernel")
     if isinstance(shared, str):
         pytest.skip(f"gemv kernel unavailable here: {shared}")
