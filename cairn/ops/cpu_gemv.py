@@ -297,7 +297,7 @@ torch::Tensor gemv_avx2(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 // ---- AVX2 + FMA on a packed weight: the outer-product form, as GEMM micro-kernels do ------------------
-// The weight is re-laid once at load time (GemvKernel.pack) into blocks of 16 output rows: block b holds,
+// The weight is re-laid once at load time (cpu_gemv.pack) into blocks of 16 output rows: block b holds,
 // for k = 0..K-1, W[16b..16b+15, k] as 16 bf16 (32 bytes), output 16b+i at element 2i and 16b+8+i at
 // element 2i+1. One 256-bit load then splits by fma_chunk's shift and mask into outputs 16b..16b+7 (the
 // even halves) and 16b+8..16b+15 (the odd halves) as two fp32 vectors, and each row of x contributes one
@@ -312,10 +312,9 @@ constexpr int64_t kBlock = 16;
 constexpr int64_t kPrefetchPacked = 512;
 
 // NB blocks (starting at w, block_stride apart) against MT rows of x, as xt holds them: x transposed to fp32
-// [K, xt_stride] (the tile's MT values of one k side by side, so their broadcasts share one address). Writes the
-// outputs of the first `valid` of the NB * 16 as bf16 into y (row stride y_stride): padded outputs of a last
-// block are never written. `no-ivopts`: with GCC's induction-variable pass, every accumulator was stored to
-// the stack at every k (GCC 12, -O3); without it they stay in registers.
+// [K, xt_stride] (the tile's MT values of one k side by side, so their broadcasts share one address), into
+// out[m][16b + i] in fp32. `no-ivopts` and `noinline`: with GCC's induction-variable pass, or inlined into the
+// caller that rounds the outputs, every accumulator was also stored to the stack at every k (GCC 12, -O3).
 template <int NB, int MT>
 __attribute__((target("avx2,fma"), optimize("no-ivopts"), noinline))
 void packed_sums(const uint16_t* w, int64_t block_stride, int64_t k, const float* xt, int64_t xt_stride,
