@@ -282,8 +282,8 @@ def _gemv_done(model: nn.Module, n: int, kernel: cpu_gemv.GemvKernel) -> str:
     packed = [m.packed for m in model.modules() if isinstance(m, GemvLinear) and m.packs]
     mb = sum(t.numel() * t.element_size() for t in packed) / 1e6
     return (f", {n} linear layers on cairn's {kernel.isa} gemv at every row count, {len(packed)} re-laid into "
-            f"16-row blocks ({mb:.1f} MB, replacing the loaded weights), {n - len(packed)} as loaded "
-            f"(a weight also read elsewhere: a tied embedding)")
+            f"16-row blocks ({mb:.1f} MB, replacing the loaded weights), {n - len(packed)} kept as loaded "
+            f"(read elsewhere too: a tied embedding table, a weight its module reads)")
 
 
 def decode_weight_bytes(model: nn.Module) -> int:
