@@ -3,7 +3,8 @@
 Per dtype and batch size: cairn's decode tokens/s (aggregate over the batch) for each weight layout
 asked for (plain, packed, gemv: cairn's own bf16 gemv kernel on the best path the CPU has, gemv-unfused:
 the same without the fused Gated DeltaNet decode op, gemv-avx512: the kernel forced onto its AVX512-BF16
-dot products where `gemv` takes AMX tiles, int8), the weight bytes one decode step
+dot products where `gemv` takes AMX tiles, gemv-rowmajor: every weight as loaded, which on the AVX2 path
+is the row-major dot-product kernel `gemv` ran before its packed weights, int8), the weight bytes one decode step
 reads, the weight-read bandwidth that achieves (bytes x steps/s), the machine's memory bandwidth
 measured in the same run (a plain `sum` over a large fp32 tensor, best of its runs), their ratio,
 the same against cairn's own streaming read of that tensor (a loop of vector loads in the gemv
@@ -87,7 +88,7 @@ def variants(layouts: list[str]) -> dict[str, dict]:
     """Engine model options per layout name: plain / packed weight layouts, int8 weight-only quantization."""
     table = {"auto": {}, "plain": {"weight_layout": "plain"}, "packed": {"weight_layout": "packed"},
              "gemv": {"weight_layout": "gemv"}, "gemv-unfused": {"weight_layout": "gemv"},
-             "gemv-avx512": {"weight_layout": "gemv"},
+             "gemv-avx512": {"weight_layout": "gemv"}, "gemv-rowmajor": {"weight_layout": "plain"},
              "int8": {"quantization": "int8"}}
     return {name: table[name] for name in layouts}
 
@@ -107,6 +108,20 @@ def force_gemv_isa(model, isa: str) -> bool:
     return True
 
 
+def row_major_gemv(model) -> bool:
+    """Put the plain layout's linears on the gemv kernel with every weight as loaded (`pack=False`): on the
+    AVX2 path, the row-major dot-product kernel at every row count, the layout before the packed weights.
+    False where the kernel does not load."""
+    from cairn.model import layout
+    from cairn.ops import cpu_gemv
+
+    kernel = cpu_gemv.load(cpu_gemv.cpu_flags())
+    if isinstance(kernel, str):
+        return False
+    layout._replace(model, lambda w, shared: layout.GemvLinear(w, kernel, pack=False))
+    return True
+
+
 def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) -> dict:
     from cairn.model.layout import decode_weight_bytes
     from cairn.ops import cpu_gdn
@@ -120,6 +135,9 @@ def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) ->
             continue
         if name == "gemv-unfused":  # the Gated DeltaNet decode on the reference kernels, not the fused op
             engine.model.kernels = dataclasses.replace(engine.model.kernels, gdn_decode_op=cpu_gdn.reference_op_for)
+        if name == "gemv-rowmajor" and (dtype != "bfloat16" or not row_major_gemv(engine.model)):
+            print(f"  {dtype} {name}: skipped (bf16 on a CPU the gemv kernel runs on only)")
+            continue
         if name == "gemv-avx512" and not force_gemv_isa(engine.model, "avx512_bf16"):
             print(f"  {dtype} {name}: skipped (no AVX512-BF16 path here)")
             continue
@@ -245,8 +263,9 @@ def main() -> None:
     ap.add_argument("--layouts", default="plain,packed,gemv,int8",
                     help="cairn variants: plain, packed, gemv, gemv-unfused (gemv with the Gated DeltaNet decode on "
                     "the reference kernels instead of the fused op), gemv-avx512 (gemv on the AVX512-BF16 path, 2 "
-                    "rows, F.linear above, where gemv takes AMX), int8 (quantized) or auto; unsupported ones are "
-                    "skipped")
+                    "rows, F.linear above, where gemv takes AMX), gemv-rowmajor (gemv with every weight as loaded: "
+                    "on the AVX2 path the row-major kernel, not the packed blocks), int8 (quantized) or auto; "
+                    "unsupported ones are skipped")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     ap.add_argument("--new-tokens", type=int, default=16, help="decode tokens timed per request")
     ap.add_argument("--prompt-len", type=int, default=32)

@@ -101,6 +101,84 @@ def test_gemv_row_outputs_do_not_depend_on_the_tile_that_holds_the_row(isa):
     assert torch.equal(k(x, w[997:]), whole[:, 997:])  # the last rows as the whole weight: full tiles now
 
 
+def avx2_kernel() -> cpu_gemv.GemvKernel:
+    if "avx2" not in ISAS:
+        pytest.skip("the CPU lacks AVX2 + FMA")
+    return kernel("avx2")
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 7), (5, 31), (37, 33), (130, 100), (64, 1030), (9, 64), (17, 3)])
+def test_packed_gemv_equals_f_linear_within_bf16_rounding_on_odd_shapes(n, k):
+    """The AVX2 path's packed weight: N not a multiple of 16 (a zero-padded last block whose padded outputs
+    are never written), odd K, and more rows than a decode batch (a prefill slice)."""
+    kern = avx2_kernel()
+    gen = torch.Generator().manual_seed(n * 1000 + k + 7)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = cpu_gemv.pack(w)
+    assert packed.shape == (-(-n // 16), k, 16) and packed.is_contiguous()
+    for m in (1, 2, 3, 4, 5, 7, 8, 13, 16, 23):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        got, ref = kern.packed(x, packed, n), F.linear(x, w)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert within_bf16_rounding(got, x, w)
+        assert ((got.float() - ref.float()).abs() <= 2.0 ** -7 * ref.float().abs() + 1e-3).all()
+
+
+def test_packed_gemv_sums_each_output_in_one_sequential_fp32_chain_over_k():
+    """Each output is fma(w[k], x[k], acc) for k = 0, 1, ... from acc = 0 in fp32, then one rounding to bf16:
+    the kernel's bits equal that chain computed here (fp64 holds each bf16 x bf16 product exactly, so
+    rounding product + acc to fp32 is the FMA's single rounding)."""
+    kern = avx2_kernel()
+    gen = torch.Generator().manual_seed(21)
+    n, k, m = 37, 45, 5
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    for j in range(k):
+        acc = (acc.double() + x[:, j].double()[:, None] * w[:, j].double()[None, :]).float()
+    assert torch.equal(kern.packed(x, cpu_gemv.pack(w), n), acc.bfloat16())
+
+
+def test_packed_gemv_row_outputs_do_not_depend_on_the_rows_the_tile_or_the_threads():
+    """A row's outputs on the AVX2 path are the same bits alone, in a batch of any size up to 16 and beyond,
+    under every tile (blocks side by side x rows per pass), at one thread or two, and from a strided view."""
+    kern = avx2_kernel()
+    gen = torch.Generator().manual_seed(5)
+    n, k = 1003, 1030  # 1003: a padded last block, and a remainder of blocks for every tile width
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = cpu_gemv.pack(w)
+    x = torch.randn(20, k, generator=gen).bfloat16()
+    whole = kern.packed(x, packed, n)
+    for m in range(1, 17):
+        assert torch.equal(kern.packed(x[:m], packed, n), whole[:m])
+        assert torch.equal(kern.packed(x[m:m + 1], packed, n), whole[m:m + 1])
+    for tile in [(4, 1), (3, 2), (2, 3), (2, 2), (1, 4), (1, 5), (1, 6), (1, 1)]:
+        assert torch.equal(kern.packed(x, packed, n, tile), whole), tile
+    with pytest.raises(RuntimeError, match="no tile"):
+        kern.packed(x, packed, n, (4, 2))
+    wide = torch.randn(20, 2 * k, generator=gen).bfloat16()
+    wide[:, :k] = x
+    assert torch.equal(kern.packed(wide[:, :k], packed, n), whole)  # rows with a stride of 2K
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kern.packed(x, packed, n), whole)
+        torch.set_num_threads(2)
+        assert torch.equal(kern.packed(x, packed, n), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_packed_gemv_refuses_a_weight_count_that_does_not_fit_its_blocks():
+    kern = avx2_kernel()
+    w = torch.randn(37, 8).bfloat16()
+    x = torch.randn(1, 8).bfloat16()
+    for n in (32, 49):  # 37 rows make 3 blocks: 33..48 outputs fit them
+        with pytest.raises(RuntimeError, match="does not fit"):
+            kern.packed(x, cpu_gemv.pack(w), n)
+    assert kern.packed(x, cpu_gemv.pack(w), 37).shape == (1, 37)
+
+
 @needs_kernel
 def test_stream_read_reads_every_whole_line_of_the_buffer():
     """The benchmarks' own memory read: its checksum is the sum of the buffer's 64-bit words in whole
@@ -118,18 +196,87 @@ def test_stream_read_reads_every_whole_line_of_the_buffer():
 
 @needs_kernel
 def test_gemv_layout_gives_the_plain_logits_and_keeps_the_weights(checkpoints):
+    """The layout keeps every weight it does not re-lay (the very tensors), and the one it re-lays (the AVX2
+    path's packed blocks) replaces its parameter, so the weights are held once; the logits stay within bf16
+    rounding of plain's."""
     path, _ = checkpoints["qwen3_next"]
     plain, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
     fast, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
     before = {name: p.data_ptr() for name, p in fast.named_parameters()}
     assert layout.apply_layout(fast, "gemv", torch.bfloat16, torch.device("cpu")) == "gemv"
-    assert any(isinstance(m, GemvLinear) for m in fast.modules())
-    assert {name: p.data_ptr() for name, p in fast.named_parameters()} == before  # the weights, not copies
-    assert decode_weight_bytes(fast) == decode_weight_bytes(plain)
+    linears = {name: m for name, m in fast.named_modules() if isinstance(m, GemvLinear)}
+    assert linears
+    after = {name: p.data_ptr() for name, p in fast.named_parameters()}
+    assert all(before[name] == ptr for name, ptr in after.items())  # the weights, not copies
+    packed = {name for name, m in linears.items() if m.packs}
+    assert packed == (set(linears) if linears[next(iter(linears))].kernel.packs else set())
+    assert {f"{name}.weight" for name in packed} == set(before) - set(after)  # re-laid: the parameter is gone
+    padding = sum((m.packed.shape[0] * 16 - m.out_features) * m.in_features * 2 for m in fast.modules()
+                  if isinstance(m, GemvLinear) and m.packs)
+    assert decode_weight_bytes(fast) == decode_weight_bytes(plain) + padding  # the padded rows are read too
     prompt = [int(t) for t in torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))]
-    cuts = [30, 35, 36, 37, 38]  # a 30-token piece (F.linear), 5 rows, then single tokens (the kernel)
+    cuts = [30, 35, 36, 37, 38]  # a 30-token piece, 5 rows, then single tokens
     ref, got = prefill(plain, prompt, cuts), prefill(fast, prompt, cuts)
     assert (got - ref).abs().max().item() < 0.02 * ref.std().item()
+
+
+def test_gemv_layout_on_the_avx2_path_keeps_a_tied_lm_head_on_the_embedding(checkpoints):
+    """A tied lm_head's weight is the embedding table: the AVX2 path does not re-lay it (a packed copy would
+    hold the table twice) but runs it on the row-major kernel at every row count, so its logits are still
+    the same bits for a token in a prefill, alone or in a batch, and the embedding stays tied."""
+    avx2_kernel()
+    path, _ = checkpoints["falcon_h1_tied"]
+    plain, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
+    model, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
+    assert model.lm_head.weight is model.embed.weight
+    layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"})
+    head = model.lm_head
+    assert isinstance(head, GemvLinear) and not head.packs and head.weight is model.embed.weight
+    assert all(m.packs for m in model.modules() if isinstance(m, GemvLinear) and m is not head)
+    assert decode_weight_bytes(model) >= decode_weight_bytes(plain)  # the table counted once, whole
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(20, head.in_features, generator=gen).bfloat16()
+    whole = head(x)
+    assert all(torch.equal(head(x[i:i + 1]), whole[i:i + 1]) for i in range(20))
+    assert torch.equal(head(x[:5]), whole[:5])
+    ref = F.linear(x, model.embed.weight).float()
+    assert ((whole.float() - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-3).all()
+
+
+def test_gemv_layout_on_the_avx2_path_keeps_a_weight_its_module_reads_itself(checkpoints):
+    """Nemotron-H's routed MoE reads `router.weight` itself (an fp32 product): the AVX2 path keeps that linear
+    as loaded, re-lays the others, and the model's logits stay within bf16 rounding of the same layout with
+    every weight as loaded (the row-major kernel). Not of plain's: in this tiny MoE a bf16 rounding of a
+    router input flips an expert choice (plain against the row-major kernel: 0.3 where the logits' std is 0.4)."""
+    kern = avx2_kernel()
+    path, _ = checkpoints["nemotron_h"]
+    plain, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
+    layout._replace(plain, lambda w, shared: GemvLinear(w, kern, pack=False))
+    model, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
+    layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"})
+    routers = [m.router for m in model.modules() if hasattr(m, "READS_LINEAR_WEIGHTS")]
+    assert routers and all(isinstance(r, GemvLinear) and not r.packs and r.weight.dtype == torch.bfloat16
+                           for r in routers)
+    assert any(isinstance(m, GemvLinear) and m.packs for m in model.modules())
+    prompt = [int(t) for t in torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(6))]
+    cuts = [16, 20, 21]
+    ref, got = prefill(plain, prompt, cuts), prefill(model, prompt, cuts)
+    assert (got - ref).abs().max().item() < 0.02 * ref.std().item()
+
+
+def test_gemv_layout_leaves_the_disk_cache_namespace_alone(checkpoints, tmp_path):
+    """The compatibility digest names a disk cache's namespace from the weights as loaded: a gemv layout that
+    re-lays them (the AVX2 path) gives the namespace the plain layout gives, so either resumes the other's."""
+    avx2_kernel()
+    path, _ = checkpoints["qwen3_next"]
+    names = {}
+    for name in ("plain", "gemv"):
+        root = tmp_path / name
+        with LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
+                 disk_cache=str(root), weight_layout=name) as llm:
+            assert llm.engine.weight_layout == name
+        names[name] = sorted(p.name for p in root.iterdir())
+    assert names["plain"] == names["gemv"] and len(names["plain"]) == 1
 
 
 def test_gemv_falls_back_to_plain_in_one_line_on_a_cpu_without_the_instructions(caplog):
@@ -164,7 +311,7 @@ def test_auto_takes_the_avx2_gemv_for_every_decode_row_where_onednn_has_no_bf16(
         with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
             assert layout.apply_layout(model, "auto", torch.bfloat16, torch.device("cpu")) == "gemv"
         line = next(r.getMessage() for r in caplog.records if r.name == "cairn.model.layout")
-        assert "on cairn's avx2 gemv up to 16 rows" in line
+        assert "on cairn's avx2 gemv at every row count, 1 re-laid into 16-row blocks" in line
 
 
 @needs_kernel
@@ -189,7 +336,7 @@ def test_a_build_into_another_directory_leaves_the_shared_build_alone(monkeypatc
     compiled it back, a minute or more each.)"""
     from torch.utils.cpp_extension import _get_build_directory
 
-    functions = ["gemv", "best_isa", "stream_read"]
+    functions = cpu_gemv.FUNCTIONS
     shared = build_inline(cpu_gemv.NAME, cpu_gemv._SOURCE, functions, "the kernel")
     if isinstance(shared, str):
         pytest.skip(f"gemv kernel unavailable here: {shared}")

@@ -42,20 +42,23 @@ def test_gemv_layout_above_its_direct_rows_is_f_linear():
     assert torch.equal(layer(x), F.linear(x, w))
 
 
-def test_gemv_layout_on_the_avx2_path_runs_a_prefill_through_the_kernel_16_rows_at_a_time():
+@pytest.mark.parametrize("pack", [True, False])
+def test_gemv_layout_on_the_avx2_path_runs_a_prefill_through_the_kernel_16_rows_at_a_time(pack):
     """Where the AVX2 path runs, F.linear's bf16 is ATen's slow fallback GEMM, so a prefill's rows go through
-    the kernel in slices of MAX_ROWS: each row's outputs are the bits the kernel gives it alone (a decode
-    step), and within bf16 rounding of F.linear."""
+    the kernel in slices of MAX_ROWS: each row's outputs are the bits the layer gives it alone (a decode
+    step), and within bf16 rounding of F.linear; with the weight re-laid into packed blocks (the default) and
+    kept as loaded (`pack=False`: a tied lm_head)."""
     kernel = cpu_gemv.load(FLAGS, "avx2")
     if isinstance(kernel, str):
         pytest.skip(f"the AVX2 path is unavailable here: {kernel}")
     w = torch.nn.Parameter(bf16(37, 70, seed=8), requires_grad=False)
-    layer = GemvLinear(w, kernel)
-    assert layer.kernel.slices_prefill and layer.direct_rows == cpu_gemv.MAX_ROWS
+    layer = GemvLinear(w, kernel, pack=pack)
+    assert layer.kernel.slices_prefill and layer.direct_rows == cpu_gemv.MAX_ROWS and layer.packs == pack
+    assert hasattr(layer, "weight") != pack and (not pack or layer.packed.shape == (3, 70, 16))
     x = bf16(2, 20, 70, seed=9)  # 40 rows: slices of 16, 16 and 8
     got = layer(x)
     assert got.shape == (2, 20, 37)
-    alone = torch.cat([kernel(row.view(1, -1), w) for row in x.reshape(-1, 70)]).view(2, 20, 37)
+    alone = torch.cat([layer(row.view(1, -1)) for row in x.reshape(-1, 70)]).view(2, 20, 37)
     assert torch.equal(got, alone)
     ref = F.linear(x, w).float()
     assert ((got.float() - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-3).all()
@@ -64,11 +67,15 @@ def test_gemv_layout_on_the_avx2_path_runs_a_prefill_through_the_kernel_16_rows_
 def test_gemv_layout_of_a_non_contiguous_weight_multiplies_a_contiguous_copy():
     stored = bf16(64, 37, seed=3)
     w = torch.nn.Parameter(stored.T, requires_grad=False)  # [37, 64], column-major
-    layer = GemvLinear(w, gemv_kernel())
+    kernel = gemv_kernel()
+    layer = GemvLinear(w, kernel, pack=False)
     assert layer.weight.is_contiguous() and torch.equal(layer.weight, stored.T)
     x = bf16(1, 64, seed=4)
     ref = F.linear(x.float(), stored.T.float())
     assert ((layer(x).float() - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-2).all()
+    if kernel.packs:  # the AVX2 path re-lays the weight as it reads it, strides and all
+        packed = GemvLinear(w, kernel)
+        assert torch.equal(packed(x), GemvLinear(torch.nn.Parameter(stored.T.contiguous()), kernel)(x))
 
 
 def test_gemv_layout_of_a_strided_input_row_multiplies_a_contiguous_copy():

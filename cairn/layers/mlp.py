@@ -92,6 +92,8 @@ class SigmoidMoE(nn.Module):
     Experts are stacked: up [E, inner, width], down [E, width, inner]; sums are accumulated in fp32.
     """
 
+    READS_LINEAR_WEIGHTS = ("router",)  # route() reads router.weight itself: a weight layout keeps it as loaded
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, inner: int, shared_inner: int, *,
                  norm_topk_prob: bool, routed_scaling_factor: float, n_group: int, topk_group: int,
                  latent: int | None = None, bias: bool = False):

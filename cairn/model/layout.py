@@ -14,8 +14,11 @@ provided the matmul kernel streams the weights at that speed. The layouts:
   tiles where the CPU has AMX-BF16, else AVX512-BF16 or AVX2 + FMA dot products) up to the kernel's
   `direct_rows` (16 on AMX and AVX2, 2 on AVX512-BF16), by F.linear above (prefill keeps
   the matmul and the same weight tensor: no second copy), but on the AVX2 path, where F.linear's bf16 is
-  ATen's slow fallback GEMM, by the kernel 16 rows at a time. Each output of the kernel is a fixed-order
-  sum over its own row, so a token gets the same outputs in a decode batch of any size.
+  ATen's slow fallback GEMM, by the kernel 16 rows at a time. On that path the weights are re-laid at
+  start-up into the kernel's packed 16-row blocks (`cpu_gemv.pack`), which replace the loaded parameters
+  (a tied lm_head, whose weight is the embedding table, and a weight its module reads itself stay as
+  loaded, on the row-major kernel). Each output of the kernel is a fixed-order sum over its own row, so a
+  token gets the same outputs in a decode batch of any size.
 - int8 (`--quantization int8`): weight-only, symmetric, one scale per output channel, multiplied
   with `torch._weight_int8pack_mm` (half the bytes of bf16) up to `Int8Linear.DIRECT_ROWS` rows;
   larger batches (prefill) convert the int8 weight to the activation dtype and scale the output.
@@ -34,7 +37,9 @@ and 4 on a quiet 2-core Xeon with AMX (7.1 against 9.2 tok/s at batch 1) and sta
 
 Quantization changes the model's numbers, so it is applied before the prefix cache digests the
 weights (a disk cache of the float model is not resumed by the int8 one); the layouts keep the
-weights (their products differ from plain within bf16 rounding), and are applied after.
+weights' values (their products differ from plain within bf16 rounding), and are applied after, so
+the digest, taken from the parameters as loaded, does not depend on the layout (the AVX2 gemv path's
+re-laid linears have no `weight` parameter after it).
 """
 
 from __future__ import annotations
@@ -78,30 +83,42 @@ class PackedLinear(nn.Module):
 
 class GemvLinear(nn.Module):
     """y = x W^T: cairn's gemv kernel up to `kernel.direct_rows` rows (decode), F.linear above (on the AVX2
-    path, the kernel MAX_ROWS rows at a time: `GemvKernel.slices_prefill`); W as loaded, no bias.
+    path, the kernel MAX_ROWS rows at a time: `GemvKernel.slices_prefill`); no bias.
 
     Up to that many rows the kernel streams the weight once for all of them; above, a GEMM. Measured on
     a quiet 2-core Xeon (BENCHMARKS.md): the AVX512-BF16 path is 1.32x F.linear's decode at 1 row and
     1.07x at 2, but 0.90x at 4 and 0.75x at 8, where its dot products cost more than the weight read
     (`GemvKernel.direct_rows`: 2); the AMX path reads a step's weights at 89-100% of `sum` at 1 to 16
     rows (1.5-1.9x F.linear), so it takes all 16 (cpu_gemv.MAX_ROWS), and a token's outputs are then bit
-    for bit the same alone or in a decode batch of up to 16. The AVX2 path takes all 16 as well: it is
-    chosen where F.linear's bf16 is ATen's fallback GEMM, slower than the kernel at every row count up
-    to 16 (BENCHMARKS.md, the AVX2-only pass), and at a prefill's hundreds of rows too, so there a prefill
-    runs the kernel 16 rows at a time; each row's outputs are then the same bits in a prefill and in a
-    decode step.
+    for bit the same alone or in a decode batch of up to 16. Those two paths take W as loaded: `weight` is
+    the very parameter (a tied lm_head stays tied to the embedding).
+
+    On the AVX2 path (`kernel.packs`), chosen where F.linear's bf16 is ATen's fallback GEMM, every row runs
+    the kernel: decode batches of any size and a prefill, MAX_ROWS rows at a time. There the weight is re-laid
+    once into the kernel's packed blocks (`cpu_gemv.pack`, the outer-product form: BENCHMARKS.md, the seventh
+    pass), held as the `packed` buffer, which replaces the parameter (no second copy); every row's outputs
+    are one sequential fp32 sum per output, the same bits in a prefill, alone or in a batch. `pack=False`
+    keeps W as loaded on that path too, in the row-major kernel at every row count (each output a fixed-order
+    sum over its own row alone, so also the same bits at any row count): apply_layout passes it for a weight
+    that is also read elsewhere (a tied lm_head's embedding, a weight its module reads itself).
     """
 
-    def __init__(self, weight: nn.Parameter, kernel: cpu_gemv.GemvKernel):
+    def __init__(self, weight: nn.Parameter, kernel: cpu_gemv.GemvKernel, pack: bool = True):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.kernel = kernel
+        self.direct_rows = kernel.direct_rows
+        self.packs = pack and kernel.packs
+        if self.packs:
+            self.register_buffer("packed", cpu_gemv.pack(weight), persistent=False)
+            return
         if not weight.is_contiguous():
             weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.weight = weight  # the very parameter (a tied lm_head stays tied to the embedding)
-        self.kernel = kernel
-        self.direct_rows = kernel.direct_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packs:
+            return self._forward_packed(x)
         if x.dim() == 2 and x.shape[0] <= self.direct_rows and x.stride(-1) == 1:  # a decode step's rows
             return self.kernel(x, self.weight)
         rows = x.reshape(-1, self.in_features)
@@ -114,6 +131,18 @@ class GemvLinear(nn.Module):
         else:  # a prefill on the AVX2 path: the kernel, MAX_ROWS rows at a time
             step = cpu_gemv.MAX_ROWS
             y = torch.cat([self.kernel(rows[i:i + step], self.weight) for i in range(0, rows.shape[0], step)])
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        step = cpu_gemv.MAX_ROWS  # a prefill in slices: a slice's x, widened to fp32, stays in L2
+        if rows.shape[0] <= step:
+            y = self.kernel.packed(rows, self.packed, self.out_features)
+        else:
+            y = torch.cat([self.kernel.packed(rows[i:i + step], self.packed, self.out_features)
+                           for i in range(0, rows.shape[0], step)])
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -154,11 +183,20 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def _replace(model: nn.Module, make) -> int:
-    """Replace every linear by make(weight); a tied lm_head gets its own copy, the embedding stays."""
+    """Replace every linear by make(weight, shared): `shared` says the weight is read elsewhere too (a tied
+    lm_head's embedding, or a name in its parent module's READS_LINEAR_WEIGHTS). One at a time, so that a
+    layout that re-lays a weight frees each original before making the next."""
     found = _linears(model)
-    for parent, name, lin in found:
-        setattr(parent, name, make(lin.weight))
-    return len(found)
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    count = len(found)
+    while found:
+        parent, name, lin = found.pop()
+        shared = uses[id(lin.weight)] > 1 or name in getattr(parent, "READS_LINEAR_WEIGHTS", ())
+        setattr(parent, name, make(lin.weight, shared))
+        del lin
+    return count
 
 
 def quantize(model: nn.Module, cfg: ModelConfig, method: str, device: torch.device) -> None:
@@ -171,7 +209,7 @@ def quantize(model: nn.Module, cfg: ModelConfig, method: str, device: torch.devi
         raise QuantizationError(f"--quantization {method} is implemented for CPU only, not {device.type}")
     if cfg.moe_layers and any(cfg.moe_layers):
         raise QuantizationError(f"--quantization {method} is not implemented for MoE models ({cfg.family})")
-    n = _replace(model, Int8Linear)
+    n = _replace(model, lambda w, shared: Int8Linear(w))
     log.info("weights: %d linear layers quantized to int8 (weight-only, per output channel)", n)
 
 
@@ -223,18 +261,29 @@ def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: t
     layout, kernel, not_gemv = choose_layout(requested, dtype, device, cpu_flags, build_dir)
     n = 0
     if layout == "packed":
-        n = _replace(model, PackedLinear)
+        n = _replace(model, lambda w, shared: PackedLinear(w))
     elif layout == "gemv":
-        n = _replace(model, lambda w: GemvLinear(w, kernel))
+        n = _replace(model, lambda w, shared: GemvLinear(w, kernel, pack=not shared))
     flags = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in cpu_gemv.cpu_flags())
     done = {"packed": f", {n} linear layers packed",
-            "gemv": f", {n} linear layers on cairn's {kernel.isa if kernel else ''} gemv up to "
-                    f"{kernel.direct_rows if kernel else 0} rows"}.get(layout, "")
+            "gemv": _gemv_done(model, n, kernel) if kernel else ""}.get(layout, "")
     why = f"; gemv kernel not used: {not_gemv}" if not_gemv else ""
     (log.warning if not_gemv and requested == "gemv" else log.info)(
         "weight layout: %s (%s, %s%s; --weight-layout %s)%s%s", layout, dtype, device.type,
         f" with {flags}" if flags else "", requested, done, why)
     return layout
+
+
+def _gemv_done(model: nn.Module, n: int, kernel: cpu_gemv.GemvKernel) -> str:
+    """The log line's account of the gemv layout: how many linears, on which path, up to how many rows; on the
+    AVX2 path, how many were re-laid into packed blocks (their bytes) and how many kept W as loaded."""
+    if not kernel.packs:
+        return f", {n} linear layers on cairn's {kernel.isa} gemv up to {kernel.direct_rows} rows"
+    packed = [m.packed for m in model.modules() if isinstance(m, GemvLinear) and m.packs]
+    mb = sum(t.numel() * t.element_size() for t in packed) / 1e6
+    return (f", {n} linear layers on cairn's {kernel.isa} gemv at every row count, {len(packed)} re-laid into "
+            f"16-row blocks ({mb:.1f} MB, replacing the loaded weights), {n - len(packed)} kept as loaded "
+            f"(read elsewhere too: a tied embedding table, a weight its module reads)")
 
 
 def decode_weight_bytes(model: nn.Module) -> int:

@@ -13,11 +13,18 @@ instruction paths, the best the CPU has chosen once when the library loads:
   the AVX512-BF16 path;
 - avx512_bf16: `_mm512_dpbf16_ps`, 32 bf16 products per instruction; 16 weight rows streamed side by side
   for one row of x (8 for two, 4 above), each stream with a software prefetch 256 bytes ahead;
-- avx2: no bf16 dot product, so fp32 FMAs (`_mm256_fmadd_ps`): x widened to fp32 once per call, each
-  256-bit load of 16 weights split into its even and odd halves as fp32 by one shift and one mask; 8
-  weight rows streamed side by side for one row of x (4 for two, 2 in passes of up to four above), each
-  prefetched 512 bytes ahead. Where it runs (CPUs without AVX-512), F.linear's bf16 is ATen's fallback
-  GEMM, and the kernel takes every decode batch up to MAX_ROWS.
+- avx2: no bf16 dot product, so fp32 FMAs (`_mm256_fmadd_ps`), in the outer-product form GEMM
+  micro-kernels use, on a packed weight: `pack` re-lays a weight once, at load time, into blocks of 16
+  output rows, [ceil(N / 16), K, 16], so that one 256-bit load of a block's 16 weights at one k splits
+  by one shift and one mask into its two halves' outputs as fp32 vectors; each row of x then adds one
+  broadcast x[m, k] and two FMAs (`gemv_packed`, `GemvKernel.packed`). Per k one weight load serves
+  every row of the tile, and x is read once per 16 outputs: 4 blocks side by side at one row of x (8
+  independent chains, 4 prefetched streams), 3 x 2 rows, 2 x 3, and 1 block in passes of up to 6 rows
+  above. Each output is one sequential fp32 chain over k from 0, whatever the tile, the rows or the
+  thread. Where it runs (CPUs without AVX-512), F.linear's bf16 is ATen's fallback GEMM, and the kernel
+  takes every row: decode batches and a prefill. The row-major dot-product kernel of the earlier AVX2
+  path (x widened to fp32 once per call, 8 weight rows side by side at one row of x, 4 at two, 2 in
+  passes of up to four above) stays for a weight the layout does not re-lay (a tied lm_head).
 
 Rows of W are split between the torch threads (`at::parallel_for`, ATen's OpenMP pool; on the AMX path
 each thread takes the next blocks of 32 rows from a shared counter until none is left). Each output is
@@ -26,7 +33,8 @@ count or on the other rows: decode and a short prefill piece compute a token's o
 alike. The result is rounded to bf16 once, like F.linear's (within bf16 rounding of it; tests compare).
 
 What it is not: a GEMM. Above MAX_ROWS rows the caller keeps F.linear (prefill), except on the AVX2
-path, where it calls the kernel MAX_ROWS rows at a time (`slices_prefill`). No bias. On a CPU
+path, where it calls the kernel MAX_ROWS rows at a time (`slices_prefill`; the packed kernel takes any
+number of rows, but has no cache blocking over K for a long prefill). No bias. On a CPU
 without AVX2 + FMA, without a C++ compiler, or where the build fails, `load()` returns None with the
 reason, and the caller stays with F.linear.
 """
@@ -42,7 +50,9 @@ from cairn.ops.cpu_build import build_inline
 from cairn.ops.cpu_gemv_amx import AMX_SOURCE
 
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
-NAME = "cairn_cpu_gemv5"  # torch caches builds by name: a new kernel source gets a new name
+PACK_BLOCK = 16  # output rows per block of the AVX2 path's packed weight (`pack`)
+NAME = "cairn_cpu_gemv6"  # torch caches builds by name: a new kernel source gets a new name
+FUNCTIONS = ["gemv", "gemv_packed", "best_isa", "stream_read"]  # what the library exports
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -286,6 +296,99 @@ torch::Tensor gemv_avx2(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
+// ---- AVX2 + FMA on a packed weight: the outer-product form, as GEMM micro-kernels do ------------------
+// The weight is re-laid once at load time (cpu_gemv.pack) into blocks of 16 output rows: block b holds,
+// for k = 0..K-1, W[16b..16b+15, k] as 16 bf16 (32 bytes), output 16b+i at element 2i and 16b+8+i at
+// element 2i+1. One 256-bit load then splits by fma_chunk's shift and mask into outputs 16b..16b+7 (the
+// even halves) and 16b+8..16b+15 (the odd halves) as two fp32 vectors, and each row of x contributes one
+// broadcast x[m, k] and two FMAs: per k, one weight load serves every row of x in the tile, and x is read
+// once per 16 outputs instead of once per weight row. Each output keeps one fp32 accumulator, one FMA per k
+// in order from k = 0: its sum is one sequential chain that depends on its weights and its row of x alone,
+// not on the tile, the rows of x beside it, the thread or the call. NB blocks side by side x MT rows of x
+// per tile: 2 * NB * MT accumulators, plus the pairs, their two halves and one broadcast, fit AVX2's 16
+// registers for NB * MT <= 6 (NB = 4 at one row of x: 8 independent chains hide the FMA latency and keep 4
+// prefetched streams in flight).
+constexpr int64_t kBlock = 16;
+constexpr int64_t kPrefetchPacked = 512;
+
+// NB blocks (starting at w, block_stride apart) against MT rows of x, as xt holds them: x transposed to fp32
+// [K, xt_stride] (the tile's MT values of one k side by side, so their broadcasts share one address), into
+// out[m][16b + i] in fp32. `no-ivopts` and `noinline`: with GCC's induction-variable pass, or inlined into the
+// caller that rounds the outputs, every accumulator was also stored to the stack at every k (GCC 12, -O3).
+template <int NB, int MT>
+__attribute__((target("avx2,fma"), optimize("no-ivopts"), noinline))
+void packed_sums(const uint16_t* w, int64_t block_stride, int64_t k, const float* xt, int64_t xt_stride,
+                 float (&out)[MT][NB * kBlock]) {
+  __m256 acc[NB][MT][2];
+  for (int b = 0; b < NB; ++b)
+    for (int m = 0; m < MT; ++m) acc[b][m][0] = acc[b][m][1] = _mm256_setzero_ps();
+  const __m256i odd_mask = _mm256_set1_epi32(int(0xffff0000u));
+  for (int64_t j = 0; j < k; ++j) {
+    if ((j & 1) == 0)  // two k per 64-byte line of each block: one prefetch per line
+      for (int b = 0; b < NB; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * block_stride + j * kBlock) + kPrefetchPacked, _MM_HINT_T0);
+    const float* xj = xt + j * xt_stride;
+    for (int b = 0; b < NB; ++b) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * block_stride + j * kBlock));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, odd_mask));
+      for (int m = 0; m < MT; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(xj + m);
+        acc[b][m][0] = _mm256_fmadd_ps(even, xb, acc[b][m][0]);
+        acc[b][m][1] = _mm256_fmadd_ps(odd, xb, acc[b][m][1]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NB; ++b) {
+      _mm256_storeu_ps(out[m] + b * kBlock, acc[b][m][0]);
+      _mm256_storeu_ps(out[m] + b * kBlock + 8, acc[b][m][1]);
+    }
+}
+
+// packed_sums, then the first `valid` outputs of each row rounded to bf16 into y (row stride y_stride).
+template <int NB, int MT>
+void packed_tile(const uint16_t* w, int64_t block_stride, int64_t k, const float* xt, int64_t xt_stride,
+                 c10::BFloat16* y, int64_t y_stride, int64_t valid) {
+  float out[MT][NB * kBlock];
+  packed_sums<NB, MT>(w, block_stride, k, xt, xt_stride, out);
+  for (int m = 0; m < MT; ++m)
+    for (int64_t i = 0; i < valid; ++i) y[m * y_stride + i] = c10::BFloat16(out[m][i]);
+}
+
+using PackedTile = void (*)(const uint16_t*, int64_t, int64_t, const float*, int64_t, c10::BFloat16*, int64_t, int64_t);
+
+// packed_tile<NB, MT> by [NB][MT] (nullptr where NB * MT > 6, but NB = 4 at MT = 1).
+PackedTile packed_tile_for(int nb, int mt) {
+  static const PackedTile table[5][7] = {
+      {},
+      {nullptr, packed_tile<1, 1>, packed_tile<1, 2>, packed_tile<1, 3>, packed_tile<1, 4>, packed_tile<1, 5>,
+       packed_tile<1, 6>},
+      {nullptr, packed_tile<2, 1>, packed_tile<2, 2>, packed_tile<2, 3>},
+      {nullptr, packed_tile<3, 1>, packed_tile<3, 2>},
+      {nullptr, packed_tile<4, 1>}};
+  return nb >= 1 && nb <= 4 && mt >= 1 && mt <= 6 ? table[nb][mt] : nullptr;
+}
+
+// The tile for m_rows rows of x: (blocks side by side, rows of x per pass). Measured (BENCHMARKS.md, the
+// seventh pass): 4 x 1 at one row; 3 x 2 at two; 2 x 3 at three; above, 1 x 6 in passes of up to six rows.
+std::pair<int, int> packed_plan(int64_t m_rows) {
+  if (m_rows == 1) return {4, 1};
+  if (m_rows == 2) return {3, 2};
+  if (m_rows == 3) return {2, 3};
+  return {1, 6};
+}
+
+// x [M, K] bf16 (rows contiguous) -> xt [K, M] fp32: x transposed, so that a tile's rows of one k lie side by side.
+void widen_transposed(const uint16_t* x, int64_t x_stride, int64_t m_rows, int64_t k, float* xt) {
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t j = 0; j < k; ++j) {
+      const uint32_t bits = uint32_t(x[m * x_stride + j]) << 16;
+      std::memcpy(xt + j * m_rows + m, &bits, 4);
+    }
+}
+
+
 """ + AMX_SOURCE + r"""
 // ---- a plain streaming read, to measure the memory bandwidth beside torch's `sum` --------------------
 __attribute__((target("avx512f")))
@@ -393,6 +496,50 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::st
   });
   return y;
 }
+// y [M, n] = x [M, K] against the packed weight [ceil(n / 16), K, 16]; any number of rows of x.
+// `nb` / `mt` force a tile (0: packed_plan's), for the benchmark that picks them.
+torch::Tensor gemv_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t nb, int64_t mt) {
+  TORCH_CHECK(has_avx2(), "gemv_packed: this CPU lacks avx2");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kBlock && x.size(1) == packed.size(1),
+              "gemv_packed: x [M, K] and a packed weight [blocks, K, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "gemv_packed: bf16 only");
+  TORCH_CHECK(x.stride(1) == 1 && packed.is_contiguous(), "gemv_packed: rows of x and the packed weight contiguous");
+  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock,
+              "gemv_packed: n does not fit the blocks");
+  const int64_t m_rows = x.size(0), k = x.size(1), blocks = packed.size(0);
+  auto y = torch::empty({m_rows, n}, x.options());
+  if (m_rows == 0 || n == 0) return y;
+  auto [plan_nb, plan_mt] = packed_plan(m_rows);
+  if (nb > 0 && mt > 0) {
+    TORCH_CHECK(packed_tile_for(int(nb), int(mt)) != nullptr, "gemv_packed: no tile ", nb, " x ", mt);
+    plan_nb = int(nb);
+    plan_mt = int(mt);
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  std::vector<float> xt(std::max<int64_t>(1, m_rows * k));
+  widen_transposed(xp, x.stride(0), m_rows, k, xt.data());
+  const int64_t block_stride = k * kBlock, units = (blocks + plan_nb - 1) / plan_nb;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, block_stride * plan_nb * 2));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b0 = u * plan_nb, here = std::min<int64_t>(plan_nb, blocks - b0);
+      // a last unit of fewer blocks runs them one at a time: the same chains, so the same bits
+      for (int64_t b = b0; b < b0 + here; b += (here == plan_nb ? here : 1)) {
+        const int width = here == plan_nb ? plan_nb : 1;
+        const int64_t valid = std::min<int64_t>(n - b * kBlock, width * kBlock);
+        for (int64_t m0 = 0; m0 < m_rows; m0 += plan_mt) {
+          const int mm = int(std::min<int64_t>(plan_mt, m_rows - m0));
+          packed_tile_for(width, mm)(wp + b * block_stride, block_stride, k, xt.data() + m0, m_rows,
+                                     yp + m0 * n + b * kBlock, n, valid);
+        }
+      }
+    }
+  });
+  return y;
+}
+
 """
 
 
@@ -421,14 +568,41 @@ class GemvKernel:
         BENCHMARKS.md, the AVX2-only pass)."""
         return self.isa == "avx2"
 
+    @property
+    def packs(self) -> bool:
+        """Whether this path multiplies a packed weight (`pack`, `packed`): the AVX2 path's outer-product form.
+        The AMX and AVX512-BF16 paths take the weight as loaded."""
+        return self.isa == "avx2"
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 (rows contiguous, M <= MAX_ROWS), weight [N, K] bf16 contiguous -> [M, N] bf16."""
         return self.library.gemv(x, weight, self.isa)
+
+    def packed(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+               tile: tuple[int, int] | None = None) -> torch.Tensor:
+        """x [M, K] bf16 (rows contiguous, any M) against `pack(weight)` of a weight [n, K] -> [M, n] bf16.
+        `tile` (blocks of 16 outputs side by side, rows of x per pass) forces a tile, for the benchmark;
+        each output's bits are the same under any tile."""
+        nb, mt = tile or (0, 0)
+        return self.library.gemv_packed(x, packed, n, nb, mt)
 
     def stream_read(self, buf: torch.Tensor) -> int:
         """Read every whole 64-byte line of `buf` (contiguous) once with vector loads, on the torch
         threads; returns a checksum. The benchmarks' second memory-bandwidth figure, beside `sum`."""
         return self.library.stream_read(buf)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The AVX2 path's layout of a bf16 weight [N, K]: [ceil(N / 16), K, 16], block b holding for each k the
+    weights of outputs 16b..16b+15, output 16b+i at element 2i and 16b+8+i at 2i+1 (so that one 256-bit
+    load splits into the two halves' fp32 vectors); rows past N are zeros. One new tensor (plus a padded
+    copy of the weight when N is not a multiple of 16)."""
+    n, k = weight.shape
+    blocks = -(-n // PACK_BLOCK)
+    w = weight.detach()
+    if blocks * PACK_BLOCK != n:
+        w = torch.nn.functional.pad(w, (0, 0, 0, blocks * PACK_BLOCK - n))
+    return w.reshape(blocks, 2, PACK_BLOCK // 2, k).permute(0, 3, 2, 1).contiguous().view(blocks, k, PACK_BLOCK)
 
 
 def cpu_flags() -> set[str]:
@@ -474,7 +648,7 @@ def load(cpu_flags: set[str], isa: str | None = None, build_dir: str | None = No
 
 @functools.cache  # one build (or one failure) per directory and path, per process
 def _build(build_dir: str | None, isa: str) -> GemvKernel | str:
-    library = build_inline(NAME, _SOURCE, ["gemv", "best_isa", "stream_read"], "the kernel", build_dir)
+    library = build_inline(NAME, _SOURCE, FUNCTIONS, "the kernel", build_dir)
     if isinstance(library, str):  # F.linear it is
         return library
     best = library.best_isa()  # what the CPU (and for AMX, the OS) really grants, beside what the flags said
