@@ -23,6 +23,7 @@ from cairn.cache.disk.store import (
     purge_namespace,
     verify_store,
 )
+from cairn.llm import LLM
 
 DIGEST = "ab" * 32
 OTHER_DIGEST = "cd" * 32
@@ -337,3 +338,11 @@ def test_read_only_rescan_indexes_what_the_writer_adds_and_forgets_what_it_remov
             assert gone == [first.key]
             reader.scan()  # unchanged files are not read again
             assert reads == [f"{second.key.hex()}.seg"]
+
+
+def test_an_unknown_compression_given_through_the_python_api_is_one_line_and_creates_nothing(tmp_path):
+    """The command line offers only none, zstd and lz4; the Python API takes any string, so the store refuses an
+    unknown codec before it opens its namespace."""
+    with pytest.raises(ValueError, match="compression must be None, 'zstd' or 'lz4', got 'xz'"):
+        LLM(kv_cache_gib=0.02, state_cache_gib=0.02, disk_cache=str(tmp_path / "cache"), disk_compression="xz")
+    assert not (tmp_path / "cache").exists()

@@ -63,3 +63,20 @@ def test_a_page_freed_twice_or_referenced_after_its_free_is_refused_and_the_coun
         pages.incref([freed])
     pages.check_integrity({kept: 1})
     assert sorted(pages.alloc(2)) == [freed, 2] and pages.num_free == 0
+
+
+def test_the_reserved_scratch_page_and_slot_are_never_freed_and_a_slot_is_never_freed_twice():
+    """The CUDA graph path's scratch page and slot (reserve) hold a reference nothing releases: a release of
+    either, like a second free of a slot, is a bug in its owner and raises, leaving the pool as it was."""
+    pages = PageAllocator(2)
+    scratch = pages.reserve()
+    with pytest.raises(AssertionError, match=f"decref of reserved page {scratch}"):
+        pages.decref([scratch])
+    pages.check_integrity({})  # the reserved page's own reference is all it holds
+    states = state_pool(num_slots=3)
+    scratch_slot, freed = states.reserve(), states.alloc()
+    states.free(freed)
+    for slot in (scratch_slot, freed, 7):
+        with pytest.raises(AssertionError, match=f"free of slot {slot} that is not allocated"):
+            states.free(slot)
+    assert states.num_free == 2 and states.num_usable == 2
