@@ -162,8 +162,7 @@ class DiskStore(Pins):
                        self.compat_digest[:16], reason, detail)
 
     def _check_open(self) -> None:
-        if self._dir_fd is None:
-            raise ValueError("the disk store is closed")
+        assert self._dir_fd is not None, "the engine closes the cache once, at shutdown, and calls it no more"
 
     # ------------------------------------------------------------------------------------ scan
 
