@@ -136,3 +136,19 @@ def test_a_segment_found_bad_while_a_request_holds_it_is_planned_around_and_forg
         assert cache.stats().disk.forgotten == {"disk_unreadable": 1}
         assert node.snapshot is None and set(node.kv) == {"device"} and cache.tree.match(prompt).match_len == 130
         llm.engine.check_integrity()
+
+
+def test_a_read_only_cache_rescans_on_a_miss_and_resumes_what_the_writer_added_since(tmp_path):
+    """A second engine on the same directory is read-only; a prompt it misses rescans the directory (at most every
+    `rescan_interval_s`, here at every miss): a rescan finding nothing new leaves the tree as it was, and one
+    after the writer stored a conversation hangs it, so its next turn resumes from disk (that it then equals
+    cold is the disk tier's tests' concern)."""
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as writer, LLM(**OPTS, disk_cache=str(tmp_path)) as reader:
+        cache = reader.engine.cache
+        assert cache.tiers.by_name[DISK].store.readonly
+        cache.indexes[DISK].rescan_interval_s = 0.0
+        assert run(reader, [7, 8, 9] * 20).cache.cached_tokens == 0  # nothing on disk yet: the rescan finds nothing
+        assert cache.tree.num_snapshots >= 1 and all(DISK not in n.kv for n in cache.tree.iter_nodes())
+        run(writer, CONVERSATION[:140])  # segments with snapshots at 64 and 128 (grid) and 140 (prompt end)
+        out = run(reader, CONVERSATION[:140] + [5, 6])
+        assert out.cache.resume_tier == DISK and out.cache.resume_position == 140
