@@ -14,7 +14,7 @@ import pytest
 
 from cairn.cache.disk import store as disk_store
 from cairn.cache.disk.named_bytes import layout_meta
-from cairn.cache.disk.segment import Segment, segment_key
+from cairn.cache.disk.segment import Segment, SegmentLimits, segment_key
 from cairn.cache.disk.store import (
     DiskStore,
     DiskStoreError,
@@ -163,6 +163,15 @@ def test_segment_larger_than_the_whole_budget_is_refused_as_too_large(root):
     with DiskStore(root, DIGEST, 500) as store:
         assert not store.put(make_segment(1, kv_bytes=1000))
         assert store.faults == {"too_large": 1}
+        assert namespace_files(root) == [".lock"]
+
+
+def test_segment_past_the_format_limits_is_refused_as_too_large_before_any_byte_is_written(root):
+    """A section larger than the segment format allows (8 GiB by default; 16 bytes here) cannot be encoded: the
+    put is refused and counted as the budget's refusal is, and no file is started."""
+    with DiskStore(root, DIGEST, 1 << 20, limits=SegmentLimits(max_section_bytes=16)) as store:
+        assert not store.put(make_segment(1, kv_bytes=1000))
+        assert store.faults == {"too_large": 1} and store.keys() == []
         assert namespace_files(root) == [".lock"]
 
 
