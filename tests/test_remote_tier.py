@@ -110,6 +110,10 @@ def test_a_value_corrupted_in_redis_is_never_loaded_and_is_counted(redis_server,
         faults = b.engine.cache.stats().remote.faults
         assert 1 <= faults.get("checksum", 0) <= len(names), faults
         assert run(b, prompt).cache.resume_position > 0  # it cached this run locally and serves it
+        # a longer prompt is looked up again: Redis's index still lists the corrupt segments, and the chain found
+        # stops at the first one marked unreadable, so none is read again
+        again = run(b, prompt + [8, 9])
+        assert again.cache.resume_tier == "device" and b.engine.cache.stats().remote.faults == faults
 
 
 def keys_only_in_redis(llm: LLM) -> set[bytes]:
