@@ -63,3 +63,31 @@ def test_a_client_that_opts_out_is_admitted_cold_with_the_reason():
     admission = llm.engine.cache.admit(CacheRequest(list(PROMPT), 0, cache_prompt=False))
     assert (admission.num_cached, admission.page_table, admission.state) == (0, [], None)
     assert admission.report.miss_reason == "opted_out"
+
+
+def test_a_request_that_opts_out_runs_to_its_end_and_leaves_the_cache_as_it_was():
+    """Its steps ask the cache for captures and report after each one, as every request's do: with nothing
+    planned for it, nothing is captured, taken or inserted, and it holds nothing when it ends."""
+    llm = warm_llm()
+    cache = llm.engine.cache
+    before = (cache.stats().counters, cache.tree.num_nodes, cache.tree.num_snapshots)
+    opted_out = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, cache_prompt=False)
+    [out] = llm.generate(PROMPT[:20] + [7] * 30, opted_out)  # a new prompt, long enough for grid points
+    assert len(out.token_ids) == 6 and (cache.stats().counters, cache.tree.num_nodes, cache.tree.num_snapshots) \
+        == before
+    llm.engine.check_integrity()
+
+
+def test_a_request_ending_where_its_prompt_end_snapshot_was_taken_takes_no_second_one():
+    """One sampled token and no decode step: the request ends at its prompt's end, where a snapshot (with the
+    logits) was just taken, so its request-end snapshot is that one, not another copy."""
+    llm = warm_llm()
+    cache = llm.engine.cache
+    before = cache.stats()
+    prompt = [(7 * j + 3) % 250 for j in range(24)]
+    llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    stats = cache.stats()
+    assert stats.counters["snapshots_taken"] == before.counters["snapshots_taken"] + 2  # grid point 16, prompt end 24
+    assert stats.taken_by_source["request_end"] == before.taken_by_source["request_end"]
+    assert cache.tree.match(prompt).resume_node.snapshot.source == "prompt_end"
+    llm.engine.check_integrity()

@@ -67,3 +67,14 @@ def test_a_directory_without_namespaces_verifies_and_lists_as_empty(tmp_path, ca
     assert status == 0 and out.strip() == f"no disk cache namespace in {tmp_path}"
     status, out, _ = cache_command(capsys, "ls", "--disk-cache", str(tmp_path))
     assert status == 0 and out.splitlines()[-1] == "0 namespace(s), 0.00 MiB"
+
+
+def test_a_namespace_id_matching_none_and_a_path_that_is_not_a_directory_are_refused_in_one_line(tmp_path, capsys):
+    filled(tmp_path, DIGEST)
+    status, _, err = cache_command(capsys, "purge", "--disk-cache", str(tmp_path), "--namespace", "ffff")
+    assert status == 1 and f"no namespace 'ffff' in {tmp_path} (see cairn cache ls)" in err
+    assert len(os.listdir(tmp_path / DIGEST)) >= 2  # nothing purged
+    a_file = tmp_path / "cache.txt"
+    a_file.write_text("")
+    status, _, err = cache_command(capsys, "ls", "--disk-cache", str(a_file))
+    assert status == 1 and f"{a_file} is not a directory" in err and len(err.strip().splitlines()) == 1

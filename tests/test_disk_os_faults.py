@@ -155,6 +155,18 @@ def test_an_io_error_reading_a_header_at_start_up_skips_that_segment(env, monkey
         assert store.get(env.victim.key) == env.victim
 
 
+def test_an_io_error_listing_the_namespace_at_start_up_fails_the_store_and_releases_its_lock(env, monkeypatch):
+    """The start-up scan cannot list the directory (EIO on the namespace's fd): the store is refused with the OS
+    error, and what it had opened (the directory, the namespace lock) is let go, so a later store takes the lock
+    and serves the files."""
+    monkeypatch.setattr(os, "listdir", failing(os.listdir, lambda path: isinstance(path, int), errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        DiskStore(env.root, DIGEST, BUDGET_BYTES)
+    monkeypatch.undo()
+    with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        assert not store.readonly and store.get(env.other.key) == env.other
+
+
 def test_a_failing_directory_fsync_keeps_the_written_segment_and_counts_it(env, monkeypatch):
     with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
         dir_fd = store._dir_fd

@@ -14,7 +14,7 @@ import pytest
 
 from cairn.cache.disk import store as disk_store
 from cairn.cache.disk.named_bytes import layout_meta
-from cairn.cache.disk.segment import Segment, segment_key
+from cairn.cache.disk.segment import Segment, SegmentLimits, segment_key
 from cairn.cache.disk.store import (
     DiskStore,
     DiskStoreError,
@@ -23,6 +23,7 @@ from cairn.cache.disk.store import (
     purge_namespace,
     verify_store,
 )
+from cairn.llm import LLM
 
 DIGEST = "ab" * 32
 OTHER_DIGEST = "cd" * 32
@@ -162,6 +163,15 @@ def test_segment_larger_than_the_whole_budget_is_refused_as_too_large(root):
     with DiskStore(root, DIGEST, 500) as store:
         assert not store.put(make_segment(1, kv_bytes=1000))
         assert store.faults == {"too_large": 1}
+        assert namespace_files(root) == [".lock"]
+
+
+def test_segment_past_the_format_limits_is_refused_as_too_large_before_any_byte_is_written(root):
+    """A section larger than the segment format allows (8 GiB by default; 16 bytes here) cannot be encoded: the
+    put is refused and counted as the budget's refusal is, and no file is started."""
+    with DiskStore(root, DIGEST, 1 << 20, limits=SegmentLimits(max_section_bytes=16)) as store:
+        assert not store.put(make_segment(1, kv_bytes=1000))
+        assert store.faults == {"too_large": 1} and store.keys() == []
         assert namespace_files(root) == [".lock"]
 
 
@@ -337,3 +347,11 @@ def test_read_only_rescan_indexes_what_the_writer_adds_and_forgets_what_it_remov
             assert gone == [first.key]
             reader.scan()  # unchanged files are not read again
             assert reads == [f"{second.key.hex()}.seg"]
+
+
+def test_an_unknown_compression_given_through_the_python_api_is_one_line_and_creates_nothing(tmp_path):
+    """The command line offers only none, zstd and lz4; the Python API takes any string, so the store refuses an
+    unknown codec before it opens its namespace."""
+    with pytest.raises(ValueError, match="compression must be None, 'zstd' or 'lz4', got 'xz'"):
+        LLM(kv_cache_gib=0.02, state_cache_gib=0.02, disk_cache=str(tmp_path / "cache"), disk_compression="xz")
+    assert not (tmp_path / "cache").exists()

@@ -8,8 +8,10 @@ the stats that /metrics exports (`cairn_cache_disk_operations_total{kind}`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from cairn.cache.base import CacheRequest
 from cairn.cache.tree.nodes import DISK, REMOTE
 from cairn.llm import LLM
 from tests.harness import run, same_as_cold
@@ -92,3 +94,61 @@ def test_a_conversation_leaving_a_stored_one_midway_is_resumed_from_disk_after_a
         same_as_cold(cold_llm(), out, prompt)
         again = run(second, CONVERSATION + [5, 6])  # the stored conversation is still whole
         assert again.cache.resume_tier == DISK and again.cache.cached_tokens == len(CONVERSATION) // 64 * 64
+
+
+def admit(llm: LLM, prompt: list[int]):
+    """What the scheduler does to start a request: a working slot, then the cache's admission."""
+    req = CacheRequest(prompt, llm.engine.states.alloc())
+    return req, llm.engine.cache.admit(req)
+
+
+def release(llm: LLM, req: CacheRequest, admission) -> None:
+    """What the scheduler does when a request stops unfinished: the cache lets go, then its pages and slot."""
+    view = CacheRequest(req.token_ids, req.state_slot, admission.page_table, admission.num_cached)
+    llm.engine.cache.release(admission, view, finished=False)
+    llm.engine.kv.allocator.decref(admission.page_table)
+    llm.engine.states.free(req.state_slot)
+
+
+def test_a_segment_found_bad_while_a_request_holds_it_is_planned_around_and_forgotten_once_released(tmp_path):
+    """The race of two requests on one conversation: the first resumed from a snapshot whose only copy is a disk
+    segment (its KV is on the device too) and holds it; the file is then damaged, and the second finds it bad.
+    The second plans again without it (resuming from the snapshot above) while the first's record stays, locked;
+    once the first lets go, the segment is forgotten (counted) and the device KV it covered stays."""
+    slot_bytes = 430_080  # the demo model's state slot: three fit on the device, older snapshots go to disk
+    with LLM(**OPTS, disk_cache=str(tmp_path), host_cache_gib=0, device_snapshot_gib=3.5 * slot_bytes / 2**30) as llm:
+        run(llm, CONVERSATION)
+        cache = llm.engine.cache
+        cache.speeds.prefill_tokens_per_s = 1e-3  # the planner then always takes the deepest point it can
+        prompt = CONVERSATION[:130] + [1, 2]
+        first_req, first = admit(llm, prompt)
+        node = cache.tree.match(prompt).resume_node
+        assert first.num_cached == 128 and first.report.resume_tier == "disk" and set(node.kv) == {"device", "disk"}
+        key = node.snapshot.handle.copies["disk"]
+        store = cache.tiers.by_name["disk"].store
+        os.truncate(Path(store.root) / store.compat_digest / f"{key.hex()}.seg", 100)
+        second_req, second = admit(llm, prompt)
+        assert second.num_cached == 64 and second.report.miss_reason == "corrupt"
+        assert node.snapshot.handle.copies == {"disk": key} and "disk" in node.kv  # held by the first: kept
+        assert not cache.stats().disk.forgotten
+        release(llm, second_req, second)
+        release(llm, first_req, first)
+        assert cache.stats().disk.forgotten == {"disk_unreadable": 1}
+        assert node.snapshot is None and set(node.kv) == {"device"} and cache.tree.match(prompt).match_len == 130
+        llm.engine.check_integrity()
+
+
+def test_a_read_only_cache_rescans_on_a_miss_and_resumes_what_the_writer_added_since(tmp_path):
+    """A second engine on the same directory is read-only; a prompt it misses rescans the directory (at most every
+    `rescan_interval_s`, here at every miss): a rescan finding nothing new leaves the tree as it was, and one
+    after the writer stored a conversation hangs it, so its next turn resumes from disk (that it then equals
+    cold is the disk tier's tests' concern)."""
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as writer, LLM(**OPTS, disk_cache=str(tmp_path)) as reader:
+        cache = reader.engine.cache
+        assert cache.tiers.by_name[DISK].store.readonly
+        cache.indexes[DISK].rescan_interval_s = 0.0
+        assert run(reader, [7, 8, 9] * 20).cache.cached_tokens == 0  # nothing on disk yet: the rescan finds nothing
+        assert cache.tree.num_snapshots >= 1 and all(DISK not in n.kv for n in cache.tree.iter_nodes())
+        run(writer, CONVERSATION[:140])  # segments with snapshots at 64 and 128 (grid) and 140 (prompt end)
+        out = run(reader, CONVERSATION[:140] + [5, 6])
+        assert out.cache.resume_tier == DISK and out.cache.resume_position == 140

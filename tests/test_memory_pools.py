@@ -49,3 +49,34 @@ def test_a_slot_is_never_copied_into_a_pool_of_another_layout():
     copy = same_layout.alloc()
     two_layers.copy_to(src, same_layout, copy)
     assert same_state(slot_copy(same_layout, copy), slot_copy(two_layers, src))
+
+
+def test_a_page_freed_twice_or_referenced_after_its_free_is_refused_and_the_counts_stay():
+    """A double free or a use after free (a bug in a page's owner) raises at the call instead of counting a free
+    page below zero or back into use: the free list and refcounts still agree, and the page is handed out once."""
+    pages = PageAllocator(3)
+    kept, freed = pages.alloc(2)
+    assert pages.decref([freed]) == 1
+    with pytest.raises(AssertionError, match=f"decref of free page {freed}"):
+        pages.decref([freed])
+    with pytest.raises(AssertionError, match=f"incref of free page {freed}"):
+        pages.incref([freed])
+    pages.check_integrity({kept: 1})
+    assert sorted(pages.alloc(2)) == [freed, 2] and pages.num_free == 0
+
+
+def test_the_reserved_scratch_page_and_slot_are_never_freed_and_a_slot_is_never_freed_twice():
+    """The CUDA graph path's scratch page and slot (reserve) hold a reference nothing releases: a release of
+    either, like a second free of a slot, is a bug in its owner and raises, leaving the pool as it was."""
+    pages = PageAllocator(2)
+    scratch = pages.reserve()
+    with pytest.raises(AssertionError, match=f"decref of reserved page {scratch}"):
+        pages.decref([scratch])
+    pages.check_integrity({})  # the reserved page's own reference is all it holds
+    states = state_pool(num_slots=3)
+    scratch_slot, freed = states.reserve(), states.alloc()
+    states.free(freed)
+    for slot in (scratch_slot, freed, 7):
+        with pytest.raises(AssertionError, match=f"free of slot {slot} that is not allocated"):
+            states.free(slot)
+    assert states.num_free == 2 and states.num_usable == 2

@@ -7,6 +7,8 @@ against a reference model). Every operation is followed by check_integrity(), th
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cairn.cache.tree.nodes import DiskRef
@@ -451,19 +453,101 @@ def test_a_found_segment_is_recorded_on_the_nodes_the_device_already_holds_from_
 # ---- integrity ---------------------------------------------------------------------------------
 
 
-def test_check_integrity_catches_wrong_page_count_locks_totals_and_allocator_refs():
+def _leaf_and_parent(cache):
+    """P's nodes of with_snapshots_at([4, 8]): the leaf [8, 12) (page 2) and its parent [4, 8) (snapshot at 8)."""
+    leaf = cache.match(P).path[-1]
+    return leaf, leaf.parent
+
+
+def _drop_locked_snapshot(cache):
+    """A bug that lets go of the snapshot a running request resumed from (the tree's own exit refuses it)."""
+    cache.tree.lock(cache.tree.match(P))
+    _, parent = _leaf_and_parent(cache)
+    entry, parent.snapshot = parent.snapshot, None
+    cache.tree._num_snapshots -= 1
+    cache.tree._snapshot_bytes -= entry.nbytes
+
+
+def _remove_locked_leaf(cache):
+    cache.tree.lock(cache.tree.match(P))
+    cache.tree.remove_subtree(_leaf_and_parent(cache)[0])
+
+
+def _rekey_child(cache):
+    leaf, parent = _leaf_and_parent(cache)
+    parent.children[999] = parent.children.pop(leaf.tokens[0])
+
+
+def _list_another_page(cache):
+    leaf, _ = _leaf_and_parent(cache)
+    leaf.pages[0] = 0  # page 0 is [0, 4)'s: the tree's count of it is one
+
+
+def _misalign(cache):
+    cache.cache.placement = dataclasses.replace(cache.cache.placement, align=8)  # the snapshot at 4 is off it
+
+
+# (what a bug leaves, how check_integrity names it): each through the cache's check, which the engine runs idle
+CORRUPTIONS = {
+    "child_under_another_token": (_rekey_child, r"node \d+ \[8, 12\) is not its parent's child"),
+    "start_off_its_parent": (lambda c: setattr(_leaf_and_parent(c)[0], "start", 5), r"parent ends at 8"),
+    "kv_on_no_tier": (lambda c: _leaf_and_parent(c)[0].kv.clear(), r"\[8, 12\) holds its KV on no tier"),
+    "outside_its_segment": (lambda c: _leaf_and_parent(c)[0].kv.update(disk=DiskRef(b"k" * 32, 0, 10)),
+                            r"\[8, 12\) is not inside its disk segment"),
+    "a_page_too_many": (lambda c: _leaf_and_parent(c)[0].pages.append(9), r"lists 2 device pages for 1 page"),
+    "negative_lock": (lambda c: setattr(_leaf_and_parent(c)[1].snapshot, "lock_count", -1), r"negative lock count"),
+    "snapshot_and_tombstone": (lambda c: setattr(_leaf_and_parent(c)[1], "snapshot_evicted", True),
+                               r"\[4, 8\): holds a snapshot and an eviction tombstone"),
+    "root_with_tokens": (lambda c: setattr(c.tree.root, "tokens", (7,)), r"the root must be empty"),
+    "snapshot_bytes": (lambda c: setattr(_leaf_and_parent(c)[1].snapshot, "nbytes", 11),
+                       r"totals \(nodes, snapshots, bytes\) counted \(3, 2, 23\), tracked \(3, 2, 24\)"),
+    "another_page_listed": (_list_another_page, r"device page references listed by nodes .* != the tree's count"),
+    "page_freed_under_the_tree": (lambda c: c.alloc.refcount.__setitem__(2, 0),
+                                  r"page 2: allocator refcount 0 < tree refs 1"),
+    "locked_node_removed": (_remove_locked_leaf, r"a locked node left the tree"),
+    "node_lock_count": (lambda c: setattr(_leaf_and_parent(c)[0], "lock_count", 1), r"lock_count 1, handles 0"),
+    "snapshot_lock_count": (lambda c: setattr(_leaf_and_parent(c)[1].snapshot, "lock_count", 1),
+                            r"snapshot at 8: lock_count 1 disagrees with handles"),
+    "locked_snapshot_dropped": (_drop_locked_snapshot, r"a locked snapshot left the tree"),
+    "snapshot_with_no_copy": (lambda c: _leaf_and_parent(c)[1].snapshot.handle.copies.clear(),
+                              r"the snapshot at 8 has no copy on any tier"),
+    "snapshot_off_the_blocks": (_misalign, r"the snapshot at 4 is off the prefill blocks of 8"),
+    "tier_bytes": (lambda c: setattr(c.tiers.device, "used_bytes", c.tiers.device.used_bytes + 1),
+                   r"device tier: 25 bytes used, tree holds 24, budget 192"),
+}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_check_integrity_names_each_corruption_a_bug_could_leave(corruption):
+    """The checker catches what it is for: the real tree, tiers and cache, corrupted the way a bug would, fail
+    the cache's check_integrity with a message naming what is wrong."""
     cache = with_snapshots_at([4, 8])
-    node = cache.match(P).path[-1]
-    corruptions = [
-        (lambda: node.pages.append(9), lambda: node.pages.pop()),
-        (lambda: setattr(node, "lock_count", 1), lambda: setattr(node, "lock_count", 0)),
-        (lambda: setattr(node.parent.snapshot, "nbytes", 11), lambda: setattr(node.parent.snapshot, "nbytes", 12)),
-        (lambda: setattr(node, "start", 5), lambda: setattr(node, "start", 8)),
-        (lambda: cache.alloc.refcount.__setitem__(2, 0), lambda: cache.alloc.refcount.__setitem__(2, 1)),
-    ]
-    for corrupt, repair in corruptions:
-        corrupt()
-        with pytest.raises(AssertionError):
-            cache.tree.check_integrity()
-        repair()
-        cache.check()
+    corrupt, message = CORRUPTIONS[corruption]
+    corrupt(cache)
+    with pytest.raises(AssertionError, match=message):
+        cache.cache.check_integrity()
+
+
+def _host_allocator_with_p_on_it() -> tuple[Cache, object, list[int]]:
+    """P's KV moved to a host tier of 4 pages: the host allocator and the host pages the tree holds."""
+    cache = Cache(host_pages=4)
+    cache.insert(P)
+    assert cache.evict_pages(3) == 3
+    host = cache.tiers.by_name["host"].pages
+    return cache, host, cache.match(P).path[-1].kv["host"]
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda host, held: host.refcount.__setitem__(held[0], 2), r"page 0: refcount 2, owners 1"),
+    (lambda host, held: host._free.append(host._free[0]), r"a page is on the free list twice"),
+    (lambda host, held: host.refcount.__setitem__(3, 1), r"page 3: refcount 1 but free=True"),
+])
+def test_check_integrity_names_a_host_page_whose_count_disagrees_with_the_tree(corrupt, message):
+    """Only the tree holds a lower tier's pages, so their counts must be the tree's exactly: a reference too many
+    (a page leaked), a page freed twice, a free page counted."""
+    cache, host, held = _host_allocator_with_p_on_it()
+    cache.check()
+    assert held == [0, 1, 2]
+    corrupt(host, held)
+    with pytest.raises(AssertionError, match=message):
+        cache.cache.check_integrity()

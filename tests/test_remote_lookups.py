@@ -3,6 +3,7 @@ on an event the test sets: the Redis side is tested with a real redis-server in 
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from cairn.cache.remote.lookups import PENDING, RemoteLookups
@@ -51,3 +52,32 @@ def test_close_settles_every_lookup_still_running():
     lookups.close()
     assert waiting.result(timeout=5) == []
     gate.set()
+
+
+def test_a_lookup_that_raises_is_a_logged_miss_and_gives_its_place_back(caplog):
+    """A bug in the lookup (Redis errors are misses already, in the store): the answer is a miss, logged, and
+    its in-flight place is free again, so the next prompt's lookup is not refused by the cap."""
+    asked = []
+
+    def broken(token_ids, message_starts):
+        asked.append(list(token_ids))
+        raise KeyError("a bug in the lookup")
+    lookups = RemoteLookups(broken, max_in_flight=1)
+    with caplog.at_level(logging.ERROR, logger="cairn.cache.remote.lookups"):
+        assert lookups.start([1, 2]).result(timeout=30) == []
+        assert lookups.start([3]).result(timeout=30) == []
+    assert "remote lookup failed" in caplog.text and asked == [[1, 2], [3]]
+    assert lookups.answer([1, 2]) == [] and "lookups_refused" not in lookups.counters
+    lookups.close()
+
+
+def test_the_probed_depth_is_zero_until_the_answer_is_in():
+    """The router's probe never waits for Redis: before a prompt's lookup is started, and while it runs, the
+    remote depth it reports is 0."""
+    find, gate, _ = gated()
+    lookups = RemoteLookups(find)
+    assert lookups.deepest_snapshot([1, 2, 3]) == 0  # no lookup yet
+    lookups.start([1, 2, 3])
+    assert lookups.deepest_snapshot([1, 2, 3]) == 0  # running
+    gate.set()
+    lookups.close()

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from cairn.cache.disk.segment import SegmentLimits
+from cairn.cache.remote import store as remote_store
 from cairn.cache.remote.client import redacted
 from cairn.cache.remote.keys import prefix_keys
 from tests.test_remote_store import chain, make_store, put_all
@@ -108,3 +109,43 @@ def test_markers_never_outlive_a_write_that_finishes_before_put_returns(redis_se
     assert store.get(seg.key) == seg
     assert not any(r.scan_iter(match=f"cairn:{store.names.namespace}:w:*"))  # no marker left to wait for
     store.close()
+
+
+def test_a_write_that_raises_is_logged_counted_and_forgotten_and_the_writer_keeps_going(redis_server, monkeypatch,
+                                                                                         caplog):
+    """A bug in a write (not a Redis error, which is a counted miss): the writer thread logs it, the segment is
+    counted as write_failed and forgotten (never served from a write that did not happen), and the next write
+    lands."""
+    store = make_store(redis_server.url)
+    broken, fine = chain(list(range(600, 604)), [0, 4]), chain(list(range(700, 704)), [0, 4])
+    original = remote_store.encode_segment
+
+    def encode_once_broken(segment, *args):
+        if segment.key == broken[0].key:
+            raise RuntimeError("a bug while encoding")
+        return original(segment, *args)
+    monkeypatch.setattr(remote_store, "encode_segment", encode_once_broken)
+    with caplog.at_level(logging.ERROR, logger="cairn.cache.remote.writer"):
+        assert store.put(broken[0]) and store.flush()
+    assert "a background write failed" in caplog.text and store.faults == {"write_failed": 1}
+    assert store.info(broken[0].key) is None and store.keys() == []
+    put_all(store, fine)
+    assert store.keys() == [fine[0].key] and redis_server.client().exists(store.names.segment(fine[0].key))
+    store.close()
+
+
+def test_closing_finishes_even_when_the_client_refuses_to_close_and_a_second_close_does_nothing(redis_server,
+                                                                                                  caplog):
+    """`LLM.close()` inside a `with LLM(...)` block closes the cache twice; a connection that fails as it closes
+    is logged at debug level, never raised into the shutdown."""
+    store = make_store(redis_server.url)
+    put_all(store, chain(list(range(800, 804)), [0, 4]))
+
+    def refuse():
+        raise ConnectionError("the connection broke while closing")
+    store.redis.client.close = refuse
+    with caplog.at_level(logging.DEBUG, logger="cairn.cache.remote.client"):
+        store.close()
+    assert "closing the Redis client failed" in caplog.text
+    store.close()
+    assert store.faults == {}

@@ -58,6 +58,24 @@ def test_a_conversation_continued_on_another_replica_resumes_from_redis_as_cold(
         assert remote(b).counters["lookup_hits"] == 1 and b.engine.cache.stats().remote.faults == {}
 
 
+def test_a_probe_while_the_prompts_lookup_runs_plans_without_it_and_a_later_one_counts_it(redis_server):
+    """The router's probe never waits for Redis: asked while the lookup it started is stuck on a paused Redis, it
+    answers from the local tiers (cold here, no remote depth); once Redis answers, the next probe hangs what the
+    lookup found and plans the resume from Redis."""
+    a, prompt = served_on_a(redis_server.url)
+    with a, replica(redis_server.url) as b:
+        cache = b.engine.cache
+        redis_server.pause()
+        try:
+            during = cache.probe(prompt)  # starts the lookup, which waits on the paused Redis
+        finally:
+            redis_server.resume()
+        assert (during.position, during.tier, during.remote_position) == (0, None, 0)
+        assert cache.prefetch(prompt, []).result(timeout=30)  # the same lookup, answered once Redis resumed
+        after = cache.probe(prompt)
+        assert after.tier == REMOTE and after.position >= len(CONVERSATION) and after.remote_position > 0
+
+
 def test_a_redis_killed_between_requests_leaves_every_request_served(redis_server, cold):
     a, prompt = served_on_a(redis_server.url)
     with a, replica(redis_server.url) as b:
@@ -92,6 +110,10 @@ def test_a_value_corrupted_in_redis_is_never_loaded_and_is_counted(redis_server,
         faults = b.engine.cache.stats().remote.faults
         assert 1 <= faults.get("checksum", 0) <= len(names), faults
         assert run(b, prompt).cache.resume_position > 0  # it cached this run locally and serves it
+        # a longer prompt is looked up again: Redis's index still lists the corrupt segments, and the chain found
+        # stops at the first one marked unreadable, so none is read again
+        again = run(b, prompt + [8, 9])
+        assert again.cache.resume_tier == "device" and b.engine.cache.stats().remote.faults == faults
 
 
 def keys_only_in_redis(llm: LLM) -> set[bytes]:

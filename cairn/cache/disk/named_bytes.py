@@ -41,8 +41,7 @@ def layout_meta(tensors: Sequence[tuple[str, str, Sequence[int]]]) -> dict:
     """The meta of a section holding (name, dtype, shape) tensors back to back, in this order."""
     entries, offset = [], 0
     for name, dtype, shape in tensors:
-        if dtype not in ITEM_BYTES:
-            raise LayoutError(f"tensor {name}: dtype {dtype!r} has no stored form")
+        assert dtype in ITEM_BYTES, f"tensor {name}: a model's state dtype ({dtype!r}) always has a stored form"
         nbytes = math.prod(shape) * ITEM_BYTES[dtype]
         entries.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": offset, "nbytes": nbytes})
         offset += nbytes

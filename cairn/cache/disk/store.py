@@ -111,10 +111,9 @@ class DiskStore(Pins):
     def __init__(self, root, compat_digest: str, budget_bytes: int, *, compression: str | None = None,
                  limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None,
                  create_parents: bool = False, model_name: str | None = None):
-        if compression not in (None, "zstd", "lz4"):
+        if compression not in (None, "zstd", "lz4"):  # the command line's choices; the Python API reaches here
             raise ValueError(f"compression must be None, 'zstd' or 'lz4', got {compression!r}")
-        if budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        assert budget_bytes >= 0, "CacheOptions refuses a negative disk_cache_gib first"
         self.root, self.compat_digest, self.budget_bytes = os.fspath(root), compat_digest, budget_bytes
         self.compression, self.limits, self.on_evict = compression, limits, on_evict
         self.faults: dict[str, int] = {}  # reason -> occurrences
@@ -163,8 +162,7 @@ class DiskStore(Pins):
                        self.compat_digest[:16], reason, detail)
 
     def _check_open(self) -> None:
-        if self._dir_fd is None:
-            raise ValueError("the disk store is closed")
+        assert self._dir_fd is not None, "the engine closes the cache once, at shutdown, and calls it no more"
 
     # ------------------------------------------------------------------------------------ scan
 

@@ -139,7 +139,7 @@ class GuardedRedis:
         return result
 
     def pipelined(self, commands: list[tuple], ttl_s: int | None = None):
-        """("set", name, value) / ("setpx", name, value, ms) / ("get" | "exists" | "delete", name) commands in
+        """("set", name, value) / ("setpx", name, value, ms) / ("get" | "delete", name) commands in
         one round trip (a cluster client splits them by node): their results, or FAILED. `ttl_s` applies to
         the sets; a setpx expires after its own `ms` milliseconds."""
         def run(client):
@@ -151,10 +151,8 @@ class GuardedRedis:
                     pipe.set(name, value[0], px=value[1])
                 elif op == "get":
                     pipe.get(name)
-                elif op == "delete":
+                else:  # "delete"
                     pipe.delete(name)
-                else:
-                    pipe.exists(name)
             return pipe.execute()
         return self.call(run)
 

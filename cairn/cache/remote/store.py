@@ -107,8 +107,7 @@ class RedisSegmentStore(ChainLookup, Pins):
     def put(self, segment: Segment) -> bool:
         """Record segment here and queue its write; False (counted) when it cannot be written."""
         with self._lock:
-            if self._closed:
-                raise ValueError("the remote store is closed")
+            assert not self._closed, "the engine closes the cache once, at shutdown, and calls it no more"
             known = self._index.get(segment.key)
             if known is not None and _covers(known.info, segment):
                 self._index.move_to_end(segment.key)

@@ -2,7 +2,7 @@
 
     submit(job)    True when queued; False when the queue is full (the caller counts the drop)
     flush(t)       wait up to t seconds until every queued job has run
-    close(t)       run what is queued (up to t seconds), then stop the thread; idempotent
+    close(t)       run what is queued (up to t seconds), then stop the thread (its owner's close calls it once)
 
 A job that raises is logged and handed to `on_error`; the thread keeps going.
 """
@@ -23,7 +23,6 @@ class WriteBehind:
     def __init__(self, run: Callable[[Any], None], on_error: Callable[[Any], None], capacity: int, name: str):
         self._run, self._on_error = run, on_error
         self._queue: queue.Queue = queue.Queue(capacity)
-        self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -56,8 +55,5 @@ class WriteBehind:
         return not self._queue.unfinished_tasks
 
     def close(self, timeout_s: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout_s)

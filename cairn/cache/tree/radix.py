@@ -58,8 +58,7 @@ class RadixTree:
         allocators: dict[str, PageAllocator],
         on_snapshot_released: Callable[[SnapshotEntry, str], None],
     ):
-        if page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {page_size}")
+        assert page_size > 0, "the engine's config refuses a page size below 1"
         self.page_size = page_size
         self.allocators = allocators
         self.on_snapshot_released = on_snapshot_released
@@ -155,9 +154,8 @@ class RadixTree:
         """
         deepest = result.path[-1] if result.path else None
         snapshot = result.resume_node.snapshot if result.resume_node is not None else None
-        stale_snapshot = result.resume_node is not None and snapshot is None
-        if stale_snapshot or (deepest is not None and not self._attached(deepest)):
-            raise ValueError("lock() of a stale MatchResult: its path or snapshot left the tree")
+        assert (result.resume_node is None or snapshot is not None) and (deepest is None or self._attached(deepest)), \
+            "lock() of a stale MatchResult: the cache locks right after its match, with nothing between"
         self.clock += 1
         handle = LockHandle(node=deepest, snapshot=snapshot, match_len=result.match_len)
         for node in self._ancestors(deepest):
@@ -203,8 +201,8 @@ class RadixTree:
         """
         if len(tokens) == 0:
             raise ValueError("a snapshot at position 0 is meaningless: resume there by computing from scratch")
-        if entry.nbytes <= 0 or entry.lock_count != 0 or entry.source not in SNAPSHOT_SOURCES:
-            raise ValueError(f"bad snapshot entry {entry}")
+        assert entry.nbytes > 0 and entry.lock_count == 0 and entry.source in SNAPSHOT_SOURCES, \
+            f"the cache builds every entry it attaches whole and unlocked, from a placement source: {entry}"
         self.clock += 1
         node = self._insert(tokens, page_table)
         if node.snapshot is not None:

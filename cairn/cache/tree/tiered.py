@@ -94,9 +94,9 @@ class SnapshotVictims:
                 self._next_group()
                 continue
             key, node_id, node, entry = self._group[0]
-            if not self._candidate(node, entry):
-                heapq.heappop(self._group)
-                continue
+            # within one call only the popped snapshot's own demotion changes which snapshots are on this tier (a
+            # slower tier making room evicts snapshots with no copy here: no snapshot is on two page tiers)
+            assert self._candidate(node, entry), "a grouped snapshot stopped being a candidate mid-call"
             current = retention_key(node)
             if current == key:
                 heapq.heappop(self._group)
@@ -196,8 +196,7 @@ class TieredRadixTree(RadixTree):
         while node.end < len(tokens):
             child = node.children.get(tokens[node.end])
             if child is None:
-                if node.end < start:
-                    raise ValueError(f"insert_from_disk: the path is missing before position {node.end}")
+                assert node.end >= start, f"the index hangs parents first: no path before position {node.end}"
                 child = Node(self._next_node_id, tuple(tokens[node.end:]), node.end, len(tokens), node, {tier: ref})
                 self._next_node_id += 1
                 node.children[child.tokens[0]] = child
