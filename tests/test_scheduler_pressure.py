@@ -74,10 +74,10 @@ def test_decode_rows_spending_the_token_budget_hold_a_prefill_back_until_they_le
 def test_prompt_admitted_with_less_budget_left_than_a_prefill_block_waits_for_its_first_block():
     """With a prefill block (64), a prompt admitted after another took its first block finds 36 tokens of the
     step's budget (100) left: less than a block, so it is admitted (slot and pages) but computes nothing that
-    step; its blocks come in later steps, and both outputs equal each request run alone."""
+    step (nor the next); its blocks come in later steps, and both outputs equal each request run alone."""
     llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.05, page_size=8, max_num_seqs=2, max_num_batched_tokens=100,
               prefill_block=64, prefix_cache=False)
-    prompts = [[(3 * i + j) % 200 + 10 for j in range(100)] for i in range(2)]
+    prompts = [[(3 * i + j) % 200 + 10 for j in range(120)] for i in range(2)]
     params = greedy(4)
     waited = []
 
@@ -86,7 +86,8 @@ def test_prompt_admitted_with_less_budget_left_than_a_prefill_block_waits_for_it
             waited.append(scheduler.running[0].num_computed)
 
     together = run_checked(llm, prompts, params, watch)
-    assert waited == [64]  # after the first step: the first prompt's block computed, the second admitted idle
+    # the first prompt computes a block, then the rest of its prompt (56 tokens: 44 left), the second nothing
+    assert waited == [64, 120]
     assert together == [run_checked(llm, [p], params)[0] for p in prompts]
 
 
