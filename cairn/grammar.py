@@ -58,7 +58,7 @@ class Grammar:
         """Advance past `token`; False when the grammar does not allow it (the matcher is then in error)."""
         try:
             return bool(self._matcher.consume_token(token))
-        except Exception:  # misuse at the API level (a token out of range): the request fails, not the batch
+        except Exception:  # llguidance failing on a token its mask allowed: the request fails, not the batch
             return False
 
     @property
