@@ -58,7 +58,7 @@ class Grammar:
         """Advance past `token`; False when the grammar does not allow it (the matcher is then in error)."""
         try:
             return bool(self._matcher.consume_token(token))
-        except Exception:  # misuse at the API level (a token out of range): the request fails, not the batch
+        except Exception:  # llguidance failing on a token its mask allowed: the request fails, not the batch
             return False
 
     @property
@@ -208,9 +208,8 @@ def _lltokenizer(tokenizer: Tokenizer, vocab_size: int):
     eos = list(tokenizer.eos_token_ids)
     if isinstance(tokenizer, HFTokenizer):
         return LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
-    if isinstance(tokenizer, ByteTokenizer):
-        return LLTokenizer(TokenizerWrapper(_ByteVocab(tokenizer, vocab_size)), n_vocab=vocab_size, eos_token=eos)
-    raise SamplingError(f"structured output is not available with a {type(tokenizer).__name__}")
+    assert isinstance(tokenizer, ByteTokenizer), "the engine serves a checkpoint's tokenizer or the demo's"
+    return LLTokenizer(TokenizerWrapper(_ByteVocab(tokenizer, vocab_size)), n_vocab=vocab_size, eos_token=eos)
 
 
 class _ByteVocab:

@@ -14,6 +14,7 @@ any thread (the server tokenizes off the engine thread), and encoding is linear 
 
 from __future__ import annotations
 
+import abc
 import itertools
 import json
 import logging
@@ -123,7 +124,7 @@ def _find_messages_loop(body: list[nodes.Node]) -> tuple[list[nodes.Node], int] 
     return None
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
     """Interface shared by the checkpoint and demo tokenizers."""
 
     eos_token_ids: tuple[int, ...] = ()
@@ -136,18 +137,20 @@ class Tokenizer:
         self._template_vars = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
 
     @property
+    @abc.abstractmethod
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        """Token ids are in [0, vocab_size)."""
 
     def encode(self, text: str) -> list[int]:
         return self.encode_with_offsets(text)[0]
 
+    @abc.abstractmethod
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
         """Token ids and, for each, the character offset where it starts in `text`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode(self, ids: list[int]) -> str:
-        raise NotImplementedError
+        """The text of `ids` (special tokens included)."""
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra) -> str:
         if self._template is None:

@@ -432,3 +432,30 @@ def test_a_build_left_unfinished_by_a_killed_process_does_not_block_the_next_one
     done = subprocess.run([sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "42", done.stderr[-2000:]
     assert not (tmp_path / "lock").exists()
+
+
+def test_build_command_on_a_machine_without_proc_cpuinfo_says_the_cpu_lacks_the_instructions(monkeypatch, capsys):
+    """No /proc/cpuinfo (another OS, a restricted container): no flags are known, so no path is tried and
+    the build command says why in one line."""
+    def no_cpuinfo(path, *args, **kwargs):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(cpu_gemv, "open", no_cpuinfo, raising=False)
+    assert cpu_gemv.cpu_flags() == set()
+    assert cpu_gemv.main(["--build"]) == 0
+    assert capsys.readouterr().out.strip() == "cairn gemv kernel: none (the CPU lacks AVX2 + FMA)"
+
+
+PATH_ABOVE = {"avx2": ("avx512_bf16", {"avx512_bf16", "avx512bw", "avx2", "fma"}),
+              "avx512_bf16": ("amx_bf16", {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw", "avx2", "fma"})}
+
+
+@needs_kernel
+@pytest.mark.skipif(cpu_gemv.isa_for(FLAGS) not in PATH_ABOVE, reason="no path above this CPU's best")
+def test_flags_promising_a_path_the_built_library_finds_missing_are_refused():
+    """Flags that promise the path above this CPU's best (a hypervisor passing flags the CPU does not
+    run): the library builds, its own check finds the instructions missing, and the path is refused in one
+    line rather than run."""
+    kernel(ISAS[0])  # built (or found built) for this CPU
+    above, flags = PATH_ABOVE[cpu_gemv.isa_for(FLAGS)]
+    assert cpu_gemv.load(flags, above) == f"the CPU lacks {above}"

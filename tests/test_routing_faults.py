@@ -11,10 +11,12 @@ chat body is parsed off the event loop and its prefixes remembered; a body that 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from contextlib import ExitStack, contextmanager
 
 import httpx
+import pytest
 
 from tests.scripted_replica import BUSY_PADDING, Script, ScriptedReplica
 from tests.server_process import ServerProcess, start_router
@@ -131,11 +133,15 @@ def test_a_body_that_is_not_json_is_passed_on_and_nothing_remembered():
         assert health(router)["remembered_prefixes"] == 0
 
 
-def test_a_router_stopped_by_sigterm_exits_0_as_cairn_serve_does():
-    """An operator's SIGTERM (as a supervisor sends) ends the router cleanly, status 0, nothing on its log
-    but what it logged while serving: uvicorn alone would raise the signal again and die by it (143)."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_router_stopped_by_sigterm_or_ctrl_c_exits_0_as_cairn_serve_does(sig):
+    """An operator's SIGTERM (as a supervisor sends) or Ctrl-C ends the router cleanly, status 0, nothing on
+    its log but what it logged while serving: uvicorn alone would raise the signal again and die by it (143;
+    a KeyboardInterrupt traceback for Ctrl-C)."""
     with ScriptedReplica(Script()) as replica:
         router = start_router("--replica", replica.url)
         assert chat(router).status_code == 200
+        router.signal(sig)
+        assert router.proc.wait(20) == 0
         assert router.stop() == 0
         assert "Traceback" not in router.log()

@@ -71,6 +71,26 @@ def test_decode_rows_spending_the_token_budget_hold_a_prefill_back_until_they_le
     assert outputs[6] == run_checked(llm, [fresh], params)[0]
 
 
+def test_prompt_admitted_with_less_budget_left_than_a_prefill_block_waits_for_its_first_block():
+    """With a prefill block (64), a prompt admitted after another took its first block finds 36 tokens of the
+    step's budget (100) left: less than a block, so it is admitted (slot and pages) but computes nothing that
+    step (nor the next); its blocks come in later steps, and both outputs equal each request run alone."""
+    llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.05, page_size=8, max_num_seqs=2, max_num_batched_tokens=100,
+              prefill_block=64, prefix_cache=False)
+    prompts = [[(3 * i + j) % 200 + 10 for j in range(120)] for i in range(2)]
+    params = greedy(4)
+    waited = []
+
+    def watch(scheduler):
+        if len(scheduler.running) == 2 and scheduler.running[1].num_computed == 0:
+            waited.append(scheduler.running[0].num_computed)
+
+    together = run_checked(llm, prompts, params, watch)
+    # the first prompt computes a block, then the rest of its prompt (56 tokens: 44 left), the second nothing
+    assert waited == [64, 120]
+    assert together == [run_checked(llm, [p], params)[0] for p in prompts]
+
+
 def test_closing_an_engine_with_requests_running_and_queued_aborts_them_and_frees_every_page_and_slot():
     """An interrupted `LLM` call leaves requests behind: close() aborts the running and the queued ones alike and
     returns their pages and slots; what is left of the pool is the prefix cache's."""

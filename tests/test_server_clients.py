@@ -3,6 +3,7 @@ client misbehaves below HTTP): each is answered or cut off, and the server keeps
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import time
@@ -119,3 +120,32 @@ def test_client_dropping_a_whole_response_is_499_without_a_traceback(server):
     assert "Traceback" not in log and "ERROR" not in log, log
     assert "the client closed the connection" in log
     assert re.search(r'^cairn_num_requests_running 0', httpx.get(server.base_url + "/metrics").text, re.M)
+
+
+def test_client_not_reading_the_last_answer_of_its_connection_gets_nothing_after_it(server):
+    """A large answer on a connection the client closes (`Connection: close`), which it leaves unread: the
+    server has handed the whole answer to the transport, which closes once the client reads it. The head
+    deadline, armed when the answer completes, finds the connection closing and adds no 408 to the answer."""
+    body = json.dumps({"prompt": "a" * 2_000_000}).encode()  # /tokenize answers about 8 MB of token ids
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: the window stays small)
+        sock.settimeout(30)
+        sock.connect((host, int(port)))
+        before, log_before = requests_total(server, "/tokenize", 200), len(server.log())
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 60
+        while requests_total(server, "/tokenize", 200) == before:  # the answer is complete on the server's side
+            assert time.monotonic() < deadline, "the answer never completed"
+            time.sleep(0.1)
+        time.sleep(2 * HEADER_TIMEOUT_S)  # the head deadline passes while the answer waits to be read
+        answer = b""
+        while chunk := sock.recv(1 << 20):
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    assert len(payload) == length, payload[length:length + 200]  # nothing after the answer
+    assert json.loads(payload)["count"] == 2_000_000
+    assert "no complete request head" not in server.log()[log_before:]

@@ -75,3 +75,26 @@ def test_device_memory_fraction_on_cpu_shares_the_machines_ram_less_this_process
     resolved = resolve_sizes(config_with_overrides(EngineConfig(), device_memory_fraction=0.5), CPU, is_demo=True)
     shared = resolved.memory.kv_cache_gib + resolved.memory.state_cache_gib + resolved.cache.device_snapshot_gib
     assert 0 < shared < 0.5 * ram_gib - 0.01
+
+
+def test_machine_without_proc_meminfo_or_statm_sizes_from_sysconf(monkeypatch, caplog):
+    """Without /proc (another OS, a locked-down container) available RAM is the free physical pages and
+    the resident set reads as 0: the host tier still gets its default, and --device-memory-fraction
+    shares the whole fraction of the machine's RAM."""
+    real_open = open
+
+    def open_without_proc(path, *args, **kwargs):
+        if str(path) in ("/proc/meminfo", "/proc/self/statm"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(sizing, "open", open_without_proc, raising=False)
+    free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
+    with caplog.at_level(logging.INFO, logger="cairn.sizing"):
+        resolved = resolve_sizes(config_with_overrides(EngineConfig(), device_memory_fraction=0.5), CPU,
+                                 is_demo=False)
+    seen_gib = float(caplog.text.split("% of ")[1].split(" GiB available RAM")[0])
+    assert abs(seen_gib - free_gib) < 0.5 and 0 < resolved.cache.host_cache_gib <= 8.0
+    ram_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
+    shared = resolved.memory.kv_cache_gib + resolved.memory.state_cache_gib + resolved.cache.device_snapshot_gib
+    assert shared == pytest.approx(0.5 * ram_gib, rel=1e-9)  # nothing subtracted for this process

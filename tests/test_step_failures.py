@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 
 import pytest
@@ -62,8 +63,10 @@ def fail_once(obj, name: str) -> None:
     setattr(obj, name, failing)
 
 
-@pytest.mark.parametrize("where", ["runner.run", "cache.after_step"])
+@pytest.mark.parametrize("where", ["runner.run", "cache.after_step", "cache.captures"])
 def test_failed_step_frees_every_resource_of_its_requests(where):
+    """cache.captures fails while the scheduler completes the batch, outside any one admission: every
+    running request is failed."""
     engine = make_engine()
     expected = run(engine, PROMPT)
     engine.cache.speeds.prefill_tokens_per_s = 1e-3  # so the planner never finds a cold prefill faster
@@ -77,6 +80,25 @@ def test_failed_step_frees_every_resource_of_its_requests(where):
     assert sorted(failed.value.request_ids) == sorted([first, second])
     assert_idle(engine)
     assert run(engine, PROMPT) == expected  # and it keeps serving, from its cache too
+
+
+def test_failed_step_whose_freeing_raises_too_still_frees_slots_and_pages(caplog):
+    """The runner raises, then the cache's release of one of the batch's requests raises as well: the
+    step still fails with the runner's error, the second failure is logged, and the requests' slots and
+    pages are free (the scheduler frees them whatever the cache's release does)."""
+    engine = make_engine()
+    run(engine, PROMPT)
+    engine.cache.speeds.prefill_tokens_per_s = 1e-3
+    request_id = engine.add_request(PROMPT + [9, 9], GREEDY)  # resumes from the cache: holds a lock
+    fail_once(engine.runner, "run")
+    fail_once(engine.cache, "release")
+    with caplog.at_level(logging.ERROR, logger="cairn.engine"), pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert isinstance(failed.value.__cause__, Injected) and str(failed.value) == "Injected: run"
+    assert failed.value.request_ids == [request_id]
+    assert [r.message for r in caplog.records] == [f"freeing {request_id} after a failed step raised too"]
+    assert not engine.has_unfinished() and engine.states.num_free == engine.states.num_slots
+    assert engine.kv.allocator.num_free + len(engine.cache.page_refs()) == engine.kv.num_pages
 
 
 # the resume's two steps that can raise: taking the resumed pages (an eviction bug, say: the allocator's
@@ -116,6 +138,39 @@ def test_failure_caching_a_finished_request_still_returns_it_and_frees_it(monkey
     assert_idle(engine)
     monkeypatch.undo()
     assert run(engine, OTHER) == expected
+
+
+def test_request_queued_while_every_slot_is_held_waits_and_runs_once_one_is_free():
+    """A bug that leaks working slots (here: taken from the pool by hand) leaves a queued request
+    waiting, unadmitted and holding nothing, and the engine says it is stalled; once the slots are back
+    the request runs and answers as on a healthy engine."""
+    engine = make_engine()
+    expected = run(engine, PROMPT)
+    held = [engine.states.alloc() for _ in range(engine.states.num_free)]
+    request_id = engine.add_request(PROMPT, GREEDY)
+    assert engine.step() == [] and engine.step() == []
+    assert engine.num_waiting == 1 and engine.num_running == 0
+    assert engine.stalled() == "every working state slot is held while no request is running"
+    for slot in held:
+        engine.states.free(slot)
+    assert engine.stalled() is None
+    answers = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            accumulate(answers, out)
+    assert answers[(request_id, 0)].token_ids == expected
+    assert_idle(engine)
+
+
+def test_integrity_check_finds_an_idle_engine_holding_a_working_slot():
+    engine = make_engine()
+    run(engine, PROMPT)
+    engine.check_integrity()
+    slot = engine.states.alloc()  # what a request that finished without freeing its slot would leave
+    with pytest.raises(AssertionError, match="an idle engine holds working state slots"):
+        engine.check_integrity()
+    engine.states.free(slot)
+    engine.check_integrity()
 
 
 def test_aborting_a_queued_request_frees_it():

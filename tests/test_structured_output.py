@@ -4,6 +4,8 @@ responsible for valid JSON; and the grammar built from a checkpoint's tokenizer.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import replace
 
 import jsonschema
@@ -11,8 +13,9 @@ import pytest
 import torch
 
 from cairn.errors import SamplingError
-from cairn.grammar import GrammarCompiler, allowed_masks
+from cairn.grammar import BudgetedGrammar, GrammarCompiler, allowed_masks
 from cairn.llm import LLM
+from cairn.outputs import accumulate
 from cairn.sampling import SamplingParams, StructuredOutput
 from cairn.tokenizer import HFTokenizer
 from tests.checkpoints import write_tokenizer
@@ -123,3 +126,86 @@ def test_reasoning_without_a_budget_runs_until_the_model_ends_it(llm):
     budgeted = replace(spec, think_budget=5)
     (forced,) = llm.generate(PROMPT, SamplingParams(structured=budgeted, max_tokens=16, temperature=1.0, seed=7))
     assert forced.token_ids[:5] == out.token_ids[:5] and forced.token_ids[5:13] == list(b"</think>")
+
+
+def test_unknown_structured_output_kind_is_refused_at_add_request(llm):
+    """The offline API takes any StructuredOutput: a kind the compiler does not know is a SamplingError
+    naming the known ones, and nothing is queued."""
+    with pytest.raises(SamplingError, match=r"kind 'regex' is not one of \('json_object', 'json_schema'"):
+        llm.generate(PROMPT, SamplingParams(structured=StructuredOutput("regex", "a+")))
+    assert not llm.engine.has_unfinished()
+
+
+class FailingMatcher:
+    """An llguidance matcher whose method `failing` raises (an llguidance fault); the rest is the real one."""
+
+    def __init__(self, real, failing: str):
+        self._real, self._failing = real, failing
+
+    def __getattr__(self, name: str):
+        if name == self._failing:
+            def fail(*args):
+                raise RuntimeError(f"injected: {name}")
+            return fail
+        return getattr(self._real, name)
+
+    def deep_copy(self) -> FailingMatcher:
+        return FailingMatcher(self._real.deep_copy(), self._failing)
+
+
+def inject_matcher_fault(monkeypatch, engine, failing: str, first_only: bool = False) -> None:
+    """The grammars the engine compiles next get matchers whose `failing` method raises (with
+    first_only: only the next one)."""
+    original = engine.grammars.compile
+
+    def compile(spec):
+        grammar = original(spec)
+        if first_only:
+            monkeypatch.setattr(engine.grammars, "compile", original)
+        for g in (grammar._thinking, grammar._forced) if isinstance(grammar, BudgetedGrammar) else (grammar,):
+            g._matcher = FailingMatcher(g._matcher, failing)
+        return grammar
+    monkeypatch.setattr(engine.grammars, "compile", compile)
+
+
+def finish_all(engine) -> dict:
+    answers = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            accumulate(answers, out)
+    return answers
+
+
+@pytest.mark.parametrize("spec", [StructuredOutput("json_schema", json.dumps(SMALL)),
+                                  StructuredOutput("json_schema", json.dumps(SMALL), think_end="</think>",
+                                                   think_budget=5)], ids=["plain", "budgeted"])
+def test_grammar_refusing_a_token_its_mask_allowed_fails_that_request_alone(llm, monkeypatch, spec):
+    """The matcher raises on the sampled token (its mask allowed it): the request finishes with "error"
+    naming the refused token, and the request beside it answers as it does alone."""
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    (alone,) = llm.generate(PROMPT[:20], free)
+    inject_matcher_fault(monkeypatch, llm.engine, "consume_token")
+    llm.engine.add_request(PROMPT, SamplingParams(structured=spec, max_tokens=50, temperature=0.0),
+                           request_id="refused")
+    llm.engine.add_request(PROMPT[:20], free, request_id="beside")
+    answers = finish_all(llm.engine)
+    refused = answers[("refused", 0)]
+    assert refused.finish_reason == "error" and refused.token_ids == []
+    assert re.fullmatch(r"the grammar refused token \d+: .*", refused.error), refused.error
+    assert answers[("beside", 0)].token_ids == alone.token_ids
+
+
+def test_grammar_whose_mask_cannot_be_computed_fails_its_request_alone(llm, monkeypatch, caplog):
+    """Computing one grammar's mask raises: the batch's masks are computed one by one, that grammar
+    allows nothing, so its request alone fails in sampling; the other constrained request still
+    answers valid JSON."""
+    inject_matcher_fault(monkeypatch, llm.engine, "unsafe_compute_mask_ptr", first_only=True)
+    llm.engine.add_request(PROMPT, constrained(SMALL, temperature=0.0), request_id="maskless")
+    llm.engine.add_request(PROMPT[5:], constrained(SMALL, temperature=0.0), request_id="valid")
+    with caplog.at_level(logging.ERROR, logger="cairn.grammar"):
+        answers = finish_all(llm.engine)
+    assert "computing the grammar masks of the batch failed" in caplog.text
+    maskless = answers[("maskless", 0)]
+    assert maskless.finish_reason == "error" and maskless.error.startswith("no token can be sampled"), maskless.error
+    assert answers[("valid", 0)].finish_reason == "stop"
+    jsonschema.validate(json.loads(answers[("valid", 0)].text), SMALL)

@@ -3,13 +3,14 @@ definition they replace; the byte tokenizer's fast encoder equals the per-charac
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from cairn.errors import PromptTooLong
 from cairn.prompt import tokenize_prompt
-from cairn.tokenizer import ByteTokenizer, Tokenizer, _common_prefix_len, _token_at_or_after
+from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, _common_prefix_len, _token_at_or_after
 
 # The shape of Qwen3's template: a system/tools header, a backwards scan for the last user query
 # (messages[::-1]), reasoning kept only after it, grouped tool responses, a `loop` variable.
@@ -196,3 +197,61 @@ def test_checkpoint_tokenizer_chars_per_token_bound_holds(tmp_path):
     for _ in range(20):
         text = "".join(rng.choice(["a", "é", "😀", " ", "<|im_start|>", "<|im_end|>"]) for _ in range(50))
         assert len(text) <= len(tok.encode(text)) * tok.max_chars_per_token
+
+
+LOOP = "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("wrapper", ["{% if messages %}LOOP{% endif %}",
+                                     "{% if not messages %}{% elif messages %}LOOP{% endif %}",
+                                     "{% if not messages %}{% else %}LOOP{% endif %}",
+                                     "{% with greeting = 'hi' %}LOOP{% endwith %}",
+                                     "{% autoescape false %}LOOP{% endautoescape %}",
+                                     "{% for turn in [1] %}LOOP{% endfor %}",
+                                     "{% for turn in [] %}{% else %}LOOP{% endfor %}"])
+def test_messages_loop_nested_in_a_block_is_found_and_gives_the_starts_in_one_render(wrapper, monkeypatch):
+    """A checkpoint's template may wrap its loop over the messages in an if, with, autoescape or for block:
+    the marker still finds the loop (one render), and the starts equal the per-prefix definition."""
+    tok = ByteTokenizer()
+    Tokenizer.__init__(tok, wrapper.replace("LOOP", LOOP) + "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                                                            "{% endif %}", eos_token="<|im_end|>")
+    msgs = conversation(random.Random(3), 5)
+    renders = []
+    original = tok._template.render
+    monkeypatch.setattr(tok._template, "render", lambda *a, **kw: renders.append(1) or original(*a, **kw))
+    ids, starts = tok.encode_chat(msgs)
+    assert len(renders) == 1
+    assert starts == starts_by_prefix_renders(tok, msgs)
+
+
+def write_merged_tokenizer(path, template: str, normalizer=None) -> None:
+    """A checkpoint tokenizer whose one merge ("a" + "b" -> "ab") can span two messages' texts."""
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers import models
+
+    tok = FastTokenizer(models.BPE(vocab={"a": 0, "b": 1, "x": 2, "ab": 3}, merges=[("a", "b")]))
+    tok.normalizer = normalizer
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+
+
+def test_message_starting_inside_a_token_starts_at_that_token(tmp_path):
+    """A template that joins messages without a separator lets one token span the end of a message and the
+    start of the next ("a" + "b" -> "ab"): the next message starts at that token (the tokens before it
+    hold only the earlier message), as a request extending the conversation shares the whole token."""
+    write_merged_tokenizer(tmp_path, "{% for message in messages %}{{ message.content }}{% endfor %}")
+    tok = HFTokenizer(tmp_path)
+    msgs = [{"role": "user", "content": "xa"}, {"role": "user", "content": "bx"}]
+    assert tok.encode_with_offsets("xabx") == ([2, 3, 2], [0, 1, 3])
+    assert tok.encode_chat(msgs) == ([2, 3, 2], [1, 3])  # message 2 starts in "ab"; the generation prompt at the end
+
+
+def test_text_a_normalizer_may_shrink_is_encoded_not_refused_by_its_length(tmp_path):
+    """A normalizer other than Unicode's may delete text, so no character bound holds for the tokenizer: a
+    text far longer than the context in characters is encoded, and fits when its tokens do."""
+    from tokenizers import normalizers
+
+    write_merged_tokenizer(tmp_path, "", normalizers.Replace("x", ""))
+    tok = HFTokenizer(tmp_path)
+    assert tok.max_chars_per_token is None
+    assert tokenize_prompt(tok, "x" * 5000 + "ab", max_model_len=10).token_ids == [3]

@@ -129,7 +129,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+        assert self.cycle is None or self.cycle.response_complete, "a request head disarms the timer"
+        if self.transport.is_closing():  # an answer the client has not read yet, on a connection that then closes
             return
         log.info("closed a connection from %s: no complete request head within %gs (--header-timeout-s)",
                  _peer(self.client), self.header_timeout_s)
