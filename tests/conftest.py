@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -9,6 +11,18 @@ from tests.checkpoints import FAMILIES, write_checkpoint
 
 # As the engine does on CPU: subnormal floats in decayed recurrent states are up to 100x slower.
 torch.set_flush_denormal(True)
+
+
+@pytest.fixture(autouse=True)
+def root_logging_as_before():
+    """A test that runs `cairn.cli.main` in-process configures the root logger (`setup_logging`: its level,
+    and a handler on the stderr pytest captured for that test, closed after it). Put both back, so that a
+    later test neither logs into a closed file nor sees records of levels it did not ask for."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
