@@ -9,7 +9,11 @@ reads, the weight-read bandwidth that achieves (bytes x steps/s), the machine's 
 measured in the same run (a plain `sum` over a large fp32 tensor, best of its runs), their ratio,
 the same against cairn's own streaming read of that tensor (a loop of vector loads in the gemv
 kernel's library, which reads faster than `sum` on some machines; "own read"), and transformers'
-`generate` on the same weights in the same dtype. Models are built as in engine_throughput.py
+`generate` on the same weights in the same dtype. Batched steps are bound by arithmetic rather than by the
+weight read, so each point also reports the CPU's measured matmul ceiling (a 1024^3 fp32 GEMM on operands that
+stay in cache, best of its runs: torch's BLAS at about the FMA units' peak) and the share of it the step's
+linears would use if they were all of the step ("of GEMM": 2 x batch x linear weights x steps/s over the
+ceiling; an upper bound on what the linears alone reach). Models are built as in engine_throughput.py
 (random weights, Qwen3.5-0.8B dimensions with the vocabulary cut to 32k).
 
     PYTHONPATH=. python benchmarks/decode_bench.py --out benchmarks/out/decode_bench.json
@@ -84,6 +88,24 @@ def stream_read_gbs(buf: torch.Tensor, repeats: int = 3) -> float | None:
     return buf.numel() * buf.element_size() / best / 1e9
 
 
+def gemm_ceiling_gflops(repeats: int = 5, n: int = 1024) -> float:
+    """GFLOP/s of an fp32 n x n x n matmul on operands that stay in cache (12 MiB), best of `repeats`: the
+    arithmetic a batched decode step can at most do per second on this CPU."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def linear_weights(hf) -> int:
+    """Multiply-adds per token of the model's linear layers (lm_head included), from the reference model."""
+    return sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear))
+
+
 def variants(layouts: list[str]) -> dict[str, dict]:
     """Engine model options per layout name: plain / packed weight layouts, int8 weight-only quantization."""
     table = {"auto": {}, "plain": {"weight_layout": "plain"}, "packed": {"weight_layout": "packed"},
@@ -146,6 +168,7 @@ def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) ->
 
 
 def run_dtype(path: Path, hf, dtype: str, args, buf: torch.Tensor) -> list[dict]:
+    macs = linear_weights(hf)
     engines = build_engines(path, dtype, args.layouts.split(","), max(args.batches))
     hf = hf.to(getattr(torch, dtype)) if args.hf else None
     for engine, _ in engines.values():  # warm-up: first calls pay page faults and oneDNN set-up
@@ -164,9 +187,10 @@ def run_dtype(path: Path, hf, dtype: str, args, buf: torch.Tensor) -> list[dict]
             print(f"  {dtype} {name} prefill{args.prefill_len}: {rows[-1]['prefill_tok_s']:.1f} tok/s", flush=True)
     for batch in args.batches:
         runs: dict[str, list[float]] = {name: [] for name in engines}
-        runs["transformers"], bandwidth, own_read = [], [], []
+        runs["transformers"], bandwidth, own_read, gemm = [], [], [], []
         for _ in range(args.repeats):  # every side once per repeat, alternating
             bandwidth.append(read_bandwidth_gbs(buf))
+            gemm.append(gemm_ceiling_gflops())
             own_read.append(stream_read_gbs(buf))
             for name, (engine, _) in engines.items():
                 runs[name].append(cairn_decode_tok_s(engine, batch, args.new_tokens, args.prompt_len))
@@ -182,11 +206,14 @@ def run_dtype(path: Path, hf, dtype: str, args, buf: torch.Tensor) -> list[dict]
                          "memory_bandwidth_gbs": max(bandwidth), "bandwidth_runs": bandwidth,
                          "fraction_of_bandwidth": achieved / max(bandwidth),
                          "stream_read_gbs": own, "stream_read_runs": own_read,
+                         "gemm_gflops": max(gemm), "gemm_runs": gemm,
+                         "fraction_of_gemm": 2 * macs * tok_s / 1e9 / max(gemm),
                          "fraction_of_stream_read": achieved / own if own else None,
                          "transformers_tok_s": hf_tok_s, "transformers_runs": runs["transformers"],
                          "vs_transformers": tok_s / hf_tok_s if hf_tok_s else None})
             print(f"  {dtype} {name} b{batch}: {tok_s:.2f} tok/s, {achieved:.1f} GB/s of {max(bandwidth):.1f}"
                   + (f" (own read {own:.1f})" if own else "")
+                  + f", linears at {100 * rows[-1]['fraction_of_gemm']:.0f}% of a {max(gemm):.0f} GFLOP/s GEMM"
                   + (f", transformers {hf_tok_s:.2f} tok/s" if hf_tok_s else ""), flush=True)
     del engines
     gc.collect()
@@ -235,13 +262,14 @@ def compile_check(batches: list[int], repeats: int = 5) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| dtype | layout | batch | tok/s | weight MB/step | weight GB/s | memory GB/s | of limit "
-             "| own read GB/s | of own read | transformers tok/s | vs transformers | vs batch 1 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| own read GB/s | of own read | GEMM GFLOP/s | of GEMM "
+             "| transformers tok/s | vs transformers | vs batch 1 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     b1 = {(r["dtype"], r["layout"]): r["tok_s"] for r in rows if r.get("batch") == 1}
     for r in rows:
         if "prefill_len" in r:
             lines.append(f"| {r['dtype']} | {r['layout']} | prefill {r['prefill_len']} | {r['prefill_tok_s']:.1f} "
-                         "| | | | | | | | | |")
+                         "| | | | | | | | | | | |")
             continue
         hf = f"{r['transformers_tok_s']:.2f}" if r["transformers_tok_s"] else "-"
         vs = f"{r['vs_transformers']:.2f}x" if r["vs_transformers"] else "-"
@@ -249,9 +277,10 @@ def table(rows: list[dict]) -> str:
         scale = f"{r['tok_s'] / base:.1f}x" if base else "-"
         own = (f"{r['stream_read_gbs']:.1f} | {100 * r['fraction_of_stream_read']:.0f}%" if r.get("stream_read_gbs")
                else "- | -")
+        gemm = f"{r['gemm_gflops']:.0f} | {100 * r['fraction_of_gemm']:.0f}%" if r.get("gemm_gflops") else "- | -"
         lines.append(f"| {r['dtype']} | {r['layout']} | {r['batch']} | {r['tok_s']:.2f} "
                      f"| {r['weight_bytes'] / 1e6:.0f} | {r['weight_read_gbs']:.1f} | {r['memory_bandwidth_gbs']:.1f} "
-                     f"| {100 * r['fraction_of_bandwidth']:.0f}% | {own} | {hf} | {vs} | {scale} |")
+                     f"| {100 * r['fraction_of_bandwidth']:.0f}% | {own} | {gemm} | {hf} | {vs} | {scale} |")
     return "\n".join(lines)
 
 
