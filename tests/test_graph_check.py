@@ -90,6 +90,29 @@ def test_a_static_buffer_that_moves_fails_at_replay():
         replay()
 
 
+def test_an_op_run_only_from_the_replay_on_fails_naming_both_op_counts():
+    x, host = torch.ones(4), {"extra": False}
+    replay = capture(lambda: x * 2 + 1 if host["extra"] else x * 2, x=x)
+    host["extra"] = True  # a branch on host state: a graph would never run the added op
+    with pytest.raises(GraphUnsafe, match="captured 1 ops, replayed 2"):
+        replay()
+
+
+def test_a_tensor_made_on_another_device_fails_at_capture():
+    """(On a GPU: a step making a tensor on the CPU, which the graph would wait for; here the other way round.)"""
+    x = torch.ones(4)
+    with pytest.raises(GraphUnsafe, match="aten::ones touches a tensor on meta, the graph's device is cpu"):
+        capture(lambda: (x * 2, torch.ones(4, device="meta").sum())[0], x=x)
+
+
+def test_an_empty_slice_of_a_static_buffer_replays():
+    """An empty tensor has no storage to place: it is recorded by shape alone, whatever its address."""
+    x = torch.ones(4)
+    replay = capture(lambda: torch.cat([x[:0], x * 2]), x=x)
+    x.fill_(3)
+    assert torch.equal(replay(), torch.full((4,), 6.0))
+
+
 # ---- reservations -----------------------------------------------------------------------------------
 
 def test_a_reserved_page_is_never_handed_out_nor_freed():

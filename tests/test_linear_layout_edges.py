@@ -7,6 +7,7 @@ checked for the error that names the problem.
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -121,3 +122,14 @@ def test_kernel_build_command_names_the_path_it_got():
                          text=True, timeout=600, check=True).stdout
     named = expected.isa if isinstance(expected, cpu_gemv.GemvKernel) else f"none ({expected})"
     assert out.strip() == f"cairn gemv kernel: {named}"
+
+
+@pytest.mark.parametrize(("module", "what"), [
+    ("cpu_gdn", "fused GDN decode op"), ("cpu_norm", "fused add + RMSNorm op"), ("cpu_silu", "fused silu * up op")])
+def test_fused_op_build_commands_say_in_one_line_whether_the_op_built(module, what):
+    """The commands scripts/setup runs (`python -m cairn.ops.<op> --build`): exit 0 and one line, "built" where
+    the op loads in this process too, else why not (a machine without a compiler still sets up)."""
+    loaded = importlib.import_module(f"cairn.ops.{module}").load()
+    out = subprocess.run([sys.executable, "-m", f"cairn.ops.{module}", "--build"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    assert out.strip() == f"cairn {what}: " + (f"none ({loaded})" if isinstance(loaded, str) else "built")

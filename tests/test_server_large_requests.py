@@ -49,20 +49,25 @@ def answer(r: httpx.Response) -> dict:
 
 
 def wait_dead(pids: list[int], timeout_s: float = 60.0) -> None:
-    """Until every process in `pids` has died (a zombie or gone): on a busy machine a SIGKILLed process
-    may not be scheduled to die for a while, and a job given to it meanwhile fails (not what is tested)."""
+    """Until every process in `pids` has died (a zombie whose threads have all ended, or gone): on a busy machine
+    a SIGKILLed process may not be scheduled to die for a while, and a job given to it meanwhile fails (not what
+    is tested). Its main thread shows as a zombie while its other threads (torch's) still tear the process down,
+    its pipe still open: the parent cannot reap it yet, and a job sent then is lost with it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        states = []
-        for pid in pids:
-            try:
-                states.append(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                states.append("gone")
-        if all(state in ("Z", "X", "gone") for state in states):
+        if all(process_ended(pid) for pid in pids):
             return
         time.sleep(0.05)
     raise AssertionError(f"killed request workers {pids} still alive after {timeout_s}s")
+
+
+def process_ended(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return state in ("Z", "X") and threads == [str(pid)]
 
 
 def request_workers(server_pid: int) -> list[int]:
