@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
+import sys
+import types
 
 import pytest
 import xxhash
@@ -121,6 +124,47 @@ def test_encode_rejects_inconsistent_segments():
     with pytest.raises(SegmentError) as e:
         encode_segment(seg, DIGEST, limits=SegmentLimits(max_file_bytes=100))
     assert e.value.reason == "oversized"
+    refused = {"parent_key must be 32 bytes": dataclasses.replace(seg, parent_key=b"short"),
+               "start_position out of range": dataclasses.replace(seg, start_position=-1),
+               "must be dicts": dataclasses.replace(seg, kv_meta=[2, 4]),
+               "not JSON-serialisable": dataclasses.replace(seg, logits_meta={"vocab": float("nan")})}
+    for message, bad in refused.items():
+        with pytest.raises(ValueError, match=message):
+            encode_segment(bad, DIGEST)
+    for limits, message in ((SegmentLimits(max_tokens=3), "4 tokens > max_tokens 3"),
+                            (SegmentLimits(max_meta_bytes=10), "max_meta_bytes 10")):
+        with pytest.raises(SegmentError, match=message) as e:
+            encode_segment(seg, DIGEST, limits=limits)
+        assert e.value.reason == "oversized"
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_a_codec_that_is_not_installed_refuses_to_write_and_says_so_on_read(monkeypatch, codec):
+    """(A cache directory written with a compression by one installation, read by one without that module.)"""
+    seg = make_segment(kv=bytes(10_000), snapshot=None, logits=None)
+    data = encode_segment(seg, DIGEST, codec)
+    module = "zstandard" if codec == "zstd" else "lz4.block"
+    monkeypatch.setitem(sys.modules, module, None)  # its import now raises ImportError
+    with pytest.raises(ValueError, match="is not installed"):
+        encode_segment(seg, DIGEST, codec)
+    with pytest.raises(SegmentError, match="is not available in this build") as e:
+        decode_segment(data, DIGEST)
+    assert e.value.reason == "version"
+    assert encode_segment(seg, DIGEST) and decode_segment(encode_segment(seg, DIGEST), DIGEST) == seg  # raw: fine
+
+
+def test_a_codec_that_decompresses_to_another_size_is_malformed(monkeypatch):
+    """A codec module that hands back fewer bytes than the section's raw size without raising (another build
+    of it): the section is refused, not used short."""
+    seg = make_segment(kv=bytes(10_000), snapshot=None, logits=None)
+    data = encode_segment(seg, DIGEST, "lz4")
+    real = fmt._codec_module(fmt.CODECS["lz4"])
+    short = types.SimpleNamespace(decompress=lambda data, uncompressed_size: real.decompress(
+        data, uncompressed_size=uncompressed_size)[:-1])
+    monkeypatch.setattr(fmt, "_codec_module", lambda codec: short)
+    with pytest.raises(SegmentError, match="decompressed size differs") as e:
+        decode_segment(data, DIGEST)
+    assert e.value.reason == "malformed"
 
 
 def test_every_strict_prefix_of_a_file_is_truncated_or_empty():

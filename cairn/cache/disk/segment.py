@@ -202,19 +202,18 @@ def digest_bytes(compat_digest: str) -> bytes:
 
 
 def _codec_module(codec: int):
-    """The compression module for a codec id; None when it is not installed."""
+    """The compression module for a codec id (zstd or lz4: the only ids a file passing the header check or an
+    encoder's codec can hold); None when it is not installed."""
     try:
         if codec == CODECS["zstd"]:
             import zstandard
 
             return zstandard
-        if codec == CODECS["lz4"]:
-            import lz4.block
+        import lz4.block
 
-            return lz4.block
+        return lz4.block
     except ImportError:
         return None
-    return None
 
 
 def _compress(codec: int, data) -> bytes:
