@@ -191,13 +191,6 @@ def test_op_runs_the_widest_body_this_cpu_has():
     assert cpu_gdn.vector_body() == widest_body(cpu_gemv.cpu_flags())
 
 
-def test_build_command_says_whether_the_op_built(capsys):
-    assert cpu_gdn.main(["--build"]) == 0
-    got = cpu_gdn.load()
-    expected = "built" if callable(got) else f"none ({got})"
-    assert capsys.readouterr().out.strip() == f"cairn fused GDN decode op: {expected}"
-
-
 def test_decode_rows_beside_prefill_rows_in_one_step_decode_like_alone(checkpoints):
     """A step with decode rows (the fused op) and prefill rows (the reference kernels, gated separately): a
     short prompt decodes while a long one is still prefilling in chunks of the step budget, and both

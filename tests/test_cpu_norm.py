@@ -122,9 +122,3 @@ def test_op_falls_back_to_the_reference_in_one_line(caplog, monkeypatch, tmp_pat
     finally:
         cpu_norm._loaded.cache_clear()
 
-
-def test_build_command_says_whether_the_op_built(capsys):
-    assert cpu_norm.main(["--build"]) == 0
-    got = cpu_norm.load()
-    expected = f"none ({got})" if isinstance(got, str) else "built"
-    assert capsys.readouterr().out.strip() == f"cairn fused add + RMSNorm op: {expected}"

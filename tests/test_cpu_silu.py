@@ -130,14 +130,6 @@ def test_op_runs_the_widest_body_this_cpu_has():
     assert cpu_silu.vector_body() == expected
 
 
-def test_build_command_says_whether_the_op_built(capsys):
-    assert cpu_silu.main(["--build"]) == 0
-    got = cpu_silu.load()
-    expected = f"none ({got})" if isinstance(got, str) else "built"
-    assert capsys.readouterr().out.strip() == f"cairn fused silu * up op: {expected}"
-
-
-
 def test_op_is_kept_when_the_engine_flushes_subnormals_after_worker_threads_started():
     """The engine sets flush-to-zero on its thread (torch.set_flush_denormal) when torch's worker threads may
     already run without it: the load check must still find ATen's bits (it once compared the op with ATen's work
