@@ -13,8 +13,8 @@ kernel's library, which reads faster than `sum` on some machines; "own read"), a
 weight read, so each point also reports the CPU's measured matmul ceiling (a 1024^3 fp32 GEMM on operands that
 stay in cache, best of its runs: torch's BLAS at about the FMA units' peak) and the share of it the step's
 linears would use if they were all of the step ("of GEMM": 2 x batch x linear weights x steps/s over the
-ceiling; an upper bound on what the linears alone reach). Models are built as in engine_throughput.py
-(random weights, Qwen3.5-0.8B dimensions with the vocabulary cut to 32k).
+ceiling; the linears alone, taking less than the whole step, reach at least that). Models are built as in
+engine_throughput.py (random weights, Qwen3.5-0.8B dimensions with the vocabulary cut to 32k).
 
     PYTHONPATH=. python benchmarks/decode_bench.py --out benchmarks/out/decode_bench.json
     PYTHONPATH=. python benchmarks/decode_bench.py --dtypes bfloat16 --batches 1 --layouts gemv,plain
@@ -62,14 +62,19 @@ def cpu_info() -> dict:
     return {"model": model, "flags": [f for f in wanted if f in flags], "all_flags": " ".join(flags)}
 
 
-def read_bandwidth_gbs(buf: torch.Tensor, repeats: int = 3) -> float:
-    """Bytes/s of a plain read of `buf` (a sum over it), best of `repeats`, in GB/s."""
+def best_seconds(fn, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of fn()."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        buf.sum()
+        fn()
         best = min(best, time.perf_counter() - t0)
-    return buf.numel() * buf.element_size() / best / 1e9
+    return best
+
+
+def read_bandwidth_gbs(buf: torch.Tensor, repeats: int = 3) -> float:
+    """Bytes/s of a plain read of `buf` (a sum over it), best of `repeats`, in GB/s."""
+    return buf.numel() * buf.element_size() / best_seconds(buf.sum, repeats) / 1e9
 
 
 def stream_read_gbs(buf: torch.Tensor, repeats: int = 3) -> float | None:
@@ -80,12 +85,7 @@ def stream_read_gbs(buf: torch.Tensor, repeats: int = 3) -> float | None:
     kernel = cpu_gemv.load(cpu_gemv.cpu_flags())
     if isinstance(kernel, str):
         return None
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        kernel.stream_read(buf)
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * buf.element_size() / best / 1e9
+    return buf.numel() * buf.element_size() / best_seconds(lambda: kernel.stream_read(buf), repeats) / 1e9
 
 
 def gemm_ceiling_gflops(repeats: int = 5, n: int = 1024) -> float:
@@ -93,12 +93,7 @@ def gemm_ceiling_gflops(repeats: int = 5, n: int = 1024) -> float:
     arithmetic a batched decode step can at most do per second on this CPU."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats) / 1e9
 
 
 def linear_weights(hf) -> int:
