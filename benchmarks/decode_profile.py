@@ -10,7 +10,7 @@ time is summed and the step is split into exclusive parts:
                                      (one op, cairn/ops/cpu_norm.py), and the gated RMSNorm of GDN
     gdn conv update / recurrent step the two recurrent kernels of a decode step
     gdn rest                         its gating (beta, g), splits and copies into the state pool
-    attention decode                 the paged decode kernel (page gather + SDPA)
+    attention decode                 the paged decode kernel (bf16: cpu_attention's op; else page gather + SDPA)
     attention rest                   q/k rotary, KV writes into the pool, the output gate
     mlp rest                         silu(gate) * up
     model rest                       embedding, the final row pick

@@ -16,7 +16,7 @@ from cairn.llm import LLM
 from cairn.model import layout
 from cairn.model.layout import Int8Linear, PackedLinear, QuantizationError, decode_weight_bytes, quantize
 from cairn.model.loader import load_checkpoint
-from cairn.ops import cpu_gdn, cpu_gemv, cpu_norm, cpu_silu
+from cairn.ops import cpu_attention, cpu_gdn, cpu_gemv, cpu_norm, cpu_silu
 from cairn.ops.gdn import l2norm, recurrent_gated_delta_rule
 from cairn.sampling import SamplingParams
 from tests.harness import prefill
@@ -195,10 +195,10 @@ def test_attention_reads_consecutive_pages_in_place_with_the_gathered_result(con
 def test_a_bf16_cpu_engine_loads_its_fused_ops_at_start_not_on_the_first_request():
     """The fused ops build (minutes, once) or load from torch's cache when the engine starts, before the server
     answers /health: not inside the first request's decode step. A float32 engine loads none."""
-    loaders = [cpu_gdn._loaded, cpu_norm._loaded, cpu_silu._loaded]
+    loaders = [cpu_gdn._loaded, cpu_norm._loaded, cpu_silu._loaded, cpu_attention._loaded]
     for loaded in loaders:
         loaded.cache_clear()
     LLM(dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
-    assert [loaded.cache_info().currsize for loaded in loaders] == [0, 0, 0]
+    assert [loaded.cache_info().currsize for loaded in loaders] == [0, 0, 0, 0]
     LLM(dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
-    assert [loaded.cache_info().currsize for loaded in loaders] == [1, 1, 1]
+    assert [loaded.cache_info().currsize for loaded in loaders] == [1, 1, 1, 1]

@@ -121,12 +121,13 @@ def built_line(module: str) -> str:
     if module == "cpu_gemv":
         kernel = cpu_gemv.load(FLAGS)
         return "cairn gemv kernel: " + (kernel.isa if isinstance(kernel, cpu_gemv.GemvKernel) else f"none ({kernel})")
-    what = {"cpu_gdn": "fused GDN decode op", "cpu_norm": "fused add + RMSNorm op", "cpu_silu": "fused silu * up op"}
+    what = {"cpu_gdn": "fused GDN decode op", "cpu_norm": "fused add + RMSNorm op", "cpu_silu": "fused silu * up op",
+            "cpu_attention": "paged decode attention op"}
     loaded = importlib.import_module(f"cairn.ops.{module}").load()
     return f"cairn {what[module]}: " + (f"none ({loaded})" if isinstance(loaded, str) else "built")
 
 
-@pytest.mark.parametrize("module", ["cpu_gemv", "cpu_gdn", "cpu_norm", "cpu_silu"])
+@pytest.mark.parametrize("module", ["cpu_gemv", "cpu_gdn", "cpu_norm", "cpu_silu", "cpu_attention"])
 def test_op_build_commands_say_in_one_line_what_they_built(module):
     """The commands scripts/setup runs (`python -m cairn.ops.<op> --build`), as it runs them: exit 0 and one
     line, the gemv kernel's path or "built" where the op loads in this process too, else why not (a machine

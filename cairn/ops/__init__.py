@@ -54,6 +54,14 @@ def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return cpu_silu.silu_mul(gate_up)
 
 
+def fused_paged_decode_attention(*args) -> torch.Tensor:
+    """cpu_attention.paged_decode_attention (bf16 on CPU: one C++ op reading the pages in place; else the
+    reference), imported on first use like fused_gdn_decode_op."""
+    from cairn.ops import cpu_attention
+
+    return cpu_attention.paged_decode_attention(*args)
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The kernel set a model runs with; each field documents its contract in its reference module."""
@@ -64,7 +72,9 @@ class Kernels:
     causal_conv1d: Callable = conv.causal_conv1d
     causal_conv1d_update: Callable = conv.causal_conv1d_update
     paged_prefill_attention: Callable = attention.paged_prefill_attention
-    paged_decode_attention: Callable = attention.paged_decode_attention
+    # one query token per sequence over its paged context (cairn/ops/attention.py: paged_decode_attention); bf16 on
+    # CPU through one C++ op that reads keys and values in place (cpu_attention.py: not the reference's bits)
+    paged_decode_attention: Callable = fused_paged_decode_attention
     mamba_conv1d: Callable = mamba2.mamba_conv1d
     mamba_conv1d_update: Callable = mamba2.mamba_conv1d_update
     ssd_chunk_scan: Callable = mamba2.ssd_chunk_scan
@@ -92,7 +102,7 @@ def load_fused_cpu_ops(kernels: Kernels, dtype: torch.dtype, device: torch.devic
     waits minutes for a build while /health already answers (they would load on the first decode step)."""
     if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
         return
-    from cairn.ops import cpu_gdn, cpu_norm, cpu_silu
+    from cairn.ops import cpu_attention, cpu_gdn, cpu_norm, cpu_silu
 
     if kernels.gdn_decode_op is fused_gdn_decode_op:
         cpu_gdn.load_once()
@@ -100,6 +110,8 @@ def load_fused_cpu_ops(kernels: Kernels, dtype: torch.dtype, device: torch.devic
         cpu_norm.load_once()
     if kernels.silu_mul is fused_silu_mul:
         cpu_silu.load_once()
+    if kernels.paged_decode_attention is fused_paged_decode_attention:
+        cpu_attention.load_once()
 
 
 def select_kernels(device: torch.device | str, fast: bool = False) -> Kernels:

@@ -1,4 +1,4 @@
-"""Building cairn's CPU C++ ops (cpu_gemv, cpu_gdn, cpu_norm, cpu_silu): one call of torch's load_inline.
+"""Building cairn's CPU C++ ops (cpu_gemv, cpu_gdn, cpu_norm, cpu_silu, cpu_attention): one call of torch's load_inline.
 
 What it is: `build_inline` compiles an op's source on first use (torch caches the build under its
 extensions directory by name, so a machine compiles each source once) and returns the module, or a

@@ -1,4 +1,5 @@
-"""AVX-512 and AVX2 helpers shared by cairn's CPU C++ ops (cpu_gdn, cpu_silu): their C++ source, spliced into each.
+"""AVX-512 and AVX2 helpers shared by cairn's CPU C++ ops (cpu_gdn, cpu_silu, cpu_attention): their C++ source,
+spliced into each.
 
 `VEC_SOURCE` goes inside an op's anonymous namespace, after `<immintrin.h>`, `<cmath>`, `<cstring>` and c10's
 BFloat16. It gives, 16 floats at a time (functions compiled for AVX-512 only; callers pick them when the CPU has it):

@@ -1,0 +1,323 @@
+"""Paged decode attention for CPU (bf16 models): one C++ op reading each sequence's keys and values in place.
+
+What it is: one C++ op (built on first use with torch.utils.cpp_extension.load_inline, cached by torch like
+cairn/ops/cpu_silu.py) with the contract of `attention.paged_decode_attention`: one new query token per
+sequence, q [B, H, D], over its first context_lens[b] positions in a paged pool [pages, page_size, KV heads, D],
+found through its page table. The reference gathers each sequence's pages into a padded batch (a copy, unless
+one sequence's pages are consecutive) and calls SDPA, whose CPU kernel, in bf16 on a CPU without bf16
+arithmetic, runs about ten times slower than in fp32 and expands K and V for grouped queries (BENCHMARKS.md:
+22 ms per layer at 8k tokens of context). The op reads every key and value once, from its page, for all the
+query heads of its group:
+
+    for each (sequence b, KV head, part of PART_TOKENS positions)      one task of the parallel region
+        s[g, t] = (q[b, g] . k[t]) * scale                     fp32 sums, for the group's query heads g
+        m[g] = max_t s[g, t];  l[g] = sum_t exp(s[g, t] - m[g]);  acc[g] = sum_t exp(s[g, t] - m[g]) v[t]
+    out[b, g] = sum_parts exp(m_p - M) acc_p / sum_parts exp(m_p - M) l_p,   M = max_parts m_p   (rounded to bf16)
+
+The parts are fixed runs of positions and are combined in order, so a sequence's output is the same bits whatever
+the thread count and whichever other sequences share the call (a sequence decoded alone and in a batch are
+alike). The body is compiled for AVX2 + FMA (8-wide; exp with libtorch's vectorised one, cairn/ops/cpu_vec.py),
+which AVX-512 CPUs run too, and for the baseline x86-64 (std::exp); `vector_body()` says which runs. It is
+not bit-identical to SDPA (another order of sums; tests/test_cpu_attention.py bounds the difference against
+an fp32 computation), so warm and cold runs must both take it for decode tokens, which they do: decode tokens
+have one path, and with --prefill-block nothing a decode step computed is kept for resuming.
+
+What it is not: a prefill kernel (prefill keeps the reference's SDPA), nor for fp32 / fp16 models.
+`load()` returns the module, or a one-line reason why not, and decode then keeps the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from cairn.ops import attention
+from cairn.ops.cpu_build import build_inline
+from cairn.ops.cpu_vec import VEC_SOURCE
+
+log = logging.getLogger(__name__)
+
+NAME = "cairn_cpu_attention2"  # torch caches builds by name: a new source gets a new name
+PART_TOKENS = 256  # positions per task; fixed, so the order of sums never depends on the threads
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+""" + VEC_SOURCE + r"""
+constexpr int64_t PART = """ + str(PART_TOKENS) + r""";
+
+// Where one call's tensors are, and their sizes.
+struct Call {
+  const at::BFloat16* q;       // [B, H, D]
+  const at::BFloat16* k;       // [pages, page, KVH, D]
+  const at::BFloat16* v;
+  const int64_t* tables;       // [B, max_pages]
+  const int64_t* lens;         // [B]
+  float* ml;                   // [B, H, parts, 2]: m, l of each part
+  float* acc;                  // [B, H, parts, D]: the part's weighted sum of values
+  int64_t table_stride, page, kvh, heads, dim, group, parts;
+  float scale;
+
+  int64_t row(int64_t b, int64_t t, int64_t h) const {  // offset of position t's key / value for KV head h
+    const int64_t p = tables[b * table_stride + t / page];
+    return ((p * page + t % page) * kvh + h) * dim;
+  }
+  int64_t out_index(int64_t b, int64_t qh, int64_t part) const { return (b * heads + qh) * parts + part; }
+};
+
+CAIRN_AVX2 inline float hsum8(__m256 v) {  // a fixed order of sums
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// s[g][t - t0] = (q_g . k_t) * scale for NG query heads g (fp32 rows of D in qf), positions [t0, t1): each key is
+// read once for the NG heads.
+template <int NG>
+CAIRN_AVX2 void scores_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qf, float* s,
+                            int64_t s_stride) {
+  const int64_t D = c.dim;
+  for (int64_t t = t0; t < t1; ++t) {
+    const at::BFloat16* kp = c.k + c.row(b, t, h);
+    __m256 sum[NG];
+    for (int g = 0; g < NG; ++g) sum[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 key = load_bf16_ps8(kp + d, 8);
+      for (int g = 0; g < NG; ++g) sum[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), key, sum[g]);
+    }
+    for (int g = 0; g < NG; ++g) s[g * s_stride + t - t0] = hsum8(sum[g]) * c.scale;
+  }
+}
+
+// acc[g][:] = sum_t p[g][t - t0] v_t for NG heads, 16 of the D values at a time (the sums stay in registers).
+template <int NG>
+CAIRN_AVX2 void values_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* p,
+                            int64_t p_stride, float* acc) {
+  const int64_t D = c.dim;
+  for (int64_t d = 0; d < D; d += 16) {
+    const bool two = d + 16 <= D;
+    __m256 lo[NG], hi[NG];
+    for (int g = 0; g < NG; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+    for (int64_t t = t0; t < t1; ++t) {
+      const at::BFloat16* vp = c.v + c.row(b, t, h) + d;
+      const __m256 a = load_bf16_ps8(vp, 8), z = two ? load_bf16_ps8(vp + 8, 8) : _mm256_setzero_ps();
+      for (int g = 0; g < NG; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p + g * p_stride + t - t0);
+        lo[g] = _mm256_fmadd_ps(w, a, lo[g]);
+        hi[g] = _mm256_fmadd_ps(w, z, hi[g]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      _mm256_storeu_ps(acc + g * D + d, lo[g]);
+      if (two) _mm256_storeu_ps(acc + g * D + d + 8, hi[g]);
+    }
+  }
+}
+
+template <int NG>
+CAIRN_AVX2 void heads_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qf, float* s,
+                           int64_t s_stride, float* acc, bool values) {
+  if (values) values_avx2<NG>(c, b, h, t0, t1, s, s_stride, acc);
+  else scores_avx2<NG>(c, b, h, t0, t1, qf, s, s_stride);
+}
+
+// The group's heads four at a time (then what is left), for scores or for values.
+CAIRN_AVX2 void by_fours(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qf, float* s,
+                         int64_t s_stride, float* acc, bool values) {
+  const int64_t D = c.dim;
+  for (int64_t g = 0; g < c.group; g += 4) {
+    const int64_t left = std::min<int64_t>(4, c.group - g);
+    const auto run = left == 4 ? heads_avx2<4> : left == 3 ? heads_avx2<3> : left == 2 ? heads_avx2<2> : heads_avx2<1>;
+    run(c, b, h, t0, t1, qf + g * D, s + g * s_stride, s_stride, acc + g * D, values);
+  }
+}
+
+// The scaled scores, max, sum and weighted values of one part: positions [t0, t1) of sequence b, KV head h.
+CAIRN_AVX2 void part_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1) {
+  const int64_t D = c.dim, G = c.group, n = t1 - t0, padded = (n + 7) / 8 * 8;
+  std::vector<float> qf(G * D), s(G * padded, -std::numeric_limits<float>::infinity()), acc(G * D);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = float(c.q[(b * c.heads + h * G + g) * D + d]);
+  by_fours(c, b, h, t0, t1, qf.data(), s.data(), padded, nullptr, false);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = &s[g * padded];
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+    __m256 l = _mm256_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 8) {  // the padding is -inf: exp gives 0
+      const __m256 p = exp_ps8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), _mm256_set1_ps(m)));
+      _mm256_storeu_ps(sg + i, p);
+      l = _mm256_add_ps(l, p);
+    }
+    float* ml = c.ml + 2 * c.out_index(b, h * G + g, t0 / PART);
+    ml[0] = m;
+    ml[1] = hsum8(l);
+  }
+  by_fours(c, b, h, t0, t1, nullptr, s.data(), padded, acc.data(), true);
+  for (int64_t g = 0; g < G; ++g)
+    std::memcpy(c.acc + c.out_index(b, h * G + g, t0 / PART) * D, &acc[g * D], D * sizeof(float));
+}
+
+void part_generic(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1) {
+  const int64_t D = c.dim, G = c.group, n = t1 - t0;
+  std::vector<float> s(G * n), acc(G * D, 0.0f);
+  for (int64_t t = t0; t < t1; ++t) {
+    const at::BFloat16* kp = c.k + c.row(b, t, h);
+    for (int64_t g = 0; g < G; ++g) {
+      const at::BFloat16* qp = c.q + (b * c.heads + h * G + g) * D;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < D; ++d) dot += float(qp[d]) * float(kp[d]);
+      s[g * n + t - t0] = dot * c.scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float m = -std::numeric_limits<float>::infinity(), total = 0.0f;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[g * n + i]);
+    for (int64_t i = 0; i < n; ++i) total += (s[g * n + i] = std::exp(s[g * n + i] - m));
+    float* ml = c.ml + 2 * c.out_index(b, h * G + g, t0 / PART);
+    ml[0] = m;
+    ml[1] = total;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const at::BFloat16* vp = c.v + c.row(b, t, h);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += s[g * n + t - t0] * float(vp[d]);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    std::memcpy(c.acc + c.out_index(b, h * G + g, t0 / PART) * D, &acc[g * D], D * sizeof(float));
+}
+
+// out[b, qh] from its parts, in order: sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p.
+void combine(const Call& c, int64_t b, int64_t qh, at::BFloat16* out) {
+  const int64_t parts = (c.lens[b] + PART - 1) / PART, D = c.dim;
+  float big = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < parts; ++p) big = std::max(big, c.ml[2 * c.out_index(b, qh, p)]);
+  std::vector<float> sum(D, 0.0f);
+  float total = 0.0f;
+  for (int64_t p = 0; p < parts; ++p) {
+    const float* ml = c.ml + 2 * c.out_index(b, qh, p);
+    const float w = parts == 1 ? 1.0f : std::exp(ml[0] - big);
+    const float* acc = c.acc + c.out_index(b, qh, p) * D;
+    total += w * ml[1];
+    for (int64_t d = 0; d < D; ++d) sum[d] += w * acc[d];
+  }
+  for (int64_t d = 0; d < D; ++d) out[(b * c.heads + qh) * D + d] = c10::BFloat16(sum[d] / total);
+}
+
+bool avx2_body(int64_t dim) {
+  return dim % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+}  // namespace
+
+// The body paged_decode runs on this CPU for heads of `dim`: "avx2" (with FMA) or "generic".
+std::string vector_body(int64_t dim) { return avx2_body(dim) ? "avx2" : "generic"; }
+
+// q [B, H, D] bf16; k_pool, v_pool [pages, page_size, KVH, D] bf16 contiguous; page_tables [B, max_pages] and
+// context_lens [B] int64 (each >= 1, and its pages in the table) -> [B, H, D] bf16.
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                           const torch::Tensor& page_tables, const torch::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "paged_decode: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
+              v_pool.scalar_type() == at::kBFloat16, "paged_decode: bf16 q and pools");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "paged_decode: contiguous");
+  TORCH_CHECK(page_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+              page_tables.is_contiguous() && context_lens.is_contiguous(), "paged_decode: int64 tables and lens");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == D && KVH > 0 && H % KVH == 0, "paged_decode: heads and head size");
+  TORCH_CHECK(page_tables.size(0) == B && context_lens.size(0) == B, "paged_decode: one table and length per row");
+  auto out = torch::empty_like(q);
+  if (B == 0) return out;
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= page_tables.size(1) * k_pool.size(1), "paged_decode: context length");
+    longest = std::max(longest, lens[b]);
+  }
+  const int64_t parts = (longest + PART - 1) / PART;
+  auto ml = torch::empty({B, H, parts, 2}, q.options().dtype(at::kFloat));
+  auto acc = torch::empty({B, H, parts, D}, q.options().dtype(at::kFloat));
+  const Call c{q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
+               page_tables.data_ptr<int64_t>(), lens, ml.data_ptr<float>(), acc.data_ptr<float>(),
+               page_tables.size(1), k_pool.size(1), KVH, H, D, H / KVH, parts, float(scale)};
+  const auto part = avx2_body(D) ? part_avx2 : part_generic;
+  at::parallel_for(0, B * KVH * parts, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t b = i / (KVH * parts), h = i / parts % KVH, t0 = i % parts * PART;
+      if (t0 < lens[b]) part(c, b, h, t0, std::min(t0 + PART, lens[b]));
+    }
+  });
+  auto* op = out.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < B * H; ++i) combine(c, i / H, i % H, op);
+  return out;
+}
+"""
+
+
+@functools.cache  # one build (or one failure) per directory, per process
+def load(build_dir: str | None = None):
+    """The built module (`paged_decode`, `vector_body`), or a one-line reason why not. Never raises."""
+    return build_inline(NAME, _SOURCE, ["paged_decode", "vector_body"], "the paged decode attention op", build_dir,
+                        ("-ffp-contract=off",))
+
+
+def vector_body(head_dim: int) -> str | None:
+    """The body the op runs on this CPU for heads of head_dim ("avx2" or "generic"); None where it does not build."""
+    library = load()
+    return None if isinstance(library, str) else library.vector_body(head_dim)
+
+
+@functools.cache  # loaded (or refused) once per process, and said so in one line
+def _loaded():
+    library = load()
+    if isinstance(library, str):
+        log.warning("decode attention: the reference, SDPA over gathered pages (%s)", library)
+        return None
+    log.info("decode attention: cairn's paged CPU op (keys and values read in place)")
+    return library
+
+
+def load_once() -> bool:
+    """Load (build, or find in torch's cache) the op now, once per process; whether bf16 on CPU will run it (else
+    the reference, said so in one line)."""
+    return _loaded() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """attention.paged_decode_attention's contract, through the C++ op for bf16 on CPU (the reference otherwise,
+    or when the op does not build)."""
+    on_cpu_bf16 = all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (q, k_pool, v_pool))
+    library = _loaded() if on_cpu_bf16 and k_pool.is_contiguous() and v_pool.is_contiguous() else None
+    if library is None:
+        return attention.paged_decode_attention(q, k_pool, v_pool, page_tables, context_lens, scale)
+    return library.paged_decode(q.contiguous(), k_pool, v_pool, page_tables.long().contiguous(),
+                                context_lens.long().contiguous(), float(scale))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cairn.ops.cpu_attention --build`: build (or find in torch's cache) the op; scripts/setup runs it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cairn.ops.cpu_attention",
+                                     description="Build cairn's paged decode attention op.")
+    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
+    parser.parse_args(argv)
+    library = load()
+    print("cairn paged decode attention op: " + (f"none ({library})" if isinstance(library, str) else "built"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""cairn's paged decode attention for CPU (cairn/ops/cpu_attention.py) against an fp64 computation and the reference.
+
+The op is not the reference's bits (SDPA sums in another order), so what must hold is: within bf16 rounding of
+the exact result (no worse than the reference's own error) on every shape it takes (contexts inside one part of
+positions and across several, page sizes, grouped queries of any group size, head sizes the vector body takes and
+the scalar one); a sequence's output the same bits alone, in any batch and on any thread count (decode is
+batch-independent); pages read where the table says, in place. In the engine, bf16 greedy decoding with it is
+batch-independent and stays near the reference. Its dispatch: other dtypes keep the reference, a failed build
+leaves the reference in one log line, and the op refuses a context its table does not cover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from cairn import ops
+from cairn.llm import LLM
+from cairn.ops import attention, cpu_attention, cpu_gemv
+from cairn.sampling import SamplingParams
+
+SCALE = 0.0625
+
+
+def library():
+    got = cpu_attention._loaded()
+    if got is None:
+        pytest.skip(f"the paged decode attention op is not used here: {cpu_attention.load()}")
+    return got
+
+
+def pools(num_pages: int, page_size: int, kv_heads: int, head_dim: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    return (torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16())
+
+
+def scattered_tables(batch: int, max_pages: int, num_pages: int, seed: int = 1) -> torch.Tensor:
+    """A table per sequence of distinct pages in random order (never consecutive ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_pages, generator=gen)[:max_pages] for _ in range(batch)])
+
+
+def exact(q, k_pool, v_pool, tables, lens, scale=SCALE) -> torch.Tensor:
+    """fp64 attention of each query row over its sequence's keys and values, grouped queries expanded."""
+    out = []
+    for b in range(q.shape[0]):
+        k = attention.gather_pages(k_pool.double(), tables[b], int(lens[b]))
+        v = attention.gather_pages(v_pool.double(), tables[b], int(lens[b]))
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        weights = (torch.einsum("hd,shd->hs", q[b].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hs,shd->hd", weights, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("lens, page_size, heads, kv_heads, head_dim", [
+    ((1,), 16, 8, 2, 256),            # one position
+    ((48, 255, 256, 257), 16, 8, 2, 256),  # one part, a part exactly, one position into the next
+    ((700, 3), 8, 6, 1, 64),          # several parts; a group of 6 (four heads, then two)
+    ((300,), 8, 3, 3, 24),            # no grouping; 24 values: the last run of 16 is a run of 8
+    ((90, 33), 16, 6, 2, 20),         # a head size the vector body does not take: the scalar body
+])
+def test_op_is_within_bf16_rounding_of_the_exact_attention(lens, page_size, heads, kv_heads, head_dim):
+    library()
+    max_pages = -(-max(lens) // page_size)
+    k_pool, v_pool = pools(len(lens) * max_pages + 3, page_size, kv_heads, head_dim)
+    tables = scattered_tables(len(lens), max_pages, k_pool.shape[0])
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(2)).bfloat16()
+    lens = torch.tensor(lens)
+    want = exact(q, k_pool, v_pool, tables, lens)
+    got = cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    error = (got.double() - want).abs()
+    assert (error <= want.abs() * 2 ** -8 + 1e-4).all()  # the output's own rounding: half a bf16 ulp
+    reference_error = (attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE).double() - want).abs()
+    assert error.max() <= reference_error.max() * 1.25 + 1e-6
+
+
+def test_vector_body_is_avx2_where_the_cpu_has_it_and_the_head_size_fits():
+    library()
+    vector = "avx2" if {"avx2", "fma"} <= cpu_gemv.cpu_flags() else "generic"
+    assert cpu_attention.vector_body(256) == cpu_attention.vector_body(24) == vector
+    assert cpu_attention.vector_body(20) == "generic"
+
+
+def test_a_sequence_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count():
+    library()
+    lens = torch.tensor([600, 17, 256, 1, 300])
+    k_pool, v_pool = pools(5 * 38, 16, 2, 256)
+    tables = scattered_tables(5, 38, k_pool.shape[0])
+    q = torch.randn(5, 8, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(run.view(torch.int16), runs[0].view(torch.int16)) for run in runs)
+    for b in range(5):
+        alone = cpu_attention.paged_decode_attention(q[b:b + 1], k_pool, v_pool, tables[b:b + 1], lens[b:b + 1], SCALE)
+        assert torch.equal(alone.view(torch.int16), runs[0][b:b + 1].view(torch.int16))
+
+
+def test_pages_are_read_where_the_table_says():
+    """The same keys and values on consecutive pages and scattered over a pool give the same bits."""
+    library()
+    k_pool, v_pool = pools(12, 8, 2, 64)
+    near = torch.arange(12)
+    far = torch.randperm(40, generator=torch.Generator().manual_seed(4))[:12]
+    k_far, v_far = torch.zeros(40, 8, 2, 64, dtype=torch.bfloat16), torch.zeros(40, 8, 2, 64, dtype=torch.bfloat16)
+    k_far[far], v_far[far] = k_pool, v_pool
+    q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    lens = torch.tensor([93])
+    assert torch.equal(cpu_attention.paged_decode_attention(q, k_pool, v_pool, near[None], lens, SCALE),
+                       cpu_attention.paged_decode_attention(q, k_far, v_far, far[None], lens, SCALE))
+
+
+def test_op_refuses_a_context_its_table_does_not_cover():
+    """A length past the table's pages (or none) would read another sequence's pages or past the pool: refused."""
+    op = library()
+    k_pool, v_pool = pools(4, 8, 1, 16)
+    q, tables = torch.zeros(1, 2, 16, dtype=torch.bfloat16), torch.tensor([[0, 1]])
+    for bad in (17, 0):
+        with pytest.raises(RuntimeError, match="context length"):
+            op.paged_decode(q, k_pool, v_pool, tables, torch.tensor([bad]), SCALE)
+
+
+def test_other_dtypes_and_pool_views_keep_the_reference(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_loaded", lambda: pytest.fail("the op was asked for a tensor it does not take"))
+    k_pool, v_pool = pools(4, 8, 2, 16)
+    tables, lens = torch.tensor([[2, 0]]), torch.tensor([11])
+    for dtype in (torch.float32, torch.float16):
+        q, k, v = (t.to(dtype) for t in (torch.randn(1, 4, 16), k_pool, v_pool))
+        assert torch.equal(cpu_attention.paged_decode_attention(q, k, v, tables, lens, SCALE),
+                           attention.paged_decode_attention(q, k, v, tables, lens, SCALE))
+    q = torch.randn(1, 4, 16).bfloat16()
+    k_view, v_view = k_pool[:, :, :1], v_pool[:, :, :1]  # not contiguous
+    assert torch.equal(cpu_attention.paged_decode_attention(q, k_view, v_view, tables, lens, SCALE),
+                       attention.paged_decode_attention(q, k_view, v_view, tables, lens, SCALE))
+
+
+def test_op_falls_back_to_the_reference_in_one_line_when_it_does_not_build(caplog, monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    reason = cpu_attention.load(str(tmp_path))
+    assert isinstance(reason, str) and reason.startswith("building the paged decode attention op failed")
+    monkeypatch.setattr(cpu_attention, "load", lambda: reason)
+    cpu_attention._loaded.cache_clear()
+    caplog.clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="cairn.ops.cpu_attention"):
+            k_pool, v_pool = pools(4, 8, 2, 16)
+            q, tables, lens = torch.randn(1, 4, 16).bfloat16(), torch.tensor([[1, 3]]), torch.tensor([12])
+            for _ in range(2):
+                assert torch.equal(cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE),
+                                   attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE))
+        lines = [r for r in caplog.records if r.name == "cairn.ops.cpu_attention"]
+        assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
+    finally:
+        cpu_attention._loaded.cache_clear()
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list:
+    return llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))
+
+
+def test_engine_decodes_bf16_through_the_op_batch_independently_and_near_the_reference(checkpoints):
+    library()
+    path, _ = checkpoints["qwen3_5"]
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 30)]
+    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+    llm = LLM(**kw)
+    assert llm.engine.model.kernels.paged_decode_attention is ops.fused_paged_decode_attention
+    calls = []
+    counted = lambda *a: calls.append(1) or ops.fused_paged_decode_attention(*a)  # noqa: E731
+    llm.engine.model.kernels = dataclasses.replace(llm.engine.model.kernels, paged_decode_attention=counted)
+    batched = _greedy(llm, prompts)
+    assert calls  # the attention layers' decode went through the field
+    alone = [_greedy(llm, [p])[0] for p in prompts]
+    for a, b in zip(alone, batched, strict=True):  # batch-independent, bit for bit
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    ref_llm = LLM(**kw)
+    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels,
+                                                       paged_decode_attention=attention.paged_decode_attention)
+    for got, ref in zip(batched, _greedy(ref_llm, prompts), strict=True):
+        assert got.token_ids[:3] == ref.token_ids[:3]
+        assert max(abs(x - y) for x, y in zip(got.logprobs[:3], ref.logprobs[:3], strict=True)) < 0.05
