@@ -99,9 +99,9 @@ def instrument(engine, ranges: Ranges) -> None:
                         child.forward = ranges.wrap(child.forward, f"linear.{kind}")
                 module.forward = ranges.wrap(module.forward, f"{kind}.layer")
     for module in model.modules():
-        if isinstance(module, (RMSNorm, GatedRMSNorm)):
+        if isinstance(module, GatedRMSNorm):
             module.forward = ranges.wrap(module.forward, "norm")
-        if isinstance(module, RMSNorm):  # the residual add runs inside it (DecoderLayer)
+        if isinstance(module, RMSNorm):  # no forward: the residual add and the norm run in add_and_norm
             module.add_and_norm = ranges.wrap(module.add_and_norm, "norm")
     model.lm_head.forward = ranges.wrap(model.lm_head.forward, "lm_head")
     model.forward = ranges.wrap(model.forward, "model")

@@ -1,4 +1,5 @@
-"""The Redis segment store's edges against a real redis-server: a breaker that closes again, the bound on the
+"""The Redis segment store's edges against a real redis-server: a breaker that closes again, one that stays open
+while Redis stays down (one outage, one warning), the bound on the
 segments a replica knows, a segment too large to write (its markers deleted), markers that are not a
 writer's (ignored, never waited for), and the URL a log line shows (no password).
 
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from cairn.cache.disk.segment import SegmentLimits
+from cairn.cache.remote import client as remote_client
 from cairn.cache.remote import store as remote_store
 from cairn.cache.remote.client import redacted
 from cairn.cache.remote.keys import prefix_keys
@@ -37,6 +39,50 @@ def test_a_breaker_closes_when_redis_answers_again_and_says_so_once(redis_server
     assert len([r for r in caplog.records if "reachable again" in r.getMessage()]) == 1
     assert store.redis.breaker.num_opened == 1
     store.close()
+
+
+class StoppedClock:
+    """time.monotonic for the breaker, moved by hand: cooldowns pass exactly when the test says so."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_redis_still_down_after_the_cooldown_reopens_the_breaker_as_the_same_outage(redis_server, monkeypatch,
+                                                                                       caplog):
+    """The call let through once the cooldown has passed fails again: the breaker is open for another whole
+    cooldown, and it is the same outage (one warning, num_opened 1), not a new one per retry."""
+    clock = StoppedClock()
+    monkeypatch.setattr(remote_client, "time", clock)
+    store = make_store(redis_server.url, timeout_s=0.5, cooldown_s=5.0)
+    tokens = list(range(320, 328))
+    (seg,) = chain(tokens, [0, 8], snapshot_at={8})
+    put_all(store, [seg])
+    redis_server.kill()
+    breaker = store.redis.breaker
+    with caplog.at_level(logging.WARNING, logger="cairn.cache.remote.client"):
+        assert store.get(seg.key) is None  # refused: the outage starts, the breaker opens until now + 5 s
+        clock.now += 4.9
+        assert store.get(seg.key) is None and breaker.is_open  # inside the cooldown: Redis is not asked
+        clock.now += 0.2
+        assert not breaker.is_open
+        refuse = store.redis.client.get
+
+        def refused_after_3_s(name):
+            clock.now += 3.0  # as a call waiting for its timeout on a slow network
+            return refuse(name)
+        store.redis.client.get = refused_after_3_s
+        assert store.get(seg.key) is None  # let through, refused again, 3 s later
+        clock.now += 4.9
+        assert breaker.is_open  # a whole cooldown again, counted from the second failure, not from the retry
+        assert store.lookup(tokens, [8]) == []  # a miss, not an error, while it stays down
+    assert store.faults == {"unavailable": 2, "breaker_open": 2}
+    assert breaker.num_opened == 1 and store.stats()["breaker_opened"] == 1
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    store.close(timeout_s=1.0)
 
 
 def test_a_replica_knows_at_most_max_segments_and_forgets_the_least_recently_used(redis_server):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from tests.test_remote_store import chain, make_store
+from tests.test_remote_store import chain, make_store, put_all
 
 
 def wait_until(condition, timeout_s: float = 10.0) -> None:
@@ -55,3 +55,33 @@ def test_a_snapshot_segment_refused_by_a_full_queue_takes_its_markers_back(redis
     assert [r.exists(store.names.segment(s.key)) for s in plain] == [1, 1, 1]
     store.close()
 
+
+
+def test_a_known_segment_written_again_with_its_snapshot_and_refused_is_known_as_before(redis_server):
+    """A segment the store holds without a snapshot, written again once the node has one, and refused (the queue
+    is full behind a paused Redis): what was known of it before is known again, so the tree keeps its reference
+    (nothing evicted), the chain can still grow below it, and Redis still serves the segment it holds."""
+    evicted = []
+    store = make_store(redis_server.url, timeout_s=10.0, queue_segments=2, on_evict=evicted.append)
+    tokens = list(range(50, 58))
+    (plain,) = chain(tokens, [0, 4])
+    put_all(store, [plain])
+    before = store.info(plain.key)
+    with_snapshot, child = chain(tokens, [0, 4, 8], snapshot_at={4, 8})
+    assert with_snapshot.key == plain.key and not before.has_snapshot
+    others = [chain([i, i + 1, i + 2, i + 3], [0, 4])[0] for i in (60, 70, 80)]
+    redis_server.pause()
+    try:
+        assert store.put(others[0])
+        wait_until(store._writer._queue.empty)  # the writer hangs on the paused Redis with it
+        assert store.put(others[1]) and store.put(others[2])  # the queue is full
+        assert not store.put(with_snapshot)  # refused: back to what was known
+        assert store.faults == {"queue_full": 1} and store.info(plain.key) == before and evicted == []
+        store.check_integrity()
+    finally:
+        redis_server.resume()
+    assert store.flush(timeout_s=10.0)
+    assert store.put(child) and store.flush()  # its parent is found by its end, as before the refusal
+    assert store.faults == {"queue_full": 1}
+    assert store.get(plain.key) == plain  # Redis holds the segment written first
+    store.close()

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 
 from cairn.cache.tree.nodes import REMOTE
+from cairn.errors import RequestTooLarge
 from cairn.llm import LLM
-from tests.harness import run, same_as_cold
+from tests.harness import G, run, same_as_cold
 from tests.redis_server import cluster_or_skip
 
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
@@ -91,6 +92,25 @@ def test_a_redis_killed_between_requests_leaves_every_request_served(redis_serve
         third = run(a, prompt + [9])
         assert third.cache.cached_tokens >= len(prompt) - 1 and third.cache.resume_tier == "device"
         assert sum(a.engine.cache.stats().remote.faults.values()) >= 1
+
+
+def test_an_empty_prompt_asks_redis_nothing_and_is_refused_as_without_redis(redis_server, cold):
+    """The server starts a prompt's lookup (`cache.prefetch`) before the engine checks the prompt, so an empty one
+    (a completion of "" or []) reaches the remote tier's lookup with no prefix to probe. It asks Redis nothing:
+    while Redis is down and the breaker open, no fault is counted for it; the engine then refuses the prompt
+    (RequestTooLarge, the server's 400) as it does without Redis, and the replica serves the next request."""
+    with replica(redis_server.url) as b:
+        remote(b).store.redis.breaker.cooldown_s = 600.0  # open for the rest of the test once Redis has failed
+        redis_server.kill()
+        cache, prompt = b.engine.cache, CONVERSATION[:40]
+        assert cache.prefetch(prompt, []).result(timeout=30) == []  # refused by Redis: the breaker opens
+        assert cache.stats().remote.faults == {"unavailable": 1}
+        assert cache.prefetch([], []).result(timeout=30) == []
+        with pytest.raises(RequestTooLarge, match="the prompt is empty"):
+            b.engine.add_request([], G)
+        assert cache.stats().remote.faults == {"unavailable": 1}  # no "breaker_open": Redis was not asked
+        assert remote(b).counters["lookups"] == 2
+        same_as_cold(cold, run(b, prompt), prompt)
 
 
 def test_a_value_corrupted_in_redis_is_never_loaded_and_is_counted(redis_server, cold):

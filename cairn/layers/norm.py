@@ -1,7 +1,9 @@
 """RMS norms: the Qwen hybrids' zero-centred one, the plain one of the Mamba2 hybrids, and a gated one.
 
-The first two compute cairn/ops/norm.py's reference; `add_and_norm` runs the residual add before the
-norm and the norm in one call of `Kernels.add_rms_norm` (a fused op on CPU in bf16, the same bits).
+The first two compute cairn/ops/norm.py's reference and are never called on their own: `add_and_norm` runs
+the residual add before the norm and the norm in one call of `Kernels.add_rms_norm` (a fused op on CPU in
+bf16, the same bits), and attention's q / k norms hand their weight, eps and `zero_centred` to
+`Kernels.norm_rotary_write`. So they hold the weights and the rule, and have no `forward`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import torch
 from torch import nn
 
 from cairn.ops import Kernels
-from cairn.ops import norm as norm_ops
 
 
 class RMSNorm(nn.Module):
@@ -23,12 +24,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm_ops.rms_norm(x, self.weight, self.eps, self.zero_centred)
-
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
                      kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, self(x + delta)) in one kernel call; delta None: (x, self(x)). Inputs are not modified."""
+        """(x + delta, norm(x + delta)) in one kernel call; delta None: (x, norm(x)). Inputs are not modified."""
         return kernels.add_rms_norm(x, delta, self.weight, self.eps, self.zero_centred)
 
 

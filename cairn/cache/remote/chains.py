@@ -44,7 +44,7 @@ class ChainLookup:
         chain that ends in a snapshot and return its segments, parents first ([] on a miss or when down).
         While another replica's marker announces a deeper one, probe again (see the module docstring)."""
         keys = prefix_keys(tokens, positions)
-        if not keys:
+        if not keys:  # an empty prompt (the server looks it up before the engine refuses it): Redis is not asked
             return []
         order = sorted(keys, reverse=True)
         probes = [("get", name(keys[p])) for name in (self.names.entry, self.names.marker) for p in order]
