@@ -2,7 +2,8 @@
 
 Per dtype and batch size: cairn's decode tokens/s (aggregate over the batch) for each weight layout
 asked for (plain, packed, gemv: cairn's own bf16 gemv kernel on the best path the CPU has, gemv-unfused:
-the same without the fused Gated DeltaNet decode op, gemv-avx512: the kernel forced onto its AVX512-BF16
+the same without the fused Gated DeltaNet decode op, gemv-sdpa: the same with decode attention on the reference
+(SDPA over gathered pages) instead of cairn's paged op, gemv-avx512: the kernel forced onto its AVX512-BF16
 dot products where `gemv` takes AMX tiles, gemv-rowmajor: every weight as loaded, which on the AVX2 path
 is the row-major dot-product kernel `gemv` ran before its packed weights, int8), the weight bytes one decode step
 reads, the weight-read bandwidth that achieves (bytes x steps/s), the machine's memory bandwidth
@@ -106,6 +107,7 @@ def variants(layouts: list[str]) -> dict[str, dict]:
     table = {"auto": {}, "plain": {"weight_layout": "plain"}, "packed": {"weight_layout": "packed"},
              "gemv": {"weight_layout": "gemv"}, "gemv-unfused": {"weight_layout": "gemv"},
              "gemv-avx512": {"weight_layout": "gemv"}, "gemv-rowmajor": {"weight_layout": "plain"},
+             "gemv-sdpa": {"weight_layout": "gemv"},
              "int8": {"quantization": "int8"}}
     return {name: table[name] for name in layouts}
 
@@ -141,7 +143,7 @@ def row_major_gemv(model) -> bool:
 
 def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) -> dict:
     from cairn.model.layout import decode_weight_bytes
-    from cairn.ops import cpu_gdn
+    from cairn.ops import attention, cpu_gdn
 
     engines = {}
     for name, options in variants(layouts).items():
@@ -152,6 +154,9 @@ def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) ->
             continue
         if name == "gemv-unfused":  # the Gated DeltaNet decode on the reference kernels, not the fused op
             engine.model.kernels = dataclasses.replace(engine.model.kernels, gdn_decode_op=cpu_gdn.reference_op_for)
+        if name == "gemv-sdpa":  # decode attention on the reference (SDPA over gathered pages), not cairn's op
+            engine.model.kernels = dataclasses.replace(engine.model.kernels,
+                                                       paged_decode_attention=attention.paged_decode_attention)
         if name == "gemv-rowmajor" and (dtype != "bfloat16" or not row_major_gemv(engine.model)):
             print(f"  {dtype} {name}: skipped (bf16 on a CPU the gemv kernel runs on only)")
             continue
@@ -288,7 +293,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16", type=lambda s: [int(b) for b in s.split(",")])
     ap.add_argument("--layouts", default="plain,packed,gemv,int8",
                     help="cairn variants: plain, packed, gemv, gemv-unfused (gemv with the Gated DeltaNet decode on "
-                    "the reference kernels instead of the fused op), gemv-avx512 (gemv on the AVX512-BF16 path, 2 "
+                    "the reference kernels instead of the fused op), gemv-sdpa (gemv with decode attention on SDPA "
+                    "over gathered pages instead of cairn's paged op), gemv-avx512 (gemv on the AVX512-BF16 path, 2 "
                     "rows, F.linear above, where gemv takes AMX), gemv-rowmajor (gemv with every weight as loaded: "
                     "on the AVX2 path the row-major kernel, not the packed blocks), int8 (quantized) or auto; "
                     "unsupported ones are skipped")
