@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from cairn.cache.base import CacheRequest
-from cairn.cache.tree.nodes import DISK, REMOTE
+from cairn.cache.disk.index import MAX_UNREADABLE
+from cairn.cache.tree.nodes import DISK, REMOTE, DiskRef
 from cairn.llm import LLM
 from tests.harness import run, same_as_cold
 
@@ -152,3 +153,18 @@ def test_a_read_only_cache_rescans_on_a_miss_and_resumes_what_the_writer_added_s
         run(writer, CONVERSATION[:140])  # segments with snapshots at 64 and 128 (grid) and 140 (prompt end)
         out = run(reader, CONVERSATION[:140] + [5, 6])
         assert out.cache.resume_tier == DISK and out.cache.resume_position == 140
+
+
+def test_the_keys_remembered_as_unreadable_are_bounded_and_forgotten_all_at_once(tmp_path):
+    """A lookup never hangs a segment marked unreadable again (a shared store's index may outlive the file); the
+    marks are bounded: the one past MAX_UNREADABLE clears them, so the oldest can be hung (and found bad) again."""
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as llm:
+        index = llm.engine.cache.indexes[DISK]
+        keys = [i.to_bytes(32, "little") for i in range(MAX_UNREADABLE + 1)]
+        for key in keys:
+            index.mark_bad(key)
+        index.forget()  # as admission does first: none of them is on the tree
+        first, last = ((tuple(range(t, t + 8)), 0, DiskRef(k, 0, 8), False, False) for t, k in ((1, keys[0]),
+                                                                                               (100, keys[-1])))
+        assert not index.hang_found([last])  # the newest mark is kept
+        assert index.hang_found([first]) and DISK in llm.engine.cache.tree.match(first[0]).path[0].kv
