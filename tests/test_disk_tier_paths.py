@@ -168,3 +168,71 @@ def test_the_keys_remembered_as_unreadable_are_bounded_and_forgotten_all_at_once
                                                                                                (100, keys[-1])))
         assert not index.hang_found([last])  # the newest mark is kept
         assert index.hang_found([first]) and DISK in llm.engine.cache.tree.match(first[0]).path[0].kv
+
+
+ONE_DEVICE_SNAPSHOT_GIB = 1.5 * 430_080 / 2**30  # one of the demo model's state slots: a second capture demotes
+
+
+def before_first_call(monkeypatch, obj, name: str, change) -> None:
+    """Run change() (another process's move) just before the first call of obj.name, then the call itself."""
+    real = getattr(obj, name)
+
+    def changed_first(*args, **kwargs):
+        monkeypatch.setattr(obj, name, real)  # once
+        change()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, changed_first)
+
+
+def returns_of(monkeypatch, obj, name: str) -> list:
+    """What every later call of obj.name returns, in order."""
+    real, returned = getattr(obj, name), []
+
+    def recorded(*args, **kwargs):
+        returned.append(real(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(obj, name, recorded)
+    return returned
+
+
+def test_a_path_whose_first_segment_redis_lost_mid_request_is_not_copied_to_disk_until_the_end(
+        tmp_path, redis_server, monkeypatch):
+    """A request resumes a conversation found in Redis; while it runs, Redis loses the first segment of that path
+    (maxmemory eviction, a TTL, another replica's flush). The device holds one snapshot, so the request's second
+    capture demotes its first to disk, whose segment needs the whole path above it: the first node's KV is only in
+    Redis, now unreadable, so nothing is written (counted). At the request's end the path is written to disk from
+    the request's own pages, without the snapshot at 64, whose only copy was in that segment; the lost segment is
+    forgotten, and a restart on the disk alone resumes the conversation as cold serves it."""
+    with LLM(**OPTS, remote_cache=redis_server.url) as writer:
+        writer.engine.cache.tiers.by_name[REMOTE].store.redis.timeout_s = 5.0
+        run(writer, CONVERSATION[:140])
+        assert writer.engine.cache.tiers.by_name[REMOTE].store.flush()
+    with LLM(**OPTS, disk_cache=str(tmp_path), remote_cache=redis_server.url, host_cache_gib=0,
+             device_snapshot_gib=ONE_DEVICE_SNAPSHOT_GIB) as llm:
+        cache = llm.engine.cache
+        remote, disk = cache.tiers.by_name[REMOTE], cache.tiers.by_name[DISK]
+        remote.store.redis.timeout_s = 5.0
+        lost = []
+
+        def redis_loses_the_first_segment():
+            (first,) = cache.tree.root.children.values()
+            lost.append(first.kv[REMOTE].key)
+            assert redis_server.client().delete(remote.store.names.segment(lost[0])) == 1
+
+        before_first_call(monkeypatch, disk, "store_snapshot", redis_loses_the_first_segment)
+        out = run(llm, CONVERSATION)
+        assert out.cache.resume_tier == REMOTE and out.cache.resume_position == 140 and lost
+        same_as_cold(cold_llm(), out, CONVERSATION)
+        demoted = cache.tiers.moved["snapshot device->remote"]
+        assert demoted >= 1 and operations(llm)["write_unreadable"] == demoted  # each went past the disk to Redis
+        assert operations(llm, "remote")["read_missing"] >= 1  # read again after the loss: no longer indexed
+        assert cache.stats().remote.faults == {"missing": 1} and cache.stats().remote.forgotten == {"disk_evicted": 1}
+        first = cache.tree.match(CONVERSATION).path[0]
+        assert set(first.kv) == {DISK} and first.snapshot is None  # the snapshot at 64 went with the segment
+        assert disk.store.info(lost[0]).has_snapshot is False  # (equal paths, equal keys: disk's is the same)
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as restarted:
+        again = run(restarted, CONVERSATION + [5, 6])
+        assert again.cache.resume_tier == DISK and again.cache.resume_position >= 384
+        same_as_cold(cold_llm(), again, CONVERSATION + [5, 6])
