@@ -236,3 +236,46 @@ def test_a_path_whose_first_segment_redis_lost_mid_request_is_not_copied_to_disk
         again = run(restarted, CONVERSATION + [5, 6])
         assert again.cache.resume_tier == DISK and again.cache.resume_position >= 384
         same_as_cold(cold_llm(), again, CONVERSATION + [5, 6])
+
+
+def test_a_segment_evicted_from_a_shared_disk_while_its_path_is_copied_to_redis_stops_the_copy_there(
+        tmp_path, redis_server, monkeypatch):
+    """Another server manages the disk cache (this one's is read-only) and evicts the first segment of a path a
+    request here resumed from it, while that request runs. The device holds one snapshot, so the request's second
+    capture demotes its first: the disk refuses it (read-only), and Redis needs the whole path above it, whose
+    first node's KV was only in that segment: nothing is queued (counted), not even the nodes below it, which
+    Redis could not chain to. At the request's end the path goes to Redis from the request's own pages; the
+    evicted segment is forgotten, and another replica resumes the conversation from Redis as cold serves it."""
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as writer:  # holds the namespace's lock while the test runs
+        run(writer, CONVERSATION[:140])
+        with LLM(**OPTS, disk_cache=str(tmp_path), remote_cache=redis_server.url, host_cache_gib=0,
+                 device_snapshot_gib=ONE_DEVICE_SNAPSHOT_GIB) as llm:
+            cache = llm.engine.cache
+            remote, disk = cache.tiers.by_name[REMOTE], cache.tiers.by_name[DISK]
+            remote.store.redis.timeout_s = 5.0
+            assert disk.store.readonly
+            evicted = []
+
+            def the_writer_evicts_the_first_segment():
+                (first,) = cache.tree.root.children.values()
+                evicted.append(first.kv[DISK].key)
+                (Path(disk.store.root) / disk.store.compat_digest / f"{evicted[0].hex()}.seg").unlink()
+
+            before_first_call(monkeypatch, remote, "store_snapshot", the_writer_evicts_the_first_segment)
+            queued = returns_of(monkeypatch, remote, "persist")
+            out = run(llm, CONVERSATION)
+            assert out.cache.resume_tier == DISK and out.cache.resume_position == 140 and evicted
+            same_as_cold(cold_llm(), out, CONVERSATION)
+            *demotions, at_the_end = queued
+            lost = cache.tiers.dropped["snapshot_device_full"]
+            assert demotions == [0] * lost and lost >= 1 and at_the_end >= 4
+            assert operations(llm, "remote")["write_unreadable"] == lost and operations(llm)["read_missing"] >= 1
+            assert cache.stats().disk.faults["missing"] == 1 and cache.stats().disk.forgotten == {"disk_evicted": 1}
+            assert set(cache.tree.match(CONVERSATION).path[0].kv) == {REMOTE}
+            assert remote.store.flush()
+    prompt = CONVERSATION + out.token_ids + [5, 6]  # the next turn (the request's end is its deepest snapshot)
+    with LLM(**OPTS, remote_cache=redis_server.url) as other:
+        other.engine.cache.tiers.by_name[REMOTE].store.redis.timeout_s = 5.0
+        again = run(other, prompt)
+        assert again.cache.resume_tier == REMOTE and again.cache.resume_position > len(CONVERSATION)
+        same_as_cold(cold_llm(), again, prompt)
