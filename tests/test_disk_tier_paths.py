@@ -171,6 +171,7 @@ def test_the_keys_remembered_as_unreadable_are_bounded_and_forgotten_all_at_once
 
 
 ONE_DEVICE_SNAPSHOT_GIB = 1.5 * 430_080 / 2**30  # one of the demo model's state slots: a second capture demotes
+SIX_SNAPSHOTS_GIB = 6.5 * 430_080 / 2**30
 
 
 def before_first_call(monkeypatch, obj, name: str, change) -> None:
@@ -279,3 +280,30 @@ def test_a_segment_evicted_from_a_shared_disk_while_its_path_is_copied_to_redis_
         again = run(other, prompt)
         assert again.cache.resume_tier == REMOTE and again.cache.resume_position > len(CONVERSATION)
         same_as_cold(cold_llm(), again, prompt)
+
+
+def snapshot_copies(llm: LLM, prompt: list[int]) -> dict[int, set[str]]:
+    """Position -> the tiers holding a copy, for each snapshot on prompt's path."""
+    return {node.end: set(node.snapshot.handle.copies) for node in llm.engine.cache.tree.match(prompt).path
+            if node.snapshot is not None}
+
+
+def test_a_snapshot_held_here_that_the_writer_stores_too_gets_its_disk_copy_at_the_rescan(tmp_path):
+    """A read-only engine and the writer of its cache serve the same conversation; the rescan (a miss) finds the
+    writer's segments ending where this engine already holds snapshots on the device, and records their disk copy
+    on them. When the device later lets them go, they stay resumable from disk (this engine cannot write them)."""
+    prompt = CONVERSATION[:140]
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as writer, \
+            LLM(**OPTS, disk_cache=str(tmp_path), host_cache_gib=0, device_snapshot_gib=SIX_SNAPSHOTS_GIB) as reader:
+        reader.engine.cache.indexes[DISK].rescan_interval_s = 0.0
+        run(reader, prompt)  # device snapshots at 64 and 128 (grid) and 140 (the prompt's end, with logits)
+        assert snapshot_copies(reader, prompt) == {64: {"device"}, 128: {"device"}, 140: {"device"}}
+        run(writer, prompt)
+        assert run(reader, prompt + [5, 6]).cache.resume_tier == "device"  # a miss past 140: the rescan
+        assert snapshot_copies(reader, prompt) == {64: {"device", DISK}, 128: {"device", DISK}, 140: {"device", DISK}}
+        run(reader, list(range(255, 15, -1)))  # another conversation's snapshots push these off the device
+        assert snapshot_copies(reader, prompt) == {64: {DISK}, 128: {DISK}, 140: {DISK}}  # (the others dropped)
+        assert reader.engine.cache.tiers.dropped["snapshot_device_full"] >= 1
+        out = run(reader, prompt + [7, 8])
+        assert out.cache.resume_tier == DISK and out.cache.resume_position == 140
+        same_as_cold(cold_llm(), out, prompt + [7, 8])
