@@ -1,9 +1,10 @@
 """`cairn cache ls | verify | purge` while the directory changes under it: a namespace another purge removes
 between the listing and the opening, the whole cache directory removed after the command checked it, a
-segment a running server evicts between the listing and the read, and a read that fails with an I/O error. Each command finishes with what it could read (a removed
-namespace or file is not an error; an unreadable file is a bad one, exit 1), in-process through
-`cairn.cli.main` on a real directory. The removals are real (`shutil.rmtree`, `unlink`), made right after
-the real listing; only EIO, which a healthy disk cannot produce, is injected at `os.readv`.
+segment a running server evicts between the listing and the read, and a read that fails with an I/O error.
+Each command finishes with what it could read (a removed namespace or file is not an error; an unreadable
+file is a bad one, exit 1), in-process through `cairn.cli.main` on a real directory. The removals are real
+(`shutil.rmtree`, `unlink`), made right after the real listing; only EIO, which a healthy disk cannot
+produce, is injected at `os.readv`.
 """
 
 from __future__ import annotations

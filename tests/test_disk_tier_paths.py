@@ -8,6 +8,7 @@ the stats that /metrics exports (`cairn_cache_disk_operations_total{kind}`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -307,3 +308,30 @@ def test_a_snapshot_held_here_that_the_writer_stores_too_gets_its_disk_copy_at_t
         out = run(reader, prompt + [7, 8])
         assert out.cache.resume_tier == DISK and out.cache.resume_position == 140
         same_as_cold(cold_llm(), out, prompt + [7, 8])
+
+
+def test_a_segment_the_writer_stored_again_without_its_snapshot_is_planned_around_and_forgotten(tmp_path):
+    """Segment keys name a path, not what a file holds: the writer of a shared cache evicts a segment ending in a
+    snapshot and later writes the same path again without one (its own snapshot there is gone). A read-only engine
+    that indexed the first file plans a resume from its snapshot, reads a whole, valid segment without one, marks
+    it bad and plans again from the snapshot above: served as cold; the segment is forgotten."""
+    prompt = CONVERSATION[:140]
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as writer:
+        run(writer, prompt)
+        with LLM(**OPTS, disk_cache=str(tmp_path)) as reader:  # read-only; indexes the writer's segments at start-up
+            cache = reader.engine.cache
+            cache.indexes[DISK].rescan_interval_s = 1e9  # none later (it would not undo the plan either)
+            key = cache.tree.match(prompt).path[-1].snapshot.handle.copies[DISK]  # the segment ending at 140
+            store = writer.engine.cache.tiers.by_name[DISK].store
+            stored = store.get(key)
+            (Path(store.root) / store.compat_digest / f"{key.hex()}.seg").unlink()  # the writer's eviction of it...
+            store.scan()
+            assert store.put(dataclasses.replace(stored, snapshot_bytes=None, snapshot_meta={}, logits_bytes=None,
+                                                 logits_meta={}))  # ... and a later write of that path without one
+            out = run(reader, prompt + [5, 6])
+            assert out.cache.miss_reason == "corrupt"
+            assert out.cache.resume_tier == DISK and out.cache.resume_position == 128
+            same_as_cold(cold_llm(), out, prompt + [5, 6])
+            assert operations(reader)["read_ok"] >= 2 and "read_bad" not in operations(reader)  # whole, valid segments
+            assert cache.stats().disk.forgotten == {"disk_unreadable": 1}
+            assert cache.stats().disk.faults == {"readonly": 1}  # (its write at the request's end): no bad file
