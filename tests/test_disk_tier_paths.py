@@ -4,6 +4,12 @@ A store that refuses every write (a budget smaller than one segment), segments w
 start-up (orphans: never resumable), and a disk tier feeding the Redis tier (segments read back from disk
 to be written to Redis): each request is still served as cold serves it, and what happened is counted in
 the stats that /metrics exports (`cairn_cache_disk_operations_total{kind}`).
+
+The races with another process: a segment lost from Redis or evicted from a shared disk while a request
+resumed from it runs (its path cannot be copied to the other tier until the request's end), a writer
+storing a path again without its snapshot, a rescan meeting snapshots this engine already holds. Each
+change is a real one (a Redis DEL, an unlink, a put), made at the right moment by wrapping the call just
+after it.
 """
 
 from __future__ import annotations
