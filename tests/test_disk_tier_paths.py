@@ -341,3 +341,25 @@ def test_a_segment_the_writer_stored_again_without_its_snapshot_is_planned_aroun
             assert operations(reader)["read_ok"] >= 2 and "read_bad" not in operations(reader)  # whole, valid segments
             assert cache.stats().disk.forgotten == {"disk_unreadable": 1}
             assert cache.stats().disk.faults == {"readonly": 1}  # (its write at the request's end): no bad file
+
+
+def test_a_resume_from_disk_keeps_its_segments_while_making_room_for_their_pages(tmp_path):
+    """The device's KV pool holds about one and a half conversations, the disk about one conversation's segments,
+    and only evictions write to disk. The first conversation goes to disk when the second needs the device;
+    resuming the first then needs device pages for what it reads from disk, and making room demotes the second
+    to disk, whose budget eviction took the least recently used segments: the very ones the resume was about to
+    read (it found them missing, reported "corrupt" and resumed at 64). They are held while the resume makes
+    room and loads, so it resumes where it planned, reading them."""
+    pages = 30  # the demo model's KV page is 16 KiB: 30 pages hold one 140-token conversation and a half
+    first, second = list(range(10, 150)), list(range(250, 110, -1))
+    with LLM(**dict(OPTS, kv_cache_gib=pages * 16384 / 2**30), disk_cache=str(tmp_path), disk_cache_gib=2 / 1024,
+             host_cache_gib=0, disk_write_through=False) as llm:
+        run(llm, first)
+        run(llm, second)
+        cache = llm.engine.cache
+        assert cache.tiers.moved["kv device->disk"] == 1 and DISK in cache.tree.match(first).path[0].kv
+        out = run(llm, first + [5, 6])
+        assert out.cache.resume_position == len(first) and out.cache.miss_reason is None
+        assert operations(llm)["read_ok"] >= 1 and "read_missing" not in operations(llm)  # its pages, from disk
+        assert cache.tiers.moved["kv device->disk"] == 2  # the second conversation went to disk meanwhile
+        same_as_cold(cold_llm(), out, first + [5, 6])
