@@ -1,9 +1,10 @@
 """`cairn cache ls | verify | purge` while the directory changes under it: a namespace another purge removes
-between the listing and the opening, a segment a running server evicts between the listing and the read,
-and a read that fails with an I/O error. Each command finishes with what it could read (a removed
-namespace or file is not an error; an unreadable file is a bad one, exit 1), in-process through
-`cairn.cli.main` on a real directory. The removals are real (`shutil.rmtree`, `unlink`), made right after
-the real listing; only EIO, which a healthy disk cannot produce, is injected at `os.readv`.
+between the listing and the opening, the whole cache directory removed after the command checked it, a
+segment a running server evicts between the listing and the read, and a read that fails with an I/O error.
+Each command finishes with what it could read (a removed namespace or file is not an error; an unreadable
+file is a bad one, exit 1), in-process through `cairn.cli.main` on a real directory. The removals are real
+(`shutil.rmtree`, `unlink`), made right after the real listing; only EIO, which a healthy disk cannot
+produce, is injected at `os.readv`.
 """
 
 from __future__ import annotations
@@ -86,3 +87,26 @@ def test_verify_skips_a_segment_evicted_during_it_and_reports_an_unreadable_one(
     assert status == 1
     assert out.splitlines() == [f"{DIGEST[:16]}: 1 ok, 1 bad", f"  {files[1].name}: read_failed"]
     assert files[1].exists() and files[2].exists()  # verify modifies nothing
+
+
+def test_each_command_finds_nothing_in_a_cache_root_removed_after_it_was_checked(tmp_path, capsys, monkeypatch):
+    """The whole cache directory goes (an operator's rm -r) after the command checked it is a directory and
+    listed its namespaces, before it opens one: nothing to list, verify or purge, and not an error."""
+    root = tmp_path / "cache"
+    for action, args, expected in (("ls", (), "0 namespace(s)"), ("verify", ("--namespace", DIGEST[:16]),
+                                   f"no disk cache namespace in {root}"),
+                                   ("purge", ("--namespace", DIGEST[:16]), "removed 0 segment")):
+        filled(root, DIGEST)
+        real = os.scandir
+
+        def scandir_then_remove_root(path, real=real):
+            with real(path) as entries:
+                listed = _Entries(entries)
+            monkeypatch.setattr(os, "scandir", real)  # once (rmtree scans too)
+            shutil.rmtree(root)
+            return listed
+
+        monkeypatch.setattr(os, "scandir", scandir_then_remove_root)
+        status, out, err = cache_command(capsys, action, "--disk-cache", str(root), *args)
+        assert status == 0 and expected in out and not err, (action, out, err)
+        assert not root.exists()

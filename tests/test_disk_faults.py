@@ -112,6 +112,26 @@ def test_truncated_file_is_never_loaded(env):
     assert not env.victim_path.exists()  # our own bad file is removed
 
 
+def test_a_file_truncated_under_the_start_up_scan_is_never_loaded(env, monkeypatch, caplog):
+    """The file is cut short (another process truncating it, a disk filling up under a copy) after the scan read
+    its header, whose size matched, and before it reads the end marker: the marker comes back short."""
+    real_pread, victim = os.pread, str(env.victim_path)
+
+    def header_then_truncate(fd, size, offset):
+        data = real_pread(fd, size, offset)
+        if offset == 0 and os.readlink(f"/proc/self/fd/{fd}") == victim:
+            monkeypatch.setattr(os, "pread", real_pread)  # once
+            os.truncate(victim, env.victim_path.stat().st_size - 10)
+        return data
+
+    monkeypatch.setattr(os, "pread", header_then_truncate)
+    store = DiskStore(env.root, DIGEST, BUDGET_BYTES)
+    assert os.pread is real_pread  # the scan did read the victim's header
+    assert "no end marker" in caplog.text  # (the fault's one log line): the marker read short, not the header
+    assert_never_loaded(env, "truncated", store)
+    assert not env.victim_path.exists()  # our own bad file is removed
+
+
 @pytest.mark.parametrize("part, reason", [("header", "checksum"), ("tokens", "checksum"), ("kv", "checksum"),
                                           ("snapshot", "checksum"), ("logits", "checksum"), ("meta", "checksum"),
                                           ("end_magic", "malformed"), ("end_digest", "checksum")])

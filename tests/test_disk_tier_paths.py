@@ -4,15 +4,23 @@ A store that refuses every write (a budget smaller than one segment), segments w
 start-up (orphans: never resumable), and a disk tier feeding the Redis tier (segments read back from disk
 to be written to Redis): each request is still served as cold serves it, and what happened is counted in
 the stats that /metrics exports (`cairn_cache_disk_operations_total{kind}`).
+
+The races with another process: a segment lost from Redis or evicted from a shared disk while a request
+resumed from it runs (its path cannot be copied to the other tier until the request's end), a writer
+storing a path again without its snapshot, a rescan meeting snapshots this engine already holds. Each
+change is a real one (a Redis DEL, an unlink, a put), made at the right moment by wrapping the call just
+after it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from cairn.cache.base import CacheRequest
-from cairn.cache.tree.nodes import DISK, REMOTE
+from cairn.cache.disk.index import MAX_UNREADABLE
+from cairn.cache.tree.nodes import DISK, REMOTE, DiskRef
 from cairn.llm import LLM
 from tests.harness import run, same_as_cold
 
@@ -152,3 +160,206 @@ def test_a_read_only_cache_rescans_on_a_miss_and_resumes_what_the_writer_added_s
         run(writer, CONVERSATION[:140])  # segments with snapshots at 64 and 128 (grid) and 140 (prompt end)
         out = run(reader, CONVERSATION[:140] + [5, 6])
         assert out.cache.resume_tier == DISK and out.cache.resume_position == 140
+
+
+def test_the_keys_remembered_as_unreadable_are_bounded_and_forgotten_all_at_once(tmp_path):
+    """A lookup never hangs a segment marked unreadable again (a shared store's index may outlive the file); the
+    marks are bounded: the one past MAX_UNREADABLE clears them, so the oldest can be hung (and found bad) again."""
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as llm:
+        index = llm.engine.cache.indexes[DISK]
+        keys = [i.to_bytes(32, "little") for i in range(MAX_UNREADABLE + 1)]
+        for key in keys:
+            index.mark_bad(key)
+        index.forget()  # as admission does first: none of them is on the tree
+        first, last = ((tuple(range(t, t + 8)), 0, DiskRef(k, 0, 8), False, False) for t, k in ((1, keys[0]),
+                                                                                               (100, keys[-1])))
+        assert not index.hang_found([last])  # the newest mark is kept
+        assert index.hang_found([first]) and DISK in llm.engine.cache.tree.match(first[0]).path[0].kv
+
+
+ONE_DEVICE_SNAPSHOT_GIB = 1.5 * 430_080 / 2**30  # one of the demo model's state slots: a second capture demotes
+SIX_SNAPSHOTS_GIB = 6.5 * 430_080 / 2**30
+
+
+def before_first_call(monkeypatch, obj, name: str, change) -> None:
+    """Run change() (another process's move) just before the first call of obj.name, then the call itself."""
+    real = getattr(obj, name)
+
+    def changed_first(*args, **kwargs):
+        monkeypatch.setattr(obj, name, real)  # once
+        change()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, changed_first)
+
+
+def returns_of(monkeypatch, obj, name: str) -> list:
+    """What every later call of obj.name returns, in order."""
+    real, returned = getattr(obj, name), []
+
+    def recorded(*args, **kwargs):
+        returned.append(real(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(obj, name, recorded)
+    return returned
+
+
+def test_a_path_whose_first_segment_redis_lost_mid_request_is_not_copied_to_disk_until_the_end(
+        tmp_path, redis_server, monkeypatch):
+    """A request resumes a conversation found in Redis; while it runs, Redis loses the first segment of that path
+    (maxmemory eviction, a TTL, another replica's flush). The device holds one snapshot, so the request's second
+    capture demotes its first to disk, whose segment needs the whole path above it: the first node's KV is only in
+    Redis, now unreadable, so nothing is written (counted). At the request's end the path is written to disk from
+    the request's own pages, without the snapshot at 64, whose only copy was in that segment; the lost segment is
+    forgotten, and a restart on the disk alone resumes the conversation as cold serves it."""
+    with LLM(**OPTS, remote_cache=redis_server.url) as writer:
+        writer.engine.cache.tiers.by_name[REMOTE].store.redis.timeout_s = 5.0
+        run(writer, CONVERSATION[:140])
+        assert writer.engine.cache.tiers.by_name[REMOTE].store.flush()
+    with LLM(**OPTS, disk_cache=str(tmp_path), remote_cache=redis_server.url, host_cache_gib=0,
+             device_snapshot_gib=ONE_DEVICE_SNAPSHOT_GIB) as llm:
+        cache = llm.engine.cache
+        remote, disk = cache.tiers.by_name[REMOTE], cache.tiers.by_name[DISK]
+        remote.store.redis.timeout_s = 5.0
+        lost = []
+
+        def redis_loses_the_first_segment():
+            (first,) = cache.tree.root.children.values()
+            lost.append(first.kv[REMOTE].key)
+            assert redis_server.client().delete(remote.store.names.segment(lost[0])) == 1
+
+        before_first_call(monkeypatch, disk, "store_snapshot", redis_loses_the_first_segment)
+        out = run(llm, CONVERSATION)
+        assert out.cache.resume_tier == REMOTE and out.cache.resume_position == 140 and lost
+        same_as_cold(cold_llm(), out, CONVERSATION)
+        demoted = cache.tiers.moved["snapshot device->remote"]
+        assert demoted >= 1 and operations(llm)["write_unreadable"] == demoted  # each went past the disk to Redis
+        assert operations(llm, "remote")["read_missing"] >= 1  # read again after the loss: no longer indexed
+        assert cache.stats().remote.faults == {"missing": 1} and cache.stats().remote.forgotten == {"disk_evicted": 1}
+        first = cache.tree.match(CONVERSATION).path[0]
+        assert set(first.kv) == {DISK} and first.snapshot is None  # the snapshot at 64 went with the segment
+        assert disk.store.info(lost[0]).has_snapshot is False  # (equal paths, equal keys: disk's is the same)
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as restarted:
+        again = run(restarted, CONVERSATION + [5, 6])
+        assert again.cache.resume_tier == DISK and again.cache.resume_position >= 384
+        same_as_cold(cold_llm(), again, CONVERSATION + [5, 6])
+
+
+def test_a_segment_evicted_from_a_shared_disk_while_its_path_is_copied_to_redis_stops_the_copy_there(
+        tmp_path, redis_server, monkeypatch):
+    """Another server manages the disk cache (this one's is read-only) and evicts the first segment of a path a
+    request here resumed from it, while that request runs. The device holds one snapshot, so the request's second
+    capture demotes its first: the disk refuses it (read-only), and Redis needs the whole path above it, whose
+    first node's KV was only in that segment: nothing is queued (counted), not even the nodes below it, which
+    Redis could not chain to. At the request's end the path goes to Redis from the request's own pages; the
+    evicted segment is forgotten, and another replica resumes the conversation from Redis as cold serves it."""
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as writer:  # holds the namespace's lock while the test runs
+        run(writer, CONVERSATION[:140])
+        with LLM(**OPTS, disk_cache=str(tmp_path), remote_cache=redis_server.url, host_cache_gib=0,
+                 device_snapshot_gib=ONE_DEVICE_SNAPSHOT_GIB) as llm:
+            cache = llm.engine.cache
+            remote, disk = cache.tiers.by_name[REMOTE], cache.tiers.by_name[DISK]
+            remote.store.redis.timeout_s = 5.0
+            assert disk.store.readonly
+            evicted = []
+
+            def the_writer_evicts_the_first_segment():
+                (first,) = cache.tree.root.children.values()
+                evicted.append(first.kv[DISK].key)
+                (Path(disk.store.root) / disk.store.compat_digest / f"{evicted[0].hex()}.seg").unlink()
+
+            before_first_call(monkeypatch, remote, "store_snapshot", the_writer_evicts_the_first_segment)
+            queued = returns_of(monkeypatch, remote, "persist")
+            out = run(llm, CONVERSATION)
+            assert out.cache.resume_tier == DISK and out.cache.resume_position == 140 and evicted
+            same_as_cold(cold_llm(), out, CONVERSATION)
+            *demotions, at_the_end = queued
+            lost = cache.tiers.dropped["snapshot_device_full"]
+            assert demotions == [0] * lost and lost >= 1 and at_the_end >= 4
+            assert operations(llm, "remote")["write_unreadable"] == lost and operations(llm)["read_missing"] >= 1
+            assert cache.stats().disk.faults["missing"] == 1 and cache.stats().disk.forgotten == {"disk_evicted": 1}
+            assert set(cache.tree.match(CONVERSATION).path[0].kv) == {REMOTE}
+            assert remote.store.flush()
+    prompt = CONVERSATION + out.token_ids + [5, 6]  # the next turn (the request's end is its deepest snapshot)
+    with LLM(**OPTS, remote_cache=redis_server.url) as other:
+        other.engine.cache.tiers.by_name[REMOTE].store.redis.timeout_s = 5.0
+        again = run(other, prompt)
+        assert again.cache.resume_tier == REMOTE and again.cache.resume_position > len(CONVERSATION)
+        same_as_cold(cold_llm(), again, prompt)
+
+
+def snapshot_copies(llm: LLM, prompt: list[int]) -> dict[int, set[str]]:
+    """Position -> the tiers holding a copy, for each snapshot on prompt's path."""
+    return {node.end: set(node.snapshot.handle.copies) for node in llm.engine.cache.tree.match(prompt).path
+            if node.snapshot is not None}
+
+
+def test_a_snapshot_held_here_that_the_writer_stores_too_gets_its_disk_copy_at_the_rescan(tmp_path):
+    """A read-only engine and the writer of its cache serve the same conversation; the rescan (a miss) finds the
+    writer's segments ending where this engine already holds snapshots on the device, and records their disk copy
+    on them. When the device later lets them go, they stay resumable from disk (this engine cannot write them)."""
+    prompt = CONVERSATION[:140]
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as writer, \
+            LLM(**OPTS, disk_cache=str(tmp_path), host_cache_gib=0, device_snapshot_gib=SIX_SNAPSHOTS_GIB) as reader:
+        reader.engine.cache.indexes[DISK].rescan_interval_s = 0.0
+        run(reader, prompt)  # device snapshots at 64 and 128 (grid) and 140 (the prompt's end, with logits)
+        assert snapshot_copies(reader, prompt) == {64: {"device"}, 128: {"device"}, 140: {"device"}}
+        run(writer, prompt)
+        assert run(reader, prompt + [5, 6]).cache.resume_tier == "device"  # a miss past 140: the rescan
+        assert snapshot_copies(reader, prompt) == {64: {"device", DISK}, 128: {"device", DISK}, 140: {"device", DISK}}
+        run(reader, list(range(255, 15, -1)))  # another conversation's snapshots push these off the device
+        assert snapshot_copies(reader, prompt) == {64: {DISK}, 128: {DISK}, 140: {DISK}}  # (the others dropped)
+        assert reader.engine.cache.tiers.dropped["snapshot_device_full"] >= 1
+        out = run(reader, prompt + [7, 8])
+        assert out.cache.resume_tier == DISK and out.cache.resume_position == 140
+        same_as_cold(cold_llm(), out, prompt + [7, 8])
+
+
+def test_a_segment_the_writer_stored_again_without_its_snapshot_is_planned_around_and_forgotten(tmp_path):
+    """Segment keys name a path, not what a file holds: the writer of a shared cache evicts a segment ending in a
+    snapshot and later writes the same path again without one (its own snapshot there is gone). A read-only engine
+    that indexed the first file plans a resume from its snapshot, reads a whole, valid segment without one, marks
+    it bad and plans again from the snapshot above: served as cold; the segment is forgotten."""
+    prompt = CONVERSATION[:140]
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as writer:
+        run(writer, prompt)
+        with LLM(**OPTS, disk_cache=str(tmp_path)) as reader:  # read-only; indexes the writer's segments at start-up
+            cache = reader.engine.cache
+            cache.indexes[DISK].rescan_interval_s = 1e9  # none later (it would not undo the plan either)
+            key = cache.tree.match(prompt).path[-1].snapshot.handle.copies[DISK]  # the segment ending at 140
+            store = writer.engine.cache.tiers.by_name[DISK].store
+            stored = store.get(key)
+            (Path(store.root) / store.compat_digest / f"{key.hex()}.seg").unlink()  # the writer's eviction of it...
+            store.scan()
+            assert store.put(dataclasses.replace(stored, snapshot_bytes=None, snapshot_meta={}, logits_bytes=None,
+                                                 logits_meta={}))  # ... and a later write of that path without one
+            out = run(reader, prompt + [5, 6])
+            assert out.cache.miss_reason == "corrupt"
+            assert out.cache.resume_tier == DISK and out.cache.resume_position == 128
+            same_as_cold(cold_llm(), out, prompt + [5, 6])
+            assert operations(reader)["read_ok"] >= 2 and "read_bad" not in operations(reader)  # whole, valid segments
+            assert cache.stats().disk.forgotten == {"disk_unreadable": 1}
+            assert cache.stats().disk.faults == {"readonly": 1}  # (its write at the request's end): no bad file
+
+
+def test_a_resume_from_disk_keeps_its_segments_while_making_room_for_their_pages(tmp_path):
+    """The device's KV pool holds about one and a half conversations, the disk about one conversation's segments,
+    and only evictions write to disk. The first conversation goes to disk when the second needs the device;
+    resuming the first then needs device pages for what it reads from disk, and making room demotes the second
+    to disk, whose budget eviction took the least recently used segments: the very ones the resume was about to
+    read (it found them missing, reported "corrupt" and resumed at 64). They are held while the resume makes
+    room and loads, so it resumes where it planned, reading them."""
+    pages = 30  # the demo model's KV page is 16 KiB: 30 pages hold one 140-token conversation and a half
+    first, second = list(range(10, 150)), list(range(250, 110, -1))
+    with LLM(**dict(OPTS, kv_cache_gib=pages * 16384 / 2**30), disk_cache=str(tmp_path), disk_cache_gib=2 / 1024,
+             host_cache_gib=0, disk_write_through=False) as llm:
+        run(llm, first)
+        run(llm, second)
+        cache = llm.engine.cache
+        assert cache.tiers.moved["kv device->disk"] == 1 and DISK in cache.tree.match(first).path[0].kv
+        out = run(llm, first + [5, 6])
+        assert out.cache.resume_position == len(first) and out.cache.miss_reason is None
+        assert operations(llm)["read_ok"] >= 1 and "read_missing" not in operations(llm)  # its pages, from disk
+        assert cache.tiers.moved["kv device->disk"] == 2  # the second conversation went to disk meanwhile
+        same_as_cold(cold_llm(), out, first + [5, 6])

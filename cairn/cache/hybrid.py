@@ -25,7 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -186,19 +188,20 @@ class HybridPrefixCache(PrefixCache):
         started = time.perf_counter()
         lock = self.tree.lock(match)
         table, copies = self._page_plan(match, p)
-        try:
-            if not self._alloc_copies(table, copies):
+        resume = next(n for n in match.path if n.end == p)
+        with self._segments_held(copies, resume.snapshot.handle, chosen.snapshot_tier):
+            try:
+                if not self._alloc_copies(table, copies):
+                    self.tree.unlock(lock)
+                    return "wait"
+            except BaseException:
                 self.tree.unlock(lock)
-                return "wait"
-        except BaseException:
-            self.tree.unlock(lock)
-            raise
-        try:
-            resume = next(n for n in match.path if n.end == p)
-            logits = self._load(req, table, copies, resume.snapshot.handle, chosen.snapshot_tier)
-        except BaseException:
-            self._abandon(table, lock)
-            raise
+                raise
+            try:
+                logits = self._load(req, table, copies, resume.snapshot.handle, chosen.snapshot_tier)
+            except BaseException:
+                self._abandon(table, lock)
+                raise
         if logits is False:
             return self._abandon(table, lock)
         admission.state.lock = lock
@@ -207,6 +210,26 @@ class HybridPrefixCache(PrefixCache):
             admission.ready_logits = logits
         self._report_resume(admission.report, p, chosen, resume.snapshot.source, time.perf_counter() - started)
         return "ok"
+
+    @contextmanager
+    def _segments_held(self, copies: list, handle: TieredSnapshot, snapshot_tier: str) -> Iterator[None]:
+        """Pin, in their stores, the segments a resume will read (its pages' and its snapshot's) while it makes
+        room and loads. The tree's lock keeps the path on the tree, not its segments in their stores: making
+        room on the device demotes KV into a segment store, whose budget eviction took the least recently used
+        segments, which could be the ones about to be read (then found missing, the resume fell back)."""
+        wanted = {}  # (store, key) -> None: each segment once, in reading order
+        for _, (node, _) in copies:
+            tier = self.tiers.page_source(node) if node.pages is None else None
+            if tier is not None and tier.name in self.indexes:
+                wanted[tier.store, node.kv[tier.name].key] = None
+        if snapshot_tier in self.indexes:
+            wanted[self.tiers.by_name[snapshot_tier].store, handle.copies[snapshot_tier]] = None
+        held = [(store, key) for store, key in wanted if store.pin(key)]  # one not indexed is not read either
+        try:
+            yield
+        finally:
+            for store, key in held:
+                store.unpin(key)
 
     def _load(self, req: CacheRequest, table: list[int], copies: list, handle: TieredSnapshot, tier: str):
         """Copy the pages listed in `copies` and the snapshot into req's pages and slot; returns the

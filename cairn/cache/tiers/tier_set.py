@@ -195,9 +195,13 @@ class TierSet:
             queue.push(parent)
         return freed
 
+    def page_source(self, node: Node) -> LowerTier:
+        """The tier a resume copies node's pages from: its fastest copy below the device."""
+        return next(t for t in self.holding(node.kv) if t.name != DEVICE)
+
     def page_copy(self, node: Node, i: int, cache: dict) -> tuple[LowerTier, KV | None]:
-        """(the tier, (k, v) of node's i-th page) from node's fastest copy below the device; None: unreadable."""
-        tier = next(t for t in self.holding(node.kv) if t.name != DEVICE)
+        """(the tier, (k, v) of node's i-th page) from page_source(node); None: unreadable."""
+        tier = self.page_source(node)
         return tier, tier.read_page(node, i, cache)
 
     def check_integrity(self) -> None:
