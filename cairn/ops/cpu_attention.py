@@ -39,7 +39,7 @@ from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_attention2"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_attention3"  # torch caches builds by name: a new source gets a new name
 PART_TOKENS = 256  # positions per task; fixed, so the order of sums never depends on the threads
 
 _SOURCE = r"""
@@ -82,38 +82,39 @@ CAIRN_AVX2 inline float hsum8(__m256 v) {  // a fixed order of sums
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-// s[g][t - t0] = (q_g . k_t) * scale for NG query heads g (fp32 rows of D in qf), positions [t0, t1): each key is
-// read once for the NG heads.
+// s[g][i] = (q_g . k_i) * scale for NG query heads g (fp32 rows of D in qf) and the part's n positions i (their
+// keys at c.k + rows[i]): each key is read once for the NG heads.
 template <int NG>
-CAIRN_AVX2 void scores_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qf, float* s,
+CAIRN_AVX2 void scores_avx2(const Call& c, const int64_t* rows, int64_t n, const float* qf, float* s,
                             int64_t s_stride) {
   const int64_t D = c.dim;
-  for (int64_t t = t0; t < t1; ++t) {
-    const at::BFloat16* kp = c.k + c.row(b, t, h);
+  for (int64_t i = 0; i < n; ++i) {
+    const at::BFloat16* kp = c.k + rows[i];
     __m256 sum[NG];
     for (int g = 0; g < NG; ++g) sum[g] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 key = load_bf16_ps8(kp + d, 8);
       for (int g = 0; g < NG; ++g) sum[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), key, sum[g]);
     }
-    for (int g = 0; g < NG; ++g) s[g * s_stride + t - t0] = hsum8(sum[g]) * c.scale;
+    for (int g = 0; g < NG; ++g) s[g * s_stride + i] = hsum8(sum[g]) * c.scale;
   }
 }
 
-// acc[g][:] = sum_t p[g][t - t0] v_t for NG heads, 16 of the D values at a time (the sums stay in registers).
+// acc[g][:] = sum_i p[g][i] v_i for NG heads (values at c.v + rows[i]), 16 of the D values at a time (the sums
+// stay in registers).
 template <int NG>
-CAIRN_AVX2 void values_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* p,
-                            int64_t p_stride, float* acc) {
+CAIRN_AVX2 void values_avx2(const Call& c, const int64_t* rows, int64_t n, const float* p, int64_t p_stride,
+                            float* acc) {
   const int64_t D = c.dim;
   for (int64_t d = 0; d < D; d += 16) {
     const bool two = d + 16 <= D;
     __m256 lo[NG], hi[NG];
     for (int g = 0; g < NG; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
-    for (int64_t t = t0; t < t1; ++t) {
-      const at::BFloat16* vp = c.v + c.row(b, t, h) + d;
+    for (int64_t i = 0; i < n; ++i) {
+      const at::BFloat16* vp = c.v + rows[i] + d;
       const __m256 a = load_bf16_ps8(vp, 8), z = two ? load_bf16_ps8(vp + 8, 8) : _mm256_setzero_ps();
       for (int g = 0; g < NG; ++g) {
-        const __m256 w = _mm256_broadcast_ss(p + g * p_stride + t - t0);
+        const __m256 w = _mm256_broadcast_ss(p + g * p_stride + i);
         lo[g] = _mm256_fmadd_ps(w, a, lo[g]);
         hi[g] = _mm256_fmadd_ps(w, z, hi[g]);
       }
@@ -126,20 +127,21 @@ CAIRN_AVX2 void values_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int
 }
 
 template <int NG>
-CAIRN_AVX2 void heads_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qf, float* s,
-                           int64_t s_stride, float* acc, bool values) {
-  if (values) values_avx2<NG>(c, b, h, t0, t1, s, s_stride, acc);
-  else scores_avx2<NG>(c, b, h, t0, t1, qf, s, s_stride);
+CAIRN_AVX2 void heads_avx2(const Call& c, const int64_t* rows, int64_t n, const float* qf, float* s, int64_t s_stride,
+                           float* acc, bool values) {
+  if (values) values_avx2<NG>(c, rows, n, s, s_stride, acc);
+  else scores_avx2<NG>(c, rows, n, qf, s, s_stride);
 }
 
 // The group's heads four at a time (then what is left), for scores or for values.
-CAIRN_AVX2 void by_fours(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1, const float* qf, float* s,
-                         int64_t s_stride, float* acc, bool values) {
+CAIRN_AVX2 void by_fours(const Call& c, const int64_t* rows, int64_t n, const float* qf, float* s, int64_t s_stride,
+                         float* acc, bool values) {
   const int64_t D = c.dim;
   for (int64_t g = 0; g < c.group; g += 4) {
     const int64_t left = std::min<int64_t>(4, c.group - g);
     const auto run = left == 4 ? heads_avx2<4> : left == 3 ? heads_avx2<3> : left == 2 ? heads_avx2<2> : heads_avx2<1>;
-    run(c, b, h, t0, t1, qf + g * D, s + g * s_stride, s_stride, acc + g * D, values);
+    run(c, rows, n, qf == nullptr ? nullptr : qf + g * D, s + g * s_stride, s_stride,
+        acc == nullptr ? nullptr : acc + g * D, values);
   }
 }
 
@@ -147,9 +149,11 @@ CAIRN_AVX2 void by_fours(const Call& c, int64_t b, int64_t h, int64_t t0, int64_
 CAIRN_AVX2 void part_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64_t t1) {
   const int64_t D = c.dim, G = c.group, n = t1 - t0, padded = (n + 7) / 8 * 8;
   std::vector<float> qf(G * D), s(G * padded, -std::numeric_limits<float>::infinity()), acc(G * D);
+  std::vector<int64_t> rows(n);  // where each position's key and value are (one table lookup per position)
+  for (int64_t i = 0; i < n; ++i) rows[i] = c.row(b, t0 + i, h);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = float(c.q[(b * c.heads + h * G + g) * D + d]);
-  by_fours(c, b, h, t0, t1, qf.data(), s.data(), padded, nullptr, false);
+  by_fours(c, rows.data(), n, qf.data(), s.data(), padded, nullptr, false);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = &s[g * padded];
     float m = -std::numeric_limits<float>::infinity();
@@ -164,7 +168,7 @@ CAIRN_AVX2 void part_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64
     ml[0] = m;
     ml[1] = hsum8(l);
   }
-  by_fours(c, b, h, t0, t1, nullptr, s.data(), padded, acc.data(), true);
+  by_fours(c, rows.data(), n, nullptr, s.data(), padded, acc.data(), true);
   for (int64_t g = 0; g < G; ++g)
     std::memcpy(c.acc + c.out_index(b, h * G + g, t0 / PART) * D, &acc[g * D], D * sizeof(float));
 }
