@@ -85,3 +85,48 @@ def same_as_cold(cold: LLM, out, prompt) -> None:
     ref = cold.generate(prompt, G)[0]
     assert out.token_ids == ref.token_ids
     assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs, strict=True)) < TOL
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list:
+    """Six greedy tokens per prompt, EOS ignored, with their log-probabilities."""
+    return llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))
+
+
+def bf16_decode_against_reference(path, fused: dict, reference: dict, exact: bool,
+                                  prompt_lens: tuple[int, ...] = (9, 14)) -> None:
+    """`greedy` bf16 decoding on the checkpoint at `path`, for a fused CPU op.
+
+    `fused`: Kernels field -> the value a bf16 engine must have there by default; their calls are counted, so the
+    decode goes through them (a family may call only some: Nemotron-H's attention has no q / k norms). A prompt
+    decoded in the batch and alone gives the same tokens and log-probabilities, bit for bit. An engine with the
+    fields set to `reference` (field -> value) gives the same (`exact`), or else the same first three tokens with
+    log-probabilities within 0.05."""
+    import dataclasses
+
+    gen = [torch.Generator().manual_seed(n) for n in prompt_lens]
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n, g in zip(prompt_lens, gen, strict=True)]
+    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+    llm, calls = LLM(**kw), {name: 0 for name in fused}
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    for name, value in fused.items():
+        assert getattr(llm.engine.model.kernels, name) is value, name
+    llm.engine.model.kernels = dataclasses.replace(llm.engine.model.kernels,
+                                                   **{n: counted(n, v) for n, v in fused.items()})
+    batched = greedy(llm, prompts)
+    assert any(calls.values()), calls
+    alone = [greedy(llm, [p])[0] for p in prompts]
+    ref_llm = LLM(**kw)
+    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels, **reference)
+    for got, one, ref in zip(batched, alone, greedy(ref_llm, prompts), strict=True):
+        assert got.token_ids == one.token_ids and got.logprobs == one.logprobs
+        if exact:
+            assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
+        else:
+            assert got.token_ids[:3] == ref.token_ids[:3]
+            assert max(abs(x - y) for x, y in zip(got.logprobs[:3], ref.logprobs[:3], strict=True)) < 0.05

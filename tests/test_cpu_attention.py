@@ -11,16 +11,14 @@ leaves the reference in one log line, and the op refuses a context its table doe
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
 import torch
 
 from cairn import ops
-from cairn.llm import LLM
 from cairn.ops import attention, cpu_attention, cpu_gemv
-from cairn.sampling import SamplingParams
+from tests.harness import bf16_decode_against_reference
 
 SCALE = 0.0625
 
@@ -165,28 +163,8 @@ def test_op_falls_back_to_the_reference_in_one_line_when_it_does_not_build(caplo
         cpu_attention._loaded.cache_clear()
 
 
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list:
-    return llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))
-
-
 def test_engine_decodes_bf16_through_the_op_batch_independently_and_near_the_reference(checkpoints):
     library()
-    path, _ = checkpoints["qwen3_5"]
-    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 30)]
-    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
-    llm = LLM(**kw)
-    assert llm.engine.model.kernels.paged_decode_attention is ops.fused_paged_decode_attention
-    calls = []
-    counted = lambda *a: calls.append(1) or ops.fused_paged_decode_attention(*a)  # noqa: E731
-    llm.engine.model.kernels = dataclasses.replace(llm.engine.model.kernels, paged_decode_attention=counted)
-    batched = _greedy(llm, prompts)
-    assert calls  # the attention layers' decode went through the field
-    alone = [_greedy(llm, [p])[0] for p in prompts]
-    for a, b in zip(alone, batched, strict=True):  # batch-independent, bit for bit
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-    ref_llm = LLM(**kw)
-    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels,
-                                                       paged_decode_attention=attention.paged_decode_attention)
-    for got, ref in zip(batched, _greedy(ref_llm, prompts), strict=True):
-        assert got.token_ids[:3] == ref.token_ids[:3]
-        assert max(abs(x - y) for x, y in zip(got.logprobs[:3], ref.logprobs[:3], strict=True)) < 0.05
+    field = "paged_decode_attention"
+    bf16_decode_against_reference(checkpoints["qwen3_5"][0], {field: ops.fused_paged_decode_attention},
+                                  {field: attention.paged_decode_attention}, exact=False, prompt_lens=(9, 30))

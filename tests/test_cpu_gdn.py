@@ -23,6 +23,7 @@ from cairn.ops import cpu_gdn, cpu_gemv
 from cairn.ops.conv import causal_conv1d_update
 from cairn.ops.gdn import recurrent_gated_delta_rule
 from cairn.sampling import SamplingParams
+from tests.harness import bf16_decode_against_reference, greedy
 
 
 def op():
@@ -100,27 +101,10 @@ def test_fused_decode_rows_do_not_depend_on_the_batch():
         assert torch.equal(fused(one, one["conv"].clone(), one["rec"].clone()), whole[i:i + 1])
 
 
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list:
-    return llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))
-
-
 def test_engine_decodes_bf16_with_the_fused_op_like_the_reference_kernels(checkpoints):
     op()
-    path, _ = checkpoints["qwen3_next"]
-    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 14)]
-    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
-    llm = LLM(**kw)
-    assert llm.engine.model.kernels.gdn_decode_op is ops.fused_gdn_decode_op
-    batched = _greedy(llm, prompts)
-    alone = [_greedy(llm, [p])[0] for p in prompts]
-    for a, b in zip(alone, batched, strict=True):  # batch-independent, bit for bit
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-    ref_llm = LLM(**kw)
-    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels,
-                                                       gdn_decode_op=cpu_gdn.reference_op_for)
-    for got, ref in zip(batched, _greedy(ref_llm, prompts), strict=True):
-        assert got.token_ids[:3] == ref.token_ids[:3]
-        assert max(abs(x - y) for x, y in zip(got.logprobs[:3], ref.logprobs[:3], strict=True)) < 0.05
+    bf16_decode_against_reference(checkpoints["qwen3_next"][0], {"gdn_decode_op": ops.fused_gdn_decode_op},
+                                  {"gdn_decode_op": cpu_gdn.reference_op_for}, exact=False)
 
 
 def test_fused_op_is_only_offered_for_bf16_on_cpu():
@@ -210,9 +194,9 @@ def test_decode_rows_beside_prefill_rows_in_one_step_decode_like_alone(checkpoin
         return forward(batch, *args)
 
     model.forward = recorded
-    together = _greedy(llm, [short, long])
+    together = greedy(llm, [short, long])
     assert any(0 < nd < seqs for nd, seqs in steps)  # some step mixed decode and prefill rows
     for got, prompt in zip(together, [short, long], strict=True):
-        alone = _greedy(LLM(**kw), [prompt])[0]  # a fresh engine: nothing cached by the mixed run
+        alone = greedy(LLM(**kw), [prompt])[0]  # a fresh engine: nothing cached by the mixed run
         assert len(got.token_ids) == 6 and got.token_ids == alone.token_ids
         assert max(abs(x - y) for x, y in zip(got.logprobs, alone.logprobs, strict=True)) < 0.05

@@ -11,16 +11,14 @@ here, leaves the reference in one log line.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
 import torch
 
 from cairn import ops
-from cairn.llm import LLM
 from cairn.ops import attention, cpu_norm, norm
-from cairn.sampling import SamplingParams
+from tests.harness import bf16_decode_against_reference
 
 
 def op():
@@ -68,27 +66,12 @@ def test_inputs_are_not_modified():
     assert torch.equal(x, x0) and torch.equal(delta, d0)
 
 
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list:
-    return llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))
-
-
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_engine_decodes_bf16_with_the_fused_norm_bit_for_bit_like_the_reference(checkpoints, family):
     op()
-    path, _ = checkpoints[family]
-    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 14)]
-    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
-    llm = LLM(**kw)
-    assert llm.engine.model.kernels.add_rms_norm is ops.fused_add_rms_norm
-    assert llm.engine.model.kernels.norm_rotary_write is ops.fused_norm_rotary_write
-    batched = _greedy(llm, prompts)
-    alone = [_greedy(llm, [p])[0] for p in prompts]
-    ref_llm = LLM(**kw)
-    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels, add_rms_norm=norm.add_rms_norm,
-                                                       norm_rotary_write=attention.norm_rotary_write)
-    for got, one, ref in zip(batched, alone, _greedy(ref_llm, prompts), strict=True):
-        assert got.token_ids == one.token_ids == ref.token_ids
-        assert got.logprobs == one.logprobs == ref.logprobs
+    fused = {"add_rms_norm": ops.fused_add_rms_norm, "norm_rotary_write": ops.fused_norm_rotary_write}
+    reference = {"add_rms_norm": norm.add_rms_norm, "norm_rotary_write": attention.norm_rotary_write}
+    bf16_decode_against_reference(checkpoints[family][0], fused, reference, exact=True)
 
 
 def test_fp32_stays_on_the_reference(monkeypatch):

@@ -9,7 +9,6 @@ are not ATen's here, leaves the reference in one log line.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import subprocess
 import sys
@@ -19,9 +18,8 @@ import pytest
 import torch
 
 from cairn import ops
-from cairn.llm import LLM
 from cairn.ops import activation, cpu_gemv, cpu_silu
-from cairn.sampling import SamplingParams
+from tests.harness import bf16_decode_against_reference
 
 
 def library():
@@ -60,28 +58,10 @@ def test_strided_rows_give_the_reference_bits():
     assert torch.equal(cpu_silu.silu_mul(gate_up).view(torch.int16), activation.silu_mul(gate_up).view(torch.int16))
 
 
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list:
-    return llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))
-
-
 def test_engine_decodes_bf16_with_the_fused_silu_bit_for_bit_like_the_reference(checkpoints):
     library()
-    path, _ = checkpoints["qwen3_5"]
-    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 14)]
-    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
-    llm = LLM(**kw)
-    assert llm.engine.model.kernels.silu_mul is ops.fused_silu_mul
-    calls = []
-    llm.engine.model.kernels = dataclasses.replace(
-        llm.engine.model.kernels, silu_mul=lambda gate_up: calls.append(1) or ops.fused_silu_mul(gate_up))
-    batched = _greedy(llm, prompts)
-    assert calls  # the SwiGLU layers went through the field
-    alone = [_greedy(llm, [p])[0] for p in prompts]
-    ref_llm = LLM(**kw)
-    ref_llm.engine.model.kernels = dataclasses.replace(ref_llm.engine.model.kernels, silu_mul=activation.silu_mul)
-    for got, one, ref in zip(batched, alone, _greedy(ref_llm, prompts), strict=True):
-        assert got.token_ids == one.token_ids == ref.token_ids
-        assert got.logprobs == one.logprobs == ref.logprobs
+    bf16_decode_against_reference(checkpoints["qwen3_5"][0], {"silu_mul": ops.fused_silu_mul},
+                                  {"silu_mul": activation.silu_mul}, exact=True)
 
 
 def test_fp32_stays_on_the_reference(monkeypatch):
