@@ -34,7 +34,7 @@ import logging
 import torch
 
 from cairn.ops import attention
-from cairn.ops.cpu_build import build_inline
+from cairn.ops.cpu_build import build_command, build_inline, built_or_why
 from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
@@ -311,16 +311,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m cairn.ops.cpu_attention --build`: build (or find in torch's cache) the op; scripts/setup runs it."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m cairn.ops.cpu_attention",
-                                     description="Build cairn's paged decode attention op.")
-    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
-    parser.parse_args(argv)
-    library = load()
-    print("cairn paged decode attention op: " + (f"none ({library})" if isinstance(library, str) else "built"))
-    return 0
+    """`python -m cairn.ops.cpu_attention --build` (cpu_build.build_command)."""
+    return build_command(argv, "cpu_attention", "paged decode attention op", lambda: built_or_why(load()))
 
 
 if __name__ == "__main__":

@@ -87,3 +87,21 @@ def _only_builder(directory: str):
             os.remove(os.path.join(directory, "lock"))
             log.warning("removed the lock of a build that did not finish, in %s", directory)
         yield
+
+
+def build_command(argv: list[str] | None, module: str, what: str, built) -> int:
+    """`python -m cairn.ops.<module> --build`, which scripts/setup runs: build the op now (or find it in torch's
+    cache) and print one line, `cairn <what>: <built()>`, what was built or "none (why)". Exits 0 either way: a
+    machine without a compiler still sets up (bf16 decode then keeps the reference)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m cairn.ops.{module}", description=f"Build cairn's {what}.")
+    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
+    parser.parse_args(argv)
+    print(f"cairn {what}: {built()}")
+    return 0
+
+
+def built_or_why(loaded) -> str:
+    """"built", or "none (<why>)" for a load that returned its reason."""
+    return f"none ({loaded})" if isinstance(loaded, str) else "built"

@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from cairn.ops.cpu_build import build_inline
+from cairn.ops.cpu_build import build_command, build_inline, built_or_why
 from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
@@ -353,15 +353,8 @@ def reference_op_for(*tensors: torch.Tensor) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m cairn.ops.cpu_gdn --build`: build (or find in torch's cache) the op; scripts/setup runs it."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m cairn.ops.cpu_gdn", description="Build cairn's fused GDN op.")
-    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
-    parser.parse_args(argv)
-    op = load()
-    print("cairn fused GDN decode op: " + ("built" if callable(op) else f"none ({op})"))
-    return 0
+    """`python -m cairn.ops.cpu_gdn --build` (cpu_build.build_command)."""
+    return build_command(argv, "cpu_gdn", "fused GDN decode op", lambda: built_or_why(load()))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cairn.ops.cpu_build import build_inline
+from cairn.ops.cpu_build import build_command, build_inline
 from cairn.ops.cpu_gemv_amx import AMX_SOURCE
 
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
@@ -658,17 +658,13 @@ def _build(build_dir: str | None, isa: str) -> GemvKernel | str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m cairn.ops.cpu_gemv --build`: build (or find in torch's cache) the kernel for this CPU
-    and say which path it got, or why none; scripts/setup runs it so that no server start compiles."""
-    import argparse
+    """`python -m cairn.ops.cpu_gemv --build` (cpu_build.build_command): the path the kernel got on this CPU, or
+    why none."""
+    def built() -> str:
+        kernel = load(cpu_flags())
+        return kernel.isa if isinstance(kernel, GemvKernel) else f"none ({kernel})"
 
-    parser = argparse.ArgumentParser(prog="python -m cairn.ops.cpu_gemv", description="Build cairn's CPU gemv kernel.")
-    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
-    parser.parse_args(argv)
-    kernel = load(cpu_flags())
-    got = kernel.isa if isinstance(kernel, GemvKernel) else f"none ({kernel})"
-    print(f"cairn gemv kernel: {got}")
-    return 0
+    return build_command(argv, "cpu_gemv", "gemv kernel", built)
 
 
 if __name__ == "__main__":

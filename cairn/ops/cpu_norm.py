@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cairn.ops import attention, norm
-from cairn.ops.cpu_build import build_inline
+from cairn.ops.cpu_build import build_command, build_inline, built_or_why
 from cairn.ops.cpu_norm_rotary import NORM_ROTARY_SOURCE
 
 log = logging.getLogger(__name__)
@@ -253,16 +253,8 @@ def norm_rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weigh
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m cairn.ops.cpu_norm --build`: build (or find in torch's cache) the op."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m cairn.ops.cpu_norm", description="Build cairn's fused norm op.")
-    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
-    parser.parse_args(argv)
-    library = load()
-    built = f"none ({library})" if isinstance(library, str) else "built"
-    print(f"cairn fused add + RMSNorm op: {built}")
-    return 0
+    """`python -m cairn.ops.cpu_norm --build` (cpu_build.build_command)."""
+    return build_command(argv, "cpu_norm", "fused add + RMSNorm op", lambda: built_or_why(load()))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import logging
 import torch
 
 from cairn.ops import activation
-from cairn.ops.cpu_build import build_inline
+from cairn.ops.cpu_build import build_command, build_inline, built_or_why
 from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
@@ -163,15 +163,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m cairn.ops.cpu_silu --build`: build (or find in torch's cache) the op."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m cairn.ops.cpu_silu", description="Build cairn's silu * up op.")
-    parser.add_argument("--build", action="store_true", required=True, help="build it now (or find it built)")
-    parser.parse_args(argv)
-    library = load()
-    print("cairn fused silu * up op: " + (f"none ({library})" if isinstance(library, str) else "built"))
-    return 0
+    """`python -m cairn.ops.cpu_silu --build` (cpu_build.build_command)."""
+    return build_command(argv, "cpu_silu", "fused silu * up op", lambda: built_or_why(load()))
 
 
 if __name__ == "__main__":
