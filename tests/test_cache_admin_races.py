@@ -42,19 +42,24 @@ class _Entries(list):
         return False
 
 
-def test_ls_skips_a_namespace_removed_between_the_listing_and_the_opening(tmp_path, capsys, monkeypatch):
-    filled(tmp_path, DIGEST)
-    filled(tmp_path, OTHER, num_segments=1)
+def removing_after_scan(monkeypatch, remove) -> None:
+    """Make the next os.scandir list the directory as it is, then run remove() (another process's change)."""
     real = os.scandir
 
-    def scandir_then_purge(path):
+    def scan_then_change(path):
         with real(path) as entries:
             listed = _Entries(entries)
         monkeypatch.setattr(os, "scandir", real)  # once (rmtree scans too)
-        shutil.rmtree(tmp_path / OTHER)  # another `cairn cache purge` got there first
+        remove()
         return listed
 
-    monkeypatch.setattr(os, "scandir", scandir_then_purge)
+    monkeypatch.setattr(os, "scandir", scan_then_change)
+
+
+def test_ls_skips_a_namespace_removed_between_the_listing_and_the_opening(tmp_path, capsys, monkeypatch):
+    filled(tmp_path, DIGEST)
+    filled(tmp_path, OTHER, num_segments=1)
+    removing_after_scan(monkeypatch, lambda: shutil.rmtree(tmp_path / OTHER))  # another `cairn cache purge` first
     status, out, _ = cache_command(capsys, "ls", "--disk-cache", str(tmp_path))
     assert status == 0 and DIGEST[:16] in out and OTHER[:16] not in out and "1 namespace(s)" in out
 
@@ -62,16 +67,7 @@ def test_ls_skips_a_namespace_removed_between_the_listing_and_the_opening(tmp_pa
 def test_verify_and_purge_of_a_namespace_removed_after_it_was_named_find_nothing(tmp_path, capsys, monkeypatch):
     for action, expected in (("verify", f"no disk cache namespace in {tmp_path}"), ("purge", "removed 0 segment")):
         filled(tmp_path, DIGEST)
-        real = os.scandir
-
-        def scandir_then_purge(path, real=real):
-            with real(path) as entries:
-                listed = _Entries(entries)
-            monkeypatch.setattr(os, "scandir", real)  # once (rmtree scans too)
-            shutil.rmtree(tmp_path / DIGEST)  # removed once --namespace was resolved
-            return listed
-
-        monkeypatch.setattr(os, "scandir", scandir_then_purge)
+        removing_after_scan(monkeypatch, lambda: shutil.rmtree(tmp_path / DIGEST))  # once --namespace was resolved
         status, out, _ = cache_command(capsys, action, "--disk-cache", str(tmp_path), "--namespace", DIGEST[:16])
         assert status == 0 and expected in out, (action, out)
 
@@ -97,16 +93,7 @@ def test_each_command_finds_nothing_in_a_cache_root_removed_after_it_was_checked
                                    f"no disk cache namespace in {root}"),
                                    ("purge", ("--namespace", DIGEST[:16]), "removed 0 segment")):
         filled(root, DIGEST)
-        real = os.scandir
-
-        def scandir_then_remove_root(path, real=real):
-            with real(path) as entries:
-                listed = _Entries(entries)
-            monkeypatch.setattr(os, "scandir", real)  # once (rmtree scans too)
-            shutil.rmtree(root)
-            return listed
-
-        monkeypatch.setattr(os, "scandir", scandir_then_remove_root)
+        removing_after_scan(monkeypatch, lambda: shutil.rmtree(root))
         status, out, err = cache_command(capsys, action, "--disk-cache", str(root), *args)
         assert status == 0 and expected in out and not err, (action, out, err)
         assert not root.exists()
