@@ -120,13 +120,18 @@ def test_pages_are_read_where_the_table_says():
 
 
 def test_op_refuses_a_context_its_table_does_not_cover():
-    """A length past the table's pages (or none) would read another sequence's pages or past the pool: refused."""
+    """A length past the table's pages (or none), or a page id outside the pool, would read another sequence's
+    pages or past the pool: refused with the reason, not read."""
     op = library()
     k_pool, v_pool = pools(4, 8, 1, 16)
     q, tables = torch.zeros(1, 2, 16, dtype=torch.bfloat16), torch.tensor([[0, 1]])
     for bad in (17, 0):
         with pytest.raises(RuntimeError, match="context length"):
             op.paged_decode(q, k_pool, v_pool, tables, torch.tensor([bad]), SCALE)
+    for page in (4, -1):
+        with pytest.raises(RuntimeError, match=f"page id {page} outside the pool"):
+            op.paged_decode(q, k_pool, v_pool, torch.tensor([[0, page]]), torch.tensor([9]), SCALE)
+    assert op.paged_decode(q, k_pool, v_pool, torch.tensor([[0, 4]]), torch.tensor([8]), SCALE).shape == q.shape
 
 
 def test_other_dtypes_and_pool_views_keep_the_reference(monkeypatch):

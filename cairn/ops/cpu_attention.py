@@ -39,7 +39,7 @@ from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_attention3"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_attention5"  # torch caches builds by name: a new source gets a new name
 PART_TOKENS = 256  # positions per task; fixed, so the order of sums never depends on the threads
 
 _SOURCE = r"""
@@ -245,15 +245,20 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, 
   if (B == 0) return out;
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   int64_t longest = 0;
+  const int64_t* tables = page_tables.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= page_tables.size(1) * k_pool.size(1), "paged_decode: context length");
     longest = std::max(longest, lens[b]);
+    for (int64_t i = 0; i < (lens[b] + k_pool.size(1) - 1) / k_pool.size(1); ++i) {
+      const int64_t p = tables[b * page_tables.size(1) + i];
+      TORCH_CHECK(p >= 0 && p < k_pool.size(0), "paged_decode: page id ", p, " outside the pool");
+    }
   }
   const int64_t parts = (longest + PART - 1) / PART;
   auto ml = torch::empty({B, H, parts, 2}, q.options().dtype(at::kFloat));
   auto acc = torch::empty({B, H, parts, D}, q.options().dtype(at::kFloat));
   const Call c{q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
-               page_tables.data_ptr<int64_t>(), lens, ml.data_ptr<float>(), acc.data_ptr<float>(),
+               tables, lens, ml.data_ptr<float>(), acc.data_ptr<float>(),
                page_tables.size(1), k_pool.size(1), KVH, H, D, H / KVH, parts, float(scale)};
   const auto part = avx2_body(D) ? part_avx2 : part_generic;
   at::parallel_for(0, B * KVH * parts, 1, [&](int64_t lo, int64_t hi) {
