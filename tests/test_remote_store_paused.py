@@ -56,7 +56,6 @@ def test_a_snapshot_segment_refused_by_a_full_queue_takes_its_markers_back(redis
     store.close()
 
 
-
 def test_a_known_segment_written_again_with_its_snapshot_and_refused_is_known_as_before(redis_server):
     """A segment the store holds without a snapshot, written again once the node has one, and refused (the queue
     is full behind a paused Redis): what was known of it before is known again, so the tree keeps its reference

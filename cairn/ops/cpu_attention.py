@@ -6,8 +6,8 @@ sequence, q [B, H, D], over its first context_lens[b] positions in a paged pool 
 found through its page table. The reference gathers each sequence's pages into a padded batch (a copy, unless
 one sequence's pages are consecutive) and calls SDPA, whose CPU kernel, in bf16 on a CPU without bf16
 arithmetic, runs about ten times slower than in fp32 and expands K and V for grouped queries (BENCHMARKS.md:
-22 ms per layer at 8k tokens of context). The op reads every key and value once, from its page, for all the
-query heads of its group:
+12 ms per layer at 4k tokens of context, 127 ms at 32k). The op reads every key and value once, from its page,
+for all the query heads of its group:
 
     for each (sequence b, KV head, part of PART_TOKENS positions)      one task of the parallel region
         s[g, t] = (q[b, g] . k[t]) * scale                     fp32 sums, for the group's query heads g
@@ -19,7 +19,7 @@ the thread count and whichever other sequences share the call (a sequence decode
 alike). The body is compiled for AVX2 + FMA (8-wide; exp with libtorch's vectorised one, cairn/ops/cpu_vec.py),
 which AVX-512 CPUs run too, and for the baseline x86-64 (std::exp); `vector_body()` says which runs. It is
 not bit-identical to SDPA (another order of sums; tests/test_cpu_attention.py bounds the difference against
-an fp32 computation), so warm and cold runs must both take it for decode tokens, which they do: decode tokens
+an fp64 computation), so warm and cold runs must both take it for decode tokens, which they do: decode tokens
 have one path, and with --prefill-block nothing a decode step computed is kept for resuming.
 
 What it is not: a prefill kernel (prefill keeps the reference's SDPA), nor for fp32 / fp16 models.
@@ -39,7 +39,7 @@ from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_attention5"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_attention6"  # torch caches builds by name: a new source gets a new name
 PART_TOKENS = 256  # positions per task; fixed, so the order of sums never depends on the threads
 
 _SOURCE = r"""
@@ -51,6 +51,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -126,22 +127,16 @@ CAIRN_AVX2 void values_avx2(const Call& c, const int64_t* rows, int64_t n, const
   }
 }
 
-template <int NG>
-CAIRN_AVX2 void heads_avx2(const Call& c, const int64_t* rows, int64_t n, const float* qf, float* s, int64_t s_stride,
-                           float* acc, bool values) {
-  if (values) values_avx2<NG>(c, rows, n, s, s_stride, acc);
-  else scores_avx2<NG>(c, rows, n, qf, s, s_stride);
-}
-
-// The group's heads four at a time (then what is left), for scores or for values.
-CAIRN_AVX2 void by_fours(const Call& c, const int64_t* rows, int64_t n, const float* qf, float* s, int64_t s_stride,
-                         float* acc, bool values) {
-  const int64_t D = c.dim;
-  for (int64_t g = 0; g < c.group; g += 4) {
-    const int64_t left = std::min<int64_t>(4, c.group - g);
-    const auto run = left == 4 ? heads_avx2<4> : left == 3 ? heads_avx2<3> : left == 2 ? heads_avx2<2> : heads_avx2<1>;
-    run(c, rows, n, qf == nullptr ? nullptr : qf + g * D, s + g * s_stride, s_stride,
-        acc == nullptr ? nullptr : acc + g * D, values);
+// f(heads, g) for the group's query heads four at a time from g (then what is left), `heads` a compile-time count.
+template <typename F>
+void by_fours(int64_t group, F&& f) {
+  for (int64_t g = 0; g < group; g += 4) {
+    switch (std::min<int64_t>(4, group - g)) {
+      case 4: f(std::integral_constant<int, 4>{}, g); break;
+      case 3: f(std::integral_constant<int, 3>{}, g); break;
+      case 2: f(std::integral_constant<int, 2>{}, g); break;
+      default: f(std::integral_constant<int, 1>{}, g);
+    }
   }
 }
 
@@ -153,7 +148,9 @@ CAIRN_AVX2 void part_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64
   for (int64_t i = 0; i < n; ++i) rows[i] = c.row(b, t0 + i, h);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = float(c.q[(b * c.heads + h * G + g) * D + d]);
-  by_fours(c, rows.data(), n, qf.data(), s.data(), padded, nullptr, false);
+  by_fours(G, [&](auto heads, int64_t g) {
+    scores_avx2<decltype(heads)::value>(c, rows.data(), n, &qf[g * D], &s[g * padded], padded);
+  });
   for (int64_t g = 0; g < G; ++g) {
     float* sg = &s[g * padded];
     float m = -std::numeric_limits<float>::infinity();
@@ -168,7 +165,9 @@ CAIRN_AVX2 void part_avx2(const Call& c, int64_t b, int64_t h, int64_t t0, int64
     ml[0] = m;
     ml[1] = hsum8(l);
   }
-  by_fours(c, rows.data(), n, nullptr, s.data(), padded, acc.data(), true);
+  by_fours(G, [&](auto heads, int64_t g) {
+    values_avx2<decltype(heads)::value>(c, rows.data(), n, &s[g * padded], padded, &acc[g * D]);
+  });
   for (int64_t g = 0; g < G; ++g)
     std::memcpy(c.acc + c.out_index(b, h * G + g, t0 / PART) * D, &acc[g * D], D * sizeof(float));
 }
@@ -211,7 +210,7 @@ void combine(const Call& c, int64_t b, int64_t qh, at::BFloat16* out) {
   float total = 0.0f;
   for (int64_t p = 0; p < parts; ++p) {
     const float* ml = c.ml + 2 * c.out_index(b, qh, p);
-    const float w = parts == 1 ? 1.0f : std::exp(ml[0] - big);
+    const float w = std::exp(ml[0] - big);  // 1 for the part holding the largest score
     const float* acc = c.acc + c.out_index(b, qh, p) * D;
     total += w * ml[1];
     for (int64_t d = 0; d < D; ++d) sum[d] += w * acc[d];
