@@ -11,6 +11,9 @@ checkpoint. `SIZES` holds the named sizes:
     tiny   hidden 256, 8 layers (6 Gated DeltaNet + 2 gated attention), vocabulary 4096
     0.8b   hidden 1024, 24 layers (18 + 6), 16 value heads of 128, 8 query / 2 KV heads of 256,
            intermediate 3584; the vocabulary is 32k instead of 248k, which changes only the lm_head cost
+    0.8b-skeleton  the 0.8b's 24 layers in the same order and kinds, at hidden 64 and heads of 16 / 32, vocabulary
+           512: a decode step whose arithmetic and memory traffic are negligible, so its time is what a 0.8b step
+           costs besides them (Python, dispatch, op calls; benchmarks/decode_profile.py --size 0.8b-skeleton)
     nemotron-h-tiny  Nemotron-H, hidden 256, 8 single-op layers M-M*M-M* (Mamba2 8 heads of 32, state 32;
            attention 4 query / 2 KV heads of 64; squared-ReLU MLP 768), vocabulary 4096
     nemotron-h-4b    Nemotron-H-4B's dimensions: hidden 3072, 52 layers (24 Mamba2 of 112 heads x 64, state
@@ -45,6 +48,9 @@ _QWEN = {
     "0.8b": dict(vocab_size=32768, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
                  num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
                  linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128),
+    "0.8b-skeleton": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=24,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+                          linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
 }
 _NEMOTRON_H = {
     "nemotron-h-tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768,

@@ -79,13 +79,16 @@ class GatedDeltaNet(RecurrentMixer):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool, kernels: Kernels) -> torch.Tensor:
         projected = self.in_proj(x)
         nd = batch.num_decode
-        fused = kernels.gdn_decode_op(projected, self.conv_weight, self.A_log, self.dt_bias,
-                                      self.norm.weight) if nd else None
+        fused = None
+        if nd:  # the parameters looked up once each (nn.Module.__getattr__: ~1 us a lookup, 18 layers a step)
+            norm = self.norm
+            params = (self.conv_weight, self.A_log, self.dt_bias, norm.weight)
+            fused = kernels.gdn_decode_op(projected, *params)
         if fused is None:
             return self.out_proj(self._reference_rows(projected, 0, batch, states, kernels))
-        decoded = self._fused_decode(fused, projected[:nd], batch, states)
         if nd == x.shape[0]:  # a pure decode batch: one op between the projections
-            return self.out_proj(decoded)
+            return self.out_proj(self._fused_decode(fused, projected, batch, states, params, norm.eps))
+        decoded = self._fused_decode(fused, projected[:nd], batch, states, params, norm.eps)
         return self.out_proj(torch.cat([decoded, self._reference_rows(projected, nd, batch, states, kernels)]))
 
     def _reference_rows(self, projected: torch.Tensor, first: int, batch: ForwardBatch, states: StatePool,
@@ -117,15 +120,16 @@ class GatedDeltaNet(RecurrentMixer):
                 q, k, v, g[rows], beta[rows], rec_states[slot], [(c, dst["recurrent"]) for c, dst in caps])
         return self.norm(out, z.reshape(tokens, self.v_heads, self.v_dim)).reshape(tokens, self.value_dim)
 
-    def _fused_decode(self, fused, projected: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
+    def _fused_decode(self, fused, projected: torch.Tensor, batch: ForwardBatch, states: StatePool,
+                      params: tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
         """The decode rows through the fused op (cairn/ops/cpu_gdn.py): [nd, value_dim], out_proj's input.
-        The op updates both states where they lie; gathered copies (scattered slots) are written back."""
+        params: conv weight, A_log, dt_bias, norm weight; eps: the norm's. The op updates both states where they
+        lie; gathered copies (scattered slots) are written back."""
         mixed, z, b, a = projected.split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], dim=-1)
         own = states.of_layer(self.layer)
         slots = batch.decode_slots()
         conv, rec = own["conv"][slots], own["recurrent"][slots]
-        out = fused(mixed, z, b, a, conv, rec, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight,
-                    self.k_heads, self.norm.eps)
+        out = fused(mixed, z, b, a, conv, rec, *params, self.k_heads, eps)
         if not isinstance(slots, slice):
             own["conv"][slots], own["recurrent"][slots] = conv, rec
         return out

@@ -10,6 +10,8 @@ imports triton, flash-linear-attention, causal-conv1d or flashinfer.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,45 +23,42 @@ from cairn.ops import attention, conv, gdn, mamba2
 log = logging.getLogger(__name__)
 
 
-def fused_gdn_decode_op(*tensors: torch.Tensor):
-    """cpu_gdn.op_for, imported on first use: importing the package does not import the op's module, so
-    that `python -m cairn.ops.cpu_gdn --build` runs it once, as __main__ only."""
-    from cairn.ops import cpu_gdn
+@functools.cache
+def _cpu_op(name: str):
+    """Module cairn.ops.<name>, imported on first use: importing the package does not import the ops' modules,
+    so that `python -m cairn.ops.cpu_gdn --build` runs it once, as __main__ only. Cached: an import statement
+    in a function costs about a microsecond a call, and these run ~100 times a decode step."""
+    return importlib.import_module(f"cairn.ops.{name}")
 
-    return cpu_gdn.op_for(*tensors)
+
+def fused_gdn_decode_op(*tensors: torch.Tensor):
+    """cpu_gdn.op_for, imported on first use (`_cpu_op`)."""
+    return _cpu_op("cpu_gdn").op_for(*tensors)
 
 
 def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                        zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cpu_norm.add_rms_norm (bf16 on CPU: one C++ op, the reference's bits; else the reference), imported
     on first use like fused_gdn_decode_op."""
-    from cairn.ops import cpu_norm
-
-    return cpu_norm.add_rms_norm(x, delta, weight, eps, zero_centred)
+    return _cpu_op("cpu_norm").add_rms_norm(x, delta, weight, eps, zero_centred)
 
 
 def fused_norm_rotary_write(*args):
     """cpu_norm.norm_rotary_write (bf16 on CPU: one C++ op, the reference's bits; else the reference),
     imported on first use like fused_gdn_decode_op."""
-    from cairn.ops import cpu_norm
-
-    return cpu_norm.norm_rotary_write(*args)
+    return _cpu_op("cpu_norm").norm_rotary_write(*args)
 
 
 def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """cpu_silu.silu_mul (bf16 on CPU: one C++ op, ATen's bits; else the reference), imported on first use like
     fused_gdn_decode_op."""
-    from cairn.ops import cpu_silu
-
-    return cpu_silu.silu_mul(gate_up)
+    return _cpu_op("cpu_silu").silu_mul(gate_up)
 
 
 def fused_paged_decode_attention(*args) -> torch.Tensor:
     """cpu_attention.paged_decode_attention (bf16 on CPU: one C++ op reading the pages in place; else the
     reference), imported on first use like fused_gdn_decode_op."""
-    from cairn.ops import cpu_attention
-
-    return cpu_attention.paged_decode_attention(*args)
+    return _cpu_op("cpu_attention").paged_decode_attention(*args)
 
 
 @dataclass(frozen=True)

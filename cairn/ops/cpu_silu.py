@@ -158,6 +158,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     library = _loaded() if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" else None
     if library is None or gate_up.stride(-1) != 1:
         return activation.silu_mul(gate_up)
+    if gate_up.dim() == 2:  # a decode step's rows, as they are (no reshape and view: ~1 us each)
+        return library.silu_mul(gate_up)
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     return library.silu_mul(rows).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
