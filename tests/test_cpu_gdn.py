@@ -92,6 +92,31 @@ def test_fused_decode_updates_scattered_slots_of_a_pool_view():
     assert not pool_conv[1::2].any() and not pool_rec[1::2].any()
 
 
+@pytest.mark.parametrize("batch, k_heads, v_heads, dk, dv",
+                         [(1, 16, 16, 128, 128), (3, 2, 4, 16, 32), (2, 1, 3, 12, 20)])
+def test_four_tap_conv_gives_the_same_bits_in_its_vector_form_as_lane_by_lane(batch, k_heads, v_heads, dk, dv):
+    """A 4-tap conv whose state rows are contiguous takes 8 channels at a time in vector registers (AVX2); a state
+    view with another channel stride takes the scalar form. Both give the same outputs and states, bit for bit,
+    special values included (channel counts that leave a partial block of 8 run it in the scalar form)."""
+    t = inputs(batch, k_heads, v_heads, dk, dv, 4, seed=dk + dv)
+    t["mixed"].view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 3e38]).bfloat16()
+    t["conv"].view(-1)[5:8] = torch.tensor([float("-inf"), -0.0, 1e-40]).bfloat16()
+    wide = torch.zeros(*t["conv"].shape[:2], 4, dtype=torch.bfloat16)
+    wide[..., :3] = t["conv"]
+    strided = wide[..., :3]  # channel stride 4, not 3
+    assert strided.stride(1) == 4
+    rec_a, rec_b = t["rec"].clone(), t["rec"].clone()
+    contiguous = t["conv"].clone()
+    got = fused(t, contiguous, rec_a)
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}  # NaN's bits compare equal, NaN does not
+
+    def same_bits(a, b):
+        return torch.equal(a.contiguous().view(bits[a.dtype]), b.contiguous().view(bits[b.dtype]))
+
+    assert got.isnan().any() and same_bits(got, fused(t, strided, rec_b))
+    assert same_bits(contiguous, strided) and same_bits(rec_a, rec_b)
+
+
 def test_fused_decode_rows_do_not_depend_on_the_batch():
     t = inputs(3, 2, 4, 16, 16, 4, seed=11)
     whole = fused(t, t["conv"].clone(), t["rec"].clone())
