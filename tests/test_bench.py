@@ -279,3 +279,14 @@ def test_every_bench_size_is_a_config_cairn_loads_as_its_family(size):
     assert config.family == family
     assert len(config.layer_types) == hf.num_hidden_layers and config.vocab_size == hf.vocab_size
     assert config.recurrent_layers
+
+
+def test_the_skeleton_size_has_the_layers_of_the_size_it_mirrors():
+    """0.8b-skeleton measures what a 0.8b decode step costs besides arithmetic and memory traffic (decode_profile.py):
+    it must have the 0.8b's layers, kinds and order, only narrower."""
+    from cairn.model.families import config_from_hf
+
+    full, skeleton = (config_from_hf(json.loads(bench_checkpoint.hf_config(s).to_json_string()))
+                      for s in ("0.8b", "0.8b-skeleton"))
+    assert skeleton.layer_types == full.layer_types and skeleton.family == full.family
+    assert skeleton.hidden_size < full.hidden_size and skeleton.vocab_size < full.vocab_size
