@@ -17,26 +17,19 @@ A benchmark: asserts nothing.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 import time
 
 import torch
 
+from benchmarks.gemv_step_bench import module_or_file
 from cairn.ops import cpu_gdn
 
 K_HEADS, V_HEADS, DK, DV, KERNEL, LAYERS = 16, 16, 128, 128, 4, 18
 
 
 def load_op(path: str | None):
-    module = cpu_gdn
-    if path:
-        spec = importlib.util.spec_from_file_location("baseline_cpu_gdn", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    op = module.load()
+    op = module_or_file(cpu_gdn, path).load()
     if not callable(op):
         raise SystemExit(f"the op does not load: {op}")
     return op

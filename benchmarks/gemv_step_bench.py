@@ -48,13 +48,20 @@ def step_order() -> list[tuple[int, int]]:
     return order + [shape["lm_head"]]
 
 
+def module_or_file(module, path: str | None):
+    """`module` itself, or (path given) another version of it loaded from that file as "baseline_<its name>": the
+    op benchmarks time this checkout's op beside another's (its own NAME, so its own build)."""
+    if not path:
+        return module
+    spec = importlib.util.spec_from_file_location("baseline_" + module.__name__.rsplit(".", 1)[-1], path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other
+    spec.loader.exec_module(other)
+    return other
+
+
 def baseline_kernel(path: str | None, isa: str | None) -> cpu_gemv.GemvKernel:
-    module = cpu_gemv
-    if path:
-        spec = importlib.util.spec_from_file_location("baseline_cpu_gemv", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+    module = module_or_file(cpu_gemv, path)
     kernel = module.load(module.cpu_flags(), isa) if isa else module.load(module.cpu_flags())
     if isinstance(kernel, str):
         raise SystemExit(f"the baseline kernel does not load: {kernel}")
