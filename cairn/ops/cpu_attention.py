@@ -39,7 +39,7 @@ from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_attention6"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_attention7"  # torch caches builds by name: a new source gets a new name
 PART_TOKENS = 256  # positions per task; fixed, so the order of sums never depends on the threads
 
 _SOURCE = r"""

@@ -40,7 +40,7 @@ from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_gdn6"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_gdn7"  # torch caches builds by name: a new source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -94,11 +94,6 @@ CAIRN_AVX512 void conv_avx512(const at::BFloat16* x, at::BFloat16* state, int64_
   }
 }
 
-// 8 bf16 as floats (a shift each)
-CAIRN_AVX2 inline __m256 widen8(__m128i h) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 // conv_taps for the 8 channels [c0, c0 + 8) of a 4-tap conv whose state is contiguous ([C, 3]: the Qwen hybrids'),
 // a lane per channel, the same roundings and order; returns the 8 sums (rounded to bf16). The scalar form spends
 // most of its time in the five roundings per channel, each with its NaN test: about a third of the op's time.
@@ -107,8 +102,10 @@ CAIRN_AVX2 inline __m256 widen8(__m128i h) {
 CAIRN_AVX2 __m256 conv4_block8(const at::BFloat16* x, at::BFloat16* state, const at::BFloat16* w, int64_t c0) {
   const auto* wp = reinterpret_cast<const __m256i*>(w + c0 * 4);
   const __m256i wa = _mm256_loadu_si256(wp), wb = _mm256_loadu_si256(wp + 1);  // channels 0-3, 4-7
-  const __m256 w01 = widen8(_mm256_castsi256_si128(wa)), w23 = widen8(_mm256_extracti128_si256(wa, 1));
-  const __m256 w45 = widen8(_mm256_castsi256_si128(wb)), w67 = widen8(_mm256_extracti128_si256(wb, 1));
+  const __m256 w01 = widen_bf16_ps8(_mm256_castsi256_si128(wa));
+  const __m256 w23 = widen_bf16_ps8(_mm256_extracti128_si256(wa, 1));
+  const __m256 w45 = widen_bf16_ps8(_mm256_castsi256_si128(wb));
+  const __m256 w67 = widen_bf16_ps8(_mm256_extracti128_si256(wb, 1));
   const __m256 p = _mm256_permute2f128_ps(w01, w45, 0x20), q = _mm256_permute2f128_ps(w01, w45, 0x31);  // [0|4] [1|5]
   const __m256 r = _mm256_permute2f128_ps(w23, w67, 0x20), t = _mm256_permute2f128_ps(w23, w67, 0x31);  // [2|6] [3|7]
   const __m256 pq_lo = _mm256_unpacklo_ps(p, q), pq_hi = _mm256_unpackhi_ps(p, q);
@@ -117,8 +114,9 @@ CAIRN_AVX2 __m256 conv4_block8(const at::BFloat16* x, at::BFloat16* state, const
                            _mm256_shuffle_ps(pq_hi, rt_hi, 0x44), _mm256_shuffle_ps(pq_hi, rt_hi, 0xEE)};
   at::BFloat16* sp = state + c0 * 3;  // e[3i + j]: channel i's tap j, 24 values
   const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp));
-  const __m256 a = widen8(_mm256_castsi256_si128(s16)), b = widen8(_mm256_extracti128_si256(s16, 1));
-  const __m256 c = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+  const __m256 a = widen_bf16_ps8(_mm256_castsi256_si128(s16));
+  const __m256 b = widen_bf16_ps8(_mm256_extracti128_si256(s16, 1));
+  const __m256 c = widen_bf16_ps8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
   // tap 0 of channels 0-7 is e0 e3 e6 | e9 e12 e15 | e18 e21: a[0 3 6], b[1 4 7], c[2 5]
   const __m256 tap_s0 = _mm256_blend_ps(
       _mm256_blend_ps(_mm256_permutevar8x32_ps(a, _mm256_setr_epi32(0, 3, 6, 6, 6, 6, 6, 6)),
@@ -134,7 +132,7 @@ CAIRN_AVX2 __m256 conv4_block8(const at::BFloat16* x, at::BFloat16* state, const
       _mm256_blend_ps(_mm256_permutevar8x32_ps(a, _mm256_setr_epi32(2, 5, 5, 5, 5, 5, 5, 5)),
                       _mm256_permutevar8x32_ps(b, _mm256_setr_epi32(0, 0, 0, 3, 6, 6, 6, 6)), 0b00011100),
       _mm256_permutevar8x32_ps(c, _mm256_setr_epi32(1, 1, 1, 1, 1, 1, 4, 7)), 0b11100000);
-  const __m256 xs = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + c0)));
+  const __m256 xs = widen_bf16_ps8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + c0)));
   const __m256 taps[4] = {tap_s0, tap_s1, tap_s2, xs};
   __m256 sum = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) sum = _mm256_add_ps(sum, round_bf16_ps8(_mm256_mul_ps(taps[j], tap_w[j])));

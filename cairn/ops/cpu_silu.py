@@ -32,7 +32,7 @@ from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_silu2"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_silu3"  # torch caches builds by name: a new source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>

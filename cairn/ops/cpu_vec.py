@@ -12,8 +12,8 @@ BFloat16. It gives, 16 floats at a time (functions compiled for AVX-512 only; ca
 - `load_bf16_ps` / `store_bf16_ps`: n <= 16 bf16 widened to floats, floats rounded to n bf16;
 
 and the same 8 floats at a time for AVX2 + FMA (names ending in 8: `round_bf16_ps8`, `exp_ps8`, `silu_ps8`,
-`load_bf16_ps8`, `store_bf16_ps8`), with libtorch's `Sleef_expf8_u10`, the exp ATen's vectorised code calls
-on AVX2 builds (its CPU capability on a CPU without AVX-512).
+`load_bf16_ps8`, `store_bf16_ps8`, and `widen_bf16_ps8` for 8 bf16 already in a register), with libtorch's
+`Sleef_expf8_u10`, the exp ATen's vectorised code calls on AVX2 builds (its CPU capability on a CPU without AVX-512).
 """
 
 VEC_SOURCE = r"""
@@ -86,6 +86,11 @@ CAIRN_AVX2 inline __m256 silu_ps8(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps8(minus_x)));
 }
 
+// 8 bf16 (their bits in a 128-bit vector) widened to floats: a shift each
+CAIRN_AVX2 inline __m256 widen_bf16_ps8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // (AVX2 has no masked 16-bit loads: a whole vector is loaded directly, a last partial one through a buffer)
 CAIRN_AVX2 inline __m256 load_bf16_ps8(const at::BFloat16* p, int64_t n) {
   __m128i h;
@@ -96,7 +101,7 @@ CAIRN_AVX2 inline __m256 load_bf16_ps8(const at::BFloat16* p, int64_t n) {
     std::memcpy(part, p, n * sizeof(uint16_t));
     h = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
   }
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return widen_bf16_ps8(h);
 }
 
 CAIRN_AVX2 inline void store_bf16_ps8(at::BFloat16* p, __m256 v, int64_t n) {
