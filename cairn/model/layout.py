@@ -109,7 +109,6 @@ class GemvLinear(nn.Module):
         self.kernel = kernel
         self.direct_rows = kernel.direct_rows
         self.packs = pack and kernel.packs
-        self._gemv_packed = kernel.library.gemv_packed if self.packs else None
         if self.packs:
             self.register_buffer("packed", cpu_gemv.pack(weight), persistent=False)
             return
@@ -123,7 +122,7 @@ class GemvLinear(nn.Module):
         decode_rows = x.dim() == 2 and x.shape[0] <= self.direct_rows and x.stride(1) == 1
         if self.packs:
             if decode_rows:
-                return self._gemv_packed(x, self._buffers["packed"], self.out_features, 0, 0)
+                return self.kernel.library.gemv_packed(x, self._buffers["packed"], self.out_features, 0, 0)
             return self._forward_packed(x)
         if decode_rows:
             return self.kernel(x, self._parameters["weight"])
