@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 
 from cairn.forward_batch import ForwardBatch
@@ -130,3 +133,28 @@ def bf16_decode_against_reference(path, fused: dict, reference: dict, exact: boo
         else:
             assert got.token_ids[:3] == ref.token_ids[:3]
             assert max(abs(x - y) for x, y in zip(got.logprobs[:3], ref.logprobs[:3], strict=True)) < 0.05
+
+
+def failed_build(module, monkeypatch, tmp_path, what: str) -> str:
+    """A build of `module`'s op with no compiler (CXX names a missing file): its one-line reason, which must say
+    "building the <what> failed"; `module.load()` then returns it, as on a machine that cannot build the op."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    reason = module.load(str(tmp_path))
+    assert isinstance(reason, str) and reason.startswith(f"building the {what} failed")
+    monkeypatch.setattr(module, "load", lambda: reason)
+    return reason
+
+
+@contextlib.contextmanager
+def one_warning_line(caplog, module):
+    """Around calls of a fused CPU op's module whose op is refused (a failed build, a failed load check): its
+    `_loaded` cache starts and ends empty, and the module says so in exactly one log line, a warning."""
+    module._loaded.cache_clear()
+    caplog.clear()  # a test may have loaded (and logged) the real op before
+    try:
+        with caplog.at_level(logging.INFO, logger=module.__name__):
+            yield
+        lines = [r for r in caplog.records if r.name == module.__name__]
+        assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
+    finally:
+        module._loaded.cache_clear()

@@ -11,14 +11,12 @@ leaves the reference in one log line, and the op refuses a context its table doe
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from cairn import ops
 from cairn.ops import attention, cpu_attention, cpu_gemv
-from tests.harness import bf16_decode_against_reference
+from tests.harness import bf16_decode_against_reference, failed_build, one_warning_line
 
 SCALE = 0.0625
 
@@ -149,23 +147,13 @@ def test_other_dtypes_and_pool_views_keep_the_reference(monkeypatch):
 
 
 def test_op_falls_back_to_the_reference_in_one_line_when_it_does_not_build(caplog, monkeypatch, tmp_path):
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    reason = cpu_attention.load(str(tmp_path))
-    assert isinstance(reason, str) and reason.startswith("building the paged decode attention op failed")
-    monkeypatch.setattr(cpu_attention, "load", lambda: reason)
-    cpu_attention._loaded.cache_clear()
-    caplog.clear()
-    try:
-        with caplog.at_level(logging.INFO, logger="cairn.ops.cpu_attention"):
-            k_pool, v_pool = pools(4, 8, 2, 16)
-            q, tables, lens = torch.randn(1, 4, 16).bfloat16(), torch.tensor([[1, 3]]), torch.tensor([12])
-            for _ in range(2):
-                assert torch.equal(cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE),
-                                   attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE))
-        lines = [r for r in caplog.records if r.name == "cairn.ops.cpu_attention"]
-        assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
-    finally:
-        cpu_attention._loaded.cache_clear()
+    failed_build(cpu_attention, monkeypatch, tmp_path, "paged decode attention op")
+    with one_warning_line(caplog, cpu_attention):
+        k_pool, v_pool = pools(4, 8, 2, 16)
+        q, tables, lens = torch.randn(1, 4, 16).bfloat16(), torch.tensor([[1, 3]]), torch.tensor([12])
+        for _ in range(2):
+            assert torch.equal(cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE),
+                               attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE))
 
 
 def test_engine_decodes_bf16_through_the_op_batch_independently_and_near_the_reference(checkpoints):

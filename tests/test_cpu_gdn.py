@@ -10,7 +10,6 @@ failed build falls back in one log line.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from cairn.ops import cpu_gdn, cpu_gemv
 from cairn.ops.conv import causal_conv1d_update
 from cairn.ops.gdn import recurrent_gated_delta_rule
 from cairn.sampling import SamplingParams
-from tests.harness import bf16_decode_against_reference, greedy
+from tests.harness import bf16_decode_against_reference, failed_build, greedy, one_warning_line
 
 
 def op():
@@ -172,19 +171,10 @@ def _layer_types(path) -> list[str]:
 
 
 def test_fused_op_falls_back_to_the_reference_in_one_line_when_it_does_not_build(caplog, monkeypatch, tmp_path):
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    reason = cpu_gdn.load(str(tmp_path))
-    assert isinstance(reason, str) and reason.startswith("building the fused GDN decode op failed")
-    monkeypatch.setattr(cpu_gdn, "load", lambda: reason)
-    cpu_gdn._loaded.cache_clear()
-    try:
-        with caplog.at_level(logging.INFO, logger="cairn.ops.cpu_gdn"):
-            bf = torch.zeros(2, dtype=torch.bfloat16)
-            assert cpu_gdn.op_for(bf) is None and cpu_gdn.op_for(bf) is None
-        lines = [r for r in caplog.records if r.name == "cairn.ops.cpu_gdn"]
-        assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
-    finally:
-        cpu_gdn._loaded.cache_clear()
+    failed_build(cpu_gdn, monkeypatch, tmp_path, "fused GDN decode op")
+    with one_warning_line(caplog, cpu_gdn):
+        bf = torch.zeros(2, dtype=torch.bfloat16)
+        assert cpu_gdn.op_for(bf) is None and cpu_gdn.op_for(bf) is None
 
 
 def widest_body(flags: set[str]) -> str:

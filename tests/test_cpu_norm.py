@@ -11,14 +11,12 @@ here, leaves the reference in one log line.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from cairn import ops
 from cairn.ops import attention, cpu_norm, norm
-from tests.harness import bf16_decode_against_reference
+from tests.harness import bf16_decode_against_reference, failed_build, one_warning_line
 
 
 def op():
@@ -85,23 +83,13 @@ def test_fp32_stays_on_the_reference(monkeypatch):
 @pytest.mark.parametrize("why", ["build", "sums"])
 def test_op_falls_back_to_the_reference_in_one_line(caplog, monkeypatch, tmp_path, why):
     if why == "build":
-        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-        reason = cpu_norm.load(str(tmp_path))
-        assert isinstance(reason, str) and reason.startswith("building the fused add + RMSNorm op failed")
-        monkeypatch.setattr(cpu_norm, "load", lambda: reason)
+        failed_build(cpu_norm, monkeypatch, tmp_path, "fused add + RMSNorm op")
     else:
         op()
         monkeypatch.setattr(cpu_norm, "CANDIDATE_LANES", (3,))  # no CPU's sum runs on 3-float vectors
-    cpu_norm._loaded.cache_clear()
-    caplog.clear()  # op() above may have loaded (and logged) the real op
-    try:
-        with caplog.at_level(logging.INFO, logger="cairn.ops.cpu_norm"):
-            x, weight = bf16(2, 32, seed=1), bf16(32, seed=2)
-            for _ in range(2):
-                assert same_bits(cpu_norm.add_rms_norm(x, x, weight, 1e-6, True)[1],
-                                 norm.add_rms_norm(x, x, weight, 1e-6, True)[1])
-        lines = [r for r in caplog.records if r.name == "cairn.ops.cpu_norm"]
-        assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
-    finally:
-        cpu_norm._loaded.cache_clear()
+    with one_warning_line(caplog, cpu_norm):
+        x, weight = bf16(2, 32, seed=1), bf16(32, seed=2)
+        for _ in range(2):
+            assert same_bits(cpu_norm.add_rms_norm(x, x, weight, 1e-6, True)[1],
+                             norm.add_rms_norm(x, x, weight, 1e-6, True)[1])
 

@@ -9,7 +9,6 @@ are not ATen's here, leaves the reference in one log line.
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 
 from cairn import ops
 from cairn.ops import activation, cpu_gemv, cpu_silu
-from tests.harness import bf16_decode_against_reference
+from tests.harness import bf16_decode_against_reference, failed_build, one_warning_line
 
 
 def library():
@@ -73,10 +72,7 @@ def test_fp32_stays_on_the_reference(monkeypatch):
 @pytest.mark.parametrize("why", ["build", "bits"])
 def test_op_falls_back_to_the_reference_in_one_line(caplog, monkeypatch, tmp_path, why):
     if why == "build":
-        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-        reason = cpu_silu.load(str(tmp_path))
-        assert isinstance(reason, str) and reason.startswith("building the fused silu * up op failed")
-        monkeypatch.setattr(cpu_silu, "load", lambda: reason)
+        failed_build(cpu_silu, monkeypatch, tmp_path, "fused silu * up op")
     else:  # an op one bit off the reference on one output: the real check at load time finds it
         real = library()
 
@@ -87,18 +83,11 @@ def test_op_falls_back_to_the_reference_in_one_line(caplog, monkeypatch, tmp_pat
                 return out
 
         monkeypatch.setattr(cpu_silu, "load", lambda: OneBitOff())
-    cpu_silu._loaded.cache_clear()
-    caplog.clear()
-    try:
-        with caplog.at_level(logging.INFO, logger="cairn.ops.cpu_silu"):
-            gate_up = bf16(2, 64, seed=1)
-            for _ in range(2):
-                assert torch.equal(cpu_silu.silu_mul(gate_up).view(torch.int16),
-                                   activation.silu_mul(gate_up).view(torch.int16))
-        lines = [r for r in caplog.records if r.name == "cairn.ops.cpu_silu"]
-        assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "\n" not in lines[0].getMessage()
-    finally:
-        cpu_silu._loaded.cache_clear()
+    with one_warning_line(caplog, cpu_silu):
+        gate_up = bf16(2, 64, seed=1)
+        for _ in range(2):
+            assert torch.equal(cpu_silu.silu_mul(gate_up).view(torch.int16),
+                               activation.silu_mul(gate_up).view(torch.int16))
 
 
 def test_op_runs_the_widest_body_this_cpu_has():
