@@ -20,6 +20,11 @@ time is summed and the step is split into exclusive parts:
     PYTHONPATH=. python benchmarks/decode_profile.py --layout packed --threads 1 --clock cpu --batch 16
     PYTHONPATH=. python benchmarks/decode_profile.py --norm-side-by-side 3     # the fused norm against the reference
     PYTHONPATH=. python benchmarks/decode_profile.py --norm-side-by-side 3 --swap norm_rotary_write --count-ops
+    PYTHONPATH=. python benchmarks/decode_profile.py --size 0.8b-skeleton --plan-side-by-side 7 --no-breakdown
+
+The unprofiled step time is the engine's own (a pure decode step through the decode plan where it binds,
+cairn/model/decode_plan.py); `--plan-side-by-side` times it against the same steps through the modules; the
+breakdown, whose ranges are the modules', runs on the modules (the plan off).
 
 The profiler adds a few microseconds per op, which inflates the many small ops against the matmuls;
 the step time printed first is measured without it. On a shared machine the profiler's ranges hold
@@ -34,6 +39,7 @@ import dataclasses
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,6 +97,7 @@ def instrument(engine, ranges: Ranges) -> None:
     from cairn.layers.norm import GatedRMSNorm, RMSNorm
 
     model = engine.model
+    model.plan_decode = False  # the ranges are the modules': a decode plan would call past them
     for owner, kind in ((GatedDeltaNet, "gdn"), (GatedAttention, "attention"), (SwiGLU, "mlp")):
         for module in model.modules():
             if isinstance(module, owner):
@@ -142,25 +149,58 @@ REFERENCES = {"add_rms_norm": "cairn.ops.norm:add_rms_norm",
               "silu_mul": "cairn.ops.activation:silu_mul"}
 
 
+def side_by_side(engine, batch: int, steps: int, prompt_len: int, repeats: int,
+                 variants: dict[str, Callable[[], None]], clock=time.perf_counter) -> dict[str, list[float]]:
+    """ms per decode step on `clock`, unprofiled, for each variant (its function sets the engine up for it),
+    alternating `repeats` times on the same engine."""
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, set_up in variants.items():
+            set_up()
+            runs[name].append(1e3 * step_s(engine, batch, steps, prompt_len, clock))
+    return runs
+
+
 def norm_side_by_side(engine, batch: int, steps: int, prompt_len: int, repeats: int, fields: list[str],
                       clock=time.perf_counter) -> dict[str, list[float]]:
-    """ms per decode step on `clock`, unprofiled, with the engine's kernels and with `fields` of them swapped for
-    their references (REFERENCES), alternating `repeats` times on the same engine."""
+    """side_by_side of the engine's kernels ("fused") and the same with `fields` swapped for their references
+    (REFERENCES), both on the modules (no decode plan, which binds only the fused ops: it would be timed too)."""
     import importlib
 
-    fused = engine.model.kernels
+    model, fused = engine.model, engine.model.kernels
     swapped = {}
     for field in fields:
         module, name = REFERENCES[field].split(":")
         swapped[field] = getattr(importlib.import_module(module), name)
-    variants = {"fused": fused, "reference": dataclasses.replace(fused, **swapped)}
-    runs: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, kernels in variants.items():
-            engine.model.kernels = kernels
-            runs[name].append(1e3 * step_s(engine, batch, steps, prompt_len, clock))
-    engine.model.kernels = fused
+    reference, planned = dataclasses.replace(fused, **swapped), model.plan_decode
+    model.plan_decode = False
+    runs = side_by_side(engine, batch, steps, prompt_len, repeats, {
+        "fused": lambda: setattr(model, "kernels", fused), "reference": lambda: setattr(model, "kernels", reference)},
+        clock)
+    model.kernels, model.plan_decode = fused, planned
     return runs
+
+
+def plan_side_by_side(engine, batch: int, steps: int, prompt_len: int, repeats: int,
+                      clock=time.perf_counter) -> dict[str, list[float]]:
+    """side_by_side of pure decode steps through the decode plan ("plan") and through the modules ("modules")."""
+    model, planned = engine.model, engine.model.plan_decode
+    runs = side_by_side(engine, batch, steps, prompt_len, repeats, {
+        "plan": lambda: setattr(model, "plan_decode", True), "modules": lambda: setattr(model, "plan_decode", False)},
+        clock)
+    model.plan_decode = planned
+    return runs
+
+
+def print_side_by_side(runs: dict[str, list[float]], label: str) -> None:
+    """Each variant's runs, best and median, and the second's over the first's."""
+    best = {name: min(ms) for name, ms in runs.items()}
+    median = {name: statistics.median(ms) for name, ms in runs.items()}
+    first, second = runs
+    print(" | ".join(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms/step (best {best[name]:.2f}, median "
+                     f"{median[name]:.2f})" for name, ms in runs.items())
+          + f" | {second} ({label}) / {first}: best {best[second] / best[first]:.3f}x, median "
+          f"{median[second] / median[first]:.3f}x")
 
 
 def breakdown(totals: dict[str, float], steps: int) -> list[tuple[str, float]]:
@@ -259,8 +299,11 @@ def main() -> None:
     ap.add_argument("--swap", default="add_rms_norm",
                     help="Kernels fields that --norm-side-by-side puts on the reference, comma-separated: "
                     + ", ".join(REFERENCES))
+    ap.add_argument("--plan-side-by-side", type=int, default=0, metavar="REPEATS",
+                    help="first time decode steps unprofiled through the decode plan and through the modules, "
+                    "alternating REPEATS times (best of each, and their ratio; on --clock's clock)")
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
-                    help="stop after the unprofiled step time and --norm-side-by-side / --count-ops")
+                    help="stop after the unprofiled step time and the side-by-sides / --count-ops")
     ap.add_argument("--count-ops", action="store_true",
                     help="also count top-level ATen calls per decode step, by name (torch.profiler)")
     args = ap.parse_args()
@@ -273,16 +316,13 @@ def main() -> None:
         wall_ms = 1e3 * step_s(engine, args.batch, args.steps, args.prompt_len)
         print(f"{args.size} {args.dtype} {engine.weight_layout} batch {args.batch}, {args.threads} threads: "
               f"{wall_ms:.1f} ms per step unprofiled")
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
         if args.norm_side_by_side:
-            clock = time.process_time if args.clock == "cpu" else time.perf_counter
-            runs = norm_side_by_side(engine, args.batch, args.steps, args.prompt_len, args.norm_side_by_side,
-                                     args.swap.split(","), clock)
-            best = {name: min(ms) for name, ms in runs.items()}
-            median = {name: statistics.median(ms) for name, ms in runs.items()}
-            print(" | ".join(f"{name}: {' '.join(f'{m:.1f}' for m in ms)} ms/step (best {best[name]:.1f}, median "
-                             f"{median[name]:.1f})" for name, ms in runs.items())
-                  + f" | reference ({args.swap}) / fused: best {best['reference'] / best['fused']:.3f}x, median "
-                  f"{median['reference'] / median['fused']:.3f}x")
+            print_side_by_side(norm_side_by_side(engine, args.batch, args.steps, args.prompt_len,
+                                                 args.norm_side_by_side, args.swap.split(","), clock), args.swap)
+        if args.plan_side_by_side:
+            print_side_by_side(plan_side_by_side(engine, args.batch, args.steps, args.prompt_len,
+                                                 args.plan_side_by_side, clock), "no decode plan")
         if args.count_ops:
             counts = count_ops(engine, args.batch, args.steps, args.prompt_len)
             print(f"top-level ATen calls per decode step: {sum(counts.values()):.0f}; "

@@ -87,8 +87,8 @@ class GatedDeltaNet(RecurrentMixer):
         if fused is None:
             return self.out_proj(self._reference_rows(projected, 0, batch, states, kernels))
         if nd == x.shape[0]:  # a pure decode batch: one op between the projections
-            return self.out_proj(self._fused_decode(fused, projected, batch, states, params, norm.eps))
-        decoded = self._fused_decode(fused, projected[:nd], batch, states, params, norm.eps)
+            return self.out_proj(self.fused_decode(fused, projected, batch, states, params, norm.eps))
+        decoded = self.fused_decode(fused, projected[:nd], batch, states, params, norm.eps)
         return self.out_proj(torch.cat([decoded, self._reference_rows(projected, nd, batch, states, kernels)]))
 
     def _reference_rows(self, projected: torch.Tensor, first: int, batch: ForwardBatch, states: StatePool,
@@ -120,7 +120,7 @@ class GatedDeltaNet(RecurrentMixer):
                 q, k, v, g[rows], beta[rows], rec_states[slot], [(c, dst["recurrent"]) for c, dst in caps])
         return self.norm(out, z.reshape(tokens, self.v_heads, self.v_dim)).reshape(tokens, self.value_dim)
 
-    def _fused_decode(self, fused, projected: torch.Tensor, batch: ForwardBatch, states: StatePool,
+    def fused_decode(self, fused, projected: torch.Tensor, batch: ForwardBatch, states: StatePool,
                       params: tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
         """The decode rows through the fused op (cairn/ops/cpu_gdn.py): [nd, value_dim], out_proj's input.
         params: conv weight, A_log, dt_bias, norm weight; eps: the norm's. The op updates both states where they

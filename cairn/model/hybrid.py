@@ -34,6 +34,7 @@ from cairn.layers.recurrent import RecurrentMixer
 from cairn.layers.rotary import PartialRotary
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
+from cairn.model import decode_plan
 from cairn.model.config import ModelConfig
 from cairn.ops import REFERENCE, Kernels
 
@@ -119,6 +120,9 @@ class HybridModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self._written: dict[str, int] = {}
+        self.plan_decode = True  # pure decode steps through a DecodePlan where it binds (cairn/model/decode_plan.py)
+        self._plan: decode_plan.DecodePlan | None = None
+        self._plan_kernels: Kernels | None = None  # the Kernels _plan was built for (rebuilt when they change)
 
     def make_norm(self, dim: int) -> nn.Module:
         eps = self.cfg.rms_norm_eps
@@ -157,12 +161,22 @@ class HybridModel(nn.Module):
             x = x * cfg.embedding_multiplier
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype) if self.rotary is not None else None
         pending = None  # the stream is x + pending (DecoderLayer)
-        for layer in self.layers:
+        plan = self.decode_plan() if self.plan_decode else None
+        layers = plan.layers if plan is not None and plan.takes(x.shape[0], batch.num_decode, self.kernels) \
+            else self.layers
+        for layer in layers:
             x, pending = layer(x, pending, batch, cos_sin, kv, states, self.kernels)
         rows = batch.logits_indices  # only these rows' stream is needed from here on
         _, h = self.norm.add_and_norm(x[rows], None if pending is None else pending[rows], self.kernels)
         logits = self.lm_head(h).float()
         return logits if cfg.logits_multiplier == 1.0 else logits * cfg.logits_multiplier
+
+    def decode_plan(self) -> decode_plan.DecodePlan | None:
+        """The layers' DecodePlan for the current Kernels (built on first use, once the weights are laid out), or
+        None where it would bind nothing."""
+        if self._plan_kernels is not self.kernels:
+            self._plan, self._plan_kernels = decode_plan.build(self), self.kernels
+        return self._plan
 
     # ---- checkpoint loading -------------------------------------------------------------------------
 

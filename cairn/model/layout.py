@@ -45,6 +45,7 @@ re-laid linears have no `weight` parameter after it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +138,15 @@ class GemvLinear(nn.Module):
             step = cpu_gemv.MAX_ROWS
             y = torch.cat([self.kernel(rows[i:i + step], self.weight) for i in range(0, rows.shape[0], step)])
         return y.view(*x.shape[:-1], self.out_features)
+
+    def decode_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward's decode-row path as one pre-bound call, for a decode plan (cairn/model/decode_plan.py): x [n, K]
+        with n <= direct_rows and a contiguous last dimension -> [n, N]; the same kernel call as forward's."""
+        if self.packs:
+            gemv, packed, n = self.kernel.library.gemv_packed, self.packed, self.out_features
+            return lambda x: gemv(x, packed, n, 0, 0)
+        kernel, weight = self.kernel, self.weight
+        return lambda x: kernel(x, weight)
 
     def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -238,6 +238,23 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return op.library.add_rms_norm(x, delta, weight, eps, zero_centred, op.lanes)
 
 
+def bound_add_rms_norm(weight: torch.Tensor, eps: float, zero_centred: bool):
+    """add_rms_norm of this norm's weight as one pre-bound call, `(x, delta | None) -> (x + delta, normed)` on
+    bf16 CPU rows as add_rms_norm takes them, for a decode plan (cairn/model/decode_plan.py); None where
+    add_rms_norm would take the reference (not bf16 on CPU, the op not loaded). The same op and arguments as
+    add_rms_norm's: the same bits."""
+    op = _loaded() if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" else None
+    if op is None:
+        return None
+    add, norm_only, lanes = op.library.add_rms_norm, op.library.rms_norm, op.lanes
+
+    def call(x: torch.Tensor, delta: torch.Tensor | None):
+        if delta is None:
+            return x, norm_only(x, weight, eps, zero_centred, lanes)
+        return add(x, delta, weight, eps, zero_centred, lanes)
+    return call
+
+
 def norm_rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                       k_weight: torch.Tensor, eps: float, zero_centred: bool, cos: torch.Tensor, sin: torch.Tensor,
                       k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:

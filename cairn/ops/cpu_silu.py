@@ -164,6 +164,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return library.silu_mul(rows).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
+def bound_silu_mul():
+    """silu_mul as one pre-bound call for a decode plan (cairn/model/decode_plan.py): the op itself, taking
+    bf16 CPU gate_up rows [n, 2 * inner] with contiguous last dimension; None where silu_mul would take the
+    reference (the op not loaded)."""
+    library = _loaded()
+    return None if library is None else library.silu_mul
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m cairn.ops.cpu_silu --build` (cpu_build.build_command)."""
     return build_command(argv, "cpu_silu", "fused silu * up op", lambda: built_or_why(load()))

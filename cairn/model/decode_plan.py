@@ -1,0 +1,124 @@
+"""DecodePlan: a pure decode step's layers as pre-bound calls into cairn's fused CPU ops (bf16 on CPU).
+
+A decode step of the 0.8B model makes ~250 calls into C++ (109 linears, 49 norms, 18 GDN ops, ...), each
+of which the module path reaches through nn.Module.__call__, attribute lookups (~1 us each), a Kernels field
+and the op's dispatcher checking dtype, device and layout again. The tensors a call needs besides its
+input (weights, eps, the op's build) are fixed once the model is loaded, so a plan binds them once, per
+layer, and a step then calls the ops directly:
+
+    layer i:  x, h = norm_i(x, pending)                  cpu_norm.bound_add_rms_norm (the residual add too)
+              x, h = post_norm_i(x, mixer_i(h, ...))     GDN: in_proj -> GatedDeltaNet.fused_decode -> out_proj
+              pending = down_i(silu(gate_up_i(h)))       SwiGLU: GemvLinear.decode_call, cpu_silu.bound_silu_mul
+
+Measured (BENCHMARKS.md, the eleventh pass) on the 0.8B's 24 layers at tiny widths, where only the calls
+cost: a step 35-40% faster. The ops and their arguments are the module path's, so are the bits (a test
+holds logits and states equal to it). What a plan binds only where it is the module path's own choice:
+a norm, a linear or a mixer for which the model's Kernels field is not the fused default, or whose op does
+not load, stays a call of its module; a layer the plan does not know (no mixer or no FFN, a residual
+multiplier, a family's own layer) is called whole. The model takes the plan only for a pure decode batch
+of at most `max_rows` sequences (the gemv kernel's direct rows), and rebuilds it when its Kernels change;
+`HybridModel.plan_decode = False` keeps every step on the modules (benchmarks/decode_profile.py's
+breakdown, which instruments them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from cairn import ops
+from cairn.layers.gated_deltanet import GatedDeltaNet
+from cairn.layers.mlp import SwiGLU
+from cairn.layers.norm import RMSNorm
+from cairn.model.layout import GemvLinear
+from cairn.ops import Kernels, cpu_gdn, cpu_norm, cpu_silu
+
+
+class DecodePlan:
+    """The per-layer calls of a pure decode step (`layers`, each called like DecoderLayer), for `kernels`."""
+
+    def __init__(self, layers: list[Callable], kernels: Kernels, max_rows: float):
+        self.layers, self.kernels, self.max_rows = layers, kernels, max_rows
+
+    def takes(self, rows: int, num_decode: int, kernels: Kernels) -> bool:
+        """Whether a step of `rows` tokens, `num_decode` of them decode rows, on `kernels` runs this plan."""
+        return num_decode == rows <= self.max_rows and kernels is self.kernels
+
+
+def build(model: nn.Module) -> DecodePlan | None:
+    """The plan of `model`'s decoder layers on its Kernels, or None: a model not in bf16 on CPU (the fused ops'
+    domain), or one whose every layer would be called whole."""
+    weight = model.embed.weight
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    bound = Binder(model.kernels)
+    calls = [bound.layer(layer) for layer in model.layers]
+    if all(call is layer for call, layer in zip(calls, model.layers, strict=True)):
+        return None
+    return DecodePlan(calls, model.kernels, bound.max_rows)
+
+
+class Binder:
+    """Binds one model's modules for `kernels`; `max_rows`: the fewest direct rows of a bound gemv linear."""
+
+    def __init__(self, kernels: Kernels):
+        self.kernels, self.max_rows = kernels, math.inf
+
+    def layer(self, layer: nn.Module) -> Callable:
+        """A DecoderLayer's decode call, or the layer itself where the plan does not know its form."""
+        if layer.mixer is None or layer.mlp is None or layer.residual_multiplier != 1.0:
+            return layer
+        first, second = self.norm(layer.input_norm), self.norm(layer.post_norm)
+        if first is None or second is None:
+            return layer
+        mixer, mlp = self.mixer(layer), self.mlp(layer)
+
+        def call(x, pending, batch, cos_sin, kv, states, kernels):
+            x, h = first(x, pending)
+            x, h = second(x, mixer(h, batch, cos_sin, kv, states))
+            return x, mlp(h)
+        return call
+
+    def norm(self, norm: nn.Module) -> Callable | None:
+        """(x, delta | None) -> (x + delta, normed), add_and_norm bound; None where not the fused op."""
+        fused = self.kernels.add_rms_norm is ops.fused_add_rms_norm
+        if type(norm).add_and_norm is not RMSNorm.add_and_norm or not fused:
+            return None
+        return cpu_norm.bound_add_rms_norm(norm.weight, norm.eps, norm.zero_centred)
+
+    def linear(self, linear: nn.Module) -> Callable:
+        if isinstance(linear, GemvLinear):
+            self.max_rows = min(self.max_rows, linear.direct_rows)
+            return linear.decode_call()
+        return linear
+
+    def mixer(self, layer: nn.Module) -> Callable:
+        """(h, batch, cos_sin, kv, states) -> the mixer's output rows: Gated DeltaNet's projections and fused op
+        bound, any other mixer called as DecoderLayer calls it."""
+        mixer, kernels = layer.mixer, self.kernels
+        params = (mixer.conv_weight, mixer.A_log, mixer.dt_bias, mixer.norm.weight) \
+            if isinstance(mixer, GatedDeltaNet) else ()
+        fused = cpu_gdn.op_for(*params) if params and kernels.gdn_decode_op is ops.fused_gdn_decode_op else None
+        if fused is not None:
+            in_proj, out_proj, fused_decode, eps = (self.linear(mixer.in_proj), self.linear(mixer.out_proj),
+                                                    mixer.fused_decode, mixer.norm.eps)
+            return lambda h, batch, cos_sin, kv, states: out_proj(
+                fused_decode(fused, in_proj(h), batch, states, params, eps))
+        if layer.mixer_kind == "recurrent":
+            return lambda h, batch, cos_sin, kv, states: mixer(h, batch, states, kernels)
+        if layer.mixer_kind == "parallel":
+            return lambda h, batch, cos_sin, kv, states: mixer(h, batch, cos_sin, kv, states, kernels)
+        return lambda h, batch, cos_sin, kv, states: mixer(h, batch, cos_sin, kv, kernels)
+
+    def mlp(self, layer: nn.Module) -> Callable:
+        """h -> the FFN's output rows: SwiGLU's linears and activation bound, any other FFN called as
+        DecoderLayer calls it."""
+        mlp, kernels = layer.mlp, self.kernels
+        silu = cpu_silu.bound_silu_mul() if kernels.silu_mul is ops.fused_silu_mul else None
+        if type(mlp) is SwiGLU and silu is not None:
+            gate_up, down = self.linear(mlp.gate_up), self.linear(mlp.down)
+            return lambda h: down(silu(gate_up(h)))
+        return (lambda h: mlp(h, kernels)) if layer.mlp_takes_kernels else mlp
