@@ -7,17 +7,20 @@ input (weights, eps, the op's build) are fixed once the model is loaded, so a pl
 layer, and a step then calls the ops directly:
 
     layer i:  x, h = norm_i(x, pending)                  cpu_norm.bound_add_rms_norm (the residual add too)
-              x, h = post_norm_i(x, mixer_i(h, ...))     GDN: in_proj -> GatedDeltaNet.fused_decode -> out_proj
+              x, h = post_norm_i(x, mixer_i(h, ...))     GDN: in_proj -> GatedDeltaNet.fused_decode -> out_proj;
+                                                         GatedAttention: its forward's calls for decode rows
               pending = down_i(silu(gate_up_i(h)))       SwiGLU: GemvLinear.decode_call, cpu_silu.bound_silu_mul
 
 Measured (BENCHMARKS.md, the eleventh pass) on the 0.8B's 24 layers at tiny widths, where only the calls
-cost: a step 35-40% faster. The ops and their arguments are the module path's, so are the bits (a test
-holds logits and states equal to it). What a plan binds only where it is the module path's own choice:
-a norm, a linear or a mixer for which the model's Kernels field is not the fused default, or whose op does
-not load, stays a call of its module; a layer the plan does not know (no mixer or no FFN, a residual
-multiplier, a family's own layer) is called whole. The model takes the plan only for a pure decode batch
-of at most `max_rows` sequences (the gemv kernel's direct rows), and rebuilds it when its Kernels change;
-`HybridModel.plan_decode = False` keeps every step on the modules (benchmarks/decode_profile.py's
+cost: a batch-1 step in half the time. The ops, their arguments and their order are the module path's, so
+are the bits (a test holds greedy tokens and log-probabilities equal to it, batched and alone).
+
+A plan binds only what the module path would run the same way: a norm whose Kernels field is not the fused
+default, or whose op does not load, leaves its layer called whole; a GDN layer whose fused op is not taken,
+or an FFN other than SwiGLU with the fused activation, stays a call of its module; a layer of another form
+(no mixer or no FFN, a residual multiplier) is called whole. The model takes the plan only for a pure
+decode batch of at most `max_rows` sequences (the gemv kernel's direct rows) and rebuilds it when its
+Kernels change; `HybridModel.plan_decode = False` keeps every step on the modules (benchmarks/decode_profile.py's
 breakdown, which instruments them).
 """
 
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from cairn import ops
+from cairn.layers.attention import GatedAttention
 from cairn.layers.gated_deltanet import GatedDeltaNet
 from cairn.layers.mlp import SwiGLU
 from cairn.layers.norm import RMSNorm
@@ -107,11 +111,34 @@ class Binder:
                                                     mixer.fused_decode, mixer.norm.eps)
             return lambda h, batch, cos_sin, kv, states: out_proj(
                 fused_decode(fused, in_proj(h), batch, states, params, eps))
+        if type(mixer) is GatedAttention:
+            return self.gated_attention(mixer)
         if layer.mixer_kind == "recurrent":
             return lambda h, batch, cos_sin, kv, states: mixer(h, batch, states, kernels)
         if layer.mixer_kind == "parallel":
             return lambda h, batch, cos_sin, kv, states: mixer(h, batch, cos_sin, kv, states, kernels)
         return lambda h, batch, cos_sin, kv, states: mixer(h, batch, cos_sin, kv, kernels)
+
+    def gated_attention(self, attention: GatedAttention) -> Callable:
+        """GatedAttention.forward for decode rows alone, its linears bound: the same Kernels calls on the same
+        tensors; the attention's output is gated where it lies (the module copies it into its output first)."""
+        q_proj, k_proj, v_proj, o_proj = (self.linear(attention.q_proj), self.linear(attention.k_proj),
+                                          self.linear(attention.v_proj), self.linear(attention.o_proj))
+        heads, kv_heads, dim, index, scale = (attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                                              attention.pool_index, attention.scale)
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        norm_args = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.zero_centred)
+        norm_rotary_write, attend = self.kernels.norm_rotary_write, self.kernels.paged_decode_attention
+
+        def call(h, batch, cos_sin, kv, states):
+            rows = h.shape[0]
+            q, gate = q_proj(h).view(rows, heads, 2 * dim).chunk(2, dim=-1)
+            k, v = k_proj(h).view(rows, kv_heads, dim), v_proj(h).view(rows, kv_heads, dim)
+            k_pool, v_pool = kv.k[index], kv.v[index]
+            q = norm_rotary_write(q, k, v, *norm_args, *cos_sin, k_pool, v_pool, batch.slot_mapping)
+            out = attend(q, k_pool, v_pool, batch.page_tables, batch.decode_context_lens(), scale)
+            return o_proj(out.mul_(torch.sigmoid(gate)).reshape(rows, -1))
+        return call
 
     def mlp(self, layer: nn.Module) -> Callable:
         """h -> the FFN's output rows: SwiGLU's linears and activation bound, any other FFN called as
