@@ -14,6 +14,7 @@ attention with the spec's softmax scale, then o_proj. No q/k norm, no output gat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,23 +57,33 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv: KVPool, kernels: Kernels) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        k_pool, v_pool = kv.k[self.pool_index], kv.v[self.pool_index]
-        q = kernels.norm_rotary_write(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                      self.q_norm.zero_centred, *cos_sin, k_pool, v_pool, batch.slot_mapping)
+        return self.attend(x, batch, cos_sin, kv, kernels, self.q_proj, self.k_proj, self.v_proj, self.o_proj)
 
-        out = torch.empty_like(q)
+    def attend(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: KVPool,
+               kernels: Kernels, q_proj: Callable, k_proj: Callable, v_proj: Callable,
+               o_proj: Callable) -> torch.Tensor:
+        """forward with its four projections given (the modules, or a decode plan's direct kernel calls)."""
+        tokens = x.shape[0]
+        q, gate = q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        k_pool, v_pool = kv.k[self.pool_index], kv.v[self.pool_index]
+        q_norm, k_norm = self.q_norm, self.k_norm
+        q = kernels.norm_rotary_write(q, k, v, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.zero_centred,
+                                      *cos_sin, k_pool, v_pool, batch.slot_mapping)
         nd = batch.num_decode
+        if nd == tokens:  # decode rows alone: the attention's output is the layer's, gated where it lies
+            out = kernels.paged_decode_attention(q, k_pool, v_pool, batch.page_tables, batch.decode_context_lens(),
+                                                 self.scale)
+            return o_proj(out.mul_(torch.sigmoid(gate)).reshape(tokens, -1))
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = kernels.paged_decode_attention(
                 q[:nd], k_pool, v_pool, batch.page_tables[:nd], batch.decode_context_lens(), self.scale)
         for i, row, new, context in batch.prefill_segments():
             out[row:row + new] = kernels.paged_prefill_attention(
                 q[row:row + new], k_pool, v_pool, batch.page_tables[i], context, self.scale)
-        return self.o_proj(out.mul_(torch.sigmoid(gate)).view(tokens, -1))
+        return o_proj(out.mul_(torch.sigmoid(gate)).view(tokens, -1))
 
 
 class Attention(nn.Module):

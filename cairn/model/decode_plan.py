@@ -8,7 +8,7 @@ layer, and a step then calls the ops directly:
 
     layer i:  x, h = norm_i(x, pending)                  cpu_norm.bound_add_rms_norm (the residual add too)
               x, h = post_norm_i(x, mixer_i(h, ...))     GDN: in_proj -> GatedDeltaNet.fused_decode -> out_proj;
-                                                         GatedAttention: its forward's calls for decode rows
+                                                         GatedAttention.attend with its linears bound
               pending = down_i(silu(gate_up_i(h)))       SwiGLU: GemvLinear.decode_call, cpu_silu.bound_silu_mul
 
 Measured (BENCHMARKS.md, the eleventh pass) on the 0.8B's 24 layers at tiny widths, where only the calls
@@ -112,33 +112,9 @@ class Binder:
             return lambda h, batch, cos_sin, kv, states: out_proj(
                 fused_decode(fused, in_proj(h), batch, states, params, eps))
         if type(mixer) is GatedAttention:
-            return self.gated_attention(mixer)
-        if layer.mixer_kind == "recurrent":
-            return lambda h, batch, cos_sin, kv, states: mixer(h, batch, states, kernels)
-        if layer.mixer_kind == "parallel":
-            return lambda h, batch, cos_sin, kv, states: mixer(h, batch, cos_sin, kv, states, kernels)
-        return lambda h, batch, cos_sin, kv, states: mixer(h, batch, cos_sin, kv, kernels)
-
-    def gated_attention(self, attention: GatedAttention) -> Callable:
-        """GatedAttention.forward for decode rows alone, its linears bound: the same Kernels calls on the same
-        tensors; the attention's output is gated where it lies (the module copies it into its output first)."""
-        q_proj, k_proj, v_proj, o_proj = (self.linear(attention.q_proj), self.linear(attention.k_proj),
-                                          self.linear(attention.v_proj), self.linear(attention.o_proj))
-        heads, kv_heads, dim, index, scale = (attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                              attention.pool_index, attention.scale)
-        q_norm, k_norm = attention.q_norm, attention.k_norm
-        norm_args = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.zero_centred)
-        norm_rotary_write, attend = self.kernels.norm_rotary_write, self.kernels.paged_decode_attention
-
-        def call(h, batch, cos_sin, kv, states):
-            rows = h.shape[0]
-            q, gate = q_proj(h).view(rows, heads, 2 * dim).chunk(2, dim=-1)
-            k, v = k_proj(h).view(rows, kv_heads, dim), v_proj(h).view(rows, kv_heads, dim)
-            k_pool, v_pool = kv.k[index], kv.v[index]
-            q = norm_rotary_write(q, k, v, *norm_args, *cos_sin, k_pool, v_pool, batch.slot_mapping)
-            out = attend(q, k_pool, v_pool, batch.page_tables, batch.decode_context_lens(), scale)
-            return o_proj(out.mul_(torch.sigmoid(gate)).reshape(rows, -1))
-        return call
+            linears = tuple(self.linear(m) for m in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj))
+            return lambda h, batch, cos_sin, kv, states: mixer.attend(h, batch, cos_sin, kv, kernels, *linears)
+        return lambda h, batch, cos_sin, kv, states: layer.mix(h, batch, cos_sin, kv, states, kernels)
 
     def mlp(self, layer: nn.Module) -> Callable:
         """h -> the FFN's output rows: SwiGLU's linears and activation bound, any other FFN called as
@@ -148,4 +124,4 @@ class Binder:
         if type(mlp) is SwiGLU and silu is not None:
             gate_up, down = self.linear(mlp.gate_up), self.linear(mlp.down)
             return lambda h: down(silu(gate_up(h)))
-        return (lambda h: mlp(h, kernels)) if layer.mlp_takes_kernels else mlp
+        return lambda h: layer.feed(h, kernels)

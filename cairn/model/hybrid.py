@@ -84,20 +84,25 @@ class DecoderLayer(nn.Module):
                            else "parallel" if isinstance(mixer, ParallelAttentionMamba2) else "attention")
 
     def forward(self, x, pending, batch, cos_sin, kv: KVPool, states: StatePool, kernels: Kernels):
-        mixer, mlp = self.mixer, self.mlp  # each submodule looked up once (nn.Module.__getattr__: ~1 us a lookup)
-        if mixer is not None:
+        if self.mixer is not None:
             x, h = self.input_norm.add_and_norm(x, pending, kernels)
-            if self.mixer_kind == "recurrent":
-                h = mixer(h, batch, states, kernels)
-            elif self.mixer_kind == "parallel":
-                h = mixer(h, batch, cos_sin, kv, states, kernels)
-            else:
-                h = mixer(h, batch, cos_sin, kv, kernels)
-            pending = self._scaled(h)
-        if mlp is not None:
+            pending = self._scaled(self.mix(h, batch, cos_sin, kv, states, kernels))
+        if self.mlp is not None:
             x, h = self.post_norm.add_and_norm(x, pending, kernels)
-            pending = self._scaled(mlp(h, kernels) if self.mlp_takes_kernels else mlp(h))
+            pending = self._scaled(self.feed(h, kernels))
         return x, pending
+
+    def mix(self, h, batch, cos_sin, kv: KVPool, states: StatePool, kernels: Kernels) -> torch.Tensor:
+        """The mixer on the normed rows h, with what its kind takes."""
+        if self.mixer_kind == "recurrent":
+            return self.mixer(h, batch, states, kernels)
+        if self.mixer_kind == "parallel":
+            return self.mixer(h, batch, cos_sin, kv, states, kernels)
+        return self.mixer(h, batch, cos_sin, kv, kernels)
+
+    def feed(self, h: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        """The FFN on the normed rows h."""
+        return self.mlp(h, kernels) if self.mlp_takes_kernels else self.mlp(h)
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
         return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
