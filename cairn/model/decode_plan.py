@@ -42,14 +42,15 @@ from cairn.ops import Kernels, cpu_gdn, cpu_norm, cpu_silu
 
 
 class DecodePlan:
-    """The per-layer calls of a pure decode step (`layers`, each called like DecoderLayer), for `kernels`."""
+    """The per-layer calls of a pure decode step (`layers`, each called like DecoderLayer), for the Kernels they
+    were bound with; `max_rows`: the most decode rows they take."""
 
-    def __init__(self, layers: list[Callable], kernels: Kernels, max_rows: float):
-        self.layers, self.kernels, self.max_rows = layers, kernels, max_rows
+    def __init__(self, layers: list[Callable], max_rows: float):
+        self.layers, self.max_rows = layers, max_rows
 
-    def takes(self, rows: int, num_decode: int, kernels: Kernels) -> bool:
-        """Whether a step of `rows` tokens, `num_decode` of them decode rows, on `kernels` runs this plan."""
-        return num_decode == rows <= self.max_rows and kernels is self.kernels
+    def takes(self, rows: int, num_decode: int) -> bool:
+        """Whether a step of `rows` tokens, `num_decode` of them decode rows, runs this plan."""
+        return num_decode == rows <= self.max_rows
 
 
 def build(model: nn.Module) -> DecodePlan | None:
@@ -62,7 +63,7 @@ def build(model: nn.Module) -> DecodePlan | None:
     calls = [bound.layer(layer) for layer in model.layers]
     if all(call is layer for call, layer in zip(calls, model.layers, strict=True)):
         return None
-    return DecodePlan(calls, model.kernels, bound.max_rows)
+    return DecodePlan(calls, bound.max_rows)
 
 
 class Binder:

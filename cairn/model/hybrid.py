@@ -167,7 +167,7 @@ class HybridModel(nn.Module):
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype) if self.rotary is not None else None
         pending = None  # the stream is x + pending (DecoderLayer)
         plan = self.decode_plan() if self.plan_decode else None
-        layers = plan.layers if plan is not None and plan.takes(x.shape[0], batch.num_decode, self.kernels) \
+        layers = plan.layers if plan is not None and plan.takes(x.shape[0], batch.num_decode) \
             else self.layers
         for layer in layers:
             x, pending = layer(x, pending, batch, cos_sin, kv, states, self.kernels)
