@@ -52,11 +52,13 @@ def counting_takes(monkeypatch) -> list[bool]:
     return answers
 
 
-@pytest.mark.parametrize("layout", ["gemv", "plain"])
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("family, layout", [(family, layout) for family in ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+                                            for layout in ("gemv", "plain", "int8")
+                                            if layout != "int8" or family == "qwen3_5"])  # int8: dense models
 def test_decode_through_the_plan_gives_the_module_path_bits(distinct_norms, monkeypatch, family, layout):
     path = distinct_norms[family]
-    planned, modules = bf16_llm(path, weight_layout=layout), bf16_llm(path, weight_layout=layout)
+    options = {"quantization": "int8"} if layout == "int8" else {"weight_layout": layout}
+    planned, modules = bf16_llm(path, **options), bf16_llm(path, **options)
     modules.engine.model.plan_decode = False
     taken = counting_takes(monkeypatch)
     batched = greedy(planned, PROMPTS)

@@ -9,19 +9,20 @@ layer, and a step then calls the ops directly:
     layer i:  x, h = norm_i(x, pending)                  cpu_norm.bound_add_rms_norm (the residual add too)
               x, h = post_norm_i(x, mixer_i(h, ...))     GDN: in_proj -> GatedDeltaNet.fused_decode -> out_proj;
                                                          GatedAttention.attend with its linears bound
-              pending = down_i(silu(gate_up_i(h)))       SwiGLU: GemvLinear.decode_call, cpu_silu.bound_silu_mul
+              pending = down_i(silu(gate_up_i(h)))       SwiGLU: its linears' decode_call (the gemv kernel, or int8's),
+                                                         cpu_silu.bound_silu_mul
 
 Measured (BENCHMARKS.md, the eleventh pass) on the 0.8B's 24 layers at tiny widths, where only the calls
 cost: a batch-1 step in half the time. The ops, their arguments and their order are the module path's, so
 are the bits (a test holds greedy tokens and log-probabilities equal to it, batched and alone).
 
-A plan binds only what the module path would run the same way: a norm whose Kernels field is not the fused
-default, or whose op does not load, leaves its layer called whole; a GDN layer whose fused op is not taken,
-or an FFN other than SwiGLU with the fused activation, stays a call of its module; a layer of another form
-(no mixer or no FFN, a residual multiplier) is called whole. The model takes the plan only for a pure
-decode batch of at most `max_rows` sequences (the gemv kernel's direct rows) and rebuilds it when its
-Kernels change; `HybridModel.plan_decode = False` keeps every step on the modules (benchmarks/decode_profile.py's
-breakdown, which instruments them).
+A plan binds only what the module path would run the same way: a norm whose Kernels field is not the fused default,
+or whose op does not load, leaves its layer called whole; a GDN layer whose fused op is not taken, or an FFN other
+than SwiGLU with the fused activation, stays a call of its module; a layer of another form (no mixer or no FFN, a
+residual multiplier) is called whole. The model takes the plan only for a pure decode batch of at most `max_rows`
+sequences (its linears' direct rows: 16 on the AVX2 gemv, 4 in int8) and rebuilds it when its Kernels change;
+`HybridModel.plan_decode = False` keeps every step on the modules (benchmarks/decode_profile.py's breakdown, which
+instruments them).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from cairn.layers.attention import GatedAttention
 from cairn.layers.gated_deltanet import GatedDeltaNet
 from cairn.layers.mlp import SwiGLU
 from cairn.layers.norm import RMSNorm
-from cairn.model.layout import GemvLinear
+from cairn.model.layout import GemvLinear, Int8Linear
 from cairn.ops import Kernels, cpu_gdn, cpu_norm, cpu_silu
 
 
@@ -95,10 +96,12 @@ class Binder:
         return cpu_norm.bound_add_rms_norm(norm.weight, norm.eps, norm.zero_centred)
 
     def linear(self, linear: nn.Module) -> Callable:
-        if isinstance(linear, GemvLinear):
-            self.max_rows = min(self.max_rows, linear.direct_rows)
-            return linear.decode_call()
-        return linear
+        """The kernel call of a linear that has one for decode rows (GemvLinear, Int8Linear: `decode_call`, up to
+        its `direct_rows`), else the module."""
+        if not isinstance(linear, (GemvLinear, Int8Linear)):
+            return linear
+        self.max_rows = min(self.max_rows, linear.direct_rows)
+        return linear.decode_call()
 
     def mixer(self, layer: nn.Module) -> Callable:
         """(h, batch, cos_sin, kv, states) -> the mixer's output rows: Gated DeltaNet's projections and fused op

@@ -182,6 +182,16 @@ class Int8Linear(nn.Module):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.scales = nn.Parameter(scale_t, requires_grad=False)
 
+    @property
+    def direct_rows(self) -> int:
+        return self.DIRECT_ROWS
+
+    def decode_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward's fused-kernel path as one pre-bound call, for a decode plan (cairn/model/decode_plan.py): x [n, K]
+        with n <= direct_rows and contiguous rows -> [n, N]; the same kernel call as forward's."""
+        weight, scales = self.weight, self.scales
+        return lambda x: torch._weight_int8pack_mm(x, weight, scales)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= self.DIRECT_ROWS:
