@@ -121,7 +121,7 @@ class GatedDeltaNet(RecurrentMixer):
         return self.norm(out, z.reshape(tokens, self.v_heads, self.v_dim)).reshape(tokens, self.value_dim)
 
     def fused_decode(self, fused, projected: torch.Tensor, batch: ForwardBatch, states: StatePool,
-                      params: tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
+                     params: tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
         """The decode rows through the fused op (cairn/ops/cpu_gdn.py): [nd, value_dim], out_proj's input.
         params: conv weight, A_log, dt_bias, norm weight; eps: the norm's. The op updates both states where they
         lie; gathered copies (scattered slots) are written back."""

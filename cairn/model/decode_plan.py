@@ -68,7 +68,7 @@ def build(model: nn.Module) -> DecodePlan | None:
 
 
 class Binder:
-    """Binds one model's modules for `kernels`; `max_rows`: the fewest direct rows of a bound gemv linear."""
+    """Binds one model's modules for `kernels`; `max_rows`: the fewest direct rows of a linear bound so far."""
 
     def __init__(self, kernels: Kernels):
         self.kernels, self.max_rows = kernels, math.inf
