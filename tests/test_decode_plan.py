@@ -5,6 +5,7 @@ applies: pure decode batches within the gemv kernel's rows, on the Kernels it wa
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -100,12 +101,16 @@ def test_the_plan_takes_only_pure_decode_batches_within_its_rows():
     assert not plan.takes(5, 2)  # a prefill piece beside the decode rows
 
 
-def test_gemv_layout_binds_every_linear_of_a_planned_layer_to_the_kernel(checkpoints):
-    """On the gemv layout the plan's GDN and SwiGLU calls reach the kernel directly: its rows limit is the
-    kernel's, not infinite (no linear left as a module call)."""
+def test_gemv_layout_binds_every_layer_and_says_so_in_one_line(checkpoints, caplog):
+    """On the gemv layout every layer of the Qwen3.5 model is planned, its linears reaching the kernel directly
+    (the plan's rows limit is the kernel's, not infinite), and the build says so in one log line."""
     model = bf16_llm(checkpoints["qwen3_5"][0], weight_layout="gemv").engine.model
     if model.layers[0].mlp.gate_up.__class__.__name__ != "GemvLinear":
         pytest.skip("the gemv kernel does not build here")
-    plan = decode_plan.build(model)
-    assert plan.max_rows == model.layers[0].mlp.gate_up.direct_rows
+    with caplog.at_level(logging.INFO, logger="cairn.model.decode_plan"):
+        plan = decode_plan.build(model)
+    rows, layers = model.layers[0].mlp.gate_up.direct_rows, len(model.layers)
+    assert plan.max_rows == rows
     assert all(call is not layer for call, layer in zip(plan.layers, model.layers, strict=True))
+    assert [r.getMessage() for r in caplog.records] == [f"decode plan: {layers} of {layers} layers through pre-bound "
+                                                        f"calls, for pure decode batches of up to {rows} rows"]

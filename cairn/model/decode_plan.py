@@ -22,11 +22,12 @@ than SwiGLU with the fused activation, stays a call of its module; a layer of an
 residual multiplier) is called whole. The model takes the plan only for a pure decode batch of at most `max_rows`
 sequences (its linears' direct rows: 16 on the AVX2 gemv, 4 in int8) and rebuilds it when its Kernels change;
 `HybridModel.plan_decode = False` keeps every step on the modules (benchmarks/decode_profile.py's breakdown, which
-instruments them).
+instruments them). A build logs one line: how many layers it binds, for up to how many rows.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -40,6 +41,8 @@ from cairn.layers.mlp import SwiGLU
 from cairn.layers.norm import RMSNorm
 from cairn.model.layout import GemvLinear, Int8Linear
 from cairn.ops import Kernels, cpu_gdn, cpu_norm, cpu_silu
+
+log = logging.getLogger(__name__)
 
 
 class DecodePlan:
@@ -62,8 +65,12 @@ def build(model: nn.Module) -> DecodePlan | None:
         return None
     bound = Binder(model.kernels)
     calls = [bound.layer(layer) for layer in model.layers]
-    if all(call is layer for call, layer in zip(calls, model.layers, strict=True)):
+    planned = sum(call is not layer for call, layer in zip(calls, model.layers, strict=True))
+    if not planned:
         return None
+    rows = "any number of" if bound.max_rows == math.inf else f"up to {bound.max_rows}"
+    log.info("decode plan: %d of %d layers through pre-bound calls, for pure decode batches of %s rows", planned,
+             len(calls), rows)
     return DecodePlan(calls, bound.max_rows)
 
 
