@@ -1,10 +1,10 @@
 """DecodePlan: a pure decode step's layers as pre-bound calls into cairn's fused CPU ops (bf16 on CPU).
 
-A decode step of the 0.8B model makes ~250 calls into C++ (109 linears, 49 norms, 18 GDN ops, ...), each
-of which the module path reaches through nn.Module.__call__, attribute lookups (~1 us each), a Kernels field
-and the op's dispatcher checking dtype, device and layout again. The tensors a call needs besides its
-input (weights, eps, the op's build) are fixed once the model is loaded, so a plan binds them once, per
-layer, and a step then calls the ops directly:
+A decode step of the 0.8B model makes ~210 calls into cairn's C++ ops (109 linears, 49 norms, 24 activations, 18
+GDN ops, 6 attention-input and 6 attention ops), each of which the module path reaches through
+nn.Module.__call__, attribute lookups (~1 us each), a Kernels field and the op's dispatcher checking dtype,
+device and layout again. The tensors a call needs besides its input (weights, eps, the op's build) are fixed
+once the model is loaded, so a plan binds them once, per layer, and a step then calls the ops directly:
 
     layer i:  x, h = norm_i(x, pending)                  cpu_norm.bound_add_rms_norm (the residual add too)
               x, h = post_norm_i(x, mixer_i(h, ...))     GDN: in_proj -> GatedDeltaNet.fused_decode -> out_proj;
@@ -114,12 +114,11 @@ class Binder:
         """(h, batch, cos_sin, kv, states) -> the mixer's output rows: Gated DeltaNet's projections and fused op
         bound, any other mixer called as DecoderLayer calls it."""
         mixer, kernels = layer.mixer, self.kernels
-        params = (mixer.conv_weight, mixer.A_log, mixer.dt_bias, mixer.norm.weight) \
-            if isinstance(mixer, GatedDeltaNet) else ()
+        params, eps = mixer.fused_params() if isinstance(mixer, GatedDeltaNet) else ((), 0.0)
         fused = cpu_gdn.op_for(*params) if params and kernels.gdn_decode_op is ops.fused_gdn_decode_op else None
         if fused is not None:
-            in_proj, out_proj, fused_decode, eps = (self.linear(mixer.in_proj), self.linear(mixer.out_proj),
-                                                    mixer.fused_decode, mixer.norm.eps)
+            in_proj, out_proj, fused_decode = (self.linear(mixer.in_proj), self.linear(mixer.out_proj),
+                                               mixer.fused_decode)
             return lambda h, batch, cos_sin, kv, states: out_proj(
                 fused_decode(fused, in_proj(h), batch, states, params, eps))
         if type(mixer) is GatedAttention:
