@@ -5,7 +5,9 @@ asked for (plain, packed, gemv: cairn's own bf16 gemv kernel on the best path th
 the same without the fused Gated DeltaNet decode op, gemv-sdpa: the same with decode attention on the reference
 (SDPA over gathered pages) instead of cairn's paged op, gemv-avx512: the kernel forced onto its AVX512-BF16
 dot products where `gemv` takes AMX tiles, gemv-rowmajor: every weight as loaded, which on the AVX2 path
-is the row-major dot-product kernel `gemv` ran before its packed weights, int8), the weight bytes one decode step
+is the row-major dot-product kernel `gemv` ran before its packed weights, int8: weight-only int8 on the layout
+`auto` gives it, i.e. the int8 form of cairn's AVX2 kernel where the gemv layout takes that path, int8-aten: int8
+on ATen's `_weight_int8pack_mm` everywhere), the weight bytes one decode step
 reads, the weight-read bandwidth that achieves (bytes x steps/s), the machine's memory bandwidth
 measured in the same run (a plain `sum` over a large fp32 tensor, best of its runs), their ratio,
 the same against cairn's own streaming read of that tensor (a loop of vector loads in the gemv
@@ -108,7 +110,7 @@ def variants(layouts: list[str]) -> dict[str, dict]:
              "gemv": {"weight_layout": "gemv"}, "gemv-unfused": {"weight_layout": "gemv"},
              "gemv-avx512": {"weight_layout": "gemv"}, "gemv-rowmajor": {"weight_layout": "plain"},
              "gemv-sdpa": {"weight_layout": "gemv"},
-             "int8": {"quantization": "int8"}}
+             "int8": {"quantization": "int8"}, "int8-aten": {"quantization": "int8", "weight_layout": "plain"}}
     return {name: table[name] for name in layouts}
 
 
@@ -296,7 +298,8 @@ def main() -> None:
                     "the reference kernels instead of the fused op), gemv-sdpa (gemv with decode attention on SDPA "
                     "over gathered pages instead of cairn's paged op), gemv-avx512 (gemv on the AVX512-BF16 path, 2 "
                     "rows, F.linear above, where gemv takes AMX), gemv-rowmajor (gemv with every weight as loaded: "
-                    "on the AVX2 path the row-major kernel, not the packed blocks), int8 (quantized) or auto; "
+                    "on the AVX2 path the row-major kernel, not the packed blocks), int8 (quantized: on cairn's AVX2 "
+                    "kernel where gemv takes that path), int8-aten (quantized, on ATen's int8 kernel) or auto; "
                     "unsupported ones are skipped")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     ap.add_argument("--new-tokens", type=int, default=16, help="decode tokens timed per request")

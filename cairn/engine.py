@@ -39,7 +39,7 @@ from cairn.logits import RowContext
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
-from cairn.model.layout import apply_layout, quantize
+from cairn.model.layout import apply_layout, lay_out_int8, quantize
 from cairn.model.loader import load_checkpoint
 from cairn.ops import cuda_graphs, load_fused_cpu_ops, select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
@@ -136,8 +136,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.prefill_block, graphs)
         if self.prefill_block:
             log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
-        self.weight_layout = opts.quantization if opts.quantization != "none" else apply_layout(
-            self.model, opts.weight_layout, self.dtype, self.device)  # after the digest: packing keeps the numbers
+        lay_out = apply_layout if opts.quantization == "none" else lay_out_int8  # after the digest: packing keeps
+        self.weight_layout = lay_out(self.model, opts.weight_layout, self.dtype, self.device)  # the numbers
         load_fused_cpu_ops(self.model.kernels, self.dtype, self.device)  # built before /health answers, not mid-request
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}

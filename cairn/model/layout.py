@@ -19,9 +19,11 @@ provided the matmul kernel streams the weights at that speed. The layouts:
   (a tied lm_head, whose weight is the embedding table, and a weight its module reads itself stay as
   loaded, on the row-major kernel). Each output of the kernel is a fixed-order sum over its own row, so a
   token gets the same outputs in a decode batch of any size.
-- int8 (`--quantization int8`): weight-only, symmetric, one scale per output channel, multiplied
-  with `torch._weight_int8pack_mm` (half the bytes of bf16) up to `Int8Linear.DIRECT_ROWS` rows;
-  larger batches (prefill) convert the int8 weight to the activation dtype and scale the output.
+- int8 (`--quantization int8`): weight-only, symmetric, one scale per output channel (half the bytes of
+  bf16). Where the gemv layout would take the AVX2 path, the int8 weights are re-laid into the kernel's
+  16-row blocks and every row runs its int8 form (`lay_out_int8`); elsewhere they are multiplied with
+  `torch._weight_int8pack_mm` up to `Int8Linear.DIRECT_ROWS` rows, and larger batches (prefill) convert
+  the int8 weight to the activation dtype and scale the output.
 
 `auto` picks gemv for bf16 weights where the kernel builds on a CPU with AMX-BF16 or AVX512-BF16, or
 with AVX2 + FMA where oneDNN has no bf16 matmul (CPUs without AVX-512: most AMD before Zen 4, many
@@ -132,11 +134,7 @@ class GemvLinear(nn.Module):
             return F.linear(x, self.weight)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        if rows.shape[0] <= self.direct_rows:
-            y = self.kernel(rows, self.weight)
-        else:  # a prefill on the AVX2 path: the kernel, MAX_ROWS rows at a time
-            step = cpu_gemv.MAX_ROWS
-            y = torch.cat([self.kernel(rows[i:i + step], self.weight) for i in range(0, rows.shape[0], step)])
+        y = _in_slices(lambda r: self.kernel(r, self.weight), rows)  # above direct_rows: a prefill on the AVX2 path
         return y.view(*x.shape[:-1], self.out_features)
 
     def decode_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -152,12 +150,7 @@ class GemvLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        step = cpu_gemv.MAX_ROWS  # a prefill in slices: a slice's x, widened to fp32, stays in L2
-        if rows.shape[0] <= step:
-            y = self.kernel.packed(rows, self.packed, self.out_features)
-        else:
-            y = torch.cat([self.kernel.packed(rows[i:i + step], self.packed, self.out_features)
-                           for i in range(0, rows.shape[0], step)])
+        y = _in_slices(lambda r: self.kernel.packed(r, self.packed, self.out_features), rows)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -166,9 +159,15 @@ class Int8Linear(nn.Module):
 
     The scales are kept in the activation dtype and chosen representable in it (rounded up), so the
     only error is the rounding of q. Both are parameters, so the cache's weight digest covers them.
+
+    Multiplied by ATen's `torch._weight_int8pack_mm` up to DIRECT_ROWS rows, above by converting q to the
+    activation dtype and scaling the output; or, once `lay_out` gave it the AVX2 gemv kernel (bf16 on a CPU
+    where `choose_layout` takes that path), by the kernel's int8 form at every row count, MAX_ROWS rows at a
+    time, on q re-laid into its packed blocks (`cpu_gemv.pack_int8`, replacing the parameter): each output one
+    sequential fp32 sum over k times its scale, the same bits in a prefill, alone or in a batch.
     """
 
-    DIRECT_ROWS = 4  # up to this many rows, the fused int8 kernel; above, convert and multiply
+    DIRECT_ROWS = 4  # up to this many rows, ATen's fused int8 kernel; above, convert and multiply
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -181,24 +180,47 @@ class Int8Linear(nn.Module):
         q = torch.round(w / scale_t.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.scales = nn.Parameter(scale_t, requires_grad=False)
+        self.kernel: cpu_gemv.GemvKernel | None = None
+
+    def lay_out(self, kernel: cpu_gemv.GemvKernel) -> None:
+        """Multiply on the AVX2 gemv kernel (`kernel.packs`) from now on: q re-laid into its int8 blocks."""
+        self.register_buffer("packed", cpu_gemv.pack_int8(self.weight), persistent=False)
+        del self.weight
+        self.kernel = kernel
 
     @property
     def direct_rows(self) -> int:
-        return self.DIRECT_ROWS
+        return cpu_gemv.MAX_ROWS if self.kernel is not None else self.DIRECT_ROWS
 
     def decode_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """forward's fused-kernel path as one pre-bound call, for a decode plan (cairn/model/decode_plan.py): x [n, K]
         with n <= direct_rows and contiguous rows -> [n, N]; the same kernel call as forward's."""
-        weight, scales = self.weight, self.scales
+        scales = self.scales
+        if self.kernel is not None:
+            gemv, packed, n = self.kernel.library.gemv_int8_packed, self.packed, self.out_features
+            return lambda x: gemv(x, packed, scales, n, 0, 0)
+        weight = self.weight
         return lambda x: torch._weight_int8pack_mm(x, weight, scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= self.DIRECT_ROWS:
+        if self.kernel is not None:
+            y = _in_slices(lambda r: self.kernel.packed_int8(r, self.packed, self.scales, self.out_features),
+                           rows if rows.stride(-1) == 1 else rows.contiguous())
+        elif rows.shape[0] <= self.DIRECT_ROWS:
             y = torch._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales)
         else:
             y = F.linear(rows, self.weight.to(x.dtype)) * self.scales
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def _in_slices(call: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """call(rows) cpu_gemv.MAX_ROWS rows at a time (a prefill on the AVX2 kernel: a slice's x, widened to fp32,
+    stays in L2)."""
+    step = cpu_gemv.MAX_ROWS
+    if rows.shape[0] <= step:
+        return call(rows)
+    return torch.cat([call(rows[i:i + step]) for i in range(0, rows.shape[0], step)])
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -297,6 +319,29 @@ def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: t
         "weight layout: %s (%s, %s%s; --weight-layout %s)%s%s", layout, dtype, device.type,
         f" with {flags}" if flags else "", requested, done, why)
     return layout
+
+
+def lay_out_int8(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device,
+                 cpu_flags: set[str] | None = None, build_dir: str | None = None) -> str:
+    """The layout of a model `quantize` made int8: where `choose_layout` takes the AVX2 gemv path (bf16, a CPU
+    without AVX512-BF16 whose F.linear has no oneDNN bf16, or `--weight-layout gemv` asked), its linears move
+    to the kernel's int8 form (`Int8Linear.lay_out`); elsewhere they stay on ATen's int8 kernel. Returns "int8"
+    and logs the choice in one line."""
+    layout, kernel, not_gemv = choose_layout(requested, dtype, device, cpu_flags, build_dir)
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if kernel is not None and kernel.packs:
+        for m in linears:
+            m.lay_out(kernel)
+        mb = sum(m.packed.numel() for m in linears) / 1e6
+        how = (f"cairn's avx2 gemv (its int8 form) at every row count, re-laid into 16-row blocks ({mb:.1f} MB, "
+               f"replacing the loaded weights)")
+    else:
+        why = not_gemv or (f"the {kernel.isa} gemv has no int8 form" if kernel
+                           else f"--weight-layout {requested} gives {layout} here")
+        how = f"torch._weight_int8pack_mm up to {Int8Linear.DIRECT_ROWS} rows, F.linear above (not cairn's gemv: {why})"
+    log.info("weight layout: int8 (%s, %s; --weight-layout %s), %d int8 linear layers on %s", dtype, device.type,
+             requested, len(linears), how)
+    return "int8"
 
 
 def _gemv_done(model: nn.Module, n: int, kernel: cpu_gemv.GemvKernel) -> str:

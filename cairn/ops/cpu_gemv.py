@@ -24,7 +24,11 @@ instruction paths, the best the CPU has chosen once when the library loads:
   thread. Where it runs (CPUs without AVX-512), F.linear's bf16 is ATen's fallback GEMM, and the kernel
   takes every row: decode batches and a prefill. The row-major dot-product kernel of the earlier AVX2
   path (x widened to fp32 once per call, 8 weight rows side by side at one row of x, 4 at two, 2 in
-  passes of up to four above) stays for a weight the layout does not re-lay (a tied lm_head).
+  passes of up to four above) stays for a weight the layout does not re-lay (a tied lm_head). The same
+  walk and tiles take an int8 weight (`--quantization int8`): `pack_int8` lays q [N, K] into the same
+  blocks, 16 bytes per k in output order, each half sign-extended and converted to fp32 in registers
+  (`gemv_int8_packed`, `GemvKernel.packed_int8`); an output's exact int8 x bf16 products sum in one fp32
+  chain over k, times its row's scale, rounded to bf16 once. Half the bytes of bf16 to stream at one row.
 
 Rows of W are split between the torch threads (`at::parallel_for`, ATen's OpenMP pool; on the AMX path
 each thread takes the next blocks of 32 rows from a shared counter until none is left). Each output is
@@ -52,8 +56,8 @@ from cairn.ops.cpu_gemv_avx2 import AVX2_SOURCE
 
 MAX_ROWS = 16  # rows of x the kernel takes; more is a GEMM's job
 PACK_BLOCK = 16  # output rows per block of the AVX2 path's packed weight (`pack`)
-NAME = "cairn_cpu_gemv6"  # torch caches builds by name: a new kernel source gets a new name
-FUNCTIONS = ["gemv", "gemv_packed", "best_isa", "stream_read"]  # what the library exports
+NAME = "cairn_cpu_gemv7"  # torch caches builds by name: a new kernel source gets a new name
+FUNCTIONS = ["gemv", "gemv_packed", "gemv_int8_packed", "best_isa", "stream_read"]  # what the library exports
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -216,32 +220,35 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::st
   });
   return y;
 }
-// y [M, n] = x [M, K] against the packed weight [ceil(n / 16), K, 16]; any number of rows of x.
-// `nb` / `mt` force a tile (0: packed_plan's), for the benchmark that picks them.
-torch::Tensor gemv_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t nb, int64_t mt) {
-  TORCH_CHECK(has_avx2(), "gemv_packed: this CPU lacks avx2");
+// y [M, n] = x [M, K] against a packed weight [ceil(n / 16), K, 16] of format F (times its output rows' scales
+// where `scales` is given); any number of rows of x. `nb` / `mt` force a tile (0: packed_plan's), for the
+// benchmark that picks them.
+template <class F>
+torch::Tensor packed_walk(const char* name, const torch::Tensor& x, const torch::Tensor& packed, at::ScalarType wtype,
+                          const c10::BFloat16* scales, int64_t n, int64_t nb, int64_t mt) {
+  TORCH_CHECK(has_avx2(), name, ": this CPU lacks avx2");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kBlock && x.size(1) == packed.size(1),
-              "gemv_packed: x [M, K] and a packed weight [blocks, K, 16]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "gemv_packed: bf16 only");
-  TORCH_CHECK(x.stride(1) == 1 && packed.is_contiguous(), "gemv_packed: rows of x and the packed weight contiguous");
-  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock,
-              "gemv_packed: n does not fit the blocks");
+              name, ": x [M, K] and a packed weight [blocks, K, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == wtype, name, ": x bf16, the weight ", wtype);
+  TORCH_CHECK(x.stride(1) == 1 && packed.is_contiguous(), name, ": rows of x and the packed weight contiguous");
+  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, name, ": n does not fit the blocks");
   const int64_t m_rows = x.size(0), k = x.size(1), blocks = packed.size(0);
   auto y = torch::empty({m_rows, n}, x.options());
   if (m_rows == 0 || n == 0) return y;
   auto [plan_nb, plan_mt] = packed_plan(m_rows);
   if (nb > 0 && mt > 0) {
-    TORCH_CHECK(packed_tile_for(int(nb), int(mt)) != nullptr, "gemv_packed: no tile ", nb, " x ", mt);
+    TORCH_CHECK(packed_tile_for<F>(int(nb), int(mt)) != nullptr, name, ": no tile ", nb, " x ", mt);
     plan_nb = int(nb);
     plan_mt = int(mt);
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const auto* wp = static_cast<const typename F::T*>(packed.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();
   std::vector<float> xt(std::max<int64_t>(1, m_rows * k));
   widen_transposed(xp, x.stride(0), m_rows, k, xt.data());
   const int64_t block_stride = k * kBlock, units = (blocks + plan_nb - 1) / plan_nb;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, block_stride * plan_nb * 2));
+  const int64_t grain = std::max<int64_t>(
+      1, (int64_t(1) << 16) / std::max<int64_t>(1, block_stride * plan_nb * int64_t(sizeof(typename F::T))));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b0 = u * plan_nb, here = std::min<int64_t>(plan_nb, blocks - b0);
@@ -251,13 +258,26 @@ torch::Tensor gemv_packed(const torch::Tensor& x, const torch::Tensor& packed, i
         const int64_t valid = std::min<int64_t>(n - b * kBlock, width * kBlock);
         for (int64_t m0 = 0; m0 < m_rows; m0 += plan_mt) {
           const int mm = int(std::min<int64_t>(plan_mt, m_rows - m0));
-          packed_tile_for(width, mm)(wp + b * block_stride, block_stride, k, xt.data() + m0, m_rows,
-                                     yp + m0 * n + b * kBlock, n, valid);
+          packed_tile_for<F>(width, mm)(wp + b * block_stride, block_stride, k, xt.data() + m0, m_rows,
+                                        scales ? scales + b * kBlock : nullptr, yp + m0 * n + b * kBlock, n, valid);
         }
       }
     }
   });
   return y;
+}
+
+torch::Tensor gemv_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t nb, int64_t mt) {
+  return packed_walk<Bf16Block>("gemv_packed", x, packed, at::kBFloat16, nullptr, n, nb, mt);
+}
+
+// The int8 weight-only form: `pack_int8` of q [n, K] int8, y = (x q^T) * scales, scales [n] bf16, each output's
+// sum one sequential fp32 chain over k as in gemv_packed, times its scale, rounded to bf16 once.
+torch::Tensor gemv_int8_packed(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                               int64_t n, int64_t nb, int64_t mt) {
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.is_contiguous() &&
+              scales.scalar_type() == at::kBFloat16, "gemv_int8_packed: scales [n] bf16, contiguous");
+  return packed_walk<Int8Block>("gemv_int8_packed", x, packed, at::kChar, scales.data_ptr<at::BFloat16>(), n, nb, mt);
 }
 
 """
@@ -306,6 +326,13 @@ class GemvKernel:
         nb, mt = tile or (0, 0)
         return self.library.gemv_packed(x, packed, n, nb, mt)
 
+    def packed_int8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int,
+                    tile: tuple[int, int] | None = None) -> torch.Tensor:
+        """x [M, K] bf16 (rows contiguous, any M) against `pack_int8(q)` of an int8 weight q [n, K], times the
+        output rows' bf16 scales [n] -> [M, n] bf16. `tile` as in `packed`."""
+        nb, mt = tile or (0, 0)
+        return self.library.gemv_int8_packed(x, packed, scales, n, nb, mt)
+
     def stream_read(self, buf: torch.Tensor) -> int:
         """Read every whole 64-byte line of `buf` (contiguous) once with vector loads, on the torch
         threads; returns a checksum. The benchmarks' second memory-bandwidth figure, beside `sum`."""
@@ -323,6 +350,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if blocks * PACK_BLOCK != n:
         w = torch.nn.functional.pad(w, (0, 0, 0, blocks * PACK_BLOCK - n))
     return w.reshape(blocks, 2, PACK_BLOCK // 2, k).permute(0, 3, 2, 1).contiguous().view(blocks, k, PACK_BLOCK)
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """The AVX2 path's layout of an int8 weight [N, K]: [ceil(N / 16), K, 16], block b holding for each k the
+    weights of outputs 16b..16b+15 in that order; rows past N are zeros. One new tensor."""
+    n, k = q.shape
+    blocks = -(-n // PACK_BLOCK)
+    q = q.detach()
+    if blocks * PACK_BLOCK != n:
+        q = torch.nn.functional.pad(q, (0, 0, 0, blocks * PACK_BLOCK - n))
+    return q.reshape(blocks, PACK_BLOCK, k).transpose(1, 2).contiguous()
 
 
 def cpu_flags() -> set[str]:

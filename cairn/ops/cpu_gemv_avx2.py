@@ -211,31 +211,52 @@ torch::Tensor gemv_avx2(const torch::Tensor& x, const torch::Tensor& w) {
 constexpr int64_t kBlock = 16;
 constexpr int64_t kPrefetchPacked = 512;
 
+// The packed formats: how one k's 16 weights of a block load and widen into two fp32 vectors, `lo` for the
+// block's outputs 0..7 and `hi` for 8..15. bf16 (`pack`): 32 bytes, output i at element 2i and 8 + i at 2i + 1,
+// split by one shift and one mask. int8 (`pack_int8`): 16 bytes in output order, each half sign-extended and
+// converted (the product of an int8 and a bf16 x is exact in fp32, so the FMA rounds only the sum).
+struct Bf16Block {
+  using T = uint16_t;
+  static constexpr int kPerLine = 2;  // k per 64-byte line of a block: one prefetch per line
+  __attribute__((target("avx2,fma"))) static inline void widen(const T* p, __m256& lo, __m256& hi) {
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xffff0000u))));
+  }
+};
+
+struct Int8Block {
+  using T = int8_t;
+  static constexpr int kPerLine = 4;
+  __attribute__((target("avx2,fma"))) static inline void widen(const T* p, __m256& lo, __m256& hi) {
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  }
+};
+
 // NB blocks (starting at w, block_stride apart) against MT rows of x, as xt holds them: x transposed to fp32
 // [K, xt_stride] (the tile's MT values of one k side by side, so their broadcasts share one address), into
 // out[m][16b + i] in fp32. `no-ivopts` and `noinline`: with GCC's induction-variable pass, or inlined into the
 // caller that rounds the outputs, every accumulator was also stored to the stack at every k (GCC 12, -O3).
-template <int NB, int MT>
+template <class F, int NB, int MT>
 __attribute__((target("avx2,fma"), optimize("no-ivopts"), noinline))
-void packed_sums(const uint16_t* w, int64_t block_stride, int64_t k, const float* xt, int64_t xt_stride,
+void packed_sums(const typename F::T* w, int64_t block_stride, int64_t k, const float* xt, int64_t xt_stride,
                  float (&out)[MT][NB * kBlock]) {
   __m256 acc[NB][MT][2];
   for (int b = 0; b < NB; ++b)
     for (int m = 0; m < MT; ++m) acc[b][m][0] = acc[b][m][1] = _mm256_setzero_ps();
-  const __m256i odd_mask = _mm256_set1_epi32(int(0xffff0000u));
   for (int64_t j = 0; j < k; ++j) {
-    if ((j & 1) == 0)  // two k per 64-byte line of each block: one prefetch per line
+    if (j % F::kPerLine == 0)
       for (int b = 0; b < NB; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(w + b * block_stride + j * kBlock) + kPrefetchPacked, _MM_HINT_T0);
     const float* xj = xt + j * xt_stride;
     for (int b = 0; b < NB; ++b) {
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * block_stride + j * kBlock));
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, odd_mask));
+      __m256 lo, hi;
+      F::widen(w + b * block_stride + j * kBlock, lo, hi);
       for (int m = 0; m < MT; ++m) {
         const __m256 xb = _mm256_broadcast_ss(xj + m);
-        acc[b][m][0] = _mm256_fmadd_ps(even, xb, acc[b][m][0]);
-        acc[b][m][1] = _mm256_fmadd_ps(odd, xb, acc[b][m][1]);
+        acc[b][m][0] = _mm256_fmadd_ps(lo, xb, acc[b][m][0]);
+        acc[b][m][1] = _mm256_fmadd_ps(hi, xb, acc[b][m][1]);
       }
     }
   }
@@ -246,27 +267,33 @@ void packed_sums(const uint16_t* w, int64_t block_stride, int64_t k, const float
     }
 }
 
-// packed_sums, then the first `valid` outputs of each row rounded to bf16 into y (row stride y_stride).
-template <int NB, int MT>
-void packed_tile(const uint16_t* w, int64_t block_stride, int64_t k, const float* xt, int64_t xt_stride,
-                 c10::BFloat16* y, int64_t y_stride, int64_t valid) {
+// packed_sums, then the first `valid` outputs of each row rounded to bf16 into y (row stride y_stride), each
+// multiplied first by its scale in fp32 where `scales` is given (int8: the output rows' scales from the tile's
+// first one on).
+template <class F, int NB, int MT>
+void packed_tile(const typename F::T* w, int64_t block_stride, int64_t k, const float* xt, int64_t xt_stride,
+                 const c10::BFloat16* scales, c10::BFloat16* y, int64_t y_stride, int64_t valid) {
   float out[MT][NB * kBlock];
-  packed_sums<NB, MT>(w, block_stride, k, xt, xt_stride, out);
+  packed_sums<F, NB, MT>(w, block_stride, k, xt, xt_stride, out);
   for (int m = 0; m < MT; ++m)
-    for (int64_t i = 0; i < valid; ++i) y[m * y_stride + i] = c10::BFloat16(out[m][i]);
+    for (int64_t i = 0; i < valid; ++i)
+      y[m * y_stride + i] = c10::BFloat16(scales ? out[m][i] * float(scales[i]) : out[m][i]);
 }
 
-using PackedTile = void (*)(const uint16_t*, int64_t, int64_t, const float*, int64_t, c10::BFloat16*, int64_t, int64_t);
+template <class F>
+using PackedTile = void (*)(const typename F::T*, int64_t, int64_t, const float*, int64_t, const c10::BFloat16*,
+                            c10::BFloat16*, int64_t, int64_t);
 
-// packed_tile<NB, MT> by [NB][MT] (nullptr where NB * MT > 6, but NB = 4 at MT = 1).
-PackedTile packed_tile_for(int nb, int mt) {
-  static const PackedTile table[5][7] = {
+// packed_tile<F, NB, MT> by [NB][MT] (nullptr where NB * MT > 6, but NB = 4 at MT = 1).
+template <class F>
+PackedTile<F> packed_tile_for(int nb, int mt) {
+  static const PackedTile<F> table[5][7] = {
       {},
-      {nullptr, packed_tile<1, 1>, packed_tile<1, 2>, packed_tile<1, 3>, packed_tile<1, 4>, packed_tile<1, 5>,
-       packed_tile<1, 6>},
-      {nullptr, packed_tile<2, 1>, packed_tile<2, 2>, packed_tile<2, 3>},
-      {nullptr, packed_tile<3, 1>, packed_tile<3, 2>},
-      {nullptr, packed_tile<4, 1>}};
+      {nullptr, packed_tile<F, 1, 1>, packed_tile<F, 1, 2>, packed_tile<F, 1, 3>, packed_tile<F, 1, 4>,
+       packed_tile<F, 1, 5>, packed_tile<F, 1, 6>},
+      {nullptr, packed_tile<F, 2, 1>, packed_tile<F, 2, 2>, packed_tile<F, 2, 3>},
+      {nullptr, packed_tile<F, 3, 1>, packed_tile<F, 3, 2>},
+      {nullptr, packed_tile<F, 4, 1>}};
   return nb >= 1 && nb <= 4 && mt >= 1 && mt <= 6 ? table[nb][mt] : nullptr;
 }
 
