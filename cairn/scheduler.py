@@ -11,7 +11,9 @@ Each step (`schedule`) picks, in order:
 3. waiting sequences, first come first served, while the budget, a working state slot and KV pages
    for the whole remaining prompt are available. The prefix cache plans each admission (where to
    resume, which snapshots to take) and may evict to make room; it returns an `Admission`, which the
-   scheduler applies to the sequence.
+   scheduler applies to the sequence. A resume that does not fit while nothing runs never will (nothing
+   is left to free but the cached path it holds): the sequence is admitted from position 0 instead,
+   without the cache (a prompt within a few pages of the pool's size).
 Then it asks the cache where each prefill chunk saves its state mid-chunk (the batch's captures).
 
 After the runner computed the batch, `after_step` applies it: computed counts, the cache told (it
@@ -159,7 +161,7 @@ class Scheduler:
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             try:
-                admitted = self._admit(seq)
+                admitted = self._admit(seq) or (not self.running and self._admit_from_the_start(seq))
             except Exception as e:
                 raise SequenceFailed(seq) from e
             if not admitted:
@@ -199,15 +201,15 @@ class Scheduler:
             end = end // self.prefill_block * self.prefill_block
         return max(0, end - seq.num_computed)
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Give `seq` a slot and pages for all its tokens, resuming from the cache where it can."""
+    def _admit(self, seq: Sequence, resume: bool = True) -> bool:
+        """Give `seq` a slot and pages for all its tokens, resuming from the cache where it can (`resume`)."""
         if self.states.num_free == 0:
             return False
         seq.state_slot = self.states.alloc()
         try:
             admission = self.cache.admit(CacheRequest(
                 seq.token_ids, seq.state_slot, message_starts=seq.message_starts,
-                user_message_starts=seq.user_message_starts, cache_prompt=seq.params.cache_prompt))
+                user_message_starts=seq.user_message_starts, cache_prompt=seq.params.cache_prompt and resume))
             if admission is not None:
                 self._apply(seq, admission)
             admitted = admission is not None and self._grow(seq, seq.num_tokens)
@@ -219,6 +221,19 @@ class Scheduler:
             return False
         seq.status = Status.RUNNING
         self.running.append(seq)
+        return True
+
+    def _admit_from_the_start(self, seq: Sequence) -> bool:
+        """Nothing runs and seq's resume did not fit: the cached path it matched, held for the resume, is all
+        that stood in its way (check_fits let the prompt in, so the empty pool holds it). Admit it from
+        position 0 without the cache, which leaves every cached page free to evict; RequestTooLarge if even
+        that does not fit, since nothing would ever change."""
+        if not self._admit(seq, resume=False):
+            raise RequestTooLarge(f"{seq.request_id}: {seq.num_tokens} tokens do not fit the KV pool and a "
+                                  f"working state slot even with nothing else running")
+        seq.cache.miss_reason = "pool_full"
+        log.info("%s: resuming its %d tokens did not fit the KV pool beside the cached pages it matched; "
+                 "prefilled from the start, without the prefix cache", seq.request_id, seq.num_tokens)
         return True
 
     @staticmethod
