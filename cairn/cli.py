@@ -3,7 +3,8 @@
 `cairn.flags` turns each field of an option group into a flag (`kv_cache_gib` -> `--kv-cache-gib`).
 Subcommands: `generate` (one prompt or a chat, prints text and timing) and the others registered in
 COMMANDS. `--log-level` / `--log-format` go before or after the subcommand. A user's mistake
-(cairn.preflight.UserError: a missing or unsupported --model, a port in use, bad --messages; and
+(cairn.preflight.UserError: a missing or unsupported --model, a port in use, --messages the HTTP server
+would refuse (e.g. an unknown role), a sampling flag out of range (--max-tokens 0); and
 cairn.config.ConfigError: a flag's value out of range, e.g. --port 70000 or --max-num-seqs 0) is
 printed as one line, exit status 2, without a traceback.
 """
@@ -22,6 +23,9 @@ from cairn.config import ConfigError
 from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.logs import LOG_FORMATS, setup_logging
 from cairn.preflight import UserError, check_model, check_port
+
+if typing.TYPE_CHECKING:
+    from cairn.sampling import SamplingParams
 
 # ---- generate ---------------------------------------------------------------------------------------
 
@@ -51,16 +55,48 @@ def _parse_messages(text: str | None) -> list[dict] | None:
     return messages
 
 
+def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as SamplingParams; a value out of its range (SamplingError, whose message starts
+    with the field's name) is a UserError naming the flag."""
+    from cairn.errors import SamplingError
+    from cairn.sampling import SamplingParams  # imports torch
+
+    try:
+        return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                              min_p=ns.min_p, seed=ns.sampling_seed, stop=tuple(ns.stop))
+    except SamplingError as e:
+        field, _, rest = str(e).partition(" ")
+        raise UserError(f"--{field.replace('_', '-')} {rest}") from None
+
+
+def _checked_messages(messages: list[dict] | None) -> list[dict] | None:
+    """--messages checked as the HTTP server checks a chat request's (cairn.server.protocol.ChatMessage: its
+    roles, fields and their types) and made into what the chat template takes, as the server makes them."""
+    if messages is None:
+        return None
+    from pydantic import TypeAdapter, ValidationError
+
+    from cairn.server.errors import APIError, from_validation_errors
+    from cairn.server.protocol import ChatMessage, template_message  # imports torch
+
+    try:
+        checked = TypeAdapter(list[ChatMessage]).validate_python(messages)
+        return [template_message(i, m) for i, m in enumerate(checked)]
+    except ValidationError as e:  # e.g. --messages.0.role: Input should be 'system', 'user', 'assistant' or 'tool'
+        errors = [{**error, "loc": ("--messages", *error["loc"])} for error in e.errors(include_url=False)]
+        raise UserError(from_validation_errors(errors).message) from None
+    except APIError as e:
+        raise UserError(f"--{e.param or 'messages'}: {e.message}") from None
+
+
 def run_generate(ns: argparse.Namespace) -> int:
     if not ns.prompt and not ns.messages:
         raise UserError("give a prompt or --messages")
     messages = _parse_messages(ns.messages)
     check_model(ns.model)
     from cairn.engine import Engine  # imports torch: after the one-line checks
-    from cairn.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                            min_p=ns.min_p, seed=ns.sampling_seed, stop=tuple(ns.stop))
+    params, messages = _sampling_params(ns), _checked_messages(messages)  # refused before the model loads
     t0 = time.perf_counter()
     engine = Engine(config_from_args(ns))
     t_load = time.perf_counter() - t0

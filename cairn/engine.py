@@ -191,9 +191,18 @@ class Engine:
         return kv, states
 
     def _max_model_len(self, reserved_pages: int = 0) -> int:
+        """The longest prompt + output: --max-model-len, at most what the model and the KV pool (less the
+        pages reserved, or `reserved_pages` a caller is about to reserve) hold. The engine's own call (without
+        `reserved_pages`) warns, once, when that cuts the asked length."""
         usable = self.kv.num_pages - max(reserved_pages, len(self.kv.allocator.reserved))
-        limit = min(self.model_config.max_position_embeddings, usable * self.kv.page_size)
+        model_len, pool_len = self.model_config.max_position_embeddings, usable * self.kv.page_size
+        limit = min(model_len, pool_len)
         asked = self.config.scheduler.max_model_len
+        if asked and asked > limit and not reserved_pages:
+            why = (f"the model's max_position_embeddings is {model_len}" if model_len <= pool_len else
+                   f"the KV pool holds no more ({usable} pages of {self.kv.page_size} tokens); raise --kv-cache-gib "
+                   "for a longer context")
+            log.warning("--max-model-len %d cut to %d tokens: %s", asked, limit, why)
         return min(asked, limit) if asked else limit
 
     # ---- requests ---------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 not an object, no weights, no tokenizer), an address that cannot be listened on, `cairn generate`
 without a prompt or with --messages that are not a list, an empty --api-key, a --state-cache-gib too
 small for one state slot. Each is a real `python -m cairn.cli` process, checked as the user sees it:
-exit status 2 and one line naming what is wrong, no traceback.
+exit status 2 and one line naming what is wrong, no traceback. `cairn generate` with a sampling flag out
+of range or --messages the HTTP server refuses runs in-process, with an engine that fails if it is built:
+the refusal comes before the model loads.
 """
 
 from __future__ import annotations
@@ -97,3 +99,40 @@ def test_empty_api_key_is_one_line():
 def test_state_cache_too_small_for_one_slot_is_one_line():
     out = cairn("serve", "--log-level", "WARNING", "--port", "0", "--state-cache-gib", "1e-9")
     assert_one_line_error(out, "--state-cache-gib 1e-09 holds no state slot")
+
+
+def generate_refused_before_the_model_loads(monkeypatch, capsys, *args: str) -> str:
+    """`cairn generate ARGS` in-process: its one-line refusal (exit status 2), made before the engine is built."""
+    import cairn.engine
+    from cairn.cli import main
+
+    def no_engine(*_, **__):
+        raise AssertionError("the engine was built: the refusal came after the model loaded")
+
+    monkeypatch.setattr(cairn.engine, "Engine", no_engine)
+    status = main(["generate", *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("cairn generate: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["x", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["x", "--stop", ""], "--stop must be at most 16 non-empty strings"),
+    (["x", "--temperature", "-1"], "--temperature must be in [0, 100]"),
+    (["x", "--top-p", "0"], "--top-p must be in (0, 1]"),
+])
+def test_generate_sampling_flag_out_of_range_is_one_line_naming_the_flag_before_the_model_loads(
+        monkeypatch, capsys, args, says):
+    assert says in generate_refused_before_the_model_loads(monkeypatch, capsys, *args)
+
+
+@pytest.mark.parametrize("messages, says", [
+    ([{"role": "wizard", "content": "x"}], "--messages.0.role: Input should be 'system', 'user', 'assistant' or "
+                                            "'tool'"),
+    ([{"role": "user", "content": "x", "colour": "red"}], "unknown field `--messages.0.colour`"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "content part of type 'image_url' is not supported"),
+])
+def test_generate_refuses_the_messages_the_http_server_refuses(monkeypatch, capsys, messages, says):
+    line = generate_refused_before_the_model_loads(monkeypatch, capsys, "--messages", json.dumps(messages))
+    assert says in line, line

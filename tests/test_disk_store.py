@@ -1,10 +1,12 @@
 """The disk segment store: put/get, restart scan, exact LRU eviction within budget, pins, the lock,
-permissions, counters, and the `cairn cache ls|verify|purge` helpers."""
+permissions, counters, the start-up warning for a budget beyond the free space, and the `cairn cache
+ls|verify|purge` helpers."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -266,6 +268,35 @@ def test_each_fault_reason_is_logged_once_and_counted_every_time(root, caplog):
             assert not store.put(make_segment(i))
     assert store.faults == {"too_large": 3}
     assert sum("too_large" in r.getMessage() for r in caplog.records) == 1
+
+
+def free_space(monkeypatch, free_bytes: int) -> None:
+    """The filesystem under the store reports `free_bytes` free (shutil.disk_usage's answer)."""
+    usage = shutil.disk_usage(Path.cwd())
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free_bytes))
+
+
+def test_a_budget_larger_than_the_free_space_is_one_start_up_warning_and_the_store_keeps_serving(
+        root, monkeypatch, caplog):
+    free_space(monkeypatch, 2 * 2**20)
+    with caplog.at_level(logging.WARNING), DiskStore(root, DIGEST, 16 * 2**30) as store:
+        (warning,) = [r.getMessage() for r in caplog.records if "free on its filesystem" in r.getMessage()]
+        assert "budget of 16.0 GiB exceeds the 2.0 MiB free" in warning and str(root) in warning
+        assert "writes beyond the free space will fail and be counted, and the cache keeps serving" in warning
+        seg = make_segment(1)
+        assert store.put(seg) and store.get(seg.key) == seg
+
+
+def test_a_budget_the_free_space_and_the_stored_segments_cover_is_not_warned(root, monkeypatch, caplog):
+    segs = equal_sized_segments(2)
+    size = file_bytes(segs[0])
+    with DiskStore(root, DIGEST, 2 * size) as store:
+        for seg in segs:
+            store.put(seg)
+    free_space(monkeypatch, size)
+    with caplog.at_level(logging.WARNING), DiskStore(root, DIGEST, 3 * size) as store:
+        assert len(store) == 2
+    assert not [r for r in caplog.records if "free on its filesystem" in r.getMessage()]
 
 
 def test_list_verify_and_purge_touch_only_our_files(root):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from cairn.cache.base import Admission, CacheRequest, NullCache
@@ -78,6 +80,36 @@ def test_a_request_that_can_never_fit_is_refused_with_a_clear_error():
     with pytest.raises(RequestTooLarge, match="empty"):
         llm.engine.add_request([], GREEDY)
     assert llm.generate(list(range(20)), GREEDY)[0].finish_reason == "length"  # and the engine still serves
+
+
+def context_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "--max-model-len" in r.getMessage()]
+
+
+def test_a_max_model_len_the_kv_pool_cannot_hold_is_cut_to_the_pool_with_one_warning_naming_the_flag(caplog):
+    with caplog.at_level(logging.WARNING):
+        engine = make_llm(kv_cache_gib=0.01, max_model_len=100_000).engine
+    assert engine.max_model_len == engine.kv.num_pages * engine.kv.page_size < 100_000
+    (warning,) = context_warnings(caplog)
+    assert f"--max-model-len 100000 cut to {engine.max_model_len} tokens: the KV pool holds no more" in warning
+    assert "raise --kv-cache-gib" in warning
+
+
+def test_a_max_model_len_past_the_models_own_limit_is_cut_to_it_with_one_warning(caplog):
+    limit = make_llm().engine.model_config.max_position_embeddings
+    with caplog.at_level(logging.WARNING):  # a KV pool that holds more than the model's limit
+        engine = make_llm(kv_cache_gib=0.13, max_num_seqs=1, max_model_len=limit + 1).engine
+    assert engine.kv.num_pages * engine.kv.page_size > limit == engine.max_model_len
+    assert context_warnings(caplog) == [f"--max-model-len {limit + 1} cut to {limit} tokens: the model's "
+                                        f"max_position_embeddings is {limit}"]
+
+
+def test_a_max_model_len_that_fits_or_none_asked_is_used_without_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert make_llm(max_model_len=64).engine.max_model_len == 64
+        make_llm()
+    assert context_warnings(caplog) == []
 
 
 def test_admission_waits_for_free_kv_pages_and_everyone_finishes():

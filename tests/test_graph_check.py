@@ -9,6 +9,7 @@ context lengths built from the host list, a host int of the capture step baked i
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -163,6 +164,17 @@ def test_the_demo_decodes_through_the_stand_in_and_reserves_its_scratch():
     assert eng.max_model_len == 64 and graphs.width == 16
     eng.check_integrity()
     assert eng.pool_use()["working_slots_use"] == 0
+
+
+def test_a_max_model_len_cut_to_the_kv_pool_is_warned_once_with_the_graph_path_on(caplog):
+    cfg = config_with_overrides(EngineConfig(), device="cpu", kv_cache_gib=0.01, state_cache_gib=0.05, max_num_seqs=4,
+                                page_size=4, max_model_len=100_000, prefix_cache=False)
+    with caplog.at_level(logging.WARNING):
+        eng = Engine(cfg, show_progress=False, graph_backend=CheckingGraphBackend())
+    warnings = [r.getMessage() for r in caplog.records if "--max-model-len" in r.getMessage()]
+    assert warnings == [f"--max-model-len 100000 cut to {eng.max_model_len} tokens: the KV pool holds no more "
+                        f"({eng.kv.num_pages - 1} pages of 4 tokens); raise --kv-cache-gib for a longer context"]
+    assert eng.max_model_len == (eng.kv.num_pages - 1) * 4 == eng.runner.graphs.width * 4  # less the scratch page
 
 
 def failure_of(eng: Engine) -> BaseException:

@@ -21,7 +21,8 @@ import httpx
 from cairn.cache.disk.index import RESCAN_INTERVAL_S
 from tests.server_process import REPO_ROOT, start_server
 
-FLAGS = ("--snapshot-interval", "64", "--page-size", "8", "--max-num-seqs", "2", "--device-snapshot-gib", "0.002")
+FLAGS = ("--snapshot-interval", "64", "--page-size", "8", "--max-num-seqs", "2", "--device-snapshot-gib", "0.002",
+         "--disk-cache-gib", "0.25")  # a budget any test machine has room for: no free-space warning
 TOPICS = ("dusk", "dawn", "noon", "night")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import stat
 import threading
 import time
@@ -135,6 +136,8 @@ class DiskStore(Pins):
         except BaseException:
             self.close()
             raise
+        if not self.readonly:
+            self._warn_if_budget_exceeds_free_space()
 
     def _take_lock(self) -> int | None:
         try:
@@ -147,6 +150,20 @@ class DiskStore(Pins):
             logger.warning("disk cache %s/%s is managed by another process; this store is read-only",
                            self.root, self.compat_digest)
         return fd
+
+    def _warn_if_budget_exceeds_free_space(self) -> None:
+        """One start-up warning when the budget is more than the filesystem has room for (its free space plus
+        what the store already holds). Nothing is refused: a write the disk has no room for fails (ENOSPC),
+        counted as "write_failed" like any failed write, and the store keeps serving what it holds."""
+        try:
+            free_bytes = shutil.disk_usage(self.root).free
+        except OSError:
+            return
+        if self.budget_bytes > free_bytes + self._used_bytes:
+            held = f" (besides the {_size(self._used_bytes)} it holds)" if self._used_bytes else ""
+            logger.warning("disk cache %s: the budget of %s exceeds the %s free on its filesystem%s; writes "
+                           "beyond the free space will fail and be counted, and the cache keeps serving",
+                           self.root, _size(self.budget_bytes), _size(free_bytes), held)
 
     @property
     def readonly(self) -> bool:
@@ -468,6 +485,11 @@ class DiskStore(Pins):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _size(num_bytes: int) -> str:
+    """A byte count for a log line: in GiB from 1 GiB up, else in MiB."""
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _covers(header: SegmentHeader, segment: Segment) -> bool:
