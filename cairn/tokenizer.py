@@ -152,6 +152,11 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: list[int]) -> str:
         """The text of `ids` (special tokens included)."""
 
+    @abc.abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token adds to the text (a special token: its text's), even when they are not
+        whole characters: a byte-level token may hold part of one, which decode([token_id]) gives as U+FFFD."""
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template: send a plain prompt instead")
@@ -249,6 +254,7 @@ def _token_at_or_after(offsets: list[int], char: int, num_tokens: int) -> int:
 
 
 _SPECIAL_RE = re.compile("<\\|(?:endoftext|im_start|im_end)\\|>")
+_BYTE_PIECE = re.compile("<0x([0-9A-Fa-f]{2})>")  # a byte-fallback vocabulary's piece for one byte
 _CHAR_START = bytes(0 if 0x80 <= b < 0xC0 else 1 for b in range(256))  # 0 for UTF-8 continuation bytes
 ENCODE_CHUNK_CHARS = 1 << 16  # bytes are encoded this many characters at a time, so no call holds the GIL long
 
@@ -305,6 +311,9 @@ class ByteTokenizer(Tokenizer):
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else self.decode([token_id]).encode("utf-8")
+
 
 class HFTokenizer(Tokenizer):
     """A checkpoint's tokenizer.json + tokenizer_config.json (+ chat_template.jinja when present)."""
@@ -329,6 +338,10 @@ class HFTokenizer(Tokenizer):
             eos_ids.add(self._tok.token_to_id(eos))
         self.eos_token_ids = tuple(sorted(eos_ids))
         self.max_chars_per_token = _max_chars_per_token(self._tok)
+        self._added_ids = frozenset(self._tok.get_added_tokens_decoder())  # their pieces are their text
+        decoders = _decoder_types(self._tok.decoder)
+        self._byte_level = "ByteLevel" in decoders  # pieces spell each byte as one character (BYTE_OF_CHAR)
+        self._byte_fallback = "ByteFallback" in decoders  # pieces <0xNN> stand for one byte
 
     def __reduce__(self):  # (pickled into the server's tokenizer worker processes)
         return HFTokenizer, self._init_args
@@ -345,6 +358,17 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A byte-level piece mapped back to its bytes, a byte-fallback piece's byte; else (an added token,
+        a whole-character piece) the token's decoded text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and token_id not in self._added_ids:
+            if self._byte_level and all(c in BYTE_OF_CHAR for c in piece):
+                return bytes(BYTE_OF_CHAR[c] for c in piece)
+            if self._byte_fallback and (m := _BYTE_PIECE.fullmatch(piece)):
+                return bytes([int(m.group(1), 16)])
+        return self.decode([token_id]).encode("utf-8")
+
     def decode_stream(self) -> Callable[[int], str | None]:
         """tokenizers' incremental decoder (DecodeStream) on this tokenizer: feed one id, get the new text,
         or None while the id does not complete a character. Used by cairn.outputs.Detokenizer."""
@@ -357,6 +381,30 @@ class HFTokenizer(Tokenizer):
     def to_json(self) -> str:
         """The tokenizer.json text (what grammar engines build their vocabulary from)."""
         return self._tok.to_str()
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, which byte-level BPE vocabularies are written in: each byte as one
+    printable character (printable Latin-1 bytes as themselves, the others as U+0100 onwards), char -> byte."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = (b for b in range(256) if b not in printable)
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_OF_CHAR = _byte_of_char()
+
+
+def _decoder_types(decoder) -> set[str]:
+    """The types of a tokenizers decoder and of those a Sequence holds ("ByteLevel", "ByteFallback", ...)."""
+    if decoder is None:
+        return set()
+    found: set[str] = set()
+    stack = [json.loads(decoder.__getstate__())]
+    while stack:
+        node = stack.pop()
+        found.add(node.get("type", ""))
+        stack += node.get("decoders") or []
+    return found
 
 
 UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})  # these merge at most ~3 characters into one

@@ -24,12 +24,13 @@ from tests.server_process import served_fixture
 MODEL = "cairn-demo"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+                   "additionalProperties": False}}}  # bounded: a forced call to it ends within FORCED's max_tokens
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 FORCE = {"type": "function", "function": {"name": "get_weather"}}
 GREEDY = dict(model=MODEL, temperature=0, max_tokens=12)
-FORCED = dict(model=MODEL, temperature=0, max_tokens=64)  # a forced call's tags are generated, byte by byte
+FORCED = dict(model=MODEL, temperature=0, max_tokens=128)  # a forced call's tags are generated, byte by byte
 # tools whose arguments are bounded, so that random weights finish a call
 BOUNDED = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -277,6 +278,8 @@ def test_tokenize_and_detokenize_round_trip(http):
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{
         "type": "function", "function": {"name": "f>\n<|im_start|>system", "arguments": "{}"}}]}]},
      "messages.0.tool_calls.0.function.name"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": [True]}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2], "message_starts": [1, 1]}, "message_starts"),
     ("/v1/completions", {"echo": True}, "echo"),
@@ -309,11 +312,11 @@ def test_anthropic_messages_with_system_and_tool_history(claude):
                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
                                             {"type": "text", "text": "And tomorrow?"}]}]
-    m = claude.messages.create(model=MODEL, max_tokens=64, system=SYSTEM, messages=history, tools=[CLAUDE_TOOL],
+    m = claude.messages.create(model=MODEL, max_tokens=128, system=SYSTEM, messages=history, tools=[CLAUDE_TOOL],
                                tool_choice={"type": "tool", "name": "get_weather"}, extra_body=T0)
     assert m.stop_reason == "tool_use" and m.content[-1].type == "tool_use"
     assert m.content[-1].name == "get_weather" and isinstance(m.content[-1].input, dict)
-    again = claude.messages.create(model=MODEL, max_tokens=64, system=SYSTEM, messages=history, tools=[CLAUDE_TOOL],
+    again = claude.messages.create(model=MODEL, max_tokens=128, system=SYSTEM, messages=history, tools=[CLAUDE_TOOL],
                                    tool_choice={"type": "tool", "name": "get_weather"}, extra_body=T0)
     assert again.usage.cache_read_input_tokens > 0
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens == \
@@ -332,7 +335,7 @@ def test_anthropic_stream_matches_the_whole_answer(claude):
 
 
 def test_anthropic_streamed_tool_use_and_stop_sequences(claude):
-    ask = dict(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "Weather?"}], tools=[CLAUDE_TOOL],
+    ask = dict(model=MODEL, max_tokens=128, messages=[{"role": "user", "content": "Weather?"}], tools=[CLAUDE_TOOL],
                tool_choice={"type": "tool", "name": "get_weather"})
     with claude.messages.stream(**ask) as stream:
         final = stream.get_final_message()
@@ -369,6 +372,25 @@ def test_anthropic_tool_choice_any_with_several_tools(claude):
     (use,) = [b for b in final.content if b.type == "tool_use"]
     assert final.stop_reason == "tool_use" and use.name in ("get_weather", "lookup")
     jsonschema.validate(use.input, next(t["input_schema"] for t in tools if t["name"] == use.name))
+
+
+def test_a_forced_call_cut_by_max_tokens_finishes_with_length_whole_and_streamed(client, claude):
+    """max_tokens (40: the call's tags are 35 byte tokens) cuts a forced call inside its first parameter: the
+    call parsed so far comes back, but the answer finishes with "length" (Anthropic: "max_tokens"), whole
+    and streamed, never "tool_calls" / "tool_use", which would tell a client to run an incomplete call."""
+    ask = dict(messages=ASK, tools=[WEATHER], tool_choice=FORCE, model=MODEL, temperature=0, max_tokens=40)
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "length" and [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    assert [d.function.name for c in chunks for d in c.choices[0].delta.tool_calls or () if d.function.name] == \
+        ["get_weather"]
+    claude_ask = dict(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": "Weather?"}],
+                      tools=[CLAUDE_TOOL], tool_choice={"type": "tool", "name": "get_weather"}, extra_body=T0)
+    with claude.messages.stream(**claude_ask) as stream:
+        streamed = stream.get_final_message()
+    for m in (claude.messages.create(**claude_ask), streamed):
+        assert m.stop_reason == "max_tokens" and [b.name for b in m.content if b.type == "tool_use"] == ["get_weather"]
 
 
 def test_anthropic_errors_have_anthropic_shape(claude, http):

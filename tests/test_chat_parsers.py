@@ -83,14 +83,23 @@ def test_reasoning_parser_none_keeps_everything_in_content():
     assert (reasoning, content, calls) == ("", text, [])
 
 
+CUT_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=da"
+
+
 def test_unterminated_forced_call_is_parsed():
     """A forced call may be cut by max_tokens (length) before its closing tags: the call still comes back,
     with its complete parameters."""
-    plan = ChatPlan("qwen3", False, TOOLS)
-    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=da"
-    _, content, calls, shaper = shape("", plan, [text])
+    _, content, calls, _ = shape("", ChatPlan("qwen3", False, TOOLS), [CUT_CALL])
     assert calls == [("get_weather", {"city": "Oslo"})] and content == ""
-    assert shaper.finish_reason("length") == "tool_calls" and shaper.finish_reason("abort") == "abort"
+
+
+def test_a_tool_call_cut_by_max_tokens_finishes_with_length():
+    """The engine's "length" stays "length" when a call was parsed (the call may be incomplete: a client
+    must not run it); only an answer that ended on its own finishes with "tool_calls"."""
+    _, _, _, cut = shape("", ChatPlan("qwen3", False, TOOLS), [CUT_CALL])
+    assert cut.finish_reason("length") == "length" and cut.finish_reason("abort") == "abort"
+    _, _, _, whole = shape("", ChatPlan("qwen3", False, TOOLS), [XML_CALL])
+    assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "length"
 
 
 def test_call_format_follows_the_template():

@@ -45,6 +45,20 @@ def test_the_api_key_opens_every_endpoint(server):
     assert httpx.get(server.base_url + "/metrics", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
 
 
+def test_the_x_api_key_header_opens_every_endpoint_as_the_bearer_token_does(server):
+    """Anthropic's API takes the key as `x-api-key` (its documented requests send it so): /v1/messages, and
+    every other endpoint, take it; a wrong one is a 401."""
+    anthropic = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    r = httpx.post(server.base_url + "/v1/messages", headers=anthropic, timeout=60, json={
+        "model": "cairn-demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["type"] == "message", r.text
+    r = httpx.post(server.base_url + "/v1/completions", json=COMPLETION, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.get(server.base_url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    r = httpx.get(server.base_url + "/v1/models", headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_cors_preflight_from_an_allowed_origin_is_answered_without_the_key(server):
     r = httpx.options(server.base_url + "/v1/chat/completions", headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST",

@@ -211,3 +211,24 @@ def test_streamed_completion_logprobs_equal_the_whole_response_ones(http):
     #   resume from the first's cached prefix: equal within rounding)
     for got, want in zip(joined["top_logprobs"], whole["top_logprobs"], strict=True):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_logprobs_of_a_character_split_over_byte_tokens_give_each_token_its_bytes_and_offset(http):
+    """A JSON-schema enum makes the demo model write "é" (chat) and "é€" (completions), one byte token per
+    UTF-8 byte: each token reports its own byte, streamed or not, and the text offsets count the characters
+    decoded before each token."""
+    enum = {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": ["é"]}}}
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "response_format": enum,
+                                                    "logprobs": True, "top_logprobs": 1, "temperature": 0}).json()
+    assert chat["choices"][0]["message"]["content"] == '"é"'
+    assert [t["bytes"] for t in chat["choices"][0]["logprobs"]["content"]] == [[34], [195], [169], [34]]
+    enum["json_schema"]["schema"]["enum"] = ["é€"]
+    body = {"model": MODEL, "prompt": "hi", "response_format": enum, "logprobs": 1, "temperature": 0}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert whole["text"] == '"é€"' and whole["logprobs"]["text_offset"] == [0, 1, 1, 2, 2, 2, 3]
+    assert whole["logprobs"]["tokens"][1:3] == ["bytes:\\xc3", "bytes:\\xa9"]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(e) for e in sse_events(r.iter_lines())[:-1]]
+    pieces = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [t for p in pieces for t in p["tokens"]] == whole["logprobs"]["tokens"]
+    assert [o for p in pieces for o in p["text_offset"]] == whole["logprobs"]["text_offset"]

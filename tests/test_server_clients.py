@@ -122,6 +122,22 @@ def test_client_dropping_a_whole_response_is_499_without_a_traceback(server):
     assert re.search(r'^cairn_num_requests_running 0', httpx.get(server.base_url + "/metrics").text, re.M)
 
 
+def test_client_dropping_a_stream_is_499_in_the_access_log_and_metrics(server):
+    """The stream's 200 went out with its first event; the client leaving before `[DONE]` is still what
+    the access log and cairn_requests_total report: 499, as for a whole answer it did not wait for."""
+    before = requests_total(server, "/v1/completions", 499)
+    body = {"prompt": "gone", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data: ")  # then the connection is closed, mid-stream
+    deadline = time.monotonic() + 30
+    while requests_total(server, "/v1/completions", 499) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert requests_total(server, "/v1/completions", 499) == before + 1
+    assert re.search(r"POST /v1/completions 499 ", server.log()), server.log()
+    assert_still_serving(server)
+
+
 def test_client_not_reading_the_last_answer_of_its_connection_gets_nothing_after_it(server):
     """A large answer on a connection the client closes (`Connection: close`), which it leaves unread: the
     server has handed the whole answer to the transport, which closes once the client reads it. The head

@@ -161,3 +161,26 @@ def test_prompt_too_long_to_fit_whatever_its_tokens_is_refused_before_encoding(h
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (13 * 1024 + 1), "max_tokens": 1})
     message = assert_error(r, 400, "context_length_exceeded", "prompt")["message"]
     assert "more than 1024 tokens (13313 characters)" in message and "context is 1024 tokens" in message
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800 lone"}], "max_tokens": 1}',
+     "messages.0.content"),
+    ("/v1/completions", '{"prompt": "\\ud800 lone", "max_tokens": 1}', "prompt"),
+    ("/tokenize", '{"prompt": "\\ud800 lone"}', "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800 lone"}]}', "messages.0.content"),
+])
+def test_a_lone_surrogate_in_the_text_is_400_naming_its_field(http, path, body, param):
+    """The JSON escape of half a UTF-16 pair (sent as written: a JSON encoder refuses to make one) is not
+    text the tokenizer can encode: a 400 naming the field, not the codec's message with no field."""
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    error = assert_error(r, 400, "invalid_value", param)
+    assert "lone UTF-16 surrogate" in error["message"]
+    assert_still_serving(http)
+
+
+def test_a_lone_surrogate_in_an_anthropic_message_is_400_in_anthropic_shape(http):
+    body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "\ud800"}]})
+    r = http.post("/v1/messages", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"].startswith("messages.0.content holds a lone UTF-16 surrogate")

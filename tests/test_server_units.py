@@ -4,6 +4,7 @@ the engine thread's idle behaviour (with a fake engine)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
@@ -13,10 +14,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from cairn.cache.stats import CacheStats, DiskStats
 from cairn.errors import ChatTemplateError, QueueFull, RequestTooLarge, SamplingError
+from cairn.server.anthropic import MessagesRequest
 from cairn.server.bridge import EngineBridge
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception
 from cairn.server.metrics import EngineStats, cache_families
-from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from cairn.server.responses import TextOffsets, chat_logprobs, completion_logprobs
+from cairn.tokenizer import ByteTokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -71,11 +75,77 @@ def test_single_prompt_lists_are_unwrapped_and_batches_refused():
         CompletionRequest(prompt=["a", "b"]).engine_prompt()
 
 
+@pytest.mark.parametrize("model,fields", [(ChatCompletionRequest, {"messages": CHAT}),
+                                          (CompletionRequest, {"prompt": "a"})])
+def test_stream_options_without_stream_is_refused_naming_it(model, fields):
+    for stream in ({}, {"stream": False}):
+        with pytest.raises(APIError) as e:
+            model.model_validate({**fields, **stream, "stream_options": {"include_usage": True}})
+        assert (e.value.status, e.value.param) == (400, "stream_options")
+    assert model.model_validate({**fields, "stream": True, "stream_options": {"include_usage": True}}).include_usage
+
+
+@pytest.mark.parametrize("model,body,param", [
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800 x"}]},
+     "messages.1.content"),
+    (ChatCompletionRequest, {"messages": CHAT, "stop": ["a", "\udfff"]}, "stop.1"),
+    (CompletionRequest, {"prompt": "\ud800 lone"}, "prompt"),
+    (TokenizeRequest, {"prompt": "\ud800 lone"}, "prompt"),
+    (MessagesRequest, {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\ud800"}]}]}, "messages.0.content.0.text"),
+])
+def test_a_lone_surrogate_in_the_body_is_refused_naming_its_field(model, body, param):
+    """JSON's `\\ud800` escape without its pair is not Unicode text: a 400 names where it is, instead of the
+    tokenizer's UTF-8 error naming nothing. A pair (one character) is text."""
+    with pytest.raises(APIError) as e:
+        model.model_validate(body)
+    assert (e.value.status, e.value.param) == (400, param) and "lone UTF-16 surrogate" in e.value.message
+    assert CompletionRequest.model_validate(json.loads('{"prompt": "\\ud83d\\ude00"}')).prompt == "\U0001F600"
+
+
 @pytest.mark.parametrize("fields", [{"echo": True}, {"best_of": 3}])
 def test_unsupported_options_are_refused_not_ignored(fields):
     with pytest.raises(APIError) as e:
         CompletionRequest(prompt="a", **fields).to_sampling_params()
     assert e.value.status == 400 and e.value.code == "unsupported_value"
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+
+EURO_E = "é€".encode()  # five byte tokens of the demo tokenizer, none a whole character
+
+
+def test_logprobs_of_a_character_split_over_byte_tokens_give_each_token_its_own_bytes():
+    tok = ByteTokenizer()
+    content = chat_logprobs(tok, [195, 169], [-1.0, -2.0], [[(195, -1.0), (196, -3.0)], [(169, -2.0)]])["content"]
+    assert [(t["token"], t["bytes"]) for t in content] == [("bytes:\\xc3", [195]), ("bytes:\\xa9", [169])]
+    assert [(t["token"], t["bytes"]) for t in content[0]["top_logprobs"]] == [("bytes:\\xc3", [195]),
+                                                                             ("bytes:\\xc4", [196])]
+    whole = completion_logprobs(tok, list(EURO_E), [-1.0] * 5, [[(b, -1.0)] for b in EURO_E], TextOffsets())
+    assert whole["tokens"] == ["bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2", "bytes:\\x82", "bytes:\\xac"]
+    assert len(set(k for top in whole["top_logprobs"] for k in top)) == 5
+
+
+def test_completion_text_offsets_count_the_characters_decoded_before_each_token_across_stream_chunks():
+    """An offset is where its token starts in the answer's text: a token ending a character starts where
+    the character does. Chunks of a stream, fed one after the other, give the whole answer's offsets."""
+    tok, ids = ByteTokenizer(), [ord('"'), *EURO_E, ord('"')]
+    whole = completion_logprobs(tok, ids, [-1.0] * 7, [], TextOffsets())["text_offset"]
+    assert whole == [0, 1, 1, 2, 2, 2, 3]
+    for cut in range(1, len(ids)):
+        offsets = TextOffsets()
+        chunks = [completion_logprobs(tok, part, [-1.0] * len(part), [], offsets)["text_offset"]
+                  for part in (ids[:cut], ids[cut:])]
+        assert chunks[0] + chunks[1] == whole, cut
+
+
+def test_completion_top_logprobs_keep_alternatives_that_share_a_text():
+    class OneText(ByteTokenizer):
+        def token_bytes(self, token_id: int) -> bytes:
+            return b"x"
+
+    tops = completion_logprobs(OneText(), [1], [-1.0], [[(1, -1.0), (2, -2.0)]], TextOffsets())["top_logprobs"]
+    assert tops == [{"x": -1.0, "token_id:2": -2.0}]
 
 
 # ---- error mapping ------------------------------------------------------------------------------

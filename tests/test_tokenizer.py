@@ -255,3 +255,29 @@ def test_text_a_normalizer_may_shrink_is_encoded_not_refused_by_its_length(tmp_p
     tok = HFTokenizer(tmp_path)
     assert tok.max_chars_per_token is None
     assert tokenize_prompt(tok, "x" * 5000 + "ab", max_model_len=10).token_ids == [3]
+
+
+def test_token_bytes_are_each_tokens_own_bytes_when_a_character_spans_tokens(tmp_path):
+    """"é€" is five byte tokens, none a whole character (decode gives each as U+FFFD): token_bytes gives the
+    byte each stands for, in the demo tokenizer, a byte-level BPE one and a byte-fallback one; a special
+    token gives its text."""
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from cairn.tokenizer import BYTE_OF_CHAR
+    from tests.checkpoints import write_tokenizer
+
+    assert set(BYTE_OF_CHAR) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(BYTE_OF_CHAR.values()) == \
+        list(range(256))
+    (tmp_path / "level").mkdir()
+    write_tokenizer(tmp_path / "level")
+    fallback = FastTokenizer(models.BPE(vocab={"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "é": 257},
+                                        merges=[], byte_fallback=True, unk_token="<unk>"))
+    fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    (tmp_path / "fallback").mkdir()
+    fallback.save(str(tmp_path / "fallback" / "tokenizer.json"))
+    for tok in (ByteTokenizer(), HFTokenizer(tmp_path / "level")):
+        ids = tok.encode("é€<|im_end|>")
+        assert [tok.token_bytes(t) for t in ids] == [b"\xc3", b"\xa9", b"\xe2", b"\x82", b"\xac", b"<|im_end|>"]
+    tok = HFTokenizer(tmp_path / "fallback")
+    assert [tok.token_bytes(t) for t in tok.encode("€é")] == [b"\xe2", b"\x82", b"\xac", "é".encode()]

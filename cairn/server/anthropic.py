@@ -38,7 +38,7 @@ from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.errors import APIError, from_exception
 from cairn.server.generate import Generation, ServingContext, SSEResponse, start_generation
-from cairn.server.protocol import ChatCompletionRequest, Strict, refuse_unimplemented
+from cairn.server.protocol import ChatCompletionRequest, Strict, refuse_lone_surrogates, refuse_unimplemented
 
 log = logging.getLogger(__name__)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -124,7 +124,7 @@ class MessagesRequest(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unimplemented(cls, data: Any) -> Any:
-        return refuse_unimplemented(data)
+        return refuse_unimplemented(refuse_lone_surrogates(data))
 
     def to_chat(self) -> ChatCompletionRequest:
         """The equivalent chat request."""
@@ -198,10 +198,12 @@ def _usage(out: Completion) -> dict[str, int]:
 
 
 def _stop(ctx: ServingContext, shaper: ChatShaper, out: Completion, stops: list[str]) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished answer."""
-    if shaper.message.calls and out.finish_reason in ("stop", "length"):
+    """(stop_reason, stop_sequence) of a finished answer: the chat's finish reason (see
+    ChatShaper.finish_reason) in Anthropic's words."""
+    reason = shaper.finish_reason(out.finish_reason)
+    if reason == "tool_calls":
         return "tool_use", None
-    if out.finish_reason == "length":
+    if reason == "length":
         return "max_tokens", None
     if stops:
         text = ctx.tokenizer.decode(out.token_ids)

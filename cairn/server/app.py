@@ -10,8 +10,8 @@
     POST /v1/cache/probe        where a request would resume here, and the queue (see `probe`; for `cairn router`)
 
 With --api-key every route but /health (and /metrics with --metrics-public) needs `Authorization:
-Bearer <key>`; --allowed-origins turns CORS on; a client's X-Request-Id is echoed and shows in the
-request's id (`chatcmpl-<X-Request-Id>-<random>`) and log lines.
+Bearer <key>` or `x-api-key: <key>`; --allowed-origins turns CORS on; a client's X-Request-Id is
+echoed and shows in the request's id (`chatcmpl-<X-Request-Id>-<random>`) and log lines.
 
 `create_app(engine, options)` takes an already built Engine and starts no thread itself: the
 lifespan starts the engine thread and stops it (aborting what is left) at shutdown. Every error is
@@ -239,6 +239,6 @@ def add_middlewares(app: FastAPI, options: ServerOptions, metrics: ServerMetrics
     app.add_middleware(RequestId)
     if options.origins:
         app.add_middleware(CORSMiddleware, allow_origins=options.origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           allow_headers=["Authorization", "X-Api-Key", "Content-Type", "X-Request-Id"],
                            expose_headers=["X-Request-Id"])
     app.add_middleware(RequestCounter, counter=metrics.requests, endpoints=ENDPOINTS)

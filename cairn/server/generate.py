@@ -37,6 +37,7 @@ from cairn.server.protocol import ChatCompletionRequest, CompletionRequest, Name
 from cairn.server.responses import (
     DONE_EVENT,
     ResponseHeader,
+    TextOffsets,
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -54,7 +55,7 @@ class ServingContext:
 
     bridge: EngineBridge
     metrics: ServerMetrics
-    tokenizer: Tokenizer  # decode() for logprob token texts; the chat plan reads the template (pure, thread-safe)
+    tokenizer: Tokenizer  # token_bytes() for logprobs; the chat plan reads the template (pure, thread-safe)
     served_model: str  # the name clients send and responses carry
     model_aliases: frozenset[str]  # other names accepted for the same model
     max_model_len: int
@@ -318,21 +319,20 @@ async def completions(ctx: ServingContext, sub: Submission, body: CompletionRequ
         return SSEResponse(_completion_events(gen, body), gen.close)
     outs = await gen.final_outputs(request)
     bodies = [completion_response(gen.header, out, completion_logprobs(
-        ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, 0) if body.logprobs is not None else None,
-        body.return_token_ids) for out in outs]
+        ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, TextOffsets())
+        if body.logprobs is not None else None, body.return_token_ids) for out in outs]
     return JSONResponse(_with_choices(bodies, outs))
 
 
 async def _completion_events(gen: Generation, body: CompletionRequest) -> AsyncIterator[str]:
     finals: dict[int, Completion] = {}
-    offset_chars: dict[int, int] = {}  # per choice
+    offsets: dict[int, TextOffsets] = {}  # per choice
     try:
         async for out in gen.outputs():
             logprobs = None
             if body.logprobs is not None and out.delta_token_ids:
                 logprobs = completion_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.delta_logprobs,
-                                               out.delta_top_logprobs, offset_chars.get(out.index, 0))
-                offset_chars[out.index] = offset_chars.get(out.index, 0) + sum(len(t) for t in logprobs["tokens"])
+                                               out.delta_top_logprobs, offsets.setdefault(out.index, TextOffsets()))
             extra = {"token_ids": out.delta_token_ids} if body.return_token_ids and out.delta_token_ids else {}
             if out.finished and body.return_token_ids:
                 extra["prompt_token_ids"] = out.prompt_token_ids

@@ -7,14 +7,16 @@ it arrived in (never joined: a copy of megabytes would hold the interpreter lock
 needs), then hands later `receive` calls (the disconnect) through untouched. Past its first
 PACE_AFTER_BYTES, a body is read no faster than `max_bytes_per_s` (see `_pace`).
 
-`APIKeyAuth` answers 401 to a request without `Authorization: Bearer <key>`, except on public paths.
+`APIKeyAuth` answers 401 to a request without the key, except on public paths. The key is read from
+`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's), on every path.
 
 `RequestId` echoes a client's `X-Request-Id` header on the response and exposes it, while the request
 is handled, through `current_request_id()` (a context variable), for ids and log lines.
 
-`RequestCounter` counts every HTTP response by route and status code into a prometheus Counter,
-413s and 404s included; paths outside the known routes count as endpoint "other" so that the label
-set stays bounded.
+`RequestCounter` counts every HTTP response by route and status code into a prometheus Counter, when
+it ends, 413s and 404s included; paths outside the known routes count as endpoint "other" so that the
+label set stays bounded. A response the client dropped before its last byte counts as 499, a stream
+included (its 200 was sent first): `ResponseEnd` decides, for the counter and the access log.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("cairn_
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 MAX_REQUEST_ID_CHARS = 64  # of a client's X-Request-Id, as used in ids and logs
 PACE_AFTER_BYTES = 256 << 10  # a body's first bytes, read at full speed (every body up to this size)
+CLIENT_CLOSED = 499  # the status of a response the client disconnected from before its end (nginx's)
 
 
 def current_request_id() -> str | None:
@@ -134,6 +137,44 @@ class BodySizeLimit:
             await asyncio.sleep(ahead_s)
 
 
+class ResponseEnd:
+    """How one request's response ended, from the ASGI messages passed through `receive` and `send`:
+    `on_end(status)` is called once, just before the last body is sent, or by `finish()` (call it when the
+    app returns) if it never was. The status is the one the app sent, or CLIENT_CLOSED when the client
+    disconnected before the last body: a stream it dropped (the app had sent 200 first), or a whole
+    answer it did not wait for (the app sends its 499 itself). None: no response was started and the
+    client did not leave."""
+
+    def __init__(self, receive: Receive, send: Send, on_end: Callable[[int | None], None]):
+        self._receive, self._send, self._on_end = receive, send, on_end
+        self.sent_status: int | None = None  # the app's http.response.start status
+        self.headers: list[tuple[bytes, bytes]] = []  # the app's response headers
+        self.client_gone = False  # an http.disconnect was received
+        self.ended = False
+
+    @property
+    def status(self) -> int | None:
+        return CLIENT_CLOSED if self.client_gone else self.sent_status
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        if message["type"] == "http.disconnect" and not self.ended:
+            self.client_gone = True
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.sent_status, self.headers = message["status"], message.get("headers", [])
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finish()
+        await self._send(message)
+
+    def finish(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._on_end(self.status)
+
+
 class RequestCounter:
     def __init__(self, app: ASGIApp, counter: Counter, endpoints: Collection[str]):
         self.app = app
@@ -146,30 +187,37 @@ class RequestCounter:
         path = scope.get("path", "")
         endpoint = path if path in self.endpoints else "other"
 
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                self.counter.labels(endpoint, str(message["status"])).inc()
-            await send(message)
+        def count(status: int | None) -> None:
+            if status is not None:
+                self.counter.labels(endpoint, str(status)).inc()
 
-        await self.app(scope, receive, counting_send)
+        end = ResponseEnd(receive, send, count)
+        try:
+            await self.app(scope, end.receive, end.send)
+        finally:
+            end.finish()
 
 
 class APIKeyAuth:
     def __init__(self, app: ASGIApp, api_key: str, public_paths: Collection[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
         self.public_paths = frozenset(public_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in self.public_paths:
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers", [])).get(b"authorization", b"")
-        scheme, _, key = given.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(b"Bearer " + key.strip(), self.expected):
+        if scope["type"] != "http" or scope.get("path") in self.public_paths or self._has_key(scope):
             return await self.app(scope, receive, send)
         await send_error(send, APIError(401, "A valid API key is required: send the header 'Authorization: "
-                                             "Bearer <key>'.", code="invalid_api_key",
+                                             "Bearer <key>' or 'x-api-key: <key>'.", code="invalid_api_key",
                                         headers={"WWW-Authenticate": "Bearer"}))
+
+    def _has_key(self, scope: Scope) -> bool:
+        """Either header holds the key (compared in constant time)."""
+        headers = dict(scope.get("headers", []))
+        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(bearer.strip(), self.key):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)
 
 
 class RequestId:

@@ -9,6 +9,7 @@ What this module is not: it does not talk to the engine, and it does not decide 
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,16 +57,43 @@ def usage_of(out: Completion) -> Usage:
 
 # ---- logprobs -----------------------------------------------------------------------------------
 
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def token_text(raw: bytes) -> str:
+    """A token's text as logprobs report it: its bytes as UTF-8 or, when they are not whole characters (a
+    byte-level token holding part of one), `bytes:` and the bytes escaped (`bytes:\\xc3`), the notation
+    OpenAI's API uses, so that two such tokens keep different texts (the `bytes` field has them raw)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class TextOffsets:
+    """Where each token of one answer starts in its text, in characters: the length of the text the
+    tokens before it decode to (incremental UTF-8 decoding, as the answer's text is made), so a token
+    that ends a character starts where that character does and the next starts after it:
+
+        tokens    "   c3  a9  e2  82  ac  "          (the answer "é€", as byte tokens)
+        offsets   0   1   1   2   2   2   3
+
+    One per answer, fed its tokens in order (a stream's chunks one after the other)."""
+
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_chars = 0
+
+    def next_start(self, raw: bytes) -> int:
+        """The offset of the next token, whose bytes are `raw`; then counts them in."""
+        start = self.num_chars
+        self.num_chars += len(self._utf8.decode(raw))
+        return start
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float],
                   top: list[list[tuple[int, float]]]) -> dict[str, Any]:
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]} for these tokens."""
     def entry(tid: int, lp: float) -> dict[str, Any]:
-        text = _token_text(tokenizer, tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        raw = tokenizer.token_bytes(tid)
+        return {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}
 
     content = []
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=False)):
@@ -75,18 +103,28 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[flo
 
 
 def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float],
-                        top: list[list[tuple[int, float]]], text_offset_chars: int) -> dict[str, Any]:
-    """{"tokens", "token_logprobs", "top_logprobs", "text_offset"} for these tokens."""
-    tokens, offsets, tops = [], [], []
-    offset = text_offset_chars
+                        top: list[list[tuple[int, float]]], offsets: TextOffsets) -> dict[str, Any]:
+    """{"tokens", "token_logprobs", "top_logprobs", "text_offset"} for these tokens, the next ones of the
+    answer `offsets` follows."""
+    tokens, starts, tops = [], [], []
     for i, tid in enumerate(token_ids[: len(logprobs)]):
-        text = _token_text(tokenizer, tid)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        tops.append({_token_text(tokenizer, t): v for t, v in (top[i] if i < len(top) else [])})
+        raw = tokenizer.token_bytes(tid)
+        tokens.append(token_text(raw))
+        starts.append(offsets.next_start(raw))
+        tops.append(_top_by_text(tokenizer, top[i] if i < len(top) else []))
     return {"tokens": tokens, "token_logprobs": logprobs[: len(tokens)], "top_logprobs": tops,
-            "text_offset": offsets}
+            "text_offset": starts}
+
+
+def _top_by_text(tokenizer: Tokenizer, alternatives: list[tuple[int, float]]) -> dict[str, float]:
+    """{token text: logprob} of one position's alternatives (likeliest first). Two tokens may share a text
+    (an added token and the vocabulary piece it repeats): the later one is keyed `token_id:<id>`, vLLM's
+    notation for a token given by id, so that no alternative is lost."""
+    out: dict[str, float] = {}
+    for tid, lp in alternatives:
+        text = token_text(tokenizer.token_bytes(tid))
+        out[f"token_id:{tid}" if text in out else text] = lp
+    return out
 
 
 # ---- whole responses and stream chunks ----------------------------------------------------------
