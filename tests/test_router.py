@@ -223,3 +223,13 @@ def test_router_flags_mistakes_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_router_passes_either_api_key_header_to_the_replica():
+    """A replica with --api-key takes `Authorization: Bearer KEY` or `x-api-key: KEY`: both reach it."""
+    from starlette.requests import Request
+
+    from cairn.router.app import _request_headers
+
+    scope = {"type": "http", "headers": [(b"authorization", b"Bearer k"), (b"x-api-key", b"k"), (b"cookie", b"c")]}
+    assert _request_headers(Request(scope)) == {"authorization": "Bearer k", "x-api-key": "k"}

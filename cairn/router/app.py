@@ -44,7 +44,7 @@ from cairn.router.replicas import Probe, Ranker, Replica
 
 log = logging.getLogger(__name__)
 PROBE_PATH = "/v1/cache/probe"
-FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id")  # the key: either
 DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "content-encoding")
 RETRY_STATUSES = (502, 503, 504)
 PLACEMENT_SLACK = 1  # requests in flight a placed replica may have beyond the least busy one and still be used unprobed
