@@ -128,8 +128,8 @@ def test_generate_sampling_flag_out_of_range_is_one_line_naming_the_flag_before_
 
 
 @pytest.mark.parametrize("messages, says", [
-    ([{"role": "wizard", "content": "x"}], "--messages.0.role: Input should be 'system', 'user', 'assistant' or "
-                                            "'tool'"),
+    ([{"role": "wizard", "content": "x"}], "--messages.0.role: Input should be 'system', 'developer', 'user', "
+                                            "'assistant' or 'tool'"),
     ([{"role": "user", "content": "x", "colour": "red"}], "unknown field `--messages.0.colour`"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], "content part of type 'image_url' is not supported"),
 ])

@@ -274,3 +274,13 @@ def test_engine_thread_sleeps_while_idle_and_wakes_for_a_command():
     finally:
         bridge.stop(timeout_s=5)
     assert not bridge.alive
+
+
+def test_a_developer_message_is_rendered_as_the_system_message_it_stands_for():
+    """OpenAI's clients send instructions under role "developer"; the chat template sees role "system"."""
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]})
+    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]})
+    assert body.template_messages() == plain.template_messages()
+    assert body.template_messages()[0] == {"role": "system", "content": "be brief"}

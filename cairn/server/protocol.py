@@ -182,7 +182,7 @@ class ChatMessage(Strict):
     """One message. Keys the openai client echoes back from a response (refusal, annotations, audio,
     function_call) are accepted when null."""
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
@@ -197,8 +197,11 @@ class ChatMessage(Strict):
 
 def template_message(index: int, m: ChatMessage) -> dict[str, Any]:
     """The message as chat templates want it: content a string, tool-call arguments a dict (as
-    transformers' apply_chat_template is given them), reasoning under `reasoning_content`."""
-    out: dict[str, Any] = {"role": m.role, "content": text_content(index, m.content)}
+    transformers' apply_chat_template is given them), reasoning under `reasoning_content`, a developer
+    message as the system message it stands for (OpenAI's clients send instructions under that role; chat
+    templates know only system)."""
+    role = "system" if m.role == "developer" else m.role
+    out: dict[str, Any] = {"role": role, "content": text_content(index, m.content)}
     if m.name is not None:
         out["name"] = m.name
     reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
