@@ -11,9 +11,9 @@ Each step (`schedule`) picks, in order:
 3. waiting sequences, first come first served, while the budget, a working state slot and KV pages
    for the whole remaining prompt are available. The prefix cache plans each admission (where to
    resume, which snapshots to take) and may evict to make room; it returns an `Admission`, which the
-   scheduler applies to the sequence. A resume that does not fit while nothing runs never will (nothing
-   is left to free but the cached path it holds): the sequence is admitted from position 0 instead,
-   without the cache (a prompt within a few pages of the pool's size).
+   scheduler applies to the sequence. A resume that does not fit the pool while nothing runs never will
+   (nothing is left to free but the cached path it holds): the sequence is admitted from position 0
+   instead, without the cache (a prompt within a few pages of the pool's size).
 Then it asks the cache where each prefill chunk saves its state mid-chunk (the batch's captures).
 
 After the runner computed the batch, `after_step` applies it: computed counts, the cache told (it
@@ -161,7 +161,7 @@ class Scheduler:
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             try:
-                admitted = self._admit(seq) or (not self.running and self._admit_from_the_start(seq))
+                admitted = self._admit(seq) or (self._stuck(seq) and self._admit_from_the_start(seq))
             except Exception as e:
                 raise SequenceFailed(seq) from e
             if not admitted:
@@ -223,14 +223,19 @@ class Scheduler:
         self.running.append(seq)
         return True
 
+    def _stuck(self, seq: Sequence) -> bool:
+        """seq was not admitted, nothing runs, a slot is free, and the pool has fewer free pages than seq's
+        tokens need from position 0: nothing will free any (cached pages go only when an admission evicts
+        them, and a resume's own matched path holds some), so waiting would never end. (A cache waiting for
+        a remote lookup, or every slot held, is waiting for something that will come.)"""
+        cold_pages = -(-seq.num_tokens // self.page_size)
+        return not self.running and self.states.num_free > 0 and cold_pages > self.pages.num_free
+
     def _admit_from_the_start(self, seq: Sequence) -> bool:
-        """Nothing runs and seq's resume did not fit: the cached path it matched, held for the resume, is all
-        that stood in its way (check_fits let the prompt in, so the empty pool holds it). Admit it from
-        position 0 without the cache, which leaves every cached page free to evict; RequestTooLarge if even
-        that does not fit, since nothing would ever change."""
+        """Admit a stuck seq from position 0 without the cache, which leaves every cached page free to evict
+        (check_fits let the prompt in, so the pool holds it once they are); the report says why."""
         if not self._admit(seq, resume=False):
-            raise RequestTooLarge(f"{seq.request_id}: {seq.num_tokens} tokens do not fit the KV pool and a "
-                                  f"working state slot even with nothing else running")
+            return False  # pages some tier's move still pins: the next step tries again
         seq.cache.miss_reason = "pool_full"
         log.info("%s: resuming its %d tokens did not fit the KV pool beside the cached pages it matched; "
                  "prefilled from the start, without the prefix cache", seq.request_id, seq.num_tokens)
