@@ -136,8 +136,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.prefill_block, graphs)
         if self.prefill_block:
             log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
-        lay_out = apply_layout if opts.quantization == "none" else lay_out_int8  # after the digest: packing keeps
-        self.weight_layout = lay_out(self.model, opts.weight_layout, self.dtype, self.device)  # the numbers
+        # after the digest: a layout keeps the numbers (an int8 model's too: quantize made them)
+        lay_out = apply_layout if opts.quantization == "none" else lay_out_int8
+        self.weight_layout = lay_out(self.model, opts.weight_layout, self.dtype, self.device)
         load_fused_cpu_ops(self.model.kernels, self.dtype, self.device)  # built before /health answers, not mid-request
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}

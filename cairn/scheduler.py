@@ -228,8 +228,8 @@ class Scheduler:
         tokens need from position 0: nothing will free any (cached pages go only when an admission evicts
         them, and a resume's own matched path holds some), so waiting would never end. (A cache waiting for
         a remote lookup, or every slot held, is waiting for something that will come.)"""
-        cold_pages = -(-seq.num_tokens // self.page_size)
-        return not self.running and self.states.num_free > 0 and cold_pages > self.pages.num_free
+        return (not self.running and self.states.num_free > 0  # (an undone admission left seq no page)
+                and self._pages_needed(seq, seq.num_tokens) > self.pages.num_free)
 
     def _admit_from_the_start(self, seq: Sequence) -> bool:
         """Admit a stuck seq from position 0 without the cache, which leaves every cached page free to evict

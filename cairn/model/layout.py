@@ -132,8 +132,6 @@ class GemvLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > self.direct_rows and not self.kernel.slices_prefill:
             return F.linear(x, self.weight)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
         y = _in_slices(lambda r: self.kernel(r, self.weight), rows)  # above direct_rows: a prefill on the AVX2 path
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -147,10 +145,7 @@ class GemvLinear(nn.Module):
         return lambda x: kernel(x, weight)
 
     def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        y = _in_slices(lambda r: self.kernel.packed(r, self.packed, self.out_features), rows)
+        y = _in_slices(lambda r: self.kernel.packed(r, self.packed, self.out_features), x.reshape(-1, self.in_features))
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -205,8 +200,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.kernel is not None:
-            y = _in_slices(lambda r: self.kernel.packed_int8(r, self.packed, self.scales, self.out_features),
-                           rows if rows.stride(-1) == 1 else rows.contiguous())
+            y = _in_slices(lambda r: self.kernel.packed_int8(r, self.packed, self.scales, self.out_features), rows)
         elif rows.shape[0] <= self.DIRECT_ROWS:
             y = torch._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales)
         else:
@@ -216,7 +210,9 @@ class Int8Linear(nn.Module):
 
 def _in_slices(call: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     """call(rows) cpu_gemv.MAX_ROWS rows at a time (a prefill on the AVX2 kernel: a slice's x, widened to fp32,
-    stays in L2)."""
+    stays in L2), on rows with a contiguous last dimension (the kernels' requirement)."""
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     step = cpu_gemv.MAX_ROWS
     if rows.shape[0] <= step:
         return call(rows)

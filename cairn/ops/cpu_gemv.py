@@ -344,23 +344,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     weights of outputs 16b..16b+15, output 16b+i at element 2i and 16b+8+i at 2i+1 (so that one 256-bit
     load splits into the two halves' fp32 vectors); rows past N are zeros. One new tensor (plus a padded
     copy of the weight when N is not a multiple of 16)."""
-    n, k = weight.shape
-    blocks = -(-n // PACK_BLOCK)
-    w = weight.detach()
-    if blocks * PACK_BLOCK != n:
-        w = torch.nn.functional.pad(w, (0, 0, 0, blocks * PACK_BLOCK - n))
+    w = _whole_blocks(weight)
+    blocks, k = w.shape[0] // PACK_BLOCK, w.shape[1]
     return w.reshape(blocks, 2, PACK_BLOCK // 2, k).permute(0, 3, 2, 1).contiguous().view(blocks, k, PACK_BLOCK)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """The AVX2 path's layout of an int8 weight [N, K]: [ceil(N / 16), K, 16], block b holding for each k the
     weights of outputs 16b..16b+15 in that order; rows past N are zeros. One new tensor."""
-    n, k = q.shape
-    blocks = -(-n // PACK_BLOCK)
-    q = q.detach()
-    if blocks * PACK_BLOCK != n:
-        q = torch.nn.functional.pad(q, (0, 0, 0, blocks * PACK_BLOCK - n))
-    return q.reshape(blocks, PACK_BLOCK, k).transpose(1, 2).contiguous()
+    w = _whole_blocks(q)
+    return w.reshape(-1, PACK_BLOCK, w.shape[1]).transpose(1, 2).contiguous()
+
+
+def _whole_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (detached), with zero rows added up to a whole number of PACK_BLOCK-row blocks."""
+    w = weight.detach()
+    short = -w.shape[0] % PACK_BLOCK
+    return torch.nn.functional.pad(w, (0, 0, 0, short)) if short else w
 
 
 def cpu_flags() -> set[str]:
