@@ -76,7 +76,7 @@ REFUSED = [  # (family, change to config.json, what the error names)
     ("granitemoehybrid", _put(num_experts_per_tok=5), "num_experts_per_tok=5 for 4 experts"),
     ("granitemoehybrid", _put(mamba_d_head=7), "mamba_n_heads \\* mamba_d_head"),
     ("granitemoehybrid", _put(layer_types=["mamba"] * 5), "5 entries for 6 layers"),
-    ("granitemoehybrid", _put(time_step_limit=[0.0, 1.0, 2.0]), "not a \\(low, high\\) pair"),
+    ("granitemoehybrid", _put(time_step_limit=[0.0, 1.0, 2.0]), "time_step_limit must be a list of 2 numbers"),
     ("granitemoehybrid_dense", _set_rope("factor", 2.0), "rope_parameters.factor"),
 ]
 
@@ -129,9 +129,23 @@ def test_multi_token_prediction_layers_are_logged_as_skipped(checkpoints, caplog
 def test_nemotron_older_key_names_and_absent_keys_take_the_documented_defaults(checkpoints):
     raw = raw_config(checkpoints, "nemotron_h")
     raw["mamba_n_groups"] = raw.pop("n_groups")  # the older alias is read
-    raw.pop("time_step_min")  # neither name: transformers' default
+    raw.pop("time_step_limit", None)  # neither name: no limit
+    assert config_from_hf(raw).mamba.dt_limit == (0.0, float("inf"))
+    raw["mamba_dt_limit"] = [0.01, {"__float__": "Infinity"}]  # the older alias, infinity as transformers writes it
     mamba = config_from_hf(raw).mamba
-    assert mamba.n_groups == 2 and mamba.dt_limit[0] == 0.001
+    assert mamba.n_groups == 2 and mamba.dt_limit == (0.01, float("inf"))
+
+
+def test_nemotron_step_size_is_limited_by_time_step_limit_not_time_step_min(checkpoints):
+    """time_step_min initialises dt_bias; the clamp is time_step_limit (NVIDIA's implementation, and transformers
+    from 5.25). Before, cairn clamped at time_step_min as older transformers did: outputs of real checkpoints
+    moved (a step under 0.001 was raised to it)."""
+    raw = raw_config(checkpoints, "nemotron_h")
+    raw["time_step_min"], raw["time_step_limit"] = 0.001, [0.0, float("inf")]
+    assert config_from_hf(raw).mamba.dt_limit == (0.0, float("inf"))
+    raw["time_step_limit"] = [0.0]
+    with pytest.raises(ValueError, match="time_step_limit must be a list of 2 numbers"):
+        config_from_hf(raw)
 
 
 def test_checkpoint_directory_without_config_or_weights_is_refused(checkpoints, tmp_path):

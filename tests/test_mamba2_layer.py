@@ -30,7 +30,7 @@ def nemotron_h(limited: bool):
     cfg = NemotronHConfig(
         hidden_size=HIDDEN, num_hidden_layers=1, layers_block_type=["mamba"], mamba_num_heads=HEADS,
         mamba_head_dim=HEAD_DIM, n_groups=GROUPS, ssm_state_size=STATE, conv_kernel=KERNEL, chunk_size=CHUNK,
-        use_bias=True, time_step_min=BINDING[0] if limited else 0.0)
+        use_bias=True, time_step_limit=BINDING if limited else NONE)
     return cfg, NemotronHMamba2Mixer(cfg, layer_idx=0)
 
 
@@ -60,7 +60,7 @@ def spec_from_hf(cfg) -> Mamba2Spec:
         return Mamba2Spec(
             cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size,
             cfg.conv_kernel, cfg.chunk_size, cfg.layer_norm_epsilon,
-            dt_limit=(cfg.time_step_min, float("inf")),  # what its mixer applies; `time_step_limit` goes unread
+            dt_limit=tuple(cfg.time_step_limit),
             conv_bias=cfg.use_conv_bias, in_proj_bias=cfg.use_bias, out_proj_bias=cfg.use_bias)
     common = dict(
         hidden_size=cfg.hidden_size, num_heads=cfg.mamba_n_heads, head_dim=cfg.mamba_d_head,

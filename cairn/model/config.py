@@ -241,6 +241,18 @@ def eos_ids(text: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
+def config_floats(values: Any, key: str, count: int) -> tuple[float, ...]:
+    """A list of `count` numbers; transformers writes an infinity as {"__float__": "Infinity"}."""
+    if not isinstance(values, (list, tuple)) or len(values) != count:
+        raise ConfigError(f"config.json: {key} must be a list of {count} numbers, not {values!r}")
+    return tuple(float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v) for v in values)
+
+
+def dt_limit(value: Any, key: str = "time_step_limit") -> tuple[float, float]:
+    """A Mamba2 step-size clamp (low, high) from the config; absent or null is none: (0, inf)."""
+    return (0.0, float("inf")) if value is None else config_floats(value, key, 2)
+
+
 def default_rope_theta(raw: dict[str, Any]) -> float:
     """rope_theta from `rope_parameters` / `rope_scaling` or the flat key, for families whose rotary covers the
     whole head with default rope only: any other rope type or parameter is refused naming it."""

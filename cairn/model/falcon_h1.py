@@ -98,7 +98,16 @@ from cairn.layers.mamba2 import Mamba2Mixer
 from cairn.layers.mlp import SwiGLU
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
-from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, default_rope_theta, eos_ids
+from cairn.model.config import (
+    ConfigError,
+    KeyTable,
+    Mamba2Shape,
+    ModelConfig,
+    config_floats,
+    default_rope_theta,
+    dt_limit,
+    eos_ids,
+)
 from cairn.model.hybrid import HybridModel, ParallelAttentionMamba2, Target, swiglu_targets
 from cairn.ops import Kernels
 
@@ -148,7 +157,7 @@ def parse_config(raw: dict[str, Any]) -> FalconH1Config:
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     head_dim = int(raw.get("head_dim") or hidden // heads)
     n = int(raw["num_hidden_layers"])
-    gate_mult, down_mult = _floats(raw.get("mlp_multipliers") or (1.0, 1.0), "mlp_multipliers", 2)
+    gate_mult, down_mult = config_floats(raw.get("mlp_multipliers") or (1.0, 1.0), "mlp_multipliers", 2)
     cfg = FalconH1Config(
         family="falcon_h1", vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
         layer_types=("attention+mamba2",) * n, ffn_types=("dense",) * n,
@@ -182,19 +191,12 @@ def _mamba_shape(raw: dict[str, Any], hidden: int) -> Mamba2Shape:
         num_heads=num_heads, head_dim=head_dim, n_groups=int(raw.get("mamba_n_groups", 1)),
         state_size=int(raw.get("mamba_d_state", 256)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
         chunk_size=int(raw.get("mamba_chunk_size", 256)), norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        dt_limit=_floats(raw.get("time_step_limit") or (0.0, float("inf")), "time_step_limit", 2),
+        dt_limit=dt_limit(raw.get("time_step_limit")),
         conv_bias=bool(raw.get("mamba_conv_bias", True)), in_proj_bias=bool(raw.get("mamba_proj_bias", False)),
         out_proj_bias=bool(raw.get("projectors_bias", False)), gated_norm=bool(raw.get("mamba_rms_norm", False)),
         norm_before_gate=bool(raw.get("mamba_norm_before_gate", True)),
         input_multiplier=float(raw.get("ssm_in_multiplier", 1.0)),
-        zxbcdt_multipliers=_floats(raw.get("ssm_multipliers") or (1.0,) * 5, "ssm_multipliers", 5))
-
-
-def _floats(values: Any, key: str, count: int) -> tuple[float, ...]:
-    """A list of `count` numbers; transformers writes an infinity as {"__float__": "Infinity"}."""
-    if not isinstance(values, (list, tuple)) or len(values) != count:
-        raise ConfigError(f"config.json: {key} must be a list of {count} numbers, not {values!r}")
-    return tuple(float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v) for v in values)
+        zxbcdt_multipliers=config_floats(raw.get("ssm_multipliers") or (1.0,) * 5, "ssm_multipliers", 5))
 
 
 class KeyScaledAttention(Attention):

@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cairn.layers.mlp import SwiGLU
-from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, default_rope_theta, eos_ids
+from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, default_rope_theta, dt_limit, eos_ids
 from cairn.model.hybrid import HybridModel, Target
 
 MODEL_TYPES = ("granitemoehybrid",)
@@ -154,8 +154,8 @@ def _mamba(raw: dict[str, Any], hidden: int) -> Mamba2Shape:
         num_heads=heads, head_dim=head_dim, n_groups=int(raw.get("mamba_n_groups", 1)),
         state_size=int(raw.get("mamba_d_state", 256)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
         chunk_size=int(raw.get("mamba_chunk_size", 256)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        dt_limit=_dt_limit(raw), conv_bias=bool(raw.get("mamba_conv_bias", True)), in_proj_bias=bias,
-        out_proj_bias=bias, gated_norm=True, norm_before_gate=False)
+        dt_limit=dt_limit(raw.get("time_step_limit")), conv_bias=bool(raw.get("mamba_conv_bias", True)),
+        in_proj_bias=bias, out_proj_bias=bias, gated_norm=True, norm_before_gate=False)
 
 
 def _layer_types(types: list[str] | None, n: int) -> tuple[str, ...]:
@@ -178,14 +178,6 @@ def _rope_theta(raw: dict[str, Any]) -> float | None:
     if position != "rope":
         return None
     return default_rope_theta(raw)
-
-
-def _dt_limit(raw: dict[str, Any]) -> tuple[float, float]:
-    """`time_step_limit` (absent or null: none); transformers writes infinity as {"__float__": "Infinity"}."""
-    limit = raw.get("time_step_limit") or (0.0, float("inf"))
-    if len(limit) != 2:
-        raise ConfigError(f"config.json: time_step_limit={limit!r} is not a (low, high) pair")
-    return tuple(float(v["__float__"]) if isinstance(v, dict) else float(v) for v in limit)
 
 
 # ---- the feed-forward block ----------------------------------------------------------------------------

@@ -10,7 +10,9 @@ Each layer is one pre-norm residual block holding ONE op, named by a character o
 
 Norms are plain RMSNorms (x / rms(x) * w); attention is plain GQA without rotary, q/k norm or gate; the
 Mamba2 mixer's gated group norm multiplies by silu(z) before normalising, and its step size is clamped
-below at `time_step_min` (what transformers' mixer applies). The MoE is DeepSeek-V3-style: sigmoid
+to `time_step_limit` ((0, inf) unless the config says otherwise: NVIDIA's own implementation, and
+transformers' from 5.25; `time_step_min` only initialises dt_bias, though transformers before 5.25
+clamped at it). The MoE is DeepSeek-V3-style: sigmoid
 router with a score-correction bias and group-limited choice, squared-ReLU experts, a shared expert,
 optionally a latent width for the experts (cairn.layers.mlp.SigmoidMoE).
 
@@ -29,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from cairn.layers.mlp import ReluSquaredMLP, SigmoidMoE
-from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, eos_ids
+from cairn.model.config import ConfigError, KeyTable, Mamba2Shape, ModelConfig, dt_limit, eos_ids
 from cairn.model.hybrid import HybridModel, Target
 
 MODEL_TYPES = ("nemotron_h",)
@@ -41,7 +43,7 @@ KEYS = KeyTable(
         "intermediate_size", "max_position_embeddings", "tie_word_embeddings", "layer_norm_epsilon",
         "rms_norm_eps", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "mamba_n_groups",
         "conv_kernel", "mamba_d_conv", "chunk_size", "mamba_chunk_size", "use_conv_bias", "mamba_conv_bias",
-        "use_bias", "mamba_proj_bias", "time_step_min", "mamba_dt_min", "n_routed_experts", "num_experts_per_tok",
+        "use_bias", "mamba_proj_bias", "time_step_limit", "mamba_dt_limit", "n_routed_experts", "num_experts_per_tok",
         "moe_intermediate_size", "moe_shared_expert_intermediate_size", "n_group", "topk_group", "norm_topk_prob",
         "routed_scaling_factor", "moe_latent_size", "bos_token_id", "eos_token_id", "pad_token_id",
     }),
@@ -61,8 +63,8 @@ KEYS = KeyTable(
     no_effect=frozenset({
         "initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "output_router_logits",
         "model_type", "architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map",
-        "num_logits_to_keep", "time_step_max", "time_step_floor", "time_step_limit", "mamba_dt_max",
-        "mamba_dt_limit", "mamba_dt_init_floor", "expand", "mamba_expand", "rescale_prenorm_residual",
+        "num_logits_to_keep", "time_step_min", "time_step_max", "time_step_floor", "mamba_dt_min",
+        "mamba_dt_max", "mamba_dt_init_floor", "expand", "mamba_expand", "rescale_prenorm_residual",
         "use_mamba_kernels", "moe_shared_expert_overlap", "mtp_layers_block_type", "mtp_hybrid_override_pattern",
     }),
     refused={"num_nextn_predict_layers": "multi-token-prediction layers are not implemented"},
@@ -97,7 +99,7 @@ def parse_config(raw: dict[str, Any]) -> NemotronHConfig:
         conv_kernel=int(_first(raw, "conv_kernel", "mamba_d_conv", 4)),
         chunk_size=int(_first(raw, "chunk_size", "mamba_chunk_size", 128)),
         norm_eps=float(_first(raw, "layer_norm_epsilon", "rms_norm_eps", 1e-5)),
-        dt_limit=(float(_first(raw, "time_step_min", "mamba_dt_min", 0.001)), float("inf")),
+        dt_limit=dt_limit(_first(raw, "time_step_limit", "mamba_dt_limit", None)),
         conv_bias=bool(_first(raw, "use_conv_bias", "mamba_conv_bias", True)),
         in_proj_bias=bool(raw.get("use_bias", False)), out_proj_bias=bool(raw.get("use_bias", False)))
     cfg = NemotronHConfig(
