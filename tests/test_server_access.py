@@ -59,6 +59,18 @@ def test_the_x_api_key_header_opens_every_endpoint_as_the_bearer_token_does(serv
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_a_refused_key_on_v1_messages_is_an_anthropic_authentication_error(server):
+    """Anthropic's clients read error.type: the 401 on /v1/messages has Anthropic's shape, OpenAI's elsewhere."""
+    r = httpx.post(server.base_url + "/v1/messages", headers={"x-api-key": "wrong"}, timeout=60, json={
+        "model": "cairn-demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "authentication_error", body
+    assert set(body["error"]) == {"type", "message"} and "x-api-key" in body["error"]["message"]
+    r = httpx.post(server.base_url + "/v1/chat/completions", headers={"x-api-key": "wrong"}, json={})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_cors_preflight_from_an_allowed_origin_is_answered_without_the_key(server):
     r = httpx.options(server.base_url + "/v1/chat/completions", headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST",

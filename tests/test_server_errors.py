@@ -128,6 +128,23 @@ def test_unknown_route_is_openai_shaped_404(http):
     assert_still_serving(http)
 
 
+def anthropic_error(r: httpx.Response, status: int, kind: str) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+
+
+def test_errors_before_the_messages_handler_have_anthropics_shape_on_v1_messages(http):
+    """The body limit (a middleware) and a wrong method answer /v1/messages in Anthropic's shape, as its
+    handler's own errors do: an Anthropic client reads error.type, not OpenAI's error.code."""
+    headers = {"content-type": "application/json", "anthropic-version": "2023-06-01"}
+    anthropic_error(http.post("/v1/messages", content=b" " * (MAX_REQUEST_BYTES + 1), headers=headers),
+                    413, "request_too_large")
+    anthropic_error(http.get("/v1/messages"), 405, "invalid_request_error")
+    anthropic_error(http.post("/v1/messages", json={"max_tokens": 2}), 400, "invalid_request_error")
+    assert_still_serving(http)
+
+
 def _metrics(http: httpx.Client) -> dict[str, float]:
     text = http.get("/metrics").text
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(cairn_[a-z_]+) (\S+)$", text, re.M)}

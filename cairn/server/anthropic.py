@@ -41,8 +41,6 @@ from cairn.server.generate import Generation, ServingContext, SSEResponse, start
 from cairn.server.protocol import ChatCompletionRequest, Strict, refuse_lone_surrogates, refuse_unimplemented
 
 log = logging.getLogger(__name__)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 # ---- the request --------------------------------------------------------------------------------
@@ -316,16 +314,11 @@ async def _events(ctx: ServingContext, gen: Generation, shaper: ChatShaper, body
             for piece in pieces:
                 yield piece
     except Exception as e:
-        yield _event("error", {"error": error_body(from_exception(e))["error"]})
-
-
-def error_body(e: APIError) -> dict[str, Any]:
-    kind = ERROR_TYPES.get(e.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+        yield _event("error", {"error": from_exception(e).anthropic_body()["error"]})
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
+    return JSONResponse(e.anthropic_body(), status_code=e.status, headers=e.headers)
 
 
 async def guarded(handler: Awaitable[Response]) -> Response:

@@ -75,7 +75,7 @@ async def guarded(handler: Awaitable[Response], prompt_param: str) -> Response:
 
 def shaped_error(request: Request, e: APIError) -> JSONResponse:
     """The error in the shape of the API the request was for (Anthropic's on /v1/messages)."""
-    return anthropic.error_response(e) if request.url.path == "/v1/messages" else error_response(e)
+    return JSONResponse(e.body_for(request.url.path), status_code=e.status, headers=e.headers)
 
 
 def log_error(error: APIError, e: Exception) -> None:
@@ -96,9 +96,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return shaped_error(request, from_validation_errors(list(exc.errors())))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+        return shaped_error(request, APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -4,9 +4,11 @@ Every error the server returns has the body
 
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
-with the status codes below. This module decides status, type and code; it does not log and does
-not know about requests in flight. The engine's errors it maps come from cairn.errors, the only part
-of cairn it imports.
+with the status codes below, but on /v1/messages (Anthropic's API), whose errors, the middlewares' 401,
+413 and 408 included, have Anthropic's body {"type": "error", "error": {"type": str, "message": str}}
+with the type of ANTHROPIC_TYPES (`APIError.body_for`). This module decides status, type and code; it
+does not log and does not know about requests in flight. The engine's errors it maps come from
+cairn.errors, the only part of cairn it imports.
 
 | raised by                                    | status | type                  | code                    |
 |----------------------------------------------|--------|-----------------------|-------------------------|
@@ -36,6 +38,9 @@ from dataclasses import dataclass
 from cairn.errors import ChatTemplateError, QueueFull, RequestTooLarge, SamplingError
 
 INVALID = "invalid_request_error"
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class ServerShuttingDown(RuntimeError):
@@ -63,8 +68,16 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def body_bytes(self) -> bytes:
-        return json.dumps(self.body()).encode()
+    def anthropic_body(self) -> dict:
+        kind = ANTHROPIC_TYPES.get(self.status, INVALID if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def body_for(self, path: str) -> dict:
+        """The body in the shape of the API at `path`: Anthropic's on /v1/messages, else OpenAI's."""
+        return self.anthropic_body() if path == ANTHROPIC_PATH else self.body()
+
+    def body_bytes(self, path: str = "") -> bytes:
+        return json.dumps(self.body_for(path)).encode()
 
 
 def model_not_found(name: str) -> APIError:

@@ -49,8 +49,9 @@ def current_request_id() -> str | None:
     return _REQUEST_ID.get()
 
 
-async def send_error(send: Send, error: APIError) -> None:
-    body = error.body_bytes()
+async def send_error(send: Send, error: APIError, scope: Scope) -> None:
+    """The error as a whole response, in the shape of the API the request was for (errors.py)."""
+    body = error.body_bytes(scope.get("path", ""))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close"),
                *((k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items())]
@@ -79,14 +80,14 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await send_error(send, _too_large(self.max_bytes))
+            return await send_error(send, _too_large(self.max_bytes), scope)
         try:
             async with asyncio.timeout(self.timeout_s or None):
                 body = await self._read_body(receive)
         except TimeoutError:
-            return await send_error(send, _too_slow(self.timeout_s))
+            return await send_error(send, _too_slow(self.timeout_s), scope)
         if body is None:
-            return await send_error(send, _too_large(self.max_bytes))
+            return await send_error(send, _too_large(self.max_bytes), scope)
         chunks = collections.deque(body or [b""])
         del body  # (the app gets the chunks, and frees each once it is done with it: see `workers`)
 
@@ -209,7 +210,7 @@ class APIKeyAuth:
             return await self.app(scope, receive, send)
         await send_error(send, APIError(401, "A valid API key is required: send the header 'Authorization: "
                                              "Bearer <key>' or 'x-api-key: <key>'.", code="invalid_api_key",
-                                        headers={"WWW-Authenticate": "Bearer"}))
+                                        headers={"WWW-Authenticate": "Bearer"}), scope)
 
     def _has_key(self, scope: Scope) -> bool:
         """Either header holds the key (compared in constant time)."""
