@@ -128,6 +128,7 @@ def test_a_segment_found_bad_while_a_request_holds_it_is_planned_around_and_forg
         run(llm, CONVERSATION)
         cache = llm.engine.cache
         cache.speeds.prefill_tokens_per_s = 1e-3  # the planner then always takes the deepest point it can
+        cache.promote_resumed = False  # the snapshot's copy stays on disk alone
         prompt = CONVERSATION[:130] + [1, 2]
         first_req, first = admit(llm, prompt)
         node = cache.tree.match(prompt).resume_node
@@ -222,6 +223,7 @@ def test_a_path_whose_first_segment_redis_lost_mid_request_is_not_copied_to_disk
         cache = llm.engine.cache
         remote, disk = cache.tiers.by_name[REMOTE], cache.tiers.by_name[DISK]
         remote.store.redis.timeout_s = 5.0
+        cache.promote_resumed = False  # the resumed path's KV stays in Redis alone
         lost = []
 
         def redis_loses_the_first_segment():
@@ -262,6 +264,7 @@ def test_a_segment_evicted_from_a_shared_disk_while_its_path_is_copied_to_redis_
             remote, disk = cache.tiers.by_name[REMOTE], cache.tiers.by_name[DISK]
             remote.store.redis.timeout_s = 5.0
             assert disk.store.readonly
+            cache.promote_resumed = False  # the resumed path's KV stays on the disk alone
             evicted = []
 
             def the_writer_evicts_the_first_segment():

@@ -158,6 +158,25 @@ def test_a_conversation_resumes_from_disk_after_a_restart(tmp_path, family, fami
         same_as_cold(family_cold, out, prompt)
 
 
+def test_a_prefix_resumed_from_disk_is_put_back_on_the_device_for_the_next_request(tmp_path, cold):
+    """After a restart every conversation is on disk only: a resume reads it there once, and the next request
+    on the same prefix (another turn, a conversation sharing it) resumes from device memory, as cold."""
+    with tiered(tmp_path) as first:
+        run(first, CONVERSATION)
+    with tiered(tmp_path) as second:
+        first_out = run(second, CONVERSATION + [5, 6, 7])
+        assert first_out.cache.resume_tier == "disk" and first_out.cache.resume_position > 0
+        p = first_out.cache.resume_position
+        tree = second.engine.cache.tree
+        assert all("device" in node.kv for node in tree.match(CONVERSATION).path if node.end <= p)
+        prompt = CONVERSATION + [8, 9]
+        out = run(second, prompt)
+        assert out.cache.resume_tier == "device" and out.cache.resume_position == p
+        same_as_cold(cold, out, prompt)
+        moves = second.engine.cache.stats().tier_moves
+        assert moves["snapshot disk->device"] >= 1 and moves["kv disk->device"] >= 1
+
+
 def test_another_model_never_sees_the_segments(tmp_path, family):
     with tiered(tmp_path, model=family) as first:
         run(first, CONVERSATION)
@@ -278,8 +297,8 @@ def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes
         counters = engine.cache.tiers.by_name["disk"].counters  # the split node is written from the request's own pages
         assert counters["write_unreadable"] == 0 and counters["segments_written"] >= 1
         engine.check_integrity()
-        again = run(second, prompt)  # the KV prefix under its snapshots is gone: cold, and the same
-        assert again.cache.miss_reason == "corrupt"
+        again = run(second, prompt)  # the disk copies are gone; the resume put the prefix back on the device
+        assert again.cache.resume_tier in ("device", "host") and again.cache.miss_reason is None
         same_as_cold(cold, again, prompt)
 
 

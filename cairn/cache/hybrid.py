@@ -7,7 +7,9 @@ to take snapshots), the planner (where to resume) and the tiers (where the bytes
                 tiers; lock the matched path; share the device KV pages of [0, p) and copy the rest
                 (host or disk pages, and the page holding p when p is mid-page, so the request never
                 writes a page the tree owns) into fresh pages; copy the snapshot into the working slot
-                (the stored copy stays); then place this prompt's snapshots. All of it is returned in
+                (the stored copy stays); put what came from a slower tier back on the device (the
+                tree shares the fresh pages, the snapshot gets a device copy when there is room);
+                then place this prompt's snapshots. All of it is returned in
                 an `Admission` for the scheduler to apply: the cache never writes the request.
     captures    while a step is built: reserve device slots for the placed positions strictly inside
                 the chunk; the linear layers write their state there during the step.
@@ -71,6 +73,9 @@ class HybridPrefixCache(PrefixCache):
         self.taken_by_source: Counter[str] = Counter()
         self.restored_by_tier: Counter[str] = Counter()
         self.dropped_by_reason: Counter[str] = Counter()
+        # put back on the device what a resume reads from a slower tier (TierSet.promote); the tests of faults
+        # in a lower tier turn it off to keep a running request's path on that tier alone
+        self.promote_resumed = True
         self.indexes: dict[str, DiskIndex] = {}  # segment tier name -> its index of the store's segments
         for tier in tiers.tiers:
             if tier.pages is None:
@@ -209,6 +214,9 @@ class HybridPrefixCache(PrefixCache):
         if p == len(req.token_ids):
             admission.ready_logits = logits
         self._report_resume(admission.report, p, chosen, resume.snapshot.source, time.perf_counter() - started)
+        if self.promote_resumed:  # after the load is timed: the planner prices loads by that time
+            self.tiers.promote([n for n in match.path if n.end <= p], table, resume.snapshot.handle,
+                               chosen.snapshot_tier, self.states, req.state_slot, logits)
         return "ok"
 
     @contextmanager

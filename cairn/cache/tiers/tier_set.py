@@ -3,7 +3,8 @@
 Eviction demotes before it drops: a snapshot or KV copy that must leave a tier is stored into the
 next tier down that takes it (making room there the same way) unless a slower tier already holds
 it; only when no slower tier takes it is it dropped, and every drop is counted with its reason.
-Restoring copies into the request's working slot and fresh device pages; the stored copies stay.
+Restoring copies into the request's working slot and fresh device pages; the stored copies stay, and
+what a resume read from a slower tier is put back on the device (`promote`).
 The tiers are `Tier` objects (tiers/base.py): the device (a `DeviceTier`) first, then the `LowerTier`s,
 e.g. host and disk; adding one is a class and a line in the factory, nothing here.
 
@@ -135,6 +136,27 @@ class TierSet:
         """Free every copy of a snapshot the tree let go (a segment tier's file stays, LRU there)."""
         for tier in self.holding(handle.copies):
             tier.free_snapshot(handle.copies.pop(tier.name))
+
+    def promote(self, nodes: Sequence[Node], table: list[int], handle: TieredSnapshot, tier: str, states: StatePool,
+                slot: int, logits: torch.Tensor | None) -> None:
+        """Put back on the device what a resume just read from slower tiers, so that the next request on the
+        prefix (a resend, another conversation sharing it; after a restart, every one) reads device memory:
+        each of `nodes` (the path [0, p)) without device KV lists the request's pages `table` it was loaded
+        into (the request writes none of its positions; the tree takes a reference of its own), and the
+        snapshot restored from `tier` into states[slot] gets a device copy when the device can make room
+        for it as for a new one. The slower copies stay, so device eviction later just frees these."""
+        for node in nodes:
+            if DEVICE not in node.kv:
+                source = self.page_source(node).name
+                self.tree.share_pages(node, DEVICE, [table[i] for i in page_indices(node.start, node.end,
+                                                                                    self.tree.page_size)])
+                self.moved[f"kv {source}->{DEVICE}"] += 1
+        if DEVICE in handle.copies or not self._make_snapshot_room(self.device, handle.has_logits):
+            return
+        copy = self.device.store(states, slot, logits if handle.has_logits else None)
+        if copy is not None:
+            handle.copies[DEVICE] = copy
+            self.moved[f"snapshot {tier}->{DEVICE}"] += 1
 
     def restore_snapshot(self, handle: TieredSnapshot, tier: str, states: StatePool, slot: int):
         """Copy the snapshot's `tier` copy into states[slot]; returns its logits (or None), or False when

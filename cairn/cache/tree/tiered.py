@@ -128,6 +128,13 @@ class TieredRadixTree(RadixTree):
         self._refs[tier].update(pages)
         node.kv[tier] = list(pages)
 
+    def share_pages(self, node: Node, tier: str, pages: list[int]) -> None:
+        """Record that node's KV is (also) in these pages of page tier `tier`, which a request holds too (the
+        pages a resume loaded node's KV into): the tree takes a reference of its own on each."""
+        assert tier not in node.kv and len(pages) == len(page_indices(node.start, node.end, self.page_size))
+        self._incref(tier, pages)
+        node.kv[tier] = list(pages)
+
     @contextmanager
     def moving(self, node: Node) -> Iterator[None]:
         """Keep node and its ancestors out of every victim queue while node's KV is moved to a slower tier:
