@@ -31,7 +31,9 @@ class CacheStats:
     taken_by_source: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_taken_by_total{source}
     restored_by_tier: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_restored_from_total{tier}
     dropped_by_reason: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_dropped_total{reason}
-    tier_moves: dict[str, int] = field(default_factory=dict)  # counter cairn_cache_tier_moves_total{kind}
+    # counter cairn_cache_tier_moves_total{kind}: demotions ("snapshot device->host", "kv host->disk", ...) and
+    # what resumes put back on the device ("snapshot disk->device", "kv disk->device", ...)
+    tier_moves: dict[str, int] = field(default_factory=dict)
     tier_drops: dict[str, int] = field(default_factory=dict)  # counter cairn_cache_tier_drops_total{reason}
     snapshots_per_tier: dict[str, int] = field(default_factory=dict)  # gauge cairn_cache_num_snapshots{tier}
     snapshot_used_bytes: dict[str, int] = field(default_factory=dict)  # gauge ..._snapshot_used_bytes{tier}

@@ -5,7 +5,10 @@ Recorded as requests happen:
     cairn_requests_total{endpoint, status}         HTTP requests by route and status code
     cairn_requests_finished_total{finish_reason}   stop / length / abort (client gone, shutdown) / error
     cairn_prompt_tokens_total                      prompt tokens of requests whose prefill is done
-    cairn_cached_tokens_total{tier}                of which resumed from the cache, by resume tier
+    cairn_cached_tokens_total{tier}                of which resumed from the cache, by resume tier (the
+                                                   cache's own cairn_cache_cached_tokens_total counts every
+                                                   resume when it is made: a request aborted before its
+                                                   prefill ended, or admitted again, counts there too)
     cairn_computed_prompt_tokens_total             of which prefilled (prompt - cached)
     cairn_generation_tokens_total                  generated tokens (aborted requests' included)
     cairn_time_to_first_token_seconds              histogram: request received -> first token out
