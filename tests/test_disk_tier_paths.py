@@ -1,9 +1,9 @@
 """The disk tier's failure paths on a real engine (demo model, fp32, greedy) and a real cache directory.
 
 A store that refuses every write (a budget smaller than one segment), segments whose parent is gone at
-start-up (orphans: never resumable), and a disk tier feeding the Redis tier (segments read back from disk
-to be written to Redis): each request is still served as cold serves it, and what happened is counted in
-the stats that /metrics exports (`cairn_cache_disk_operations_total{kind}`).
+start-up (orphans: never resumable, deleted by the writer), and a disk tier feeding the Redis tier
+(segments read back from disk to be written to Redis): each request is still served as cold serves it,
+and what happened is counted in the stats that /metrics exports (`cairn_cache_disk_operations_total{kind}`).
 
 The races with another process: a segment lost from Redis or evicted from a shared disk while a request
 resumed from it runs (its path cannot be copied to the other tier until the request's end), a writer
@@ -49,20 +49,29 @@ def test_a_disk_too_small_for_any_segment_fails_each_write_counted_and_serves_as
         same_as_cold(cold_llm(), out, prompt)
 
 
-def test_segments_whose_parent_is_gone_at_restart_are_counted_as_orphans_and_never_resumed(tmp_path):
+def test_segments_whose_parent_is_gone_at_restart_are_counted_as_orphans_never_resumed_and_deleted(tmp_path):
+    """The first segment of a conversation is gone (a crash, a corrupt file removed): every segment below it can
+    never be resumed. A read-only engine counts them and leaves them; the namespace's writer counts them and
+    deletes them (they took the budget and were scanned at every start), so the next start finds none."""
     with LLM(**OPTS, disk_cache=str(tmp_path)) as first:
         run(first, CONVERSATION)
         store = first.engine.cache.tiers.by_name["disk"].store
         keys = store.keys()
         (root_key,) = [k for k in keys if store.info(k).parent_key is None]
         namespace = Path(store.root) / store.compat_digest
-    (namespace / (root_key.hex() + ".seg")).unlink()
+        (namespace / (root_key.hex() + ".seg")).unlink()
+        with LLM(**OPTS, disk_cache=str(tmp_path)) as reader:  # the first engine holds the lock
+            assert operations(reader)["orphan_segments"] == len(keys) - 1
+            assert len(list(namespace.glob("*.seg"))) == len(keys) - 1  # a read-only store deletes nothing
     with LLM(**OPTS, disk_cache=str(tmp_path)) as second:
         assert operations(second)["orphan_segments"] == len(keys) - 1  # every other segment chains to the root
         assert second.engine.cache.tree.num_nodes == 0  # nothing hung below the root
+        assert not list(namespace.glob("*.seg")) and second.engine.cache.stats().disk.num_segments == 0
         out = run(second, CONVERSATION + [5, 6])
         assert out.cache.cached_tokens == 0
         same_as_cold(cold_llm(), out, CONVERSATION + [5, 6])
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as third:  # what the second wrote chains to the root again
+        assert "orphan_segments" not in operations(third)
 
 
 def test_a_conversation_indexed_from_disk_is_written_on_to_redis_and_resumed_there_as_cold(tmp_path, redis_server):

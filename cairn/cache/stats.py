@@ -19,8 +19,8 @@ class DiskStats:
     forgotten: dict[str, int] = field(default_factory=dict)  # counter ..._disk_segments_forgotten_total{reason}
     # counter cairn_cache_disk_operations_total{kind}: the tier's segments_written, write_failed (the store
     # refused it), write_unreadable (the node's KV could not be read to write it), read_ok, read_bad,
-    # read_missing, orphan_segments (indexed at start-up without their parent: never resumable); the
-    # remote tier adds lookups and lookup_hits
+    # read_missing, orphan_segments (indexed at start-up without their parent: never resumable; the disk
+    # store's lock holder deletes them); the remote tier adds lookups and lookup_hits
     operations: dict[str, int] = field(default_factory=dict)
 
 

@@ -102,6 +102,7 @@ class DiskStore(Pins):
       pin / unpin    a pinned key is never evicted (pins nest); a pin does not keep a bad file.
       on_evict(key)  called, outside the store's locks, whenever an indexed key leaves the index
                      without the caller asking: budget eviction or a bad file found by get.
+      remove_unreachable(keys)  delete segments the tier found orphaned at start-up.
     A store that cannot take the namespace's lock is read-only: it gets and scans, never writes,
     evicts, deletes or moves. used_bytes <= budget_bytes always holds for the lock holder.
     Bad files: the lock holder deletes a corrupt segment of ours and moves an entry named like a
@@ -456,6 +457,20 @@ class DiskStore(Pins):
             unlink_ours(self._dir_fd, segment_file_name(key))
             self._counts["evictions"] += 1
         return victims
+
+    def remove_unreachable(self, keys: list[bytes]) -> int:
+        """Delete indexed segments the caller found unreachable (an orphan: the chain above it is gone), so that
+        they stop taking the budget and being scanned; returns the bytes freed. The lock holder only, pinned
+        keys kept; nobody is notified (nothing hung them on a tree)."""
+        if self.readonly:
+            return 0
+        freed = 0
+        with self._lock:
+            for key in keys:
+                if key in self._index and key not in self._pins:
+                    freed += self._index[key].size_bytes
+                    self._evict([key])
+        return freed
 
     def _notify(self, keys: list[bytes]) -> None:
         if self.on_evict is not None:

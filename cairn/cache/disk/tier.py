@@ -295,16 +295,21 @@ class DiskTier:
 
     def stored_paths(self) -> Iterator[tuple[tuple[int, ...], int, DiskRef, bool, bool]]:
         """(path tokens [0, end), start, ref, has_snapshot, has_logits) for every indexed segment whose
-        prefix chain is complete, parents before children. Orphans (a missing parent) are counted."""
+        prefix chain is complete, parents before children. Orphans (a missing parent: evicted, or a file
+        found bad, which leaves every segment below it unreachable) are counted and, once every segment
+        was seen, deleted by the store's lock holder: they would take the budget and be scanned at
+        every start for nothing."""
         infos = [self.store.info(k) for k in self.store.keys()]  # noqa: SIM118 (a store, not a dict)
         infos = sorted((i for i in infos if i is not None), key=lambda i: (i.start_position, i.key))
         wanted = Counter(i.parent_key for i in infos if i.parent_key is not None)
         paths: dict[bytes, tuple[int, ...]] = {}
+        orphans = []
         for info in infos:
             tokens = self.store.get_tokens(info.key)
             prefix = () if info.parent_key is None else paths.get(info.parent_key)
             if tokens is None or prefix is None or len(prefix) != info.start_position:
                 self.counters["orphan_segments"] += 1
+                orphans.append(info.key)
                 continue
             path = prefix + tokens
             end_key = segment_key(None, path)
@@ -312,3 +317,10 @@ class DiskTier:
                 paths[end_key] = path
             yield path, info.start_position, DiskRef(info.key, info.start_position, len(path)), \
                 info.has_snapshot, info.has_logits
+        self._remove_orphans(orphans)
+
+    def _remove_orphans(self, keys: list[bytes]) -> None:
+        freed = self.store.remove_unreachable(keys) if keys else 0
+        if freed:
+            log.info("%s cache: deleted %d segments whose prefix is gone (%.1f MiB): none could be resumed",
+                     self.name, len(keys), freed / 2**20)

@@ -34,6 +34,10 @@ class RemoteTier(DiskTier):
                  bandwidth: float = REMOTE_BANDWIDTH):
         super().__init__(store, page_size, write_through, name, bandwidth)  # type: ignore[arg-type] (same interface)
 
+    def _remove_orphans(self, keys: list[bytes]) -> None:
+        """Nothing: in a store shared with other replicas, a segment whose parent this process does not know
+        is not an orphan (its known keys are what lookups found)."""
+
     def persist(self, path: list[Node], source: Source) -> int:
         """Queue every node of `path` (root to node) that the store lacks (or holds without the snapshot the
         node now has); returns segments queued. Stops at the first refusal: a later node would be
