@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,3 +141,20 @@ def test_tokenizer_and_chat_template_load_from_the_checkpoint(tmp_path):
     # message starts: the user message, then the generation prompt
     assert len(starts) == 2 and all(tok.decode(ids[:s]).endswith("<|im_end|>\n") for s in starts)
     assert tok.decode(ids[starts[0]:starts[1]]) == "<|im_start|>user\nhéllo<|im_end|>\n"
+
+
+def test_building_a_model_leaves_torch_dynamo_unimported_and_torch_nn_init_as_it_was():
+    """Modules are built on the meta device with torch.nn.init's functions as no-ops: the first normal_ on a meta
+    tensor imported torch._dynamo, about 2 s of every server's and CLI call's start-up. The functions are put
+    back after the build, and an engine built so serves."""
+    code = ("import sys, torch\n"
+            "before = {n: getattr(torch.nn.init, n) for n in dir(torch.nn.init)}\n"
+            "from cairn.llm import LLM\n"
+            "from cairn.sampling import SamplingParams\n"
+            "llm = LLM(kv_cache_gib=0.05, state_cache_gib=0.05)\n"
+            "out = llm.generate([[10, 11, 12]], SamplingParams(max_tokens=2, temperature=0.0))[0]\n"
+            "assert all(getattr(torch.nn.init, n) is f for n, f in before.items())\n"
+            "print(len(out.token_ids), 'torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "False"]

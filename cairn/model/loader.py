@@ -8,8 +8,10 @@ A tensor that belongs nowhere, or a parameter left incomplete, is an error namin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -59,10 +61,26 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def _no_parameter_init() -> Iterator[None]:
+    """torch.nn.init's functions as no-ops while the model's modules are built on the meta device, where they
+    compute nothing anyway: the first normal_ on a meta tensor imports torch._dynamo, about 2 s of every
+    process's start-up (a server, a CLI call). Start-up only: the functions are module globals."""
+    init = torch.nn.init
+    saved = {name: getattr(init, name) for name in dir(init) if name.endswith("_") and not name.startswith("_")}
+    for name in saved:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> HybridModel:
     """An uninitialised model of cfg's family on `device` (fill it with load_checkpoint or init)."""
     cls = model_class(cfg)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_parameter_init():
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
