@@ -9,8 +9,8 @@ to take snapshots), the planner (where to resume) and the tiers (where the bytes
                 writes a page the tree owns) into fresh pages; copy the snapshot into the working slot
                 (the stored copy stays); put what came from a slower tier back on the device (the
                 tree shares the fresh pages, the snapshot gets a device copy when there is room);
-                then place this prompt's snapshots. All of it is returned in
-                an `Admission` for the scheduler to apply: the cache never writes the request.
+                then place this prompt's snapshots. All of it is returned in an `Admission` for the
+                scheduler to apply: the cache never writes the request.
     captures    while a step is built: reserve device slots for the placed positions strictly inside
                 the chunk; the linear layers write their state there during the step.
     after_step  publish those captures, and at a placed position that ends the chunk copy the working
