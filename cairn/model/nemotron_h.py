@@ -12,9 +12,9 @@ Norms are plain RMSNorms (x / rms(x) * w); attention is plain GQA without rotary
 Mamba2 mixer's gated group norm multiplies by silu(z) before normalising, and its step size is clamped
 to `time_step_limit` ((0, inf) unless the config says otherwise: NVIDIA's own implementation, and
 transformers' from 5.25; `time_step_min` only initialises dt_bias, though transformers before 5.25
-clamped at it). The MoE is DeepSeek-V3-style: sigmoid
-router with a score-correction bias and group-limited choice, squared-ReLU experts, a shared expert,
-optionally a latent width for the experts (cairn.layers.mlp.SigmoidMoE).
+clamped at it). The MoE is DeepSeek-V3-style: sigmoid router with a score-correction bias and
+group-limited choice, squared-ReLU experts, a shared expert, optionally a latent width for the experts
+(cairn.layers.mlp.SigmoidMoE).
 
 Checkpoint tensors sit under `backbone.` (NVIDIA's checkpoints) or `model.` (transformers'
 save_pretrained); the layer's one norm is `layers.{i}.norm` and its one op is `layers.{i}.mixer`,
