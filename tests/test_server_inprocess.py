@@ -9,6 +9,7 @@ import asyncio
 import logging
 import re
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -98,6 +99,44 @@ def test_draining_server_refuses_new_requests_with_503(client, app):
     r = client.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
 
+
+
+def test_a_stream_whose_step_runs_past_the_drain_deadline_ends_with_its_error_event_at_the_deadline(
+        client, app, engine, monkeypatch):
+    """The engine thread aborts what is left at a drain's deadline only between steps; a step running past it (a
+    long prefill) held the stream until uvicorn cancelled its task, cutting it without its error event. The
+    stream now ends at the deadline while the step still runs, and the request is freed once the step returns."""
+    real_step, entered, release = engine.step, threading.Event(), threading.Event()
+    calls = [0]
+
+    def step():
+        calls[0] += 1
+        if calls[0] == 2:  # the first decode step: hold it as a long step would be
+            entered.set()
+            release.wait(20)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    events: list[str] = []
+    try:
+        with client.stream("POST", "/v1/chat/completions",
+                           json={**CHAT, "stream": True, "max_tokens": 8}) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            events.append(next(lines))
+            assert entered.wait(20)
+            app.state.ctx.bridge.drain(timeout_s=0.2)
+            events.extend(lines)
+            ended_inside_the_step = not release.is_set()
+    finally:
+        release.set()
+    assert ended_inside_the_step
+    assert events[-1] == "data: [DONE]" and '"code":"shutting_down"' in events[-2], events[-3:]
+    deadline = time.monotonic() + 10
+    while metric(client, "cairn_num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(client, "cairn_num_requests_running") == 0
+    assert metric(client, "cairn_kv_pages_free") + metric(client, "cairn_kv_pages_cached") == \
+        metric(client, "cairn_kv_pages_total")
 
 def test_health_is_503_once_the_engine_thread_has_stopped(client, app):
     assert client.get("/health").status_code == 200

@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,10 +66,11 @@ class Submission:
 
 
 class RequestStream:
-    """The outputs of one request, in order: `async for out in stream`. Consumed by one task."""
+    """The outputs of one request, in order: `async for out in stream`. Consumed by one task, on `loop`."""
 
-    def __init__(self, bridge: EngineBridge, request_id: str, outputs: asyncio.Queue):
+    def __init__(self, bridge: EngineBridge, request_id: str, outputs: asyncio.Queue, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
+        self.loop = loop
         self._bridge = bridge
         self._outputs = outputs
         self.done = False  # the finished output (or an error) has been taken
@@ -91,6 +93,18 @@ class RequestStream:
         if not self.done:
             self.done = True
             self._bridge.abort(self.request_id)
+
+    def expire_at(self, deadline_s: float) -> None:
+        """On `loop`: at time.monotonic() `deadline_s` (a drain's), end the stream with ServerShuttingDown after
+        the outputs it already holds, and abort the request. The engine thread aborts what is left at the same
+        deadline too, but only between steps: a step running past it (a long prefill) would otherwise hold
+        the stream until uvicorn cancels its task, cutting it without its error event."""
+        def expire() -> None:
+            if not self.done:
+                self._outputs.put_nowait(ServerShuttingDown("The server is shutting down; the request was aborted."))
+                self._bridge.abort(self.request_id)
+
+        self.loop.call_later(max(0.0, deadline_s - time.monotonic()), expire)
 
 
 def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -123,6 +137,9 @@ class EngineBridge:
         self.stalled: str | None = None  # engine.stalled() as of the last step or command
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="cairn-engine", daemon=True)
+        self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()  # every stream handed out and alive
+        self._streams_lock = threading.Lock()  # guards _streams and _expiry_s (drain may run on any thread)
+        self._expiry_s: float | None = None  # the earliest drain deadline, as time.monotonic()
         # The fields below are touched only by the engine thread.
         self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
         self._draining = False  # refuse new requests
@@ -150,11 +167,18 @@ class EngineBridge:
         return None
 
     def drain(self, timeout_s: float) -> None:
-        """Refuse new requests from now on (ServerShuttingDown); abort those still running after timeout_s
-        (or at an earlier deadline an earlier call set)."""
+        """Refuse new requests from now on (ServerShuttingDown); abort those still running timeout_s after this
+        call (or at an earlier deadline an earlier call set). Their streams end at the deadline even while the
+        engine thread is inside a step (`RequestStream.expire_at`)."""
+        deadline = time.monotonic() + timeout_s
+        with self._streams_lock:
+            self._expiry_s = min(deadline, self._expiry_s or deadline)
+            streams = list(self._streams)
+        for stream in streams:
+            _post(stream.loop, stream.expire_at, deadline)
+
         def begin() -> None:
             self._draining = True
-            deadline = time.monotonic() + timeout_s
             self._drain_deadline_s = min(deadline, self._drain_deadline_s or deadline)
         self._commands.put(begin)
 
@@ -200,7 +224,13 @@ class EngineBridge:
         except asyncio.CancelledError:
             self.abort(sub.request_id)  # the add may still run after our caller went away
             raise
-        return RequestStream(self, sub.request_id, outputs)
+        stream = RequestStream(self, sub.request_id, outputs, loop)
+        with self._streams_lock:
+            self._streams.add(stream)
+            deadline = self._expiry_s
+        if deadline is not None:  # a drain began after the engine thread took the request
+            stream.expire_at(deadline)
+        return stream
 
     async def tokenize(self, sub: Submission) -> TokenizedPrompt:
         """The request's prompt rendered and tokenized by the offload workers (never the engine thread)."""
