@@ -1,5 +1,6 @@
 """SIGTERM / SIGINT on a real `cairn serve` process: it stops accepting, aborts the stream still running
-after --shutdown-timeout-s with a last error event and [DONE], and exits 0 within a bounded time."""
+after --shutdown-timeout-s with a last error event and [DONE], and exits 0 within a bounded time; and where
+a second signal's drain runs (on the event loop, never inside the signal handler)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,26 @@ def test_request_whose_body_is_still_arriving_at_shutdown_ends_with_one_line_and
         assert "Traceback" not in log and "CancelledError" not in log, log
     finally:
         srv.stop()
+
+
+def test_a_second_signal_drains_on_the_event_loop_not_inside_the_signal_handler():
+    """A Python signal handler runs between two bytecodes of the main thread, which may then hold a lock
+    drain() takes (the bridge's streams lock in submit, its command queue's): draining inside the handler
+    could deadlock the server. The second signal schedules the drain as the loop's next callback."""
+    import asyncio
+
+    import uvicorn
+
+    from cairn.server.main import GracefulServer
+
+    drained: list[float] = []
+    server = GracefulServer(uvicorn.Config(app=None), drained.append, 5.0)
+
+    async def scenario() -> tuple[list[float], list[float]]:
+        server.handle_exit(signal.SIGTERM, None)
+        server.handle_exit(signal.SIGTERM, None)
+        inside_the_handler = list(drained)
+        await asyncio.sleep(0)
+        return inside_the_handler, list(drained)
+
+    assert asyncio.run(scenario()) == ([], [0.0])

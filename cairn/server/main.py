@@ -53,7 +53,12 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit:
             log.info("signal %d again: aborting every request now", sig)
-            self._drain(0.0)
+            # A signal handler runs between two bytecodes of the main thread, which may hold a lock drain()
+            # takes (the bridge's, a queue's): drain on the event loop, as its next callback.
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(self._drain, 0.0)
+            except RuntimeError:  # no loop running (yet, or any more)
+                self._drain(0.0)
             return
         self.should_exit = True
         log.info("signal %d: shutting down", sig)
