@@ -399,6 +399,9 @@ class Engine:
         reason = self.scheduler.append(seq, s.token)
         is_stop_token = reason == "stop"
         if seq.grammar is not None and seq.grammar.done:
+            if seq.num_output_tokens < seq.params.min_tokens:  # only end-of-sequence may follow, which min_tokens bans
+                return self._fail_request(seq, f"the structured output ended after {seq.num_output_tokens} tokens, "
+                                               f"before min_tokens ({seq.params.min_tokens})")
             reason = "stop"
         delta, hit = self._detok[seq.request_id].add(None if is_stop_token else s.token, final=reason is not None,
                                                      check_stop=seq.num_output_tokens >= seq.params.min_tokens)

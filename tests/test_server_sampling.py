@@ -82,6 +82,19 @@ def test_request_whose_own_sampling_fails_fails_alone(client, http):
     assert http.get("/health").status_code == 200
 
 
+def test_a_structured_output_complete_before_min_tokens_fails_its_request_rather_than_ignoring_min_tokens(client):
+    """A boolean schema is complete after a few tokens; only end-of-sequence may follow, which min_tokens bans. The
+    request used to stop there, min_tokens silently ignored; it fails with the reason, as README says."""
+    boolean = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}}
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, response_format=boolean,
+                                       extra_body={"min_tokens": 20})
+    assert "before min_tokens (20)" in str(e.value)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, response_format=boolean,
+                                       extra_body={"min_tokens": 1})
+    assert json.loads(r.choices[0].message.content) in (True, False) and r.choices[0].finish_reason == "stop"
+
+
 # ---- n > 1 ------------------------------------------------------------------------------------------
 
 def test_n_choices_share_the_prompt_and_come_back_indexed(client, server):
