@@ -114,21 +114,23 @@ class Scheduler:
     def abort(self, request_id: str) -> Sequence | None:
         for seq in [*self.waiting, *self.running]:
             if seq.request_id == request_id:
-                self.drop(seq)
+                self.drop(seq, aborted=True)
                 seq.finish_reason = "abort"
                 return seq
         return None
 
-    def drop(self, seq: Sequence) -> None:
+    def drop(self, seq: Sequence, aborted: bool = False) -> None:
         """Take seq out of the queue or the running batch and free everything it holds (its cache lock
-        and captures, pages, slot), even when the cache's release raises (that error propagates)."""
+        and captures, pages, slot), even when the cache's release raises (that error propagates).
+        `aborted`: ended early by its client or a shutdown (not a failed step): the cache keeps what it
+        snapshotted."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
         seq.status = Status.FINISHED
         try:
-            self._release_cache(seq, finished=False)
+            self._release_cache(seq, finished=False, aborted=aborted)
         finally:
             self.release(seq)
 
@@ -318,11 +320,11 @@ class Scheduler:
         finally:
             self.release(seq)
 
-    def _release_cache(self, seq: Sequence, finished: bool) -> None:
+    def _release_cache(self, seq: Sequence, finished: bool, aborted: bool = False) -> None:
         """Tell the cache seq stops running (its locks and captures go); seq's admission is over."""
         admission, seq.admission = seq.admission, None
         if admission is not None:
-            seq.cache.snapshots_taken += self.cache.release(admission, self._view(seq), finished)
+            seq.cache.snapshots_taken += self.cache.release(admission, self._view(seq), finished, aborted)
 
     @staticmethod
     def _view(seq: Sequence) -> CacheRequest:

@@ -375,3 +375,47 @@ def test_a_resume_from_disk_keeps_its_segments_while_making_room_for_their_pages
         assert operations(llm)["read_ok"] >= 1 and "read_missing" not in operations(llm)  # its pages, from disk
         assert cache.tiers.moved["kv device->disk"] == 2  # the second conversation went to disk meanwhile
         same_as_cold(cold_llm(), out, first + [5, 6])
+
+
+def test_a_request_aborted_after_its_prefill_is_written_through_and_resumed_from_disk_after_a_restart(tmp_path):
+    """A client that cancels a stream (499) or a shutdown that aborts one: the request's snapshots were taken by
+    steps that completed, so they are written through as a finished request's are. Before, only finished requests
+    were: an aborted one's snapshots stayed on the device, and after a restart its prompt was prefilled cold."""
+    from cairn.sampling import SamplingParams
+
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as first:
+        engine = first.engine
+        engine.add_request(CONVERSATION, SamplingParams(max_tokens=200, ignore_eos=True), request_id="cancelled")
+        while not any(out.delta_token_ids for out in engine.step()):  # prefill, to its first token
+            pass
+        engine.step()
+        engine.abort("cancelled")
+        engine.check_integrity()
+        assert operations(first).get("segments_written", 0) > 0, operations(first)
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as second:
+        prompt = CONVERSATION + [5, 6]
+        out = run(second, prompt)
+        assert out.cache.resume_tier == DISK and out.cache.cached_tokens == len(CONVERSATION)
+        same_as_cold(cold_llm(), out, prompt)
+
+
+def test_segments_below_one_found_bad_are_resumed_again_once_a_request_has_written_it_again(tmp_path):
+    """A bad segment is forgotten with every segment below it (they chain through it). The next request over it
+    recomputes it and writes it again under the same key; the intact segments below it are hung on the tree again
+    then, so a request on the stored conversation resumes from them, not only after a restart."""
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as first:
+        run(first, CONVERSATION)
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as second:  # everything on disk alone
+        store = second.engine.cache.tiers.by_name["disk"].store
+        (root_key,) = [k for k in store.keys() if store.info(k).parent_key is None]
+        flip = Path(store.root) / store.compat_digest / (root_key.hex() + ".seg")
+        data = bytearray(flip.read_bytes())
+        data[len(data) // 2] ^= 1
+        flip.write_bytes(bytes(data))
+        branch = CONVERSATION[:100] + [7] * 20
+        assert run(second, branch).cache.cached_tokens == 0  # found bad: cold, and [0, 64) written again
+        assert store.info(root_key) is not None
+        prompt = CONVERSATION + [5, 6]
+        out = run(second, prompt)
+        assert out.cache.resume_tier == DISK and out.cache.cached_tokens == len(CONVERSATION)
+        same_as_cold(cold_llm(), out, prompt)

@@ -14,8 +14,8 @@ the separate `NullCache`, not a flag inside a real one.
                       prefill segment [start, end) where the step saves the state, with reserved slots.
     after_step(adm, req, logits)  after every step that computed tokens for req; publishes the captures
                       and takes the snapshot due at req.num_computed; returns how many it attached.
-    release(adm, req, finished)  when req stops running (finished, aborted or preempted); a finished
-                      request's path is inserted before the scheduler frees its pages and slot.
+    release(adm, req, finished, aborted)  when req stops running (finished, aborted or preempted); a finished
+                      or aborted request's path is inserted before the scheduler frees its pages and slot.
     evict_pages(n)    free at least n KV pages if it can; returns how many it freed.
     prefetch(ids, starts)  from any thread, before the request is queued: start the lookups admission would
                       otherwise wait for (the remote tier's); admit returns None while one is running.
@@ -106,9 +106,10 @@ class PrefixCache(ABC):
         return None, []
 
     @abstractmethod
-    def release(self, adm: Admission, req: CacheRequest, finished: bool) -> int:
-        """req leaves the running set; drop its locks (and insert its path when finished). Returns the
-        snapshots attached on the way (the end of a finished request)."""
+    def release(self, adm: Admission, req: CacheRequest, finished: bool, aborted: bool = False) -> int:
+        """req leaves the running set; drop its locks (and insert its path when finished, or `aborted`: a client
+        or a shutdown ended it early, and what its completed steps snapshotted is kept as a finished request's
+        is). Returns the snapshots attached on the way (the end of a finished request)."""
 
     @abstractmethod
     def evict_pages(self, num_pages: int) -> int:
@@ -151,7 +152,7 @@ class NullCache(PrefixCache):
     def after_step(self, adm: Admission, req: CacheRequest, logits: torch.Tensor | None) -> int:
         return 0
 
-    def release(self, adm: Admission, req: CacheRequest, finished: bool) -> int:
+    def release(self, adm: Admission, req: CacheRequest, finished: bool, aborted: bool = False) -> int:
         return 0
 
     def evict_pages(self, num_pages: int) -> int:

@@ -375,9 +375,11 @@ class HybridPrefixCache(PrefixCache):
 
     # ---- release and eviction ---------------------------------------------------------------------
 
-    def release(self, adm: Admission, req: CacheRequest, finished: bool) -> int:
-        """Snapshot the end of a finished request and write it through to disk; whatever fails on the way,
-        the request's captures and lock are let go (and adm.state cleared)."""
+    def release(self, adm: Admission, req: CacheRequest, finished: bool, aborted: bool = False) -> int:
+        """Snapshot the end of a finished request and write what it snapshotted through to disk, an aborted
+        request's too (its snapshots were taken by steps that completed: a client that cancels, or a restart,
+        must not lose them); whatever fails on the way, the request's captures and lock are let go (and
+        adm.state cleared)."""
         state: _RequestState | None = adm.state
         if state is None:
             return 0
@@ -388,7 +390,7 @@ class HybridPrefixCache(PrefixCache):
             state.captures.clear()
             if finished and req.num_computed > 0 and request_end_allowed(req.num_computed, self.placement):
                 self._take(req, state, "request_end", None)
-            if finished and state.taken and any(t.write_through for t in self.tiers.tiers):
+            if (finished or aborted) and state.taken and any(t.write_through for t in self.tiers.tiers):
                 tokens = req.token_ids[: max(state.taken)]
                 node = self.tree.insert(tokens, req.page_table)
                 self.tiers.write_through(node, self.tiers.request_source(self.kv, req.page_table))
@@ -415,9 +417,11 @@ class HybridPrefixCache(PrefixCache):
     # ---- disk -------------------------------------------------------------------------------------
 
     def _forget_stale_disk_keys(self) -> None:
-        """Drop the tree's references to disk segments the store evicted or that were found bad."""
+        """Drop the tree's references to disk segments the store evicted or that were found bad; hang again what
+        lies below one found bad and since written again."""
         for index in self.indexes.values():
             index.forget()
+            index.relink()
 
     # ---- reporting --------------------------------------------------------------------------------
 

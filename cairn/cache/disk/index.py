@@ -7,6 +7,8 @@
                    file the store found, a key marked bad); a node or snapshot still locked by a running
                    request keeps its record until a later forget(), and `usable` says not to resume
                    through it meanwhile
+    relink()       a segment found bad and written again since (a request recomputed it): the segments
+                   below it on disk, unreachable meanwhile, are hung again
     hang_found()   what a store shared with other writers found for a prompt (the remote tier's lookup,
                    run off the engine thread) is hung on the tree at admission
     rescan()       a read-only store (another server writes the namespace) is rescanned when a prompt
@@ -47,9 +49,11 @@ class DiskIndex:
         self.forgotten: Counter[str] = Counter()  # segments whose references were dropped, by reason
         self._gone: dict[bytes, str] = {}  # key -> reason: references to drop at the next forget()
         self._unreadable: set[bytes] = set()  # keys marked bad: a lookup never hangs them again
+        self._rewritten: set[bytes] = set()  # keys marked bad that a request has written again since
         self._last_scan_s = time.monotonic()
         self._gone_lock = threading.Lock()  # a remote store reports failed writes from its writer thread
         disk.store.on_evict = self._evicted
+        disk.on_written = self._written
 
     # ---- start-up and rescans -------------------------------------------------------------------
 
@@ -112,11 +116,33 @@ class DiskIndex:
         with self._gone_lock:
             self._gone.setdefault(key, EVICTED)
 
+    def _written(self, key: bytes) -> None:
+        if key in self._unreadable:
+            self._rewritten.add(key)
+
     def mark_bad(self, key: bytes) -> None:
         self._gone[key] = UNREADABLE
         if len(self._unreadable) >= MAX_UNREADABLE:
             self._unreadable.clear()
         self._unreadable.add(key)  # a lookup does not hang it again (its index entries may outlive it)
+
+    def relink(self) -> int:
+        """Hang again what lies below each segment marked bad and since written again (its key is back in the
+        store): its descendants, which forget() dropped with it; returns the snapshots hung. A remote tier's
+        come back through its lookups once the key is no longer remembered as unreadable."""
+        if not self._rewritten:
+            return 0
+        back, self._rewritten = self._rewritten - self._gone.keys(), set()
+        self._unreadable.difference_update(back)
+        if not back or not self.disk.relinks_below:
+            return 0
+        name, found = self.disk.name, 0
+        for node in [n for n in self.tree.iter_nodes() if name in n.kv and n.kv[name].key in back]:
+            if node.parent is not None and node.end == node.kv[name].segment_end:
+                found += self._hang(self.disk.paths_below(_path_tokens(node)))
+        if found:
+            log.info("%s cache: %d snapshots below %d rewritten segments are resumable again", name, found, len(back))
+        return found
 
     def usable(self, key: bytes | None) -> bool:
         """The segment may be read (it is not waiting to be forgotten)."""
@@ -150,3 +176,12 @@ class DiskIndex:
                 continue
             self.tree.drop_kv(node, name)
         self.forgotten.update(reason for key, reason in gone.items() if key not in self._gone)
+
+
+def _path_tokens(node: Node) -> tuple[int, ...]:
+    """The tokens of the path from the root to node's end."""
+    runs = []
+    while node.parent is not None:
+        runs.append(tuple(node.tokens))
+        node = node.parent
+    return tuple(t for run in reversed(runs) for t in run)

@@ -24,7 +24,7 @@ import hashlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -107,6 +107,7 @@ class DiskTier:
     load_snapshot returns. None: each read gets its own bytes (a store whose values arrive whole)."""
 
     pages = None  # no page allocator: nodes reference segments
+    relinks_below = True  # reads a rewritten segment's descendants itself (`paths_below`); no I/O elsewhere
 
     def __init__(self, store: DiskStore, page_size: int, write_through: bool = True, name: str = DISK,
                  bandwidth: float = 0.5e9, restore_buffer: ReadBuffer | None = None):
@@ -114,6 +115,7 @@ class DiskTier:
         self.write_through = write_through  # persist every finished request (else only host evictions)
         self.counters: Counter[str] = Counter()
         self._restore_buffer = restore_buffer
+        self.on_written: Callable[[bytes], None] | None = None  # told each segment key `persist` wrote (the index)
         self._restore_lock = threading.Lock()  # one restore at a time uses the buffer
 
     # ---- the LowerTier protocol -------------------------------------------------------------------
@@ -197,9 +199,8 @@ class DiskTier:
             if not self.store.put(segment):
                 self.counters["write_failed"] += 1
                 return written
-            self._record(node, segment.key, segment.snapshot_bytes is not None)
+            self._wrote(node, segment)
             written += 1
-            self.counters["segments_written"] += 1
         return written
 
     def _to_write(self, path: list[Node]) -> list[tuple[Node, bytes | None]]:
@@ -233,6 +234,13 @@ class DiskTier:
         """node's segment here goes on past node's end (node was split off its front)."""
         ref = node.kv.get(self.name)
         return ref is not None and ref.segment_end != node.end
+
+    def _wrote(self, node: Node, segment: Segment) -> None:
+        """`segment`, node's, was just put into the store: record it on node, count it, tell `on_written`."""
+        self._record(node, segment.key, segment.snapshot_bytes is not None)
+        self.counters["segments_written"] += 1
+        if self.on_written is not None:
+            self.on_written(segment.key)
 
     def _record(self, node: Node, key: bytes, with_snapshot: bool) -> None:
         node.kv[self.name] = DiskRef(key, node.start, node.end)
@@ -299,17 +307,32 @@ class DiskTier:
         found bad, which leaves every segment below it unreachable) are counted and, once every segment
         was seen, deleted by the store's lock holder: they would take the budget and be scanned at
         every start for nothing."""
+        orphans: list[bytes] = []
+        yield from self._chains(None, orphans)
+        self._remove_orphans(orphans)
+
+    def paths_below(self, path: tuple[int, ...]) -> list[tuple[tuple[int, ...], int, DiskRef, bool, bool]]:
+        """As stored_paths, the indexed segments chained below `path` alone (whose own segment was just written
+        again, after it was found bad: what lies below it was unreachable meanwhile); reads their tokens only."""
+        return list(self._chains(path, None))
+
+    def _chains(self, below: tuple[int, ...] | None, orphans: list[bytes] | None):
+        """Walk the indexed segments parents first, yielding each whose prefix chain is complete: from the root
+        (below None; a segment that does not chain is appended to `orphans`) or from the end of `below` (the
+        others are skipped unread)."""
         infos = [self.store.info(k) for k in self.store.keys()]  # noqa: SIM118 (a store, not a dict)
         infos = sorted((i for i in infos if i is not None), key=lambda i: (i.start_position, i.key))
         wanted = Counter(i.parent_key for i in infos if i.parent_key is not None)
-        paths: dict[bytes, tuple[int, ...]] = {}
-        orphans = []
+        paths: dict[bytes, tuple[int, ...]] = {} if below is None else {segment_key(None, below): below}
         for info in infos:
+            prefix = (() if below is None else None) if info.parent_key is None else paths.get(info.parent_key)
+            if orphans is None and prefix is None:
+                continue
             tokens = self.store.get_tokens(info.key)
-            prefix = () if info.parent_key is None else paths.get(info.parent_key)
             if tokens is None or prefix is None or len(prefix) != info.start_position:
-                self.counters["orphan_segments"] += 1
-                orphans.append(info.key)
+                if orphans is not None:
+                    self.counters["orphan_segments"] += 1
+                    orphans.append(info.key)
                 continue
             path = prefix + tokens
             end_key = segment_key(None, path)
@@ -317,7 +340,6 @@ class DiskTier:
                 paths[end_key] = path
             yield path, info.start_position, DiskRef(info.key, info.start_position, len(path)), \
                 info.has_snapshot, info.has_logits
-        self._remove_orphans(orphans)
 
     def _remove_orphans(self, keys: list[bytes]) -> None:
         freed = self.store.remove_unreachable(keys) if keys else 0

@@ -34,6 +34,8 @@ class RemoteTier(DiskTier):
                  bandwidth: float = REMOTE_BANDWIDTH):
         super().__init__(store, page_size, write_through, name, bandwidth)  # type: ignore[arg-type] (same interface)
 
+    relinks_below = False  # a rewritten segment's descendants come back through lookups (off the engine thread)
+
     def _remove_orphans(self, keys: list[bytes]) -> None:
         """Nothing: in a store shared with other replicas, a segment whose parent this process does not know
         is not an orphan (its known keys are what lookups found)."""
@@ -58,9 +60,8 @@ class RemoteTier(DiskTier):
             if not self.store.put(segment):
                 self.counters["write_failed"] += 1
                 return queued
-            self._record(node, segment.key, segment.snapshot_bytes is not None)
+            self._wrote(node, segment)
             queued += 1
-            self.counters["segments_written"] += 1
         return queued
 
     def _known(self, node: Node, parent_key: bytes | None) -> bool:
