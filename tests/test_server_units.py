@@ -85,6 +85,29 @@ def test_stream_options_without_stream_is_refused_naming_it(model, fields):
     assert model.model_validate({**fields, "stream": True, "stream_options": {"include_usage": True}}).include_usage
 
 
+NULLABLE = ("n", "stream", "stream_options", "ignore_eos", "cache_prompt", "return_token_ids", "min_tokens",
+            "include_stop_str_in_output", "echo", "max_tokens", "temperature", "stop", "seed", "response_format")
+
+
+@pytest.mark.parametrize("model,fields,nullable", [
+    (ChatCompletionRequest, {"messages": CHAT}, NULLABLE + ("logprobs", "top_logprobs", "parallel_tool_calls",
+                                                            "max_completion_tokens", "tools", "tool_choice")),
+    (CompletionRequest, {"prompt": "a"}, NULLABLE + ("logprobs", "message_starts")),
+])
+def test_null_for_an_optional_field_means_its_default(model, fields, nullable):
+    """Wrappers (LangChain, LiteLLM) send null for the fields they leave unset: it reads as the field left
+    out, while a value of the wrong type is still refused and null for a required field too."""
+    given = model.model_validate({**fields, **dict.fromkeys(nullable)})
+    assert given == model.model_validate(fields)
+    streamed = model.model_validate({**fields, "stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.include_usage is False
+    for wrong in ("2", 2.5):
+        with pytest.raises(ValueError, match="valid integer"):
+            model.model_validate({**fields, "n": wrong})
+    with pytest.raises(ValueError):
+        model.model_validate(dict.fromkeys(fields))
+
+
 @pytest.mark.parametrize("model,body,param", [
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800 x"}]},
      "messages.1.content"),

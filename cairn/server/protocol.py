@@ -16,6 +16,7 @@ the engine.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -94,9 +95,24 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
 
 
 class Strict(BaseModel):
-    """Strict types, unknown fields refused."""
+    """Strict types, unknown fields refused, and JSON null for a field that has a default means that
+    default (clients and wrappers send `"n": null` for a field they leave unset): null is refused only
+    for a required field, and any other value is type-checked as strictly as ever."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        return {key: value for key, value in data.items() if value is not None or key not in _optional_keys(cls)}
+
+
+@functools.cache
+def _optional_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The keys (aliases where a field has one) of the model's fields that have a default."""
+    return frozenset(f.alias or name for name, f in model.model_fields.items() if not f.is_required())
 
 
 StrictInt = Annotated[int, Field(strict=True)]
