@@ -259,7 +259,26 @@ def text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
     return "\n".join(texts)
 
 
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "generation_prefix")  # set by cairn
+
+
+def template_variables(chat_template_kwargs: dict[str, Any] | None, tools: list[Tool] | None) -> dict[str, Any]:
+    """Variables for the chat template beside the messages: the tools and chat_template_kwargs, which may
+    not set a variable cairn sets itself (RESERVED_TEMPLATE_VARIABLES: a 400 naming it)."""
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in RESERVED_TEMPLATE_VARIABLES:
+        if reserved in kwargs:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved!r}",
+                           param=f"chat_template_kwargs.{reserved}", code="invalid_value")
+    if tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    return kwargs
+
+
 # ---- the requests -------------------------------------------------------------------------------
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]  # a chat has at least one message
+
 
 class SamplingFields(Strict):
     """Fields shared by both endpoints."""
@@ -335,7 +354,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages
     max_completion_tokens: int | None = None  # takes precedence over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -363,15 +382,8 @@ class ChatCompletionRequest(SamplingFields):
         return [template_message(i, m) for i, m in enumerate(self.messages)]
 
     def template_kwargs(self) -> dict[str, Any]:
-        """Variables for the chat template beside the messages: the tools and chat_template_kwargs."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt", "tools", "generation_prefix"):
-            if reserved in kwargs:
-                raise APIError(400, f"chat_template_kwargs may not set {reserved!r}",
-                               param=f"chat_template_kwargs.{reserved}", code="invalid_value")
-        if self.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
-        return kwargs
+        """Variables for the chat template beside the messages (see `template_variables`)."""
+        return template_variables(self.chat_template_kwargs, self.tools)
 
     def forced_tools(self) -> dict[str, dict] | None:
         """The functions a call must be made to (name -> parameters schema): all the tools for
@@ -439,7 +451,7 @@ class TokenizeRequest(Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -455,6 +467,10 @@ class TokenizeRequest(Strict):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Variables for the chat template beside the messages (see `template_variables`)."""
+        return template_variables(self.chat_template_kwargs, self.tools)
 
 
 class DetokenizeRequest(Strict):
