@@ -132,6 +132,14 @@ def test_probe_of_a_completion_body_counts_its_prompt_tokens(http):
     assert r.json()["tokens"] == len(ids) and r.json()["position"] == 0
 
 
+@pytest.mark.parametrize("prompt", [[999], [-1], [[65, 1 << 40]]])
+def test_probe_of_token_ids_outside_the_vocabulary_is_400_as_the_completion_is(http, prompt):
+    for path in ("/v1/completions", "/v1/cache/probe"):
+        r = http.post(path, json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        assert "must be in [0, " in assert_error(r, 400, "invalid_value", "prompt")["message"]
+    assert_still_serving(http)
+
+
 def test_probe_body_that_is_not_json_is_400_invalid_json(http):
     r = http.post("/v1/cache/probe", content=b'{"model": ', headers={"content-type": "application/json"})
     assert_error(r, 400, "invalid_json")
