@@ -133,6 +133,22 @@ def test_unsupported_options_are_refused_not_ignored(fields):
     assert e.value.status == 400 and e.value.code == "unsupported_value"
 
 
+# ---- what a request may not carry silently --------------------------------------------------------
+
+def _refusal(make, *args) -> APIError:
+    with pytest.raises(APIError) as e:
+        make(*args)
+    assert e.value.status == 400
+    return e.value
+
+
+@pytest.mark.parametrize("kind", ["text", "json_object"])
+def test_a_json_schema_beside_a_response_format_type_that_does_not_read_it_is_refused(kind):
+    schema = {"name": "x", "schema": {"type": "object"}}
+    req = ChatCompletionRequest(messages=CHAT, response_format={"type": kind, "json_schema": schema})
+    assert _refusal(req.to_sampling_params, 10).param == "response_format.json_schema"
+
+
 # ---- logprobs -----------------------------------------------------------------------------------
 
 EURO_E = "é€".encode()  # five byte tokens of the demo tokenizer, none a whole character

@@ -142,6 +142,9 @@ class ResponseFormat(Strict):
     json_schema: JSONSchemaFormat | None = None
 
     def structured(self) -> StructuredOutput | None:
+        if self.json_schema is not None and self.type in ("text", "json_object"):
+            raise APIError(400, f"response_format json_schema is only read with type json_schema, not {self.type}",
+                           param="response_format.json_schema", code="invalid_value")
         if self.type == "text":
             return None
         if self.type == "json_object":
