@@ -149,6 +149,21 @@ def test_a_json_schema_beside_a_response_format_type_that_does_not_read_it_is_re
     assert _refusal(req.to_sampling_params, 10).param == "response_format.json_schema"
 
 
+@pytest.mark.parametrize("key", ["cache_control", "foo"])
+def test_a_text_part_with_a_key_beside_type_and_text_is_refused_naming_it(key):
+    part = {"type": "text", "text": "hi", key: {"type": "ephemeral"}}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [part]}])
+    error = _refusal(req.template_messages)
+    assert (error.param, error.code) == (f"messages.0.content.0.{key}", "unknown_field")
+
+
+def test_a_text_part_without_its_text_is_refused_saying_the_text_is_missing():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text"}]}])
+    error = _refusal(req.template_messages)
+    assert (error.param, error.code) == ("messages.0.content.0.text", "missing_field")
+    assert "needs its text" in error.message and "not supported" not in error.message
+
+
 # ---- logprobs -----------------------------------------------------------------------------------
 
 EURO_E = "é€".encode()  # five byte tokens of the demo tokenizer, none a whole character

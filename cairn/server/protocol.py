@@ -252,14 +252,26 @@ def _template_tool_call(index: int, j: int, c: ToolCall) -> dict[str, Any]:
 def text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"content part of type {kind!r} is not supported: only text parts",
-                           param=f"messages.{index}.content.{j}", code="unsupported_value")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(_part_text(f"messages.{index}.content.{j}", part) for j, part in enumerate(content))
+
+
+def _part_text(where: str, part: dict[str, Any]) -> str:
+    """The text of the content part at `where`: only text parts, {"type": "text", "text": str}, are
+    supported; a key beside those two is refused as an unknown field is."""
+    kind = part.get("type")
+    if kind != "text":
+        raise APIError(400, f"content part of type {kind!r} is not supported: only text parts", param=where,
+                       code="unsupported_value")
+    if part.get("text") is None:
+        raise APIError(400, "a text content part needs its text", param=f"{where}.text", code="missing_field")
+    if not isinstance(part["text"], str):
+        raise APIError(400, "a text content part's text must be a string", param=f"{where}.text",
+                       code="invalid_value")
+    extra = [key for key in part if key not in ("type", "text")]
+    if extra:
+        raise APIError(400, f"unknown field `{where}.{extra[0]}`: this server does not implement it",
+                       param=f"{where}.{extra[0]}", code="unknown_field")
+    return part["text"]
 
 
 RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "generation_prefix")  # set by cairn
