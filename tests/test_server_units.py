@@ -164,6 +164,25 @@ def test_a_text_part_without_its_text_is_refused_saying_the_text_is_missing():
     assert "needs its text" in error.message and "not supported" not in error.message
 
 
+CALL = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+@pytest.mark.parametrize("message,field", [
+    ({"role": "user", "content": "x", "tool_calls": CALL}, "tool_calls"),
+    ({"role": "tool", "content": "x", "tool_call_id": "c1", "tool_calls": CALL}, "tool_calls"),
+    ({"role": "user", "content": "x", "tool_call_id": "c1"}, "tool_call_id"),
+    ({"role": "assistant", "content": "x", "tool_call_id": "c1"}, "tool_call_id"),
+    ({"role": "system", "content": "x", "reasoning_content": "r"}, "reasoning_content"),
+    ({"role": "assistant", "content": "x", "reasoning_content": "r", "reasoning": "r"}, "reasoning"),
+])
+def test_a_message_field_its_role_does_not_use_or_the_reasoning_twice_is_refused_naming_it(message, field):
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "q"}, message])
+    assert _refusal(req.template_messages).param == f"messages.1.{field}"
+    ok = [{"role": "assistant", "content": "", "tool_calls": CALL, "reasoning": "r"},
+          {"role": "tool", "content": "x", "tool_call_id": "c1"}]
+    assert len(ChatCompletionRequest(messages=ok).template_messages()) == 2
+
+
 # ---- logprobs -----------------------------------------------------------------------------------
 
 EURO_E = "é€".encode()  # five byte tokens of the demo tokenizer, none a whole character

@@ -219,6 +219,7 @@ def template_message(index: int, m: ChatMessage) -> dict[str, Any]:
     transformers' apply_chat_template is given them), reasoning under `reasoning_content`, a developer
     message as the system message it stands for (OpenAI's clients send instructions under that role; chat
     templates know only system)."""
+    _check_role_fields(index, m)
     role = "system" if m.role == "developer" else m.role
     out: dict[str, Any] = {"role": role, "content": text_content(index, m.content)}
     if m.name is not None:
@@ -231,6 +232,21 @@ def template_message(index: int, m: ChatMessage) -> dict[str, Any]:
     if m.tool_calls:
         out["tool_calls"] = [_template_tool_call(index, j, c) for j, c in enumerate(m.tool_calls)]
     return out
+
+
+def _check_role_fields(index: int, m: ChatMessage) -> None:
+    """Refuse, with a 400 naming it, a field that the message's role does not use (chat templates read
+    tool_calls and the reasoning only on an assistant message, tool_call_id only on a tool result: they
+    would drop it), and the reasoning sent under both its names (one would be dropped)."""
+    only_on = (("tool_calls", m.tool_calls, "assistant"), ("tool_call_id", m.tool_call_id, "tool"),
+               ("reasoning_content", m.reasoning_content, "assistant"), ("reasoning", m.reasoning, "assistant"))
+    for name, value, role in only_on:
+        if value is not None and m.role != role:
+            raise APIError(400, f"{name} is only read on a message of role {role!r}, not {m.role!r}",
+                           param=f"messages.{index}.{name}", code="invalid_value")
+    if m.reasoning_content is not None and m.reasoning is not None:
+        raise APIError(400, "send the reasoning once, as reasoning_content or as reasoning (two names for it)",
+                       param=f"messages.{index}.reasoning", code="invalid_value")
 
 
 def _template_tool_call(index: int, j: int, c: ToolCall) -> dict[str, Any]:
