@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cairn.server.anthropic import MessagesRequest
+from cairn.server.errors import APIError
 
 
 def test_blocks_become_chat_messages_with_reasoning_tool_calls_and_tool_results():
@@ -47,3 +48,18 @@ def test_unimplemented_and_unknown_fields_are_refused():
         MessagesRequest.model_validate({**base, "n": 2})
     with pytest.raises(ValueError, match="service_tier"):
         MessagesRequest.model_validate({**base, "service_tier": "auto"})
+
+
+BASE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+
+
+def _refused_param(body: dict) -> str:
+    with pytest.raises(APIError) as e:
+        MessagesRequest.model_validate(body)
+    assert e.value.status == 400
+    return e.value.param
+
+
+def test_two_tools_with_the_same_name_are_refused_naming_the_second():
+    tools = [{"name": name, "input_schema": {"type": "object"}} for name in ("a", "a")]
+    assert _refused_param({**BASE, "tools": tools}) == "tools.1.name"

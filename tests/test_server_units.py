@@ -183,6 +183,13 @@ def test_a_message_field_its_role_does_not_use_or_the_reasoning_twice_is_refused
     assert len(ChatCompletionRequest(messages=ok).template_messages()) == 2
 
 
+@pytest.mark.parametrize("model,fields", [(ChatCompletionRequest, {"messages": CHAT}),
+                                          (TokenizeRequest, {"messages": CHAT})])
+def test_two_tools_with_the_same_function_name_are_refused_naming_the_second(model, fields):
+    tools = [{"type": "function", "function": {"name": name}} for name in ("f", "g", "f")]
+    assert _refusal(model.model_validate, {**fields, "tools": tools}).param == "tools.2.function.name"
+
+
 # ---- logprobs -----------------------------------------------------------------------------------
 
 EURO_E = "é€".encode()  # five byte tokens of the demo tokenizer, none a whole character

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -38,7 +38,13 @@ from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.errors import APIError, from_exception
 from cairn.server.generate import Generation, ServingContext, SSEResponse, start_generation
-from cairn.server.protocol import ChatCompletionRequest, Strict, refuse_lone_surrogates, refuse_unimplemented
+from cairn.server.protocol import (
+    ChatCompletionRequest,
+    Strict,
+    refuse_duplicate_names,
+    refuse_lone_surrogates,
+    refuse_unimplemented,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +97,11 @@ class AnthropicTool(Strict):
     cache_control: dict[str, Any] | None = None
 
 
+def _unique_tool_names(tools: list[AnthropicTool]) -> list[AnthropicTool]:
+    refuse_duplicate_names([t.name for t in tools], "tools.{}.name")
+    return tools
+
+
 class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
@@ -113,7 +124,7 @@ class MessagesRequest(Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    tools: list[AnthropicTool] | None = None
+    tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None  # user_id; stored nowhere

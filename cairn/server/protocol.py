@@ -21,7 +21,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from cairn.sampling import SamplingParams, StructuredOutput
 from cairn.server.errors import APIError
@@ -173,6 +173,25 @@ class FunctionDef(Strict):
 class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
+
+
+def refuse_duplicate_names(names: list[str], param: str) -> None:
+    """A 400 naming the second of two tools that share a name (`param`: the path of a tool's name, `{}`
+    standing for its index): a call names its function, so which of the two it meant would be a guess."""
+    seen: set[str] = set()
+    for j, name in enumerate(names):
+        if name in seen:
+            raise APIError(400, f"two tools are named {name!r}: tool names must be unique", param=param.format(j),
+                           code="invalid_value")
+        seen.add(name)
+
+
+def _unique_function_names(tools: list[Tool]) -> list[Tool]:
+    refuse_duplicate_names([t.function.name for t in tools], "tools.{}.function.name")
+    return tools
+
+
+Tools = Annotated[list[Tool], AfterValidator(_unique_function_names)]
 
 
 class NamedFunction(Strict):
@@ -389,7 +408,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # takes precedence over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Tool] | None = None
+    tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # False: at most one call is returned
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking)
@@ -484,7 +503,7 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: Messages | None = None
     add_generation_prompt: bool = True
-    tools: list[Tool] | None = None
+    tools: Tools | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # accepted for vLLM clients; cairn's tokenizers add none
 
