@@ -23,8 +23,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from cairn.errors import SamplingError
 from cairn.sampling import SamplingParams, StructuredOutput
-from cairn.server.errors import APIError
+from cairn.server.errors import APIError, from_exception, naming_max_tokens
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -419,13 +420,21 @@ class ChatCompletionRequest(SamplingFields):
         """None: up to the rest of the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the output limit was sent in: an error about the limit names it (see naming_max_tokens)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def to_sampling_params(self, context_fill_tokens: int, defaults: dict | None = None) -> SamplingParams:
         """`context_fill_tokens` stands in for max_tokens when none was given (the bridge then fits it)."""
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
         max_tokens = self.requested_max_tokens
-        return self.sampling_params(context_fill_tokens if max_tokens is None else max_tokens,
-                                    self.logprobs, self.top_logprobs or 0, defaults)
+        try:
+            return self.sampling_params(context_fill_tokens if max_tokens is None else max_tokens,
+                                        self.logprobs, self.top_logprobs or 0, defaults)
+        except SamplingError as e:
+            raise naming_max_tokens(from_exception(e), self.max_tokens_field) from None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them (see `template_message`)."""
