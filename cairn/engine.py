@@ -89,6 +89,13 @@ def prefill_block(requested: int | None, dtype: torch.dtype, max_num_batched_tok
     return requested
 
 
+def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Raise RequestTooLarge for a prompt holding a token id outside [0, vocab_size): add_request's check,
+    which the server's cache probe makes too (it answers for a prompt it never adds)."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        raise RequestTooLarge(f"prompt token ids must be in [0, {vocab_size})")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, cache: PrefixCache | None = None, show_progress: bool = True,
                  graph_backend: CaptureBackend | None = None):
@@ -242,9 +249,7 @@ class Engine:
                          grammar=grammar if i == 0 or grammar is None else grammar.fork())
                  for i in range(params.n)]
         self.scheduler.check_fits(seqs[0])  # before looking at every id: a huge prompt is refused at once
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise RequestTooLarge(f"prompt token ids must be in [0, {vocab})")
+        check_prompt_token_ids(ids, self.model_config.vocab_size)
         hold = self._shares_prompt(params)
         for seq in seqs[:1] if hold else seqs:
             self.scheduler.add(seq)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cairn.server.anthropic import MessagesRequest
+from cairn.server.errors import APIError
 
 
 def test_blocks_become_chat_messages_with_reasoning_tool_calls_and_tool_results():
@@ -47,3 +48,33 @@ def test_unimplemented_and_unknown_fields_are_refused():
         MessagesRequest.model_validate({**base, "n": 2})
     with pytest.raises(ValueError, match="service_tier"):
         MessagesRequest.model_validate({**base, "service_tier": "auto"})
+
+
+BASE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+
+
+def _refused_param(body: dict) -> str:
+    with pytest.raises(APIError) as e:
+        MessagesRequest.model_validate(body)
+    assert e.value.status == 400
+    return e.value.param
+
+
+def test_two_tools_with_the_same_name_are_refused_naming_the_second():
+    tools = [{"name": name, "input_schema": {"type": "object"}} for name in ("a", "a")]
+    assert _refused_param({**BASE, "tools": tools}) == "tools.1.name"
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("tool_choice", {"type": "auto", "name": "get_weather"}, "tool_choice.name"),
+    ("thinking", {"type": "disabled", "budget_tokens": 1024}, "thinking.budget_tokens"),
+    ("thinking", {"type": "adaptive", "budget_tokens": 1024}, "thinking.budget_tokens"),
+])
+def test_tool_choice_name_or_thinking_budget_beside_a_type_that_does_not_read_it_is_refused(field, value, param):
+    assert _refused_param({**BASE, field: value}) == param
+
+
+def test_metadata_other_than_user_id_is_refused_naming_it():
+    assert MessagesRequest.model_validate({**BASE, "metadata": {"user_id": "u"}}).metadata.user_id == "u"
+    with pytest.raises(ValueError, match="metadata.session"):
+        MessagesRequest.model_validate({**BASE, "metadata": {"user_id": "u", "session": "s"}})

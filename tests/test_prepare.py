@@ -115,6 +115,17 @@ def test_worker_raises_the_same_errors_as_the_server_process(offload, kind, body
         assert vars(remote) == vars(local)
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion", "messages"])
+def test_body_nested_too_deeply_to_parse_is_invalid_json_saying_so_in_both_paths(offload, kind):
+    """json.loads raises RecursionError, not a ValueError, for arrays nested 100000 deep: refused as
+    invalid JSON (a 400) naming the problem, in the server process and in a worker, not a 500."""
+    body = b"[" * 100_000
+    for error in (_error(lambda: here(body, kind)), _error(lambda: in_worker(offload, body, kind))):
+        assert isinstance(error, RequestValidationError)
+        (detail,) = error.errors()
+        assert detail["type"] == "json_invalid" and detail["ctx"]["error"] == "the body is nested too deeply"
+
+
 def test_large_body_after_the_workers_closed_is_refused_as_shutting_down():
     closed = Offload(CTX.tokenizer, MAX_MODEL_LEN, worker_context=CTX, large_input_bytes=0)
     closed.close()

@@ -108,11 +108,36 @@ def test_tokenize_with_both_prompt_and_messages_is_400(http):
     assert r.status_code == 400 and "exactly one of prompt and messages" in r.text, r.text
 
 
+@pytest.mark.parametrize("reserved", [{"messages": []}, {"add_generation_prompt": False}, {"tools": []},
+                                      {"generation_prefix": "zzz"}])
+def test_tokenize_refuses_a_reserved_chat_template_kwarg_as_chat_and_probe_do(http, reserved):
+    """chat_template_kwargs may not set what cairn sets itself: the same 400 naming the key on /tokenize as on
+    /v1/chat/completions and /v1/cache/probe (it was a 500, or tokens silently altered)."""
+    (key,) = reserved
+    for path in ("/tokenize", "/v1/chat/completions", "/v1/cache/probe"):
+        r = http.post(path, json={"model": MODEL, "messages": CHAT, "chat_template_kwargs": reserved})
+        assert_error(r, 400, "invalid_value", f"chat_template_kwargs.{key}")
+    assert_still_serving(http)
+
+
+def test_tokenize_refuses_empty_messages_as_chat_does(http):
+    for path in ("/tokenize", "/v1/chat/completions"):
+        assert_error(http.post(path, json={"model": MODEL, "messages": []}), 400, param="messages")
+
+
 def test_probe_of_a_completion_body_counts_its_prompt_tokens(http):
     ids = http.post("/tokenize", json={"prompt": "hello there"}).json()["tokens"]
     r = http.post("/v1/cache/probe", json={"model": MODEL, "prompt": "hello there"})
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == len(ids) and r.json()["position"] == 0
+
+
+@pytest.mark.parametrize("prompt", [[999], [-1], [[65, 1 << 40]]])
+def test_probe_of_token_ids_outside_the_vocabulary_is_400_as_the_completion_is(http, prompt):
+    for path in ("/v1/completions", "/v1/cache/probe"):
+        r = http.post(path, json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        assert "must be in [0, " in assert_error(r, 400, "invalid_value", "prompt")["message"]
+    assert_still_serving(http)
 
 
 def test_probe_body_that_is_not_json_is_400_invalid_json(http):

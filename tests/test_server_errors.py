@@ -72,7 +72,17 @@ def test_prompt_longer_than_the_context_is_400_saying_so(http):
 @pytest.mark.parametrize("max_tokens", [-1, 0, 10**12])
 def test_negative_zero_or_absurd_max_tokens_is_400(http, max_tokens):
     assert_error(chat(http, max_tokens=max_tokens), 400, param="max_tokens")
-    assert_error(chat(http, max_tokens=None, max_completion_tokens=max_tokens), 400, param="max_tokens")
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("max_tokens", [-1, 0, 10**12])
+def test_negative_zero_or_absurd_max_completion_tokens_is_400_naming_it_not_max_tokens(http, max_tokens):
+    """The client sent max_completion_tokens (max_tokens left out, or beside it): the error names the field
+    it sent, in `param` and in the message."""
+    for other in (None, 5):
+        r = chat(http, max_tokens=other, max_completion_tokens=max_tokens)
+        error = assert_error(r, 400, param="max_completion_tokens")
+        assert "max_completion_tokens" in error["message"] and "max_tokens" not in error["message"], error
     assert_still_serving(http)
 
 

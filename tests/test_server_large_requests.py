@@ -124,6 +124,17 @@ def test_large_body_that_is_not_json_is_400_invalid_json(http):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/cache/probe", "/tokenize"])
+def test_body_nested_too_deeply_is_400_invalid_json_saying_so_small_or_large(http, path):
+    """Arrays nested past the JSON parser's recursion limit: a 400 naming the problem, not a 500 with a
+    RecursionError, whether the body is parsed here or in a request worker."""
+    for depth in (100_000, LARGE_INPUT_BYTES + 1):
+        r = post(http, path, b"[" * depth)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert r.json()["error"]["message"] == "The request body is not valid JSON: the body is nested too deeply"
+    assert post(http, "/v1/completions", json.dumps(COMPLETION).encode()).status_code == 200
+
+
 def test_killed_request_worker_is_replaced_and_the_server_keeps_serving(server, http):
     expected = answer(post(http, "/v1/chat/completions", json.dumps(CHAT).encode()))
     workers = request_workers(server.proc.pid)

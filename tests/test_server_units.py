@@ -85,6 +85,29 @@ def test_stream_options_without_stream_is_refused_naming_it(model, fields):
     assert model.model_validate({**fields, "stream": True, "stream_options": {"include_usage": True}}).include_usage
 
 
+NULLABLE = ("n", "stream", "stream_options", "ignore_eos", "cache_prompt", "return_token_ids", "min_tokens",
+            "include_stop_str_in_output", "echo", "max_tokens", "temperature", "stop", "seed", "response_format")
+
+
+@pytest.mark.parametrize("model,fields,nullable", [
+    (ChatCompletionRequest, {"messages": CHAT}, NULLABLE + ("logprobs", "top_logprobs", "parallel_tool_calls",
+                                                            "max_completion_tokens", "tools", "tool_choice")),
+    (CompletionRequest, {"prompt": "a"}, NULLABLE + ("logprobs", "message_starts")),
+])
+def test_null_for_an_optional_field_means_its_default(model, fields, nullable):
+    """Wrappers (LangChain, LiteLLM) send null for the fields they leave unset: it reads as the field left
+    out, while a value of the wrong type is still refused and null for a required field too."""
+    given = model.model_validate({**fields, **dict.fromkeys(nullable)})
+    assert given == model.model_validate(fields)
+    streamed = model.model_validate({**fields, "stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.include_usage is False
+    for wrong in ("2", 2.5):
+        with pytest.raises(ValueError, match="valid integer"):
+            model.model_validate({**fields, "n": wrong})
+    with pytest.raises(ValueError):
+        model.model_validate(dict.fromkeys(fields))
+
+
 @pytest.mark.parametrize("model,body,param", [
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800 x"}]},
      "messages.1.content"),
@@ -108,6 +131,63 @@ def test_unsupported_options_are_refused_not_ignored(fields):
     with pytest.raises(APIError) as e:
         CompletionRequest(prompt="a", **fields).to_sampling_params()
     assert e.value.status == 400 and e.value.code == "unsupported_value"
+
+
+# ---- what a request may not carry silently --------------------------------------------------------
+
+def _refusal(make, *args) -> APIError:
+    with pytest.raises(APIError) as e:
+        make(*args)
+    assert e.value.status == 400
+    return e.value
+
+
+@pytest.mark.parametrize("kind", ["text", "json_object"])
+def test_a_json_schema_beside_a_response_format_type_that_does_not_read_it_is_refused(kind):
+    schema = {"name": "x", "schema": {"type": "object"}}
+    req = ChatCompletionRequest(messages=CHAT, response_format={"type": kind, "json_schema": schema})
+    assert _refusal(req.to_sampling_params, 10).param == "response_format.json_schema"
+
+
+@pytest.mark.parametrize("key", ["cache_control", "foo"])
+def test_a_text_part_with_a_key_beside_type_and_text_is_refused_naming_it(key):
+    part = {"type": "text", "text": "hi", key: {"type": "ephemeral"}}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [part]}])
+    error = _refusal(req.template_messages)
+    assert (error.param, error.code) == (f"messages.0.content.0.{key}", "unknown_field")
+
+
+def test_a_text_part_without_its_text_is_refused_saying_the_text_is_missing():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text"}]}])
+    error = _refusal(req.template_messages)
+    assert (error.param, error.code) == ("messages.0.content.0.text", "missing_field")
+    assert "needs its text" in error.message and "not supported" not in error.message
+
+
+CALL = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+@pytest.mark.parametrize("message,field", [
+    ({"role": "user", "content": "x", "tool_calls": CALL}, "tool_calls"),
+    ({"role": "tool", "content": "x", "tool_call_id": "c1", "tool_calls": CALL}, "tool_calls"),
+    ({"role": "user", "content": "x", "tool_call_id": "c1"}, "tool_call_id"),
+    ({"role": "assistant", "content": "x", "tool_call_id": "c1"}, "tool_call_id"),
+    ({"role": "system", "content": "x", "reasoning_content": "r"}, "reasoning_content"),
+    ({"role": "assistant", "content": "x", "reasoning_content": "r", "reasoning": "r"}, "reasoning"),
+])
+def test_a_message_field_its_role_does_not_use_or_the_reasoning_twice_is_refused_naming_it(message, field):
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "q"}, message])
+    assert _refusal(req.template_messages).param == f"messages.1.{field}"
+    ok = [{"role": "assistant", "content": "", "tool_calls": CALL, "reasoning": "r"},
+          {"role": "tool", "content": "x", "tool_call_id": "c1"}]
+    assert len(ChatCompletionRequest(messages=ok).template_messages()) == 2
+
+
+@pytest.mark.parametrize("model,fields", [(ChatCompletionRequest, {"messages": CHAT}),
+                                          (TokenizeRequest, {"messages": CHAT})])
+def test_two_tools_with_the_same_function_name_are_refused_naming_the_second(model, fields):
+    tools = [{"type": "function", "function": {"name": name}} for name in ("f", "g", "f")]
+    assert _refusal(model.model_validate, {**fields, "tools": tools}).param == "tools.2.function.name"
 
 
 # ---- logprobs -----------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -38,7 +38,13 @@ from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.errors import APIError, from_exception
 from cairn.server.generate import Generation, ServingContext, SSEResponse, start_generation
-from cairn.server.protocol import ChatCompletionRequest, Strict, refuse_lone_surrogates, refuse_unimplemented
+from cairn.server.protocol import (
+    ChatCompletionRequest,
+    Strict,
+    refuse_duplicate_names,
+    refuse_lone_surrogates,
+    refuse_unimplemented,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,16 +97,39 @@ class AnthropicTool(Strict):
     cache_control: dict[str, Any] | None = None
 
 
+def _unique_tool_names(tools: list[AnthropicTool]) -> list[AnthropicTool]:
+    refuse_duplicate_names([t.name for t in tools], "tools.{}.name")
+    return tools
+
+
 class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
+    name: str | None = None  # type tool: the tool a call must be made to (only there)
     disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_only_with_tool(self) -> ToolChoice:
+        if self.name is not None and self.type != "tool":
+            raise APIError(400, f"tool_choice name is only read with type tool, not {self.type}",
+                           param="tool_choice.name", code="invalid_value")
+        return self
 
 
 class ThinkingConfig(Strict):
     type: Literal["enabled", "adaptive", "disabled"]  # enabled / adaptive: the template's enable_thinking
-    budget_tokens: int | None = Field(None, ge=0)  # enabled: most thinking tokens, then the thinking is ended
+    budget_tokens: int | None = Field(None, ge=0)  # enabled (only there): most thinking tokens, then it is ended
     display: Literal["summarized"] | None = None  # thinking is returned as generated
+
+    @model_validator(mode="after")
+    def _budget_only_when_enabled(self) -> ThinkingConfig:
+        if self.budget_tokens is not None and self.type != "enabled":
+            raise APIError(400, f"thinking budget_tokens is only read with type enabled, not {self.type}",
+                           param="thinking.budget_tokens", code="invalid_value")
+        return self
+
+
+class Metadata(Strict):
+    user_id: str | None = None  # stored nowhere
 
 
 class MessagesRequest(Strict):
@@ -113,10 +142,10 @@ class MessagesRequest(Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    tools: list[AnthropicTool] | None = None
+    tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
-    metadata: dict[str, Any] | None = None  # user_id; stored nowhere
+    metadata: Metadata | None = None
     cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
 
     @model_validator(mode="before")

@@ -45,7 +45,7 @@ from cairn.server.metrics import EngineStats, ServerMetrics
 from cairn.server.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, RequestId, current_request_id
 from cairn.server.offload import Offload
 from cairn.server.options import MIB, ServerOptions
-from cairn.server.prepare import invalid_json, parse_body, prepare
+from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare
 from cairn.server.protocol import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ async def read_body(request: Request, model: type[M], offload: Offload) -> M:
     event loop holding the interpreter lock the engine thread needs."""
     try:
         data = await offload.parse_json(await body_chunks(request))
-    except ValueError as e:  # json.JSONDecodeError, or a body that is not UTF-8
+    except JSON_ERRORS as e:
         raise invalid_json(e) from None
     return parse_body(model, data)
 
@@ -157,11 +157,13 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
         return await anthropic.guarded(messages_request(request))
 
     @app.post("/tokenize")
-    async def tokenize_route(body: TokenizeRequest) -> Response:
+    async def tokenize_route(request: Request) -> Response:
+        body = await read_body(request, TokenizeRequest, offload)
         return await guarded(_json(tokenize.tokenize(ctx, body)), "messages")
 
     @app.post("/detokenize")
-    async def detokenize_route(body: DetokenizeRequest) -> Response:
+    async def detokenize_route(request: Request) -> Response:
+        body = await read_body(request, DetokenizeRequest, offload)
         return await guarded(_json(tokenize.detokenize(ctx, body)), "tokens")
 
 

@@ -32,7 +32,9 @@ cairn.errors, the only part of cairn it imports.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass
 
 from cairn.errors import ChatTemplateError, QueueFull, RequestTooLarge, SamplingError
@@ -105,6 +107,14 @@ def from_exception(e: BaseException, prompt_param: str = "messages") -> APIError
     if isinstance(e, ValueError):
         return APIError(400, str(e), code="invalid_value")
     return APIError(500, f"Internal server error: {type(e).__name__}: {e}", "server_error", code="internal_error")
+
+
+def naming_max_tokens(error: APIError, field: str) -> APIError:
+    """`error` naming `field` where it names max_tokens: the output limit under the name the client sent
+    it (max_completion_tokens), which SamplingParams and the engine know only as max_tokens."""
+    if error.param != "max_tokens" or field == "max_tokens":
+        return error
+    return dataclasses.replace(error, param=field, message=re.sub(r"\bmax_tokens\b", field, error.message))
 
 
 def from_validation_errors(errors: list[dict]) -> APIError:

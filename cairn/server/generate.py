@@ -27,10 +27,18 @@ from dataclasses import dataclass, field, replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cairn.errors import RequestTooLarge
 from cairn.outputs import Completion, RequestOutput, accumulate
 from cairn.server.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
-from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception, model_not_found
+from cairn.server.errors import (
+    APIError,
+    EngineFailure,
+    ServerShuttingDown,
+    from_exception,
+    model_not_found,
+    naming_max_tokens,
+)
 from cairn.server.metrics import ServerMetrics
 from cairn.server.middleware import current_request_id
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
@@ -208,7 +216,10 @@ def new_request_id(prefix: str) -> str:
 async def chat_completions(ctx: ServingContext, sub: Submission, plan: ChatPlan, body: ChatCompletionRequest,
                            request: Request, start_s: float) -> Response:
     """A chat prepared by `prepare_chat` (`body`: its sampling and output fields), answered whole or streamed."""
-    gen, shaper = await start_generation(ctx, sub, start_s), ChatShaper(plan)
+    try:
+        gen, shaper = await start_generation(ctx, sub, start_s), ChatShaper(plan)
+    except RequestTooLarge as e:  # the prompt and the output limit do not fit: name the limit as it was sent
+        raise naming_max_tokens(from_exception(e), body.max_tokens_field) from None
     if body.stream:
         return SSEResponse(_chat_events(gen, body, shaper), gen.close)
     outs = await gen.final_outputs(request)

@@ -76,7 +76,7 @@ class Offload:
         return await self.workers.run(fn, chunks, *args)
 
     async def parse_json(self, chunks: list[bytes]) -> Any:
-        """json.loads of the body; raises json.JSONDecodeError (a ValueError)."""
+        """json.loads of the body; raises what json.loads raises (see prepare.JSON_ERRORS)."""
         if not self.is_large(chunks):
             return json.loads(b"".join(chunks))
         return await self.workers.run(_parse_json, chunks)

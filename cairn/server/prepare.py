@@ -57,13 +57,17 @@ class Prepared:
     #   yet), as machine integers that unpickle in one copy, unlike a list of Python ints
 
 
+JSON_ERRORS = (ValueError, RecursionError)  # what json.loads raises for a body that is not JSON
+#   (json.JSONDecodeError), not UTF-8 (UnicodeDecodeError) or nested deeper than the parser recurses
+
+
 def parse_body(model: type[M], data: bytes | object) -> M:
     """The JSON body (bytes, or already parsed) validated as `model`; raises RequestValidationError as
     FastAPI would."""
     if isinstance(data, bytes):
         try:
             data = json.loads(data)
-        except ValueError as e:  # json.JSONDecodeError, or a body that is not UTF-8
+        except JSON_ERRORS as e:
             raise invalid_json(e) from None
     try:
         return model.model_validate(data)
@@ -71,10 +75,12 @@ def parse_body(model: type[M], data: bytes | object) -> M:
         raise RequestValidationError(e.errors(include_url=False)) from None
 
 
-def invalid_json(e: ValueError) -> RequestValidationError:
-    """What FastAPI raises for a body that is not JSON (json.JSONDecodeError) or not UTF-8."""
+def invalid_json(e: ValueError | RecursionError) -> RequestValidationError:
+    """What FastAPI raises for a body that is not JSON (json.JSONDecodeError) or not UTF-8; a body nested
+    too deeply to parse (RecursionError) is refused the same way, saying so."""
+    detail = "the body is nested too deeply" if isinstance(e, RecursionError) else getattr(e, "msg", str(e))
     return RequestValidationError([{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)),
-                                    "msg": "JSON decode error", "ctx": {"error": getattr(e, "msg", str(e))}}])
+                                    "msg": "JSON decode error", "ctx": {"error": detail}}])
 
 
 def prepare_here(ctx: ServingContext, body: bytes, kind: str, request_id: str) -> Prepared:

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from pydantic import RootModel
 from starlette.responses import JSONResponse, Response
 
-from cairn.engine import Engine
+from cairn.engine import Engine, check_prompt_token_ids
 from cairn.sampling import SamplingParams
 from cairn.server.bridge import Submission
 from cairn.server.generate import ServingContext
@@ -53,6 +53,7 @@ async def probe(ctx: ServingContext, body: ChatCompletionRequest | CompletionReq
     ctx.check_model(body.model)
     sub = _submission(body)
     prompt = await ctx.bridge.tokenize(sub)
+    check_prompt_token_ids(prompt.token_ids, ctx.vocab_size)  # as /v1/completions would refuse them
     await ctx.bridge.prefetch(prompt, sub.params)  # the remote tier's lookup, off the engine thread
     answer = await ctx.bridge.call(lambda engine: _answer(engine, prompt.token_ids))
     return JSONResponse({"tokens": len(prompt.token_ids), **answer})

@@ -16,14 +16,16 @@ the engine.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from cairn.errors import SamplingError
 from cairn.sampling import SamplingParams, StructuredOutput
-from cairn.server.errors import APIError
+from cairn.server.errors import APIError, from_exception, naming_max_tokens
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -94,9 +96,24 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
 
 
 class Strict(BaseModel):
-    """Strict types, unknown fields refused."""
+    """Strict types, unknown fields refused, and JSON null for a field that has a default means that
+    default (clients and wrappers send `"n": null` for a field they leave unset): null is refused only
+    for a required field, and any other value is type-checked as strictly as ever."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        return {key: value for key, value in data.items() if value is not None or key not in _optional_keys(cls)}
+
+
+@functools.cache
+def _optional_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The keys (aliases where a field has one) of the model's fields that have a default."""
+    return frozenset(f.alias or name for name, f in model.model_fields.items() if not f.is_required())
 
 
 StrictInt = Annotated[int, Field(strict=True)]
@@ -126,6 +143,9 @@ class ResponseFormat(Strict):
     json_schema: JSONSchemaFormat | None = None
 
     def structured(self) -> StructuredOutput | None:
+        if self.json_schema is not None and self.type in ("text", "json_object"):
+            raise APIError(400, f"response_format json_schema is only read with type json_schema, not {self.type}",
+                           param="response_format.json_schema", code="invalid_value")
         if self.type == "text":
             return None
         if self.type == "json_object":
@@ -154,6 +174,25 @@ class FunctionDef(Strict):
 class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
+
+
+def refuse_duplicate_names(names: list[str], param: str) -> None:
+    """A 400 naming the second of two tools that share a name (`param`: the path of a tool's name, `{}`
+    standing for its index): a call names its function, so which of the two it meant would be a guess."""
+    seen: set[str] = set()
+    for j, name in enumerate(names):
+        if name in seen:
+            raise APIError(400, f"two tools are named {name!r}: tool names must be unique", param=param.format(j),
+                           code="invalid_value")
+        seen.add(name)
+
+
+def _unique_function_names(tools: list[Tool]) -> list[Tool]:
+    refuse_duplicate_names([t.function.name for t in tools], "tools.{}.function.name")
+    return tools
+
+
+Tools = Annotated[list[Tool], AfterValidator(_unique_function_names)]
 
 
 class NamedFunction(Strict):
@@ -200,6 +239,7 @@ def template_message(index: int, m: ChatMessage) -> dict[str, Any]:
     transformers' apply_chat_template is given them), reasoning under `reasoning_content`, a developer
     message as the system message it stands for (OpenAI's clients send instructions under that role; chat
     templates know only system)."""
+    _check_role_fields(index, m)
     role = "system" if m.role == "developer" else m.role
     out: dict[str, Any] = {"role": role, "content": text_content(index, m.content)}
     if m.name is not None:
@@ -212,6 +252,21 @@ def template_message(index: int, m: ChatMessage) -> dict[str, Any]:
     if m.tool_calls:
         out["tool_calls"] = [_template_tool_call(index, j, c) for j, c in enumerate(m.tool_calls)]
     return out
+
+
+def _check_role_fields(index: int, m: ChatMessage) -> None:
+    """Refuse, with a 400 naming it, a field that the message's role does not use (chat templates read
+    tool_calls and the reasoning only on an assistant message, tool_call_id only on a tool result: they
+    would drop it), and the reasoning sent under both its names (one would be dropped)."""
+    only_on = (("tool_calls", m.tool_calls, "assistant"), ("tool_call_id", m.tool_call_id, "tool"),
+               ("reasoning_content", m.reasoning_content, "assistant"), ("reasoning", m.reasoning, "assistant"))
+    for name, value, role in only_on:
+        if value is not None and m.role != role:
+            raise APIError(400, f"{name} is only read on a message of role {role!r}, not {m.role!r}",
+                           param=f"messages.{index}.{name}", code="invalid_value")
+    if m.reasoning_content is not None and m.reasoning is not None:
+        raise APIError(400, "send the reasoning once, as reasoning_content or as reasoning (two names for it)",
+                       param=f"messages.{index}.reasoning", code="invalid_value")
 
 
 def _template_tool_call(index: int, j: int, c: ToolCall) -> dict[str, Any]:
@@ -233,17 +288,48 @@ def _template_tool_call(index: int, j: int, c: ToolCall) -> dict[str, Any]:
 def text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"content part of type {kind!r} is not supported: only text parts",
-                           param=f"messages.{index}.content.{j}", code="unsupported_value")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(_part_text(f"messages.{index}.content.{j}", part) for j, part in enumerate(content))
+
+
+def _part_text(where: str, part: dict[str, Any]) -> str:
+    """The text of the content part at `where`: only text parts, {"type": "text", "text": str}, are
+    supported; a key beside those two is refused as an unknown field is."""
+    kind = part.get("type")
+    if kind != "text":
+        raise APIError(400, f"content part of type {kind!r} is not supported: only text parts", param=where,
+                       code="unsupported_value")
+    if part.get("text") is None:
+        raise APIError(400, "a text content part needs its text", param=f"{where}.text", code="missing_field")
+    if not isinstance(part["text"], str):
+        raise APIError(400, "a text content part's text must be a string", param=f"{where}.text",
+                       code="invalid_value")
+    extra = [key for key in part if key not in ("type", "text")]
+    if extra:
+        raise APIError(400, f"unknown field `{where}.{extra[0]}`: this server does not implement it",
+                       param=f"{where}.{extra[0]}", code="unknown_field")
+    return part["text"]
+
+
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "generation_prefix")  # set by cairn
+
+
+def template_variables(chat_template_kwargs: dict[str, Any] | None, tools: list[Tool] | None) -> dict[str, Any]:
+    """Variables for the chat template beside the messages: the tools and chat_template_kwargs, which may
+    not set a variable cairn sets itself (RESERVED_TEMPLATE_VARIABLES: a 400 naming it)."""
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in RESERVED_TEMPLATE_VARIABLES:
+        if reserved in kwargs:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved!r}",
+                           param=f"chat_template_kwargs.{reserved}", code="invalid_value")
+    if tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    return kwargs
 
 
 # ---- the requests -------------------------------------------------------------------------------
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]  # a chat has at least one message
+
 
 class SamplingFields(Strict):
     """Fields shared by both endpoints."""
@@ -319,11 +405,11 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages
     max_completion_tokens: int | None = None  # takes precedence over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Tool] | None = None
+    tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # False: at most one call is returned
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking)
@@ -334,28 +420,29 @@ class ChatCompletionRequest(SamplingFields):
         """None: up to the rest of the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the output limit was sent in: an error about the limit names it (see naming_max_tokens)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def to_sampling_params(self, context_fill_tokens: int, defaults: dict | None = None) -> SamplingParams:
         """`context_fill_tokens` stands in for max_tokens when none was given (the bridge then fits it)."""
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
         max_tokens = self.requested_max_tokens
-        return self.sampling_params(context_fill_tokens if max_tokens is None else max_tokens,
-                                    self.logprobs, self.top_logprobs or 0, defaults)
+        try:
+            return self.sampling_params(context_fill_tokens if max_tokens is None else max_tokens,
+                                        self.logprobs, self.top_logprobs or 0, defaults)
+        except SamplingError as e:
+            raise naming_max_tokens(from_exception(e), self.max_tokens_field) from None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them (see `template_message`)."""
         return [template_message(i, m) for i, m in enumerate(self.messages)]
 
     def template_kwargs(self) -> dict[str, Any]:
-        """Variables for the chat template beside the messages: the tools and chat_template_kwargs."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt", "tools", "generation_prefix"):
-            if reserved in kwargs:
-                raise APIError(400, f"chat_template_kwargs may not set {reserved!r}",
-                               param=f"chat_template_kwargs.{reserved}", code="invalid_value")
-        if self.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
-        return kwargs
+        """Variables for the chat template beside the messages (see `template_variables`)."""
+        return template_variables(self.chat_template_kwargs, self.tools)
 
     def forced_tools(self) -> dict[str, dict] | None:
         """The functions a call must be made to (name -> parameters schema): all the tools for
@@ -423,9 +510,9 @@ class TokenizeRequest(Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_generation_prompt: bool = True
-    tools: list[Tool] | None = None
+    tools: Tools | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # accepted for vLLM clients; cairn's tokenizers add none
 
@@ -439,6 +526,10 @@ class TokenizeRequest(Strict):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Variables for the chat template beside the messages (see `template_variables`)."""
+        return template_variables(self.chat_template_kwargs, self.tools)
 
 
 class DetokenizeRequest(Strict):

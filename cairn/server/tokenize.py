@@ -24,10 +24,7 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict:
         ids, starts = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt), []
     else:
         messages = [template_message(i, m) for i, m in enumerate(body.messages)]
-        kwargs = dict(body.chat_template_kwargs or {})
-        if body.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
-        ids, ends = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages, **kwargs)
+        ids, ends = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages, **body.template_kwargs())
         starts = [0, *ends[:-1]]
         if not body.add_generation_prompt:
             ids = ids[: ends[-1]]
