@@ -10,7 +10,7 @@ from cairn.server.errors import APIError
 
 def test_blocks_become_chat_messages_with_reasoning_tool_calls_and_tool_results():
     body = MessagesRequest.model_validate({
-        "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}], "stop_sequences": ["END"],
+        "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}],
         "thinking": {"type": "enabled", "budget_tokens": 1024},
         "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
         "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
@@ -36,7 +36,7 @@ def test_blocks_become_chat_messages_with_reasoning_tool_calls_and_tool_results(
         {"role": "tool", "content": "Error: boom", "tool_call_id": "toolu_2"},
         {"role": "user", "content": "Thanks"},
     ]
-    assert chat.template_kwargs()["enable_thinking"] is True and chat.stop == ["END"]
+    assert chat.template_kwargs()["enable_thinking"] is True
     assert chat.thinking_token_budget == 1024
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
     assert list(chat.forced_tools()) == ["get_weather"]  # `any`: a call is forced
@@ -78,3 +78,14 @@ def test_metadata_other_than_user_id_is_refused_naming_it():
     assert MessagesRequest.model_validate({**BASE, "metadata": {"user_id": "u"}}).metadata.user_id == "u"
     with pytest.raises(ValueError, match="metadata.session"):
         MessagesRequest.model_validate({**BASE, "metadata": {"user_id": "u", "session": "s"}})
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "a"}])
+def test_stop_sequences_with_a_tool_choice_that_forces_a_call_are_refused_naming_stop_sequences(choice):
+    """A stop inside the forced call would end it invalid (it came back as a tool_use with input {})."""
+    tools = [{"name": "a", "input_schema": {"type": "object"}}]
+    body = {**BASE, "tools": tools, "tool_choice": choice}
+    assert _refused_param({**body, "stop_sequences": ["</parameter>"]}) == "stop_sequences"
+    auto = MessagesRequest.model_validate({**BASE, "tools": tools, "tool_choice": {"type": "auto"},
+                                           "stop_sequences": ["END"]})
+    assert auto.to_chat().stop == ["END"]

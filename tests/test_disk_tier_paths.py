@@ -407,7 +407,7 @@ def test_segments_below_one_found_bad_are_resumed_again_once_a_request_has_writt
         run(first, CONVERSATION)
     with LLM(**OPTS, disk_cache=str(tmp_path)) as second:  # everything on disk alone
         store = second.engine.cache.tiers.by_name["disk"].store
-        (root_key,) = [k for k in store.keys() if store.info(k).parent_key is None]
+        (root_key,) = [k for k in store.keys() if store.info(k).parent_key is None]  # noqa: SIM118 (a store)
         flip = Path(store.root) / store.compat_digest / (root_key.hex() + ".seg")
         data = bytearray(flip.read_bytes())
         data[len(data) // 2] ^= 1

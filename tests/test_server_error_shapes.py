@@ -209,3 +209,23 @@ def test_a_lone_surrogate_in_an_anthropic_message_is_400_in_anthropic_shape(http
     r = http.post("/v1/messages", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert r.json()["error"]["message"].startswith("messages.0.content holds a lone UTF-16 surrogate")
+
+
+@pytest.mark.parametrize("constraint,stop,param", [
+    ({"tool_choice": "required"}, {"stop": ["</parameter>"]}, "stop"),
+    ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, {"stop_token_ids": [10]}, "stop_token_ids"),
+    ({"response_format": {"type": "json_object"}}, {"stop": "\n"}, "stop"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "boolean"}}}},
+     {"stop_token_ids": [10]}, "stop_token_ids"),
+], ids=["required-stop", "named-stop-token", "json-object-stop", "json-schema-stop-token"])
+def test_a_stop_with_a_forced_call_or_a_structured_response_format_is_400_naming_it(http, constraint, stop, param):
+    """The whole output is constrained, so a stop could only cut it invalid: a forced call cut at "</parameter>"
+    came back as finish_reason tool_calls with arguments {} (a required argument missing), a JSON schema cut at a
+    newline as '{ "a"' with finish_reason stop. Refused instead."""
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    tools = {"tools": [tool]} if "tool_choice" in constraint else {}
+    r = chat(http, **constraint, **tools, **stop, max_tokens=50, temperature=0)
+    assert_error(r, 400, "invalid_value", param)
+    assert chat(http, **constraint, **tools, max_tokens=50, temperature=0).status_code == 200
+    assert_still_serving(http)

@@ -153,6 +153,15 @@ class MessagesRequest(Strict):
     def _unimplemented(cls, data: Any) -> Any:
         return refuse_unimplemented(refuse_lone_surrogates(data))
 
+    @model_validator(mode="after")
+    def _no_stop_in_a_forced_call(self) -> MessagesRequest:
+        """The chat check (ChatCompletionRequest.check_tools), said in this API's names."""
+        if self.stop_sequences and self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
+            raise APIError(400, "stop_sequences cannot be combined with a tool_choice that forces a call: the whole "
+                                "output is constrained, and a stop inside it would end it invalid",
+                           param="stop_sequences", code="invalid_value")
+        return self
+
     def to_chat(self) -> ChatCompletionRequest:
         """The equivalent chat request."""
         messages: list[dict[str, Any]] = []

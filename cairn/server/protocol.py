@@ -460,17 +460,24 @@ class ChatCompletionRequest(SamplingFields):
         return {t.function.name: t.function.parameters or {} for t in self.tools or ()}
 
     def check_tools(self) -> None:
-        """tool_choice must name a given tool; a forced call and response_format exclude each other."""
+        """tool_choice must name a given tool; a forced call and response_format exclude each other; neither
+        takes a stop (the whole output is constrained: a stop string or token could only cut it invalid)."""
         names = {t.function.name for t in self.tools or ()}
-        if self.tool_choice not in (None, "none", "auto") and not names:
+        forces_call = self.tool_choice not in (None, "none", "auto")
+        structured = self.response_format is not None and self.response_format.type != "text"
+        if forces_call and not names:
             raise APIError(400, "tool_choice requires tools", param="tool_choice", code="invalid_value")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise APIError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
                            param="tool_choice", code="invalid_value")
-        if self.tool_choice not in (None, "none", "auto") and self.response_format and \
-                self.response_format.type != "text":
+        if forces_call and structured:
             raise APIError(400, "response_format cannot be combined with a tool_choice that forces a call",
                            param="response_format", code="invalid_value")
+        if (forces_call or structured) and (self.stop or self.stop_token_ids):
+            field = "stop" if self.stop else "stop_token_ids"
+            what = "a tool_choice that forces a call" if forces_call else f"response_format {self.response_format.type}"
+            raise APIError(400, f"{field} cannot be combined with {what}: the whole output is constrained, and a "
+                                "stop inside it would end it invalid", param=field, code="invalid_value")
 
 
 class CompletionRequest(SamplingFields):
