@@ -262,7 +262,7 @@ def test_namespace_name_must_be_hex_and_a_real_directory(root, tmp_path):
     assert list(elsewhere.iterdir()) == []
 
 
-def test_each_fault_reason_is_logged_once_and_counted_every_time(root, caplog):
+def test_a_fault_reason_is_logged_once_an_interval_and_counted_every_time(root, caplog):
     with caplog.at_level(logging.WARNING), DiskStore(root, DIGEST, 100) as store:
         for i in range(3):
             assert not store.put(make_segment(i))

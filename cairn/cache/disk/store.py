@@ -2,9 +2,10 @@
 
 `DiskStore` puts and gets `Segment`s by key (LRU eviction, pins), writes atomically, indexes the
 namespace at start-up from headers only, verifies every checksum on `get`, turns every bad file into
-a counted miss, and counts every refusal in `faults` (each reason logged once). The on-disk layout,
-safe file primitives live in namespace.py, the `cairn cache ls|verify|purge` helpers
-(`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in offline.py.
+a counted miss, and counts every refusal in `faults` (faults.py: each logged with the file it concerns,
+each reason at most once a minute). The on-disk layout, safe file primitives live in namespace.py, the
+`cairn cache ls|verify|purge` helpers (`list_namespaces`, `verify_store`, `purge_namespace`, re-exported
+here) in offline.py.
 
 This module is NOT the file format (segment.py), the tensor conversion, nor the tier policy (what
 to demote or prefetch, when to read): it stores and returns bytes.
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 
+from cairn.cache.disk.faults import FaultLog
 from cairn.cache.disk.namespace import (
     LOCK_NAME,
     MODEL_NAME,
@@ -118,8 +120,7 @@ class DiskStore(Pins):
         assert budget_bytes >= 0, "CacheOptions refuses a negative disk_cache_gib first"
         self.root, self.compat_digest, self.budget_bytes = os.fspath(root), compat_digest, budget_bytes
         self.compression, self.limits, self.on_evict = compression, limits, on_evict
-        self.faults: dict[str, int] = {}  # reason -> occurrences
-        self._logged: set[str] = set()  # reasons already logged once
+        self._faults = FaultLog(f"disk cache {compat_digest[:16]}", logger)  # counts and logs every refusal
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
         self._rejected: dict[str, tuple[int, int]] = {}  # file name -> (inode, mtime ns) of a file found bad
@@ -144,10 +145,9 @@ class DiskStore(Pins):
         try:
             fd = try_lock(self._dir_fd)
         except OSError as e:
-            self._fault("lock_failed", str(e))
+            self._faults.report("lock_failed", LOCK_NAME, f"{e}; this store is read-only")
             return None
         if fd is None:
-            self._logged.add("readonly")  # this warning stands for every refused put
             logger.warning("disk cache %s/%s is managed by another process; this store is read-only",
                            self.root, self.compat_digest)
         return fd
@@ -170,14 +170,10 @@ class DiskStore(Pins):
     def readonly(self) -> bool:
         return self._lock_fd is None
 
-    def _fault(self, reason: str, detail: str = "") -> None:
-        with self._lock:
-            self.faults[reason] = self.faults.get(reason, 0) + 1
-            if reason in self._logged:
-                return
-            self._logged.add(reason)
-        logger.warning("disk cache %s: %s (%s); further occurrences are counted, not logged",
-                       self.compat_digest[:16], reason, detail)
+    @property
+    def faults(self) -> dict[str, int]:
+        """reason -> occurrences of every refusal and bad file met (cairn_cache_disk_faults_total{reason})."""
+        return self._faults.counts
 
     def _check_open(self) -> None:
         assert self._dir_fd is not None, "the engine closes the cache once, at shutdown, and calls it no more"
@@ -214,28 +210,28 @@ class DiskStore(Pins):
             return None
         if TEMP_NAME.fullmatch(name):
             if not self.readonly and unlink_ours(self._dir_fd, name):
-                self._fault("stale_temp", name)
+                self._faults.report("stale_temp", name)
             return None
         if not SEGMENT_NAME.fullmatch(name):
-            self._fault("foreign_name", name)
+            self._faults.report("foreign_name", name)
             return None
         if (known := self._unchanged(name)) is not None:
             return known
         try:
             header, st = read_index_header(self._dir_fd, name, self.compat_digest, self.limits)
         except UnusableEntry as e:
-            self._fault(e.reason, name)
+            self._faults.report(e.reason, name)
             self._remember_rejected(name)
             self._set_aside(name)
         except SegmentError as e:
-            self._fault(e.reason, f"{name}: {e}")
+            self._faults.report(e.reason, name, e.message)
             self._remember_rejected(name)
             if not self.readonly:
                 unlink_ours(self._dir_fd, name)
         except FileNotFoundError:
             pass
         except OSError as e:
-            self._fault("read_failed", f"{name}: {e}")
+            self._faults.report("read_failed", name, str(e))
         else:
             return _Entry(header, st.st_size, st.st_mtime, st.st_mtime_ns)
         return None
@@ -271,7 +267,7 @@ class DiskStore(Pins):
     def _set_aside(self, name: str) -> None:
         """The lock holder moves a non-regular entry into quarantine/ (counted when that fails)."""
         if not self.readonly and not set_aside(self._dir_fd, name):
-            self._fault("quarantine_failed", name)
+            self._faults.report("quarantine_failed", name)
 
     # ------------------------------------------------------------------------------------ reads
 
@@ -307,9 +303,9 @@ class DiskStore(Pins):
             return reader(self._dir_fd, name, self.compat_digest, self.limits)
         except (SegmentError, UnusableEntry) as e:
             corrupt = isinstance(e, SegmentError)  # our file, damaged: delete it; else not a file: move it
-            self._reject(key, e.reason, str(e), delete=corrupt, set_aside=not corrupt)
+            self._reject(key, e.reason, e.message if corrupt else "", delete=corrupt, set_aside=not corrupt)
         except FileNotFoundError:
-            self._reject(key, "missing", name, delete=False)
+            self._reject(key, "missing", "", delete=False)
         except OSError as e:
             self._reject(key, "read_failed", str(e), delete=False)
         return None
@@ -317,8 +313,8 @@ class DiskStore(Pins):
     def _reject(self, key: bytes, reason: str, detail: str, delete: bool, set_aside: bool = False) -> None:
         """Count a bad or vanished file, drop it from the index, and delete it (or move it aside) when it
         is ours; a read-only store remembers it so that a rescan does not index it again."""
-        self._fault(reason, detail)
         name = segment_file_name(key)
+        self._faults.report(reason, name, detail)
         with self._lock:
             entry = self._index.pop(key, None)
             if entry is not None:
@@ -383,7 +379,7 @@ class DiskStore(Pins):
         with self._lock:
             self._check_open()
             if self.readonly:
-                self._fault("readonly", "another process manages this namespace")
+                self._faults.count("readonly")  # the start-up warning says why every put is refused
                 return False, []
             entry = self._index.get(segment.key)
             if entry is not None and _covers(entry.header, segment):
@@ -392,7 +388,7 @@ class DiskStore(Pins):
         try:
             parts = encode_segment_parts(segment, self.compat_digest, self.compression, self.limits)
         except SegmentError as e:
-            self._fault("too_large", str(e))
+            self._faults.report("too_large", segment_file_name(segment.key), e.message)
             return False, []
         size_bytes = sum(memoryview(p).nbytes for p in parts)
         reservation = self._reserve(segment.key, size_bytes)
@@ -401,11 +397,13 @@ class DiskStore(Pins):
         evicted, reserved = reservation
         try:
             if not write_atomic(self._dir_fd, segment_file_name(segment.key), parts):
-                self._fault("dir_sync_failed", "the directory fsync failed after the rename")
+                self._faults.report("dir_sync_failed", segment_file_name(segment.key),
+                                    "the directory fsync failed after the rename")
         except (OSError, UnusableEntry) as e:
             with self._lock:
                 self._used_bytes -= reserved
-            self._fault(getattr(e, "reason", "write_failed"), str(e))
+            self._faults.report(getattr(e, "reason", "write_failed"), segment_file_name(segment.key),
+                                "" if isinstance(e, UnusableEntry) else str(e))
             return False, evicted
         self._commit(segment, parts[0], size_bytes, reserved)
         return True, evicted
@@ -418,11 +416,12 @@ class DiskStore(Pins):
         with self._lock:
             old = self._index[key].size_bytes if key in self._index else 0
             if size_bytes > self.budget_bytes:
-                self._fault("too_large", f"{size_bytes} bytes > budget {self.budget_bytes}")
+                self._faults.report("too_large", segment_file_name(key),
+                                    f"{size_bytes} bytes > budget {self.budget_bytes}")
                 return None
             victims = self._plan_eviction(size_bytes - old, exclude=key)
             if victims is None:
-                self._fault("budget_full", "pinned segments leave too little room")
+                self._faults.report("budget_full", segment_file_name(key), "pinned segments leave too little room")
                 return None
             self._used_bytes += size_bytes - old
             return self._evict(victims), size_bytes - old
