@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cairn.cache.disk import store as disk_store
 from cairn.cache.disk.named_bytes import layout_meta
@@ -25,7 +26,12 @@ from cairn.cache.disk.store import (
     purge_namespace,
     verify_store,
 )
+from cairn.cache.factory import build_cache
+from cairn.config import CacheOptions
 from cairn.llm import LLM
+from cairn.memory.kv_pool import KVPool
+from cairn.memory.state_pool import StatePool
+from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
 
 DIGEST = "ab" * 32
 OTHER_DIGEST = "cd" * 32
@@ -49,6 +55,20 @@ def file_bytes(seg: Segment) -> int:
 
 def equal_sized_segments(n: int) -> list[Segment]:
     return [make_segment(10 * (i + 1)) for i in range(n)]
+
+
+def start_up_line(caplog, root: Path, disk_cache_gib: float = 1.0) -> str:
+    """The disk cache's INFO line of a server's start-up: build_cache over pools of a few bytes."""
+    kv = KVPool(1, 8, 4, 1, 1, torch.float32)
+    states = StatePool(StateSpec((LayerState(0, (StateTensor("state", (2,), torch.float32),)),)), 2)
+    opts = CacheOptions(disk_cache=str(root), disk_cache_gib=disk_cache_gib, device_snapshot_gib=2**-20,
+                        host_cache_gib=0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cairn.cache.factory"):
+        build_cache(opts, kv, states, 6, DIGEST).close()
+    (line,) = [r.getMessage() for r in caplog.records
+               if r.name == "cairn.cache.factory" and r.getMessage().startswith("disk cache: ")]
+    return line
 
 
 @pytest.fixture

@@ -83,7 +83,7 @@ def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str 
                       compression=None if opts.disk_compression == "none" else opts.disk_compression,
                       create_parents=opts.disk_cache_create_parents, model_name=model_name)
     log.info("disk cache: %s/%s (%.1f GiB budget%s)", opts.disk_cache, digest[:16], opts.disk_cache_gib,
-             ", read-only: another server manages it" if store.readonly else "")
+             f"; read-only: {store.readonly_reason}" if store.readonly else "")
     return DiskTier(store, page_size, opts.disk_write_through, DISK, DISK_BANDWIDTH, ReadBuffer())
 
 

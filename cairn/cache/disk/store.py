@@ -105,8 +105,9 @@ class DiskStore(Pins):
       on_evict(key)  called, outside the store's locks, whenever an indexed key leaves the index
                      without the caller asking: budget eviction or a bad file found by get.
       remove_unreachable(keys)  delete segments the tier found orphaned at start-up.
-    A store that cannot take the namespace's lock is read-only: it gets and scans, never writes,
-    evicts, deletes or moves. used_bytes <= budget_bytes always holds for the lock holder.
+    A store that cannot take the namespace's lock is read-only (`readonly_reason`: another process holds
+    it, or it could not be taken, and why): it gets and scans, never writes, evicts, deletes or moves.
+    used_bytes <= budget_bytes always holds for the lock holder.
     Bad files: the lock holder deletes a corrupt segment of ours and moves an entry named like a
     segment that is not a regular file (a link, a FIFO...) into quarantine/, so neither is met again
     at the next start; a read-only store remembers the files it rejected and skips them on a rescan.
@@ -130,6 +131,7 @@ class DiskStore(Pins):
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
         self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
         self._lock_fd = None
+        self.readonly_reason: str | None = None  # why the store is read-only (None: it holds the lock)
         try:
             self._lock_fd = self._take_lock()
             if model_name is not None and not self.readonly:
@@ -142,14 +144,16 @@ class DiskStore(Pins):
             self._warn_if_budget_exceeds_free_space()
 
     def _take_lock(self) -> int | None:
+        """The namespace's lock fd, or None: the store is read-only, and readonly_reason (logged once) says why."""
         try:
             fd = try_lock(self._dir_fd)
         except OSError as e:
+            self.readonly_reason = f"its lock could not be taken: {e}"
             self._faults.report("lock_failed", LOCK_NAME, f"{e}; this store is read-only")
             return None
         if fd is None:
-            logger.warning("disk cache %s/%s is managed by another process; this store is read-only",
-                           self.root, self.compat_digest)
+            self.readonly_reason = "another process holds its lock"
+            logger.warning("disk cache %s/%s is read-only: %s", self.root, self.compat_digest, self.readonly_reason)
         return fd
 
     def _warn_if_budget_exceeds_free_space(self) -> None:
