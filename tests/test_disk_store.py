@@ -158,6 +158,23 @@ def test_lowered_budget_at_restart_evicts_down_to_it(root):
         store.check_integrity()
 
 
+def test_a_budget_lowered_at_restart_logs_how_many_segments_and_mib_its_eviction_freed(root, caplog):
+    segs = [make_segment(10 * (i + 1), kv_bytes=300_000) for i in range(3)]
+    size = file_bytes(segs[0])
+    with DiskStore(root, DIGEST, 3 * size) as store:
+        assert all(store.put(seg) for seg in segs)
+    with caplog.at_level(logging.INFO, logger="cairn.cache.disk.store"), DiskStore(root, DIGEST, size) as store:
+        assert len(store) == 1
+    (line,) = [r.getMessage() for r in caplog.records if "evicted" in r.getMessage()]
+    assert line == (f"disk cache {DIGEST[:16]}: evicted 2 segment(s), {2 * size / 2**20:.1f} MiB, to fit the budget "
+                    f"of {size / 2**20:.1f} MiB")
+
+
+@pytest.mark.parametrize("disk_cache_gib, shown", [(0.01, "10.2 MiB"), (0.5, "512.0 MiB"), (16, "16.0 GiB")])
+def test_the_start_up_line_prints_a_budget_under_one_gib_in_mib(root, caplog, disk_cache_gib, shown):
+    assert start_up_line(caplog, root, disk_cache_gib).endswith(f"/{DIGEST[:16]} ({shown} budget)")
+
+
 def test_pinned_segment_is_never_evicted(root):
     segs = equal_sized_segments(4)
     size = file_bytes(segs[0])

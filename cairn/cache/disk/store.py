@@ -63,7 +63,7 @@ from cairn.cache.disk.segment import (
 )
 
 __all__ = ["DiskStore", "SegmentInfo", "DiskStoreError", "StoreLockedError", "NamespaceSummary", "VerifyResult",
-           "list_namespaces", "verify_store", "purge_namespace"]
+           "list_namespaces", "verify_store", "purge_namespace", "format_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +165,10 @@ class DiskStore(Pins):
         except OSError:
             return
         if self.budget_bytes > free_bytes + self._used_bytes:
-            held = f" (besides the {_size(self._used_bytes)} it holds)" if self._used_bytes else ""
+            held = f" (besides the {format_size(self._used_bytes)} it holds)" if self._used_bytes else ""
             logger.warning("disk cache %s: the budget of %s exceeds the %s free on its filesystem%s; writes "
                            "beyond the free space will fail and be counted, and the cache keeps serving",
-                           self.root, _size(self.budget_bytes), _size(free_bytes), held)
+                           self.root, format_size(self.budget_bytes), format_size(free_bytes), held)
 
     @property
     def readonly(self) -> bool:
@@ -206,8 +206,19 @@ class DiskStore(Pins):
                 vanished = [key for key in self._index if key not in found]  # another process removed them
                 self._index = OrderedDict((e.header.key, e) for e in order)
                 self._used_bytes = sum(e.size_bytes for e in order)
-                evicted = [] if self.readonly else self._evict(self._plan_eviction(0, None) or [])
+                evicted = [] if self.readonly else self._fit_budget()
         self._notify(vanished + evicted)
+
+    def _fit_budget(self) -> list[bytes]:
+        """Evict least-recently-used unpinned segments until the index fits the budget (at start-up: a budget
+        smaller than what the directory holds), with one INFO line saying what that freed. Caller holds
+        self._lock; returns the evicted keys."""
+        victims = self._plan_eviction(0, None) or []
+        if victims:
+            freed_bytes = sum(self._index[key].size_bytes for key in victims)
+            logger.info("disk cache %s: evicted %d segment(s), %s, to fit the budget of %s",
+                        self.compat_digest[:16], len(victims), format_size(freed_bytes), format_size(self.budget_bytes))
+        return self._evict(victims)
 
     def _scan_one(self, name: str) -> _Entry | None:
         if name in (LOCK_NAME, MODEL_NAME, QUARANTINE_NAME) or self._is_rejected(name):
@@ -505,8 +516,8 @@ class DiskStore(Pins):
         self.close()
 
 
-def _size(num_bytes: int) -> str:
-    """A byte count for a log line: in GiB from 1 GiB up, else in MiB."""
+def format_size(num_bytes: int) -> str:
+    """A byte count for a log line: in GiB from 1 GiB up, else in MiB (a budget of 0.01 GiB is "10.2 MiB")."""
     return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
