@@ -8,6 +8,7 @@ namespaces is refused; a directory without namespaces verifies and lists as empt
 from __future__ import annotations
 
 import os
+import unicodedata
 
 from cairn.cache.disk.segment import Segment, segment_key
 from cairn.cache.disk.store import DiskStore
@@ -78,3 +79,33 @@ def test_a_namespace_id_matching_none_and_a_path_that_is_not_a_directory_are_ref
     a_file.write_text("")
     status, _, err = cache_command(capsys, "ls", "--disk-cache", str(a_file))
     assert status == 1 and f"{a_file} is not a directory" in err and len(err.strip().splitlines()) == 1
+
+
+def columns(text: str) -> int:
+    """Terminal columns `text` takes: East Asian wide characters 2, combining marks 0."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
+               for c in text)
+
+
+def test_ls_escapes_control_characters_in_model_names_and_keeps_the_table_aligned(tmp_path, capsys):
+    """A .model file holds anyone's bytes (up to 4 KB are read): no newline, control byte or terminal escape
+    of it reaches the terminal, and a name of any length takes the model column's 32 columns exactly."""
+    models = {"11" * 32: b"Qwen/Qwen3.5-0.8B",
+              "22" * 32: b"\x1b]0;owned\x07\x1b[2J\r\nfake row\n" + bytes(range(256)) * 15,
+              "33" * 32: b"/models/" + b"a-very-long-local-checkpoint-directory-name",
+              "44" * 32: "\u6a21\u578b/\u0305\u202e".encode() * 12 + b"\xff\xfe"}
+    for digest, model in models.items():
+        filled(tmp_path, digest, 1)
+        (tmp_path / digest / ".model").write_bytes(model)
+    status, out, _ = cache_command(capsys, "ls", "--disk-cache", str(tmp_path))
+    lines = out.splitlines()
+    assert status == 0 and len(lines) == 1 + len(models) + 1  # the header, a row each, the total
+    assert all(c.isprintable() for c in out.replace("\n", ""))
+    header, *rows, _ = lines
+    assert rows[0].startswith("1111111111111111  Qwen/Qwen3.5-0.8B  ")
+    assert rows[1].startswith(r"2222222222222222  \x1b]0;owned\x07\x1b[2J\r\nfa...  ")
+    assert rows[2].startswith("3333333333333333  /models/a-very-long-local-che...  ")
+    size = os.path.getsize(next((tmp_path / ("11" * 32)).glob("*.seg")))
+    for row in rows:
+        assert columns(row) == columns(header) == 16 + 2 + 32 + 2 + 8 + 2 + 10, row
+        assert row.endswith(f"  {1:>8}  {size / 2**20:>10.2f}"), row

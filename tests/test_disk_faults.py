@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import random
 import shutil
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from cairn.cache.disk import faults as disk_faults
 from cairn.cache.disk import namespace as disk_namespace
+from cairn.cache.disk.faults import LOG_INTERVAL_S
 from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.namespace import TEMP_NAME
 from cairn.cache.disk.segment import (
@@ -130,6 +133,65 @@ def test_a_file_truncated_under_the_start_up_scan_is_never_loaded(env, monkeypat
     assert "no end marker" in caplog.text  # (the fault's one log line): the marker read short, not the header
     assert_never_loaded(env, "truncated", store)
     assert not env.victim_path.exists()  # our own bad file is removed
+
+
+def fault_lines(caplog, reason: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if f": {reason}: " in r.getMessage()]
+
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The fault log's clock, stepped by the test: clock[0] += LOG_INTERVAL_S passes the interval."""
+    now_s = [1000.0]
+    monkeypatch.setattr(disk_faults, "monotonic", lambda: now_s[0])
+    return now_s
+
+
+def test_a_fault_on_every_read_logs_one_line_per_interval_and_then_how_many_it_did_not(env, clock, caplog):
+    """The namespace's files deleted under a running store: every read is a "missing" fault. The first is logged,
+    the next ones within the interval are only counted, the first one after it is logged with their number."""
+    segments = [make_segment(1000 + 10 * i) for i in range(21)]
+    with caplog.at_level(logging.WARNING), DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        assert all(store.put(s) for s in segments)
+        for s in segments:
+            (env.namespace / f"{s.key.hex()}.seg").unlink()
+        assert all(store.get(s.key) is None for s in segments[:20])
+        assert len(fault_lines(caplog, "missing")) == 1
+        clock[0] += LOG_INTERVAL_S
+        assert store.get(segments[20].key) is None
+        assert store.faults == {"missing": 21}
+    first, second = fault_lines(caplog, "missing")
+    assert f"{segments[0].key.hex()}.seg" in first and f"{segments[20].key.hex()}.seg" in second
+    assert "and 19 more missing since the last line 60 s ago (counted, not logged)" in second
+
+
+def test_a_reason_logged_at_start_up_is_logged_again_when_it_recurs_while_serving(env, clock, caplog):
+    os.truncate(env.victim_path, env.victim_path.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING), DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        assert store.faults == {"truncated": 1}
+        other_path = env.namespace / f"{env.other.key.hex()}.seg"
+        os.truncate(other_path, other_path.stat().st_size - 10)  # found by the read that serves it, an hour later
+        clock[0] += 3600
+        assert store.get(env.other.key) is None and store.faults == {"truncated": 2}
+    lines = fault_lines(caplog, "truncated")
+    assert len(lines) == 2 and env.victim_path.name in lines[0] and other_path.name in lines[1]
+
+
+@pytest.mark.parametrize("damage", ["bit_flip", "another_segment_under_its_name"])
+def test_a_file_found_bad_while_serving_is_named_in_its_fault_line(env, caplog, damage):
+    other_path = env.namespace / f"{env.other.key.hex()}.seg"
+    with caplog.at_level(logging.WARNING), DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+        if damage == "bit_flip":
+            data = bytearray(other_path.read_bytes())
+            data[sections(data)["kv"]] ^= 0x04
+            other_path.write_bytes(bytes(data))
+        else:
+            shutil.copy(env.victim_path, other_path)  # valid, but its key is the victim's
+        assert store.get(env.other.key) is None
+    reason = "checksum" if damage == "bit_flip" else "malformed"
+    [line] = fault_lines(caplog, reason)
+    assert other_path.name in line, line
+    assert ("checksum mismatch" if damage == "bit_flip" else "the key differs from the file name") in line
 
 
 @pytest.mark.parametrize("part, reason", [("header", "checksum"), ("tokens", "checksum"), ("kv", "checksum"),

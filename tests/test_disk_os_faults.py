@@ -20,6 +20,7 @@ from cairn.cache.disk.namespace import DiskStoreError
 from cairn.cache.disk.store import DiskStore
 from tests import test_disk_faults
 from tests.test_disk_faults import BUDGET_BYTES, DIGEST, Env, make_segment
+from tests.test_disk_store import start_up_line
 
 
 @pytest.fixture
@@ -45,6 +46,29 @@ def test_a_lock_name_taken_by_a_directory_leaves_the_store_read_only(env):
     with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
         assert store.readonly and store.faults == {"lock_failed": 1}
         assert store.get(env.other.key) == env.other
+
+
+@pytest.mark.parametrize("cause", ["held_by_another_store", "lock_is_a_fifo"])
+def test_a_read_only_store_says_why_it_is_read_only(env, caplog, cause):
+    """Another process holding the lock, or a lock that cannot be taken (a FIFO here; a read-only filesystem's
+    EROFS reads the same): every line says which, and none blames another process for a lock nobody holds."""
+    holder = DiskStore(env.root, DIGEST, BUDGET_BYTES) if cause == "held_by_another_store" else None
+    if holder is None:
+        (env.namespace / ".lock").unlink()
+        os.mkfifo(env.namespace / ".lock")
+    why = "another process holds its lock" if holder else "its lock could not be taken: [Errno 22] lock is not a " \
+                                                          "regular file"
+    try:
+        with DiskStore(env.root, DIGEST, BUDGET_BYTES) as store:
+            assert store.readonly and store.readonly_reason == why
+            assert not store.put(make_segment(300)) and store.faults.get("readonly") == 1
+        line = start_up_line(caplog, env.root)  # a server's start-up: its store's warning, then this line
+    finally:
+        if holder is not None:
+            holder.close()
+    assert line.endswith(f"; read-only: {why})"), line
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("cairn")]
+    assert "read-only" in warning and ("another process holds its lock" in warning) == (holder is not None)
 
 
 def test_a_namespace_other_users_can_read_is_used_with_one_warning(env, caplog):

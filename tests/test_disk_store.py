@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cairn.cache.disk import store as disk_store
 from cairn.cache.disk.named_bytes import layout_meta
@@ -25,7 +26,12 @@ from cairn.cache.disk.store import (
     purge_namespace,
     verify_store,
 )
+from cairn.cache.factory import build_cache
+from cairn.config import CacheOptions
 from cairn.llm import LLM
+from cairn.memory.kv_pool import KVPool
+from cairn.memory.state_pool import StatePool
+from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
 
 DIGEST = "ab" * 32
 OTHER_DIGEST = "cd" * 32
@@ -49,6 +55,20 @@ def file_bytes(seg: Segment) -> int:
 
 def equal_sized_segments(n: int) -> list[Segment]:
     return [make_segment(10 * (i + 1)) for i in range(n)]
+
+
+def start_up_line(caplog, root: Path, disk_cache_gib: float = 1.0) -> str:
+    """The disk cache's INFO line of a server's start-up: build_cache over pools of a few bytes."""
+    kv = KVPool(1, 8, 4, 1, 1, torch.float32)
+    states = StatePool(StateSpec((LayerState(0, (StateTensor("state", (2,), torch.float32),)),)), 2)
+    opts = CacheOptions(disk_cache=str(root), disk_cache_gib=disk_cache_gib, device_snapshot_gib=2**-20,
+                        host_cache_gib=0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cairn.cache.factory"):
+        build_cache(opts, kv, states, 6, DIGEST).close()
+    (line,) = [r.getMessage() for r in caplog.records
+               if r.name == "cairn.cache.factory" and r.getMessage().startswith("disk cache: ")]
+    return line
 
 
 @pytest.fixture
@@ -136,6 +156,23 @@ def test_lowered_budget_at_restart_evicts_down_to_it(root):
     with DiskStore(root, DIGEST, size) as store:
         assert len(store) == 1 and store.used_bytes <= size
         store.check_integrity()
+
+
+def test_a_budget_lowered_at_restart_logs_how_many_segments_and_mib_its_eviction_freed(root, caplog):
+    segs = [make_segment(10 * (i + 1), kv_bytes=300_000) for i in range(3)]
+    size = file_bytes(segs[0])
+    with DiskStore(root, DIGEST, 3 * size) as store:
+        assert all(store.put(seg) for seg in segs)
+    with caplog.at_level(logging.INFO, logger="cairn.cache.disk.store"), DiskStore(root, DIGEST, size) as store:
+        assert len(store) == 1
+    (line,) = [r.getMessage() for r in caplog.records if "evicted" in r.getMessage()]
+    assert line == (f"disk cache {DIGEST[:16]}: evicted 2 segment(s), {2 * size / 2**20:.1f} MiB, to fit the budget "
+                    f"of {size / 2**20:.1f} MiB")
+
+
+@pytest.mark.parametrize("disk_cache_gib, shown", [(0.01, "10.2 MiB"), (0.5, "512.0 MiB"), (16, "16.0 GiB")])
+def test_the_start_up_line_prints_a_budget_under_one_gib_in_mib(root, caplog, disk_cache_gib, shown):
+    assert start_up_line(caplog, root, disk_cache_gib).endswith(f"/{DIGEST[:16]} ({shown} budget)")
 
 
 def test_pinned_segment_is_never_evicted(root):
@@ -262,7 +299,7 @@ def test_namespace_name_must_be_hex_and_a_real_directory(root, tmp_path):
     assert list(elsewhere.iterdir()) == []
 
 
-def test_each_fault_reason_is_logged_once_and_counted_every_time(root, caplog):
+def test_a_fault_reason_is_logged_once_an_interval_and_counted_every_time(root, caplog):
     with caplog.at_level(logging.WARNING), DiskStore(root, DIGEST, 100) as store:
         for i in range(3):
             assert not store.put(make_segment(i))

@@ -121,7 +121,7 @@ def test_segments_damaged_before_startup_resume_cold_and_are_not_met_again(tmp_p
             assert http.get("/health").status_code == 200
     finally:
         assert server.stop() == 0
-    assert re.search(r"disk cache \w+: (symlink|truncated|empty) ", server.log())
+    assert re.search(r"disk cache \w+: (symlink|truncated|empty): [0-9a-f]{64}\.seg", server.log())
     assert not [p for p in cache.glob("*/*.seg") if p.is_symlink()]
     assert list(cache.glob("*/quarantine/*.seg"))  # the links were moved aside, not followed nor deleted
     server = start_server(*FLAGS, "--disk-cache", str(cache))

@@ -14,7 +14,7 @@ import torch
 
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.disk.namespace import ReadBuffer
-from cairn.cache.disk.store import DiskStore
+from cairn.cache.disk.store import DiskStore, format_size
 from cairn.cache.disk.tier import DiskTier
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
@@ -82,8 +82,8 @@ def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str 
     store = DiskStore(opts.disk_cache, digest, opts.disk_cache_bytes,
                       compression=None if opts.disk_compression == "none" else opts.disk_compression,
                       create_parents=opts.disk_cache_create_parents, model_name=model_name)
-    log.info("disk cache: %s/%s (%.1f GiB budget%s)", opts.disk_cache, digest[:16], opts.disk_cache_gib,
-             ", read-only: another server manages it" if store.readonly else "")
+    log.info("disk cache: %s/%s (%s budget%s)", opts.disk_cache, digest[:16], format_size(store.budget_bytes),
+             f"; read-only: {store.readonly_reason}" if store.readonly else "")
     return DiskTier(store, page_size, opts.disk_write_through, DISK, DISK_BANDWIDTH, ReadBuffer())
 
 

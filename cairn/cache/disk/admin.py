@@ -13,9 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import unicodedata
 
 from cairn.cache.disk.namespace import DiskStoreError
 from cairn.cache.disk.offline import SHORT_ID_CHARS, list_namespaces, purge_namespace, resolve_namespace, verify_store
+
+MODEL_COLUMNS = 32  # terminal columns of `ls`'s model column
+ELLIPSIS = "..."  # ends a cut model name (ASCII: U+2026 is two columns wide on some terminals)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -42,12 +46,37 @@ def run(ns: argparse.Namespace) -> int:
 
 def _ls(root: str) -> int:
     rows = list_namespaces(root)
-    print(f"{'namespace':<{SHORT_ID_CHARS}}  {'model':<32}  {'segments':>8}  {'MiB':>10}")
+    print(f"{'namespace':<{SHORT_ID_CHARS}}  {'model':<{MODEL_COLUMNS}}  {'segments':>8}  {'MiB':>10}")
     for row in rows:
-        print(f"{row.digest[:SHORT_ID_CHARS]:<{SHORT_ID_CHARS}}  {row.model or '(unknown)':<32}  "
+        print(f"{row.digest[:SHORT_ID_CHARS]:<{SHORT_ID_CHARS}}  {_cell(row.model or '(unknown)', MODEL_COLUMNS)}  "
               f"{row.num_segments:>8}  {row.size_bytes / 2**20:>10.2f}")
     print(f"{len(rows)} namespace(s), {sum(r.size_bytes for r in rows) / 2**20:.2f} MiB")
     return 0
+
+
+def _cell(text: str, width: int) -> str:
+    r"""`text` as a table cell exactly `width` terminal columns wide. A .model file holds anyone's bytes: each
+    unprintable character (newline, terminal escape, bidi control) is shown escaped as repr writes it, so
+    none reaches the terminal; a longer text is cut, whole characters and escapes only, and ends in ELLIPSIS.
+
+        _cell("a[2J", 10) == r"a[2J  "        _cell("x" * 40, 8) == "xxxxx..."
+    """
+    pieces = [(c, _columns(c)) if c.isprintable() else (repr(c)[1:-1], len(repr(c)) - 2) for c in text]
+    used = sum(columns for _, columns in pieces)
+    if used > width:
+        kept, used = [], len(ELLIPSIS)
+        for piece, columns in pieces:
+            if used + columns > width:
+                break
+            kept.append((piece, columns))
+            used += columns
+        pieces = [*kept, (ELLIPSIS, 0)]
+    return "".join(piece for piece, _ in pieces) + " " * (width - used)
+
+
+def _columns(char: str) -> int:
+    """Terminal columns of one printable character: 2 for East Asian wide ones, 0 for combining marks."""
+    return 0 if unicodedata.combining(char) else 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
 
 
 def _verify(root: str, namespace: str | None) -> int:

@@ -299,12 +299,14 @@ def write_model_name(dir_fd: int, model: str) -> None:
 
 
 def read_model_name(dir_fd: int) -> str | None:
+    """The .model file's text (bytes that are not UTF-8 escaped as \\xNN), or None when there is none. It may
+    hold anything: whoever prints it escapes its control characters (admin.py)."""
     try:
         fd, _ = open_regular(dir_fd, MODEL_NAME)
     except (OSError, UnusableEntry):
         return None
     try:
-        return os.read(fd, MAX_MODEL_NAME_BYTES).decode(errors="replace")
+        return os.read(fd, MAX_MODEL_NAME_BYTES).decode(errors="backslashreplace")
     finally:
         os.close(fd)
 

@@ -93,7 +93,7 @@ class SegmentError(Exception):
     def __init__(self, reason: str, message: str):
         assert reason in REASONS, reason
         super().__init__(f"{reason}: {message}")
-        self.reason = reason
+        self.reason, self.message = reason, message  # message: what is wrong, without the reason
 
 
 @dataclass(frozen=True)

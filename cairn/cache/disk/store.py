@@ -2,9 +2,10 @@
 
 `DiskStore` puts and gets `Segment`s by key (LRU eviction, pins), writes atomically, indexes the
 namespace at start-up from headers only, verifies every checksum on `get`, turns every bad file into
-a counted miss, and counts every refusal in `faults` (each reason logged once). The on-disk layout,
-safe file primitives live in namespace.py, the `cairn cache ls|verify|purge` helpers
-(`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in offline.py.
+a counted miss, and counts every refusal in `faults` (faults.py: each logged with the file it concerns,
+each reason at most once a minute). The on-disk layout, safe file primitives live in namespace.py, the
+`cairn cache ls|verify|purge` helpers (`list_namespaces`, `verify_store`, `purge_namespace`, re-exported
+here) in offline.py.
 
 This module is NOT the file format (segment.py), the tensor conversion, nor the tier policy (what
 to demote or prefetch, when to read): it stores and returns bytes.
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 
+from cairn.cache.disk.faults import FaultLog
 from cairn.cache.disk.namespace import (
     LOCK_NAME,
     MODEL_NAME,
@@ -61,7 +63,7 @@ from cairn.cache.disk.segment import (
 )
 
 __all__ = ["DiskStore", "SegmentInfo", "DiskStoreError", "StoreLockedError", "NamespaceSummary", "VerifyResult",
-           "list_namespaces", "verify_store", "purge_namespace"]
+           "list_namespaces", "verify_store", "purge_namespace", "format_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +105,9 @@ class DiskStore(Pins):
       on_evict(key)  called, outside the store's locks, whenever an indexed key leaves the index
                      without the caller asking: budget eviction or a bad file found by get.
       remove_unreachable(keys)  delete segments the tier found orphaned at start-up.
-    A store that cannot take the namespace's lock is read-only: it gets and scans, never writes,
-    evicts, deletes or moves. used_bytes <= budget_bytes always holds for the lock holder.
+    A store that cannot take the namespace's lock is read-only (`readonly_reason`: another process holds
+    it, or it could not be taken, and why): it gets and scans, never writes, evicts, deletes or moves.
+    used_bytes <= budget_bytes always holds for the lock holder.
     Bad files: the lock holder deletes a corrupt segment of ours and moves an entry named like a
     segment that is not a regular file (a link, a FIFO...) into quarantine/, so neither is met again
     at the next start; a read-only store remembers the files it rejected and skips them on a rescan.
@@ -118,8 +121,7 @@ class DiskStore(Pins):
         assert budget_bytes >= 0, "CacheOptions refuses a negative disk_cache_gib first"
         self.root, self.compat_digest, self.budget_bytes = os.fspath(root), compat_digest, budget_bytes
         self.compression, self.limits, self.on_evict = compression, limits, on_evict
-        self.faults: dict[str, int] = {}  # reason -> occurrences
-        self._logged: set[str] = set()  # reasons already logged once
+        self._faults = FaultLog(f"disk cache {compat_digest[:16]}", logger)  # counts and logs every refusal
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
         self._rejected: dict[str, tuple[int, int]] = {}  # file name -> (inode, mtime ns) of a file found bad
@@ -129,6 +131,7 @@ class DiskStore(Pins):
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
         self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
         self._lock_fd = None
+        self.readonly_reason: str | None = None  # why the store is read-only (None: it holds the lock)
         try:
             self._lock_fd = self._take_lock()
             if model_name is not None and not self.readonly:
@@ -141,15 +144,16 @@ class DiskStore(Pins):
             self._warn_if_budget_exceeds_free_space()
 
     def _take_lock(self) -> int | None:
+        """The namespace's lock fd, or None: the store is read-only, and readonly_reason (logged once) says why."""
         try:
             fd = try_lock(self._dir_fd)
         except OSError as e:
-            self._fault("lock_failed", str(e))
+            self.readonly_reason = f"its lock could not be taken: {e}"
+            self._faults.report("lock_failed", LOCK_NAME, f"{e}; this store is read-only")
             return None
         if fd is None:
-            self._logged.add("readonly")  # this warning stands for every refused put
-            logger.warning("disk cache %s/%s is managed by another process; this store is read-only",
-                           self.root, self.compat_digest)
+            self.readonly_reason = "another process holds its lock"
+            logger.warning("disk cache %s/%s is read-only: %s", self.root, self.compat_digest, self.readonly_reason)
         return fd
 
     def _warn_if_budget_exceeds_free_space(self) -> None:
@@ -161,23 +165,19 @@ class DiskStore(Pins):
         except OSError:
             return
         if self.budget_bytes > free_bytes + self._used_bytes:
-            held = f" (besides the {_size(self._used_bytes)} it holds)" if self._used_bytes else ""
+            held = f" (besides the {format_size(self._used_bytes)} it holds)" if self._used_bytes else ""
             logger.warning("disk cache %s: the budget of %s exceeds the %s free on its filesystem%s; writes "
                            "beyond the free space will fail and be counted, and the cache keeps serving",
-                           self.root, _size(self.budget_bytes), _size(free_bytes), held)
+                           self.root, format_size(self.budget_bytes), format_size(free_bytes), held)
 
     @property
     def readonly(self) -> bool:
         return self._lock_fd is None
 
-    def _fault(self, reason: str, detail: str = "") -> None:
-        with self._lock:
-            self.faults[reason] = self.faults.get(reason, 0) + 1
-            if reason in self._logged:
-                return
-            self._logged.add(reason)
-        logger.warning("disk cache %s: %s (%s); further occurrences are counted, not logged",
-                       self.compat_digest[:16], reason, detail)
+    @property
+    def faults(self) -> dict[str, int]:
+        """reason -> occurrences of every refusal and bad file met (cairn_cache_disk_faults_total{reason})."""
+        return self._faults.counts
 
     def _check_open(self) -> None:
         assert self._dir_fd is not None, "the engine closes the cache once, at shutdown, and calls it no more"
@@ -206,36 +206,47 @@ class DiskStore(Pins):
                 vanished = [key for key in self._index if key not in found]  # another process removed them
                 self._index = OrderedDict((e.header.key, e) for e in order)
                 self._used_bytes = sum(e.size_bytes for e in order)
-                evicted = [] if self.readonly else self._evict(self._plan_eviction(0, None) or [])
+                evicted = [] if self.readonly else self._fit_budget()
         self._notify(vanished + evicted)
+
+    def _fit_budget(self) -> list[bytes]:
+        """Evict least-recently-used unpinned segments until the index fits the budget (at start-up: a budget
+        smaller than what the directory holds), with one INFO line saying what that freed. Caller holds
+        self._lock; returns the evicted keys."""
+        victims = self._plan_eviction(0, None) or []
+        if victims:
+            freed_bytes = sum(self._index[key].size_bytes for key in victims)
+            logger.info("disk cache %s: evicted %d segment(s), %s, to fit the budget of %s",
+                        self.compat_digest[:16], len(victims), format_size(freed_bytes), format_size(self.budget_bytes))
+        return self._evict(victims)
 
     def _scan_one(self, name: str) -> _Entry | None:
         if name in (LOCK_NAME, MODEL_NAME, QUARANTINE_NAME) or self._is_rejected(name):
             return None
         if TEMP_NAME.fullmatch(name):
             if not self.readonly and unlink_ours(self._dir_fd, name):
-                self._fault("stale_temp", name)
+                self._faults.report("stale_temp", name)
             return None
         if not SEGMENT_NAME.fullmatch(name):
-            self._fault("foreign_name", name)
+            self._faults.report("foreign_name", name)
             return None
         if (known := self._unchanged(name)) is not None:
             return known
         try:
             header, st = read_index_header(self._dir_fd, name, self.compat_digest, self.limits)
         except UnusableEntry as e:
-            self._fault(e.reason, name)
+            self._faults.report(e.reason, name)
             self._remember_rejected(name)
             self._set_aside(name)
         except SegmentError as e:
-            self._fault(e.reason, f"{name}: {e}")
+            self._faults.report(e.reason, name, e.message)
             self._remember_rejected(name)
             if not self.readonly:
                 unlink_ours(self._dir_fd, name)
         except FileNotFoundError:
             pass
         except OSError as e:
-            self._fault("read_failed", f"{name}: {e}")
+            self._faults.report("read_failed", name, str(e))
         else:
             return _Entry(header, st.st_size, st.st_mtime, st.st_mtime_ns)
         return None
@@ -271,7 +282,7 @@ class DiskStore(Pins):
     def _set_aside(self, name: str) -> None:
         """The lock holder moves a non-regular entry into quarantine/ (counted when that fails)."""
         if not self.readonly and not set_aside(self._dir_fd, name):
-            self._fault("quarantine_failed", name)
+            self._faults.report("quarantine_failed", name)
 
     # ------------------------------------------------------------------------------------ reads
 
@@ -307,9 +318,9 @@ class DiskStore(Pins):
             return reader(self._dir_fd, name, self.compat_digest, self.limits)
         except (SegmentError, UnusableEntry) as e:
             corrupt = isinstance(e, SegmentError)  # our file, damaged: delete it; else not a file: move it
-            self._reject(key, e.reason, str(e), delete=corrupt, set_aside=not corrupt)
+            self._reject(key, e.reason, e.message if corrupt else "", delete=corrupt, set_aside=not corrupt)
         except FileNotFoundError:
-            self._reject(key, "missing", name, delete=False)
+            self._reject(key, "missing", "", delete=False)
         except OSError as e:
             self._reject(key, "read_failed", str(e), delete=False)
         return None
@@ -317,8 +328,8 @@ class DiskStore(Pins):
     def _reject(self, key: bytes, reason: str, detail: str, delete: bool, set_aside: bool = False) -> None:
         """Count a bad or vanished file, drop it from the index, and delete it (or move it aside) when it
         is ours; a read-only store remembers it so that a rescan does not index it again."""
-        self._fault(reason, detail)
         name = segment_file_name(key)
+        self._faults.report(reason, name, detail)
         with self._lock:
             entry = self._index.pop(key, None)
             if entry is not None:
@@ -383,7 +394,7 @@ class DiskStore(Pins):
         with self._lock:
             self._check_open()
             if self.readonly:
-                self._fault("readonly", "another process manages this namespace")
+                self._faults.count("readonly")  # the start-up warning says why every put is refused
                 return False, []
             entry = self._index.get(segment.key)
             if entry is not None and _covers(entry.header, segment):
@@ -392,7 +403,7 @@ class DiskStore(Pins):
         try:
             parts = encode_segment_parts(segment, self.compat_digest, self.compression, self.limits)
         except SegmentError as e:
-            self._fault("too_large", str(e))
+            self._faults.report("too_large", segment_file_name(segment.key), e.message)
             return False, []
         size_bytes = sum(memoryview(p).nbytes for p in parts)
         reservation = self._reserve(segment.key, size_bytes)
@@ -401,11 +412,13 @@ class DiskStore(Pins):
         evicted, reserved = reservation
         try:
             if not write_atomic(self._dir_fd, segment_file_name(segment.key), parts):
-                self._fault("dir_sync_failed", "the directory fsync failed after the rename")
+                self._faults.report("dir_sync_failed", segment_file_name(segment.key),
+                                    "the directory fsync failed after the rename")
         except (OSError, UnusableEntry) as e:
             with self._lock:
                 self._used_bytes -= reserved
-            self._fault(getattr(e, "reason", "write_failed"), str(e))
+            self._faults.report(getattr(e, "reason", "write_failed"), segment_file_name(segment.key),
+                                "" if isinstance(e, UnusableEntry) else str(e))
             return False, evicted
         self._commit(segment, parts[0], size_bytes, reserved)
         return True, evicted
@@ -418,11 +431,12 @@ class DiskStore(Pins):
         with self._lock:
             old = self._index[key].size_bytes if key in self._index else 0
             if size_bytes > self.budget_bytes:
-                self._fault("too_large", f"{size_bytes} bytes > budget {self.budget_bytes}")
+                self._faults.report("too_large", segment_file_name(key),
+                                    f"{size_bytes} bytes > budget {self.budget_bytes}")
                 return None
             victims = self._plan_eviction(size_bytes - old, exclude=key)
             if victims is None:
-                self._fault("budget_full", "pinned segments leave too little room")
+                self._faults.report("budget_full", segment_file_name(key), "pinned segments leave too little room")
                 return None
             self._used_bytes += size_bytes - old
             return self._evict(victims), size_bytes - old
@@ -502,8 +516,8 @@ class DiskStore(Pins):
         self.close()
 
 
-def _size(num_bytes: int) -> str:
-    """A byte count for a log line: in GiB from 1 GiB up, else in MiB."""
+def format_size(num_bytes: int) -> str:
+    """A byte count for a log line: in GiB from 1 GiB up, else in MiB (a budget of 0.01 GiB is "10.2 MiB")."""
     return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
