@@ -229,3 +229,30 @@ def test_a_stop_with_a_forced_call_or_a_structured_response_format_is_400_naming
     assert_error(r, 400, "invalid_value", param)
     assert chat(http, **constraint, **tools, max_tokens=50, temperature=0).status_code == 200
     assert_still_serving(http)
+
+
+def test_a_constraining_schema_with_a_key_that_is_no_json_schema_keyword_is_400_naming_its_path(http):
+    """llguidance refuses the keywords it cannot enforce but passed over a key that is no keyword at all: a
+    misspelled `maximun` left an integer unbounded ('5777777...') and the request succeeded. A schema that
+    constrains decoding (a json_schema response_format, a forced or strict tool) may hold only JSON Schema
+    keywords, annotations and x- extensions; a tool that is not enforced goes to the template as sent."""
+    def tool(schema: dict, strict: bool = False) -> dict:
+        return {"type": "function", "function": {"name": "f", "parameters": schema, "strict": strict}}
+
+    bounded = {"type": "integer", "maximun": 5, "title": "n", "x-vendor": 1}
+    r = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bounded}})
+    assert_error(r, 400, "invalid_value", "response_format.json_schema.schema.maximun")
+    args = {"type": "object", "properties": {"s": {"type": "string", "maxLenght": 3}}, "required": ["s"]}
+    assert_error(chat(http, tools=[tool(args)], tool_choice="required"), 400, "invalid_value",
+                 "tools.0.function.parameters.properties.s.maxLenght")
+    listed = {"type": "object", "properties": {"s": {"anyOf": [{"type": "string"}, {"type": "null", "nullable": True}]}}}
+    assert_error(chat(http, tools=[tool(listed, strict=True)], tool_choice="auto"), 400, "invalid_value",
+                 "tools.0.function.parameters.properties.s.anyOf.1.nullable")
+    assert chat(http, tools=[tool(args)], tool_choice="auto").status_code == 200  # not enforced: not checked
+    known = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9, "title": "N",
+                                                    "description": "d", "x-vendor": True}},
+             "required": ["n"], "additionalProperties": False, "$defs": {"unused": {"type": "string"}}}
+    r = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": known}},
+             max_tokens=30, temperature=0)
+    assert r.status_code == 200, r.text
+    assert_still_serving(http)

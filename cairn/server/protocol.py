@@ -26,6 +26,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from cairn.errors import SamplingError
 from cairn.sampling import SamplingParams, StructuredOutput
 from cairn.server.errors import APIError, from_exception, naming_max_tokens
+from cairn.server.schema_keywords import refuse_unknown_keywords
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -154,6 +155,7 @@ class ResponseFormat(Strict):
             if self.json_schema is None:
                 raise APIError(400, "response_format json_schema needs a json_schema object",
                                param="response_format.json_schema", code="invalid_value")
+            refuse_unknown_keywords(self.json_schema.schema_, "response_format.json_schema.schema")
             return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
         raise APIError(400, f"response_format type {self.type!r} is not one of text, json_object, json_schema",
                        param="response_format.type", code="invalid_value")
@@ -473,6 +475,10 @@ class ChatCompletionRequest(SamplingFields):
         if forces_call and structured:
             raise APIError(400, "response_format cannot be combined with a tool_choice that forces a call",
                            param="response_format", code="invalid_value")
+        enforced = self.forced_tools() if forces_call else self.strict_tools()
+        for i, tool in enumerate(self.tools or ()):
+            if enforced is not None and tool.function.name in enforced:
+                refuse_unknown_keywords(tool.function.parameters, f"tools.{i}.function.parameters")
         if (forces_call or structured) and (self.stop or self.stop_token_ids):
             field = "stop" if self.stop else "stop_token_ids"
             what = "a tool_choice that forces a call" if forces_call else f"response_format {self.response_format.type}"
