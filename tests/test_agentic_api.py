@@ -323,6 +323,26 @@ def test_anthropic_messages_with_system_and_tool_history(claude):
         m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
+def test_anthropic_count_tokens_counts_the_prompt_a_messages_request_sends(claude, http):
+    """Anthropic clients (agents deciding when to compact) ask /v1/messages/count_tokens first; it answered 404.
+    Its count is the prompt tokens the same request's usage reports: computed plus read from the cache."""
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": [
+                   {"type": "tool_use", "id": "toolu_9", "name": "get_weather", "input": {"city": "Oslo"}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "rain"}]}]
+    fields = dict(model=MODEL, system=SYSTEM, messages=history, tools=[CLAUDE_TOOL],
+                  tool_choice={"type": "tool", "name": "get_weather"})
+    counted = claude.messages.count_tokens(**fields)
+    m = claude.messages.create(max_tokens=16, **fields, extra_body=T0)
+    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+    bare = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert 0 < bare.input_tokens < counted.input_tokens
+    r = http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": [], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text  # Anthropic's shape (max_tokens: no field)
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="no-such-model", messages=[{"role": "user", "content": "Hi"}])
+
+
 def test_anthropic_stream_matches_the_whole_answer(claude):
     ask = dict(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "Hi"}], extra_body=T0,
                thinking={"type": "enabled", "budget_tokens": 1024})

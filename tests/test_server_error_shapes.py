@@ -245,7 +245,8 @@ def test_a_constraining_schema_with_a_key_that_is_no_json_schema_keyword_is_400_
     args = {"type": "object", "properties": {"s": {"type": "string", "maxLenght": 3}}, "required": ["s"]}
     assert_error(chat(http, tools=[tool(args)], tool_choice="required"), 400, "invalid_value",
                  "tools.0.function.parameters.properties.s.maxLenght")
-    listed = {"type": "object", "properties": {"s": {"anyOf": [{"type": "string"}, {"type": "null", "nullable": True}]}}}
+    nullable = {"anyOf": [{"type": "string"}, {"type": "null", "nullable": True}]}
+    listed = {"type": "object", "properties": {"s": nullable}}
     assert_error(chat(http, tools=[tool(listed, strict=True)], tool_choice="auto"), 400, "invalid_value",
                  "tools.0.function.parameters.properties.s.anyOf.1.nullable")
     assert chat(http, tools=[tool(args)], tool_choice="auto").status_code == 200  # not enforced: not checked

@@ -18,6 +18,9 @@ model): after that many thinking tokens `</think>` is forced and the answer foll
 `thinking_token_budget`); max_tokens still bounds thinking and answer together. The sampling fields
 older clients send (temperature, top_p, top_k) are honoured.
 Errors have Anthropic's shape {"type": "error", "error": {"type", "message"}}.
+
+POST /v1/messages/count_tokens (`count_tokens`): the prompt tokens a Messages request with these fields
+would send ({"input_tokens": N}), rendered and tokenized as that request would be.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from cairn.outputs import Completion
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.errors import APIError, from_exception
-from cairn.server.generate import Generation, ServingContext, SSEResponse, start_generation
+from cairn.server.generate import Generation, ServingContext, SSEResponse, prepare_chat, start_generation
 from cairn.server.protocol import (
     ChatCompletionRequest,
     Strict,
@@ -269,6 +272,35 @@ def _message(msg_id: str, model: str, content: list, out: Completion | None,
     usage = _usage(out) if out is not None else {"input_tokens": 0, "output_tokens": 0}
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+
+class CountTokensRequest(Strict):
+    """/v1/messages/count_tokens: the fields of a Messages request that make its prompt."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_surrogates(cls, data: Any) -> Any:
+        return refuse_lone_surrogates(data)
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The chat request of a Messages request with these fields (its prompt: max_tokens does not enter it)."""
+        return MessagesRequest.model_construct(**{name: getattr(self, name) for name in type(self).model_fields},
+                                               max_tokens=1).to_chat()
+
+
+async def count_tokens(ctx: ServingContext, body: CountTokensRequest) -> dict:
+    """{"input_tokens": N}: the prompt a Messages request with `body`'s fields would send, rendered and
+    tokenized as it would be (off the event loop), the generation prompt and a forced call's prefix included."""
+    sub, _ = prepare_chat(ctx, body.to_chat(), "count_tokens")
+    prompt = await ctx.bridge.tokenize(sub)
+    return {"input_tokens": len(prompt.token_ids)}
 
 
 async def messages(ctx: ServingContext, sub: Submission, plan: ChatPlan, body: MessagesRequest, request: Request,

@@ -3,6 +3,7 @@
     POST /v1/chat/completions   chat, whole or streamed (SSE)
     POST /v1/completions        text or token-id prompt, whole or streamed (SSE)
     POST /v1/messages           Anthropic Messages API, whole or streamed (see `anthropic`)
+    POST /v1/messages/count_tokens  the prompt tokens of such a request (see `anthropic`)
     POST /tokenize, /detokenize text or chat messages to token ids and back (see `tokenize`)
     GET  /v1/models             the served model; GET /v1/models/{name} one model or 404
     GET  /health                200 while the engine can make progress, else 503 (never needs the API key)
@@ -50,8 +51,8 @@ from cairn.server.protocol import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/tokenize", "/detokenize", "/v1/models",
-             "/health", "/metrics", probe.PATH)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
+             "/detokenize", "/v1/models", "/health", "/metrics", probe.PATH)
 ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread to end
 STATS_TIMEOUT_S = 5.0  # how long /metrics waits for the engine thread between two steps
 
@@ -155,6 +156,13 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await anthropic.guarded(messages_request(request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        async def count() -> Response:
+            return JSONResponse(await anthropic.count_tokens(ctx, await read_body(request, anthropic.CountTokensRequest,
+                                                                                offload)))
+        return await anthropic.guarded(count())
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

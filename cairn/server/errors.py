@@ -75,8 +75,8 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
     def body_for(self, path: str) -> dict:
-        """The body in the shape of the API at `path`: Anthropic's on /v1/messages, else OpenAI's."""
-        return self.anthropic_body() if path == ANTHROPIC_PATH else self.body()
+        """The body in the shape of the API at `path`: Anthropic's on /v1/messages (and below it), else OpenAI's."""
+        return self.anthropic_body() if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/") else self.body()
 
     def body_bytes(self, path: str = "") -> bytes:
         return json.dumps(self.body_for(path)).encode()
