@@ -133,6 +133,15 @@ def test_unsupported_options_are_refused_not_ignored(fields):
     assert e.value.status == 400 and e.value.code == "unsupported_value"
 
 
+@pytest.mark.parametrize("suffix", [None, ""])
+def test_an_empty_suffix_is_neutral_and_accepted_and_a_real_one_refused(suffix):
+    """suffix: "" appends nothing, as null does (it was a 400); any other text is refused, not ignored."""
+    assert CompletionRequest.model_validate({"prompt": "a", "suffix": suffix}).prompt == "a"
+    with pytest.raises(APIError) as e:
+        CompletionRequest.model_validate({"prompt": "a", "suffix": "tail"})
+    assert (e.value.status, e.value.param) == (400, "suffix")
+
+
 # ---- what a request may not carry silently --------------------------------------------------------
 
 def _refusal(make, *args) -> APIError:

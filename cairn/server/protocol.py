@@ -34,7 +34,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Known request fields cairn does not implement, each with its neutral value (the one that changes
 # nothing, accepted). Implementing a field = declaring it on the request model and removing it here.
 UNIMPLEMENTED_FIELDS: dict[str, Any] = {
-    "best_of": 1, "echo": False, "suffix": None, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+    "best_of": 1, "echo": False, "suffix": "", "structured_outputs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
     "functions": None, "function_call": None, "reasoning_effort": None, "prompt_logprobs": None,
     "logprobs_mode": None, "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
