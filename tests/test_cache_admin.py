@@ -53,6 +53,17 @@ def test_purge_of_a_namespace_a_running_store_holds_is_refused_and_deletes_nothi
     assert not (tmp_path / DIGEST).exists()  # nothing of anyone else's was in it
 
 
+def test_purge_by_a_prefix_shorter_than_the_short_id_is_refused_and_deletes_nothing(tmp_path, capsys):
+    """`--namespace 4` matched one namespace by its first character and purged it: a typo away from deleting
+    another model's cache. purge (only) needs the whole short id `ls` prints, or more."""
+    filled(tmp_path, DIGEST)
+    status, _, err = cache_command(capsys, "purge", "--disk-cache", str(tmp_path), "--namespace", DIGEST[:4])
+    assert status == 2 and "needs the whole id" in err
+    assert len([n for n in os.listdir(tmp_path / DIGEST) if n.endswith(".seg")]) == 2
+    status, _, _ = cache_command(capsys, "verify", "--disk-cache", str(tmp_path), "--namespace", DIGEST[:4])
+    assert status == 0  # reading keeps any unambiguous prefix
+
+
 def test_a_namespace_id_matching_two_namespaces_is_refused(tmp_path, capsys):
     filled(tmp_path, DIGEST)
     filled(tmp_path, SIBLING, 1)
@@ -72,8 +83,8 @@ def test_a_directory_without_namespaces_verifies_and_lists_as_empty(tmp_path, ca
 
 def test_a_namespace_id_matching_none_and_a_path_that_is_not_a_directory_are_refused_in_one_line(tmp_path, capsys):
     filled(tmp_path, DIGEST)
-    status, _, err = cache_command(capsys, "purge", "--disk-cache", str(tmp_path), "--namespace", "ffff")
-    assert status == 1 and f"no namespace 'ffff' in {tmp_path} (see cairn cache ls)" in err
+    status, _, err = cache_command(capsys, "purge", "--disk-cache", str(tmp_path), "--namespace", "f" * 16)
+    assert status == 1 and f"no namespace '{'f' * 16}' in {tmp_path} (see cairn cache ls)" in err
     assert len(os.listdir(tmp_path / DIGEST)) >= 2  # nothing purged
     a_file = tmp_path / "cache.txt"
     a_file.write_text("")

@@ -5,7 +5,8 @@ verify  read every segment of every namespace (or one) and check every checksum;
 purge   delete one namespace's segments (refused while a server holds its lock); foreign files stay
 
 --namespace takes the short id the server's start-up log prints (any unambiguous prefix of the
-digest). A directory that does not exist, or an unknown namespace, is a one-line error and exit 1.
+digest; purge, which deletes, the whole short id or more). A directory that does not exist, or an
+unknown namespace, is a one-line error and exit 1.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def run(ns: argparse.Namespace) -> int:
     try:
         if not os.path.isdir(ns.disk_cache):
             raise DiskStoreError(f"{ns.disk_cache} is not a directory")
+        if ns.action == "purge" and ns.namespace is not None and len(ns.namespace) < SHORT_ID_CHARS:
+            print(f"cairn cache purge: --namespace needs the whole id `cairn cache ls` prints ({SHORT_ID_CHARS} "
+                  "characters) or the digest: a shorter prefix could delete another namespace than meant",
+                  file=sys.stderr)
+            return 2
         namespace = resolve_namespace(ns.disk_cache, ns.namespace) if ns.namespace is not None else None
         if ns.action == "ls":
             return _ls(ns.disk_cache)
