@@ -65,17 +65,18 @@ def test_extreme_sampling_values_do_not_fail_their_batch(client, http):
 
 
 def test_request_whose_own_sampling_fails_fails_alone(client, http):
-    """json_object must start with '{' while min_tokens bans it (a stop token): nothing can be sampled.
-    That request fails; its neighbour in the same batch streams to the end."""
+    """A boolean schema is complete after a few tokens and only end-of-sequence may follow, which min_tokens
+    bans: the request cannot go on. It fails; its neighbour in the same batch streams to the end."""
     before = step_failures(http)
     results: dict = {}
     neighbour = threading.Thread(target=stream_text, args=(client, results, "neighbour"),
                                  kwargs=dict(max_tokens=24, temperature=0, extra_body={"ignore_eos": True}))
     neighbour.start()
     with pytest.raises(openai.InternalServerError) as e:
-        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, response_format={"type":
-                                       "json_object"}, extra_body={"stop_token_ids": [123], "min_tokens": 2})
-    assert "no token can be sampled" in str(e.value)
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, response_format={
+            "type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}},
+            extra_body={"min_tokens": 20})
+    assert "before min_tokens (20)" in str(e.value)
     neighbour.join(120)
     assert results["neighbour"][1] == "length" and results["neighbour"][2] > 0
     assert step_failures(http) == before
