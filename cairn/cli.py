@@ -76,8 +76,8 @@ def _checked_messages(messages: list[dict] | None) -> list[dict] | None:
         return None
     from pydantic import TypeAdapter, ValidationError
 
+    from cairn.server.chat_schema import ChatMessage, template_message
     from cairn.server.errors import APIError, from_validation_errors
-    from cairn.server.protocol import ChatMessage, template_message  # imports torch
 
     try:
         checked = TypeAdapter(list[ChatMessage]).validate_python(messages)

@@ -39,15 +39,11 @@ from starlette.responses import JSONResponse, Response
 from cairn.outputs import Completion
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
+from cairn.server.chat_schema import refuse_duplicate_names
 from cairn.server.errors import APIError, from_exception
 from cairn.server.generate import Generation, ServingContext, SSEResponse, prepare_chat, start_generation
-from cairn.server.protocol import (
-    ChatCompletionRequest,
-    Strict,
-    refuse_duplicate_names,
-    refuse_lone_surrogates,
-    refuse_unimplemented,
-)
+from cairn.server.protocol import ChatCompletionRequest
+from cairn.server.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 
 log = logging.getLogger(__name__)
 

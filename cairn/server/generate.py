@@ -31,6 +31,7 @@ from cairn.errors import RequestTooLarge
 from cairn.outputs import Completion, RequestOutput, accumulate
 from cairn.server.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
+from cairn.server.chat_schema import NamedToolChoice
 from cairn.server.errors import (
     APIError,
     EngineFailure,
@@ -41,7 +42,7 @@ from cairn.server.errors import (
 )
 from cairn.server.metrics import ServerMetrics
 from cairn.server.middleware import current_request_id
-from cairn.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.responses import (
     DONE_EVENT,
     ResponseHeader,

@@ -1,11 +1,8 @@
 """Request bodies of the OpenAI API as strict pydantic models, and their conversion to engine inputs.
 
-Every field a request may carry is declared here, with a strict type: `"stream": "yes"`,
-`"max_tokens": true` or `"prompt": [true]` are refused rather than coerced. A field that is not
-declared is refused with a 400 naming it (`extra="forbid"`). Fields that cairn knows but does not
-implement yet are listed once, in `UNIMPLEMENTED_FIELDS`, with the value that changes nothing: a
-request may send that value (clients often send `presence_penalty: 0`), any other value is refused
-with a 400 naming the field. Range checks of the sampling fields are SamplingParams' own (its
+Every field a request may carry is declared here, on `strict.Strict` models (strict types, unknown fields
+refused by name, null as the default, unimplemented fields only with their neutral value); a chat's tools
+and messages are `chat_schema`'s. Range checks of the sampling fields are SamplingParams' own (its
 SamplingError becomes a 400), so there is one source of truth; token ids are checked against the
 vocabulary by the endpoints, which know it. A sampling field the request leaves out takes the
 checkpoint's generation_config.json default when it has one (`defaults`), else SamplingParams' own.
@@ -16,110 +13,20 @@ the engine.
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from cairn.errors import SamplingError
 from cairn.sampling import SamplingParams, StructuredOutput
+from cairn.server.chat_schema import ChatMessage, NamedToolChoice, Tools, template_message, template_variables
 from cairn.server.errors import APIError, from_exception, naming_max_tokens
 from cairn.server.schema_keywords import refuse_unknown_keywords
+from cairn.server.strict import Strict, StrictInt, TokenIds, refuse_lone_surrogates, refuse_unimplemented
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-# Known request fields cairn does not implement, each with its neutral value (the one that changes
-# nothing, accepted). Implementing a field = declaring it on the request model and removing it here.
-UNIMPLEMENTED_FIELDS: dict[str, Any] = {
-    "best_of": 1, "echo": False, "suffix": "", "structured_outputs": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
-    "functions": None, "function_call": None, "reasoning_effort": None, "prompt_logprobs": None,
-    "logprobs_mode": None, "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
-}
-
-
-def refuse_unimplemented(data: Any, where: str = "") -> Any:
-    """Drop known-but-unimplemented fields that carry their neutral value; refuse any other value."""
-    if not isinstance(data, dict):
-        return data
-    for name in [k for k in data if k in UNIMPLEMENTED_FIELDS]:
-        if _is_neutral(data[name], UNIMPLEMENTED_FIELDS[name]):
-            del data[name]
-            continue
-        raise APIError(400, f"{where}{name}={json.dumps(data[name])[:80]} is not supported by this server",
-                       param=f"{where}{name}", code="unsupported_value")
-    return data
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_TEXT_OR_NESTED = (str, dict, list)  # what can hold a string: a body's numbers are not looked at one by one
-_SCALARS = {int, float, bool, type(None)}
-
-
-def refuse_lone_surrogates(data: Any) -> Any:
-    """Refuse, with a 400 naming the field, a body whose strings (or keys) hold a lone UTF-16 surrogate:
-    JSON's `\\ud800` escape without its pair (json joins a pair into one character) reads as a code
-    point that is not Unicode text, which no tokenizer (and no UTF-8) can encode. A list of token ids is
-    looked over at C speed (60k ids: about 1.5 ms)."""
-    stack: list[tuple[tuple, Any]] = [((), data)]  # (path, value) still to look at, the next one last
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            bad = None if value.isascii() else _SURROGATE.search(value)
-            if bad:
-                where = ".".join(map(str, path))
-                raise APIError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate (U+{ord(bad.group()):04X} "
-                                    f"at character {bad.start()}), which is not Unicode text",
-                               param=where or None, code="invalid_value")
-            continue
-        if isinstance(value, dict):
-            children = [(path + (key,), v) for key, item in value.items() for v in (key, item)
-                        if isinstance(v, _TEXT_OR_NESTED)]
-        elif isinstance(value, list):
-            if set(map(type, value)) <= _SCALARS:  # token ids: one pass at C speed
-                continue
-            children = [(path + (i,), item) for i, item in enumerate(value) if isinstance(item, _TEXT_OR_NESTED)]
-        else:
-            continue
-        stack += reversed(children)  # (the first field is looked at first: the error names it)
-    return data
-
-
-def _is_neutral(value: Any, neutral: Any) -> bool:
-    if value is None:
-        return True
-    if isinstance(value, bool) or isinstance(neutral, bool):
-        return value is neutral
-    return value == neutral
-
-
-class Strict(BaseModel):
-    """Strict types, unknown fields refused, and JSON null for a field that has a default means that
-    default (clients and wrappers send `"n": null` for a field they leave unset): null is refused only
-    for a required field, and any other value is type-checked as strictly as ever."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or None not in data.values():
-            return data
-        return {key: value for key, value in data.items() if value is not None or key not in _optional_keys(cls)}
-
-
-@functools.cache
-def _optional_keys(model: type[BaseModel]) -> frozenset[str]:
-    """The keys (aliases where a field has one) of the model's fields that have a default."""
-    return frozenset(f.alias or name for name, f in model.model_fields.items() if not f.is_required())
-
-
-StrictInt = Annotated[int, Field(strict=True)]
-TokenIds = list[Annotated[int, Field(strict=True)]]
-
 
 class StreamOptions(Strict):
     include_usage: bool = False  # send a last chunk with empty choices and the usage
@@ -159,173 +66,6 @@ class ResponseFormat(Strict):
             return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
         raise APIError(400, f"response_format type {self.type!r} is not one of text, json_object, json_schema",
                        param="response_format.type", code="invalid_value")
-
-
-# ---- tools --------------------------------------------------------------------------------------
-
-FunctionName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s<>]+$")]  # no markup in a name
-
-
-class FunctionDef(Strict):
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # JSON schema of the arguments
-    strict: bool | None = None  # true: a call this answer makes follows the tools' schemas (constrained)
-
-
-class Tool(Strict):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-def refuse_duplicate_names(names: list[str], param: str) -> None:
-    """A 400 naming the second of two tools that share a name (`param`: the path of a tool's name, `{}`
-    standing for its index): a call names its function, so which of the two it meant would be a guess."""
-    seen: set[str] = set()
-    for j, name in enumerate(names):
-        if name in seen:
-            raise APIError(400, f"two tools are named {name!r}: tool names must be unique", param=param.format(j),
-                           code="invalid_value")
-        seen.add(name)
-
-
-def _unique_function_names(tools: list[Tool]) -> list[Tool]:
-    refuse_duplicate_names([t.function.name for t in tools], "tools.{}.function.name")
-    return tools
-
-
-Tools = Annotated[list[Tool], AfterValidator(_unique_function_names)]
-
-
-class NamedFunction(Strict):
-    name: str
-
-
-class NamedToolChoice(Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class FunctionCall(Strict):
-    name: FunctionName
-    arguments: str | dict[str, Any]  # a JSON object as a string (OpenAI) or already parsed
-
-
-class ToolCall(Strict):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-# ---- messages -----------------------------------------------------------------------------------
-
-class ChatMessage(Strict):
-    """One message. Keys the openai client echoes back from a response (refusal, annotations, audio,
-    function_call) are accepted when null."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant
-    tool_call_id: str | None = None  # tool
-    reasoning_content: str | None = None  # assistant: its thinking (vLLM's name)
-    reasoning: str | None = None  # the same, under vLLM's newer name
-    refusal: None = None
-    annotations: None = None
-    audio: None = None
-    function_call: None = None
-
-
-def template_message(index: int, m: ChatMessage) -> dict[str, Any]:
-    """The message as chat templates want it: content a string, tool-call arguments a dict (as
-    transformers' apply_chat_template is given them), reasoning under `reasoning_content`, a developer
-    message as the system message it stands for (OpenAI's clients send instructions under that role; chat
-    templates know only system)."""
-    _check_role_fields(index, m)
-    role = "system" if m.role == "developer" else m.role
-    out: dict[str, Any] = {"role": role, "content": text_content(index, m.content)}
-    if m.name is not None:
-        out["name"] = m.name
-    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-    if reasoning is not None:
-        out["reasoning_content"] = reasoning
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    if m.tool_calls:
-        out["tool_calls"] = [_template_tool_call(index, j, c) for j, c in enumerate(m.tool_calls)]
-    return out
-
-
-def _check_role_fields(index: int, m: ChatMessage) -> None:
-    """Refuse, with a 400 naming it, a field that the message's role does not use (chat templates read
-    tool_calls and the reasoning only on an assistant message, tool_call_id only on a tool result: they
-    would drop it), and the reasoning sent under both its names (one would be dropped)."""
-    only_on = (("tool_calls", m.tool_calls, "assistant"), ("tool_call_id", m.tool_call_id, "tool"),
-               ("reasoning_content", m.reasoning_content, "assistant"), ("reasoning", m.reasoning, "assistant"))
-    for name, value, role in only_on:
-        if value is not None and m.role != role:
-            raise APIError(400, f"{name} is only read on a message of role {role!r}, not {m.role!r}",
-                           param=f"messages.{index}.{name}", code="invalid_value")
-    if m.reasoning_content is not None and m.reasoning is not None:
-        raise APIError(400, "send the reasoning once, as reasoning_content or as reasoning (two names for it)",
-                       param=f"messages.{index}.reasoning", code="invalid_value")
-
-
-def _template_tool_call(index: int, j: int, c: ToolCall) -> dict[str, Any]:
-    args = c.function.arguments
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            args = None
-        if not isinstance(args, dict):
-            raise APIError(400, "tool call arguments must be a JSON object",
-                           param=f"messages.{index}.tool_calls.{j}.function.arguments", code="invalid_value")
-    call = {"type": "function", "function": {"name": c.function.name, "arguments": args}}
-    if c.id is not None:
-        call["id"] = c.id
-    return call
-
-
-def text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "\n".join(_part_text(f"messages.{index}.content.{j}", part) for j, part in enumerate(content))
-
-
-def _part_text(where: str, part: dict[str, Any]) -> str:
-    """The text of the content part at `where`: only text parts, {"type": "text", "text": str}, are
-    supported; a key beside those two is refused as an unknown field is."""
-    kind = part.get("type")
-    if kind != "text":
-        raise APIError(400, f"content part of type {kind!r} is not supported: only text parts", param=where,
-                       code="unsupported_value")
-    if part.get("text") is None:
-        raise APIError(400, "a text content part needs its text", param=f"{where}.text", code="missing_field")
-    if not isinstance(part["text"], str):
-        raise APIError(400, "a text content part's text must be a string", param=f"{where}.text",
-                       code="invalid_value")
-    extra = [key for key in part if key not in ("type", "text")]
-    if extra:
-        raise APIError(400, f"unknown field `{where}.{extra[0]}`: this server does not implement it",
-                       param=f"{where}.{extra[0]}", code="unknown_field")
-    return part["text"]
-
-
-RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "generation_prefix")  # set by cairn
-
-
-def template_variables(chat_template_kwargs: dict[str, Any] | None, tools: list[Tool] | None) -> dict[str, Any]:
-    """Variables for the chat template beside the messages: the tools and chat_template_kwargs, which may
-    not set a variable cairn sets itself (RESERVED_TEMPLATE_VARIABLES: a 400 naming it)."""
-    kwargs = dict(chat_template_kwargs or {})
-    for reserved in RESERVED_TEMPLATE_VARIABLES:
-        if reserved in kwargs:
-            raise APIError(400, f"chat_template_kwargs may not set {reserved!r}",
-                           param=f"chat_template_kwargs.{reserved}", code="invalid_value")
-    if tools:
-        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
-    return kwargs
 
 
 # ---- the requests -------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 
+from cairn.server.chat_schema import template_message
 from cairn.server.errors import APIError
 from cairn.server.generate import ServingContext
-from cairn.server.protocol import DetokenizeRequest, TokenizeRequest, template_message
+from cairn.server.protocol import DetokenizeRequest, TokenizeRequest
 
 
 async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict:
