@@ -157,12 +157,13 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def messages(request: Request) -> Response:
         return await anthropic.guarded(messages_request(request))
 
+    async def count_tokens_request(request: Request) -> Response:
+        body = await read_body(request, anthropic.CountTokensRequest, offload)
+        return JSONResponse(await anthropic.count_tokens(ctx, body))
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        async def count() -> Response:
-            return JSONResponse(await anthropic.count_tokens(ctx, await read_body(request, anthropic.CountTokensRequest,
-                                                                                offload)))
-        return await anthropic.guarded(count())
+        return await anthropic.guarded(count_tokens_request(request))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
