@@ -125,8 +125,8 @@ class CacheOptions:
     disk_cache_create_parents: bool = _f(False, "create the missing parent directories of --disk-cache too "
                                          "(otherwise only its last component is created)")
     disk_cache_gib: float = _f(16.0, "disk bytes for the disk tier, in GiB")
-    disk_write_through: bool = _f(True, "write each finished request's new snapshots and KV to disk at once "
-                                  "(durable across restarts); otherwise only what the host tier evicts")
+    disk_write_through: bool = _f(True, "write each finished (or aborted) request's new snapshots and KV to disk at "
+                                  "once (durable across restarts); otherwise only what the host tier evicts")
     disk_compression: str = _f("none", "compression of disk segments: none, zstd or lz4",
                                choices=("none", "zstd", "lz4"))
     remote_cache: str | None = _f(None, "Redis URL of a remote tier shared by replicas (redis://HOST:PORT/DB, "
