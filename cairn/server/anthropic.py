@@ -131,26 +131,31 @@ class Metadata(Strict):
     user_id: str | None = None  # stored nowhere
 
 
-class MessagesRequest(Strict):
+class PromptFields(Strict):
+    """The fields of a Messages request that make its prompt (all that /v1/messages/count_tokens takes)."""
+
     model: str
-    max_tokens: int
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
     tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
-    metadata: Metadata | None = None
-    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
 
     @model_validator(mode="before")
     @classmethod
     def _unimplemented(cls, data: Any) -> Any:
         return refuse_unimplemented(refuse_lone_surrogates(data))
+
+
+class MessagesRequest(PromptFields):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: Metadata | None = None
+    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
 
     @model_validator(mode="after")
     def _no_stop_in_a_forced_call(self) -> MessagesRequest:
@@ -270,25 +275,12 @@ def _message(msg_id: str, model: str, content: list, out: Completion | None,
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
-class CountTokensRequest(Strict):
-    """/v1/messages/count_tokens: the fields of a Messages request that make its prompt."""
-
-    model: str
-    messages: list[Message] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: ThinkingConfig | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_surrogates(cls, data: Any) -> Any:
-        return refuse_lone_surrogates(data)
+class CountTokensRequest(PromptFields):
+    """/v1/messages/count_tokens: a Messages request's prompt fields alone."""
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request of a Messages request with these fields (its prompt: max_tokens does not enter it)."""
-        return MessagesRequest.model_construct(**{name: getattr(self, name) for name in type(self).model_fields},
-                                               max_tokens=1).to_chat()
+        return MessagesRequest.model_construct(**dict(self), max_tokens=1).to_chat()
 
 
 async def count_tokens(ctx: ServingContext, body: CountTokensRequest) -> dict:
