@@ -101,10 +101,15 @@ class RequestStream:
         the stream until uvicorn cancels its task, cutting it without its error event."""
         def expire() -> None:
             if not self.done:
-                self._outputs.put_nowait(ServerShuttingDown("The server is shutting down; the request was aborted."))
+                self._outputs.put_nowait(_aborted_at_shutdown())
                 self._bridge.abort(self.request_id)
 
         self.loop.call_later(max(0.0, deadline_s - time.monotonic()), expire)
+
+
+def _aborted_at_shutdown() -> ServerShuttingDown:
+    """What a stream still running when the server stops (a drain's deadline, or the stop) ends with."""
+    return ServerShuttingDown("The server is shutting down; the request was aborted.")
 
 
 def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -278,7 +283,7 @@ class EngineBridge:
                 if not self.engine.has_unfinished():
                     self._check_idle_integrity()
         finally:
-            self._abort_all(ServerShuttingDown("The server is shutting down; the request was aborted."))
+            self._abort_all(_aborted_at_shutdown())
             self._run_commands(block=False)  # settle calls that raced with the stop
             self.engine.close()  # release the disk cache's lock and files
             log.info("engine thread stopped")
@@ -352,7 +357,7 @@ class EngineBridge:
         if self._drain_deadline_s is not None and time.monotonic() >= self._drain_deadline_s:
             if self._sinks:
                 log.warning("shutdown timeout: aborting %d request(s) still running", len(self._sinks))
-            self._abort_all(ServerShuttingDown("The server is shutting down; the request was aborted."))
+            self._abort_all(_aborted_at_shutdown())
             self._drain_deadline_s = None
 
     def _check_idle_integrity(self) -> None:
