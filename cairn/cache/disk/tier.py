@@ -314,23 +314,24 @@ class DiskTier:
     def paths_below(self, path: tuple[int, ...]) -> list[tuple[tuple[int, ...], int, DiskRef, bool, bool]]:
         """As stored_paths, the indexed segments chained below `path` alone (whose own segment was just written
         again, after it was found bad: what lies below it was unreachable meanwhile); reads their tokens only."""
-        return list(self._chains(path, None))
+        return list(self._chains(path, []))
 
-    def _chains(self, below: tuple[int, ...] | None, orphans: list[bytes] | None):
+    def _chains(self, below: tuple[int, ...] | None, orphans: list[bytes]):
         """Walk the indexed segments parents first, yielding each whose prefix chain is complete: from the root
-        (below None; a segment that does not chain is appended to `orphans`) or from the end of `below` (the
-        others are skipped unread)."""
+        (below None; a segment that does not chain is counted and appended to `orphans`) or from the end of
+        `below` (the others are skipped unread)."""
         infos = [self.store.info(k) for k in self.store.keys()]  # noqa: SIM118 (a store, not a dict)
         infos = sorted((i for i in infos if i is not None), key=lambda i: (i.start_position, i.key))
         wanted = Counter(i.parent_key for i in infos if i.parent_key is not None)
         paths: dict[bytes, tuple[int, ...]] = {} if below is None else {segment_key(None, below): below}
+        root = () if below is None else None  # the prefix of a segment without a parent (none, below a path)
         for info in infos:
-            prefix = (() if below is None else None) if info.parent_key is None else paths.get(info.parent_key)
-            if orphans is None and prefix is None:
+            prefix = root if info.parent_key is None else paths.get(info.parent_key)
+            if prefix is None and below is not None:
                 continue
             tokens = self.store.get_tokens(info.key)
             if tokens is None or prefix is None or len(prefix) != info.start_position:
-                if orphans is not None:
+                if below is None:
                     self.counters["orphan_segments"] += 1
                     orphans.append(info.key)
                 continue
