@@ -120,14 +120,15 @@ def test_a_second_signal_drains_on_the_event_loop_not_inside_the_signal_handler(
 
     from cairn.server.main import GracefulServer
 
-    drained: list[float] = []
-    server = GracefulServer(uvicorn.Config(app=None), drained.append, 5.0)
+    calls: list[str] = []
+    server = GracefulServer(uvicorn.Config(app=None), lambda timeout_s: calls.append(f"drain {timeout_s}"), 5.0,
+                            lambda: calls.append("hurry"))
 
-    async def scenario() -> tuple[list[float], list[float]]:
+    async def scenario() -> tuple[list[str], list[str]]:
         server.handle_exit(signal.SIGTERM, None)
         server.handle_exit(signal.SIGTERM, None)
-        inside_the_handler = list(drained)
+        inside_the_handler = list(calls)
         await asyncio.sleep(0)
-        return inside_the_handler, list(drained)
+        return inside_the_handler, list(calls)
 
-    assert asyncio.run(scenario()) == ([], [0.0])
+    assert asyncio.run(scenario()) == ([], ["hurry", "drain 0.0"])

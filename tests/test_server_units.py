@@ -365,6 +365,74 @@ def test_engine_thread_sleeps_while_idle_and_wakes_for_a_command():
     assert not bridge.alive
 
 
+class OneLongStep:
+    """Has one step to run, which lasts until `release` is set (a long prefill on a CPU)."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.busy, self.closed = True, False
+
+    def has_unfinished(self) -> bool:
+        return self.busy
+
+    def stalled(self) -> None:
+        return None
+
+    def step(self) -> list:
+        self.entered.set()
+        self.release.wait(30)
+        self.busy = False
+        return []
+
+    def check_integrity(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def stop_in_background(bridge: EngineBridge, timeout_s: float) -> threading.Thread:
+    stopper = threading.Thread(target=bridge.stop, args=(timeout_s,), daemon=True)
+    stopper.start()
+    return stopper
+
+
+def test_stop_waits_past_its_timeout_for_a_long_step_so_that_the_engine_closes_its_cache():
+    """The lifespan gave the engine thread 5 s, then the process exited inside the step: engine.close()
+    never ran, so the aborted requests' snapshots were not written through and the remote tier's queued
+    writes were dropped. stop() now waits for the step to end."""
+    engine = OneLongStep()
+    bridge = EngineBridge(engine)
+    bridge.start()
+    try:
+        assert engine.entered.wait(10)
+        stopper = stop_in_background(bridge, 0.05)
+        stopper.join(0.5)
+        still_waiting = stopper.is_alive()
+    finally:
+        engine.release.set()
+    stopper.join(10)
+    assert still_waiting and not stopper.is_alive()
+    assert engine.closed and not bridge.alive
+
+
+def test_a_hurried_stop_returns_inside_a_long_step_once_its_timeout_has_passed():
+    """A second signal: the user wants the process gone now, whatever the step still holds."""
+    engine = OneLongStep()
+    bridge = EngineBridge(engine)
+    bridge.start()
+    try:
+        assert engine.entered.wait(10)
+        stopper = stop_in_background(bridge, 0.05)
+        bridge.hurry()
+        stopper.join(10)
+        assert not stopper.is_alive() and bridge.alive and not engine.closed
+    finally:
+        engine.release.set()
+    bridge._thread.join(10)
+    assert engine.closed
+
+
 def test_a_developer_message_is_rendered_as_the_system_message_it_stands_for():
     """OpenAI's clients send instructions under role "developer"; the chat template sees role "system"."""
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
              "/detokenize", "/v1/models", "/health", "/metrics", probe.PATH)
-ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread to end
+ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread before saying so
 STATS_TIMEOUT_S = 5.0  # how long /metrics waits for the engine thread between two steps
 
 

@@ -46,6 +46,7 @@ from cairn.server.offload import Offload
 from cairn.server.workers import WorkersClosed
 
 log = logging.getLogger(__name__)
+HURRY_POLL_S = 0.25  # how often stop(), waiting for a step, checks whether it was hurried
 T = TypeVar("T")
 UNHEALTHY_AFTER_FAILED_STEPS = 3  # /health says 503 after this many engine steps failed in a row
 Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
@@ -150,6 +151,7 @@ class EngineBridge:
         self._draining = False  # refuse new requests
         self._drain_deadline_s: float | None = None  # time.monotonic() at which what is left is aborted
         self._stopping = False
+        self._hurried = threading.Event()  # stop() no longer waits for a step past its timeout
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -188,7 +190,10 @@ class EngineBridge:
         self._commands.put(begin)
 
     def stop(self, timeout_s: float) -> None:
-        """Abort every request (their streams raise ServerShuttingDown), end the thread; blocks up to timeout_s."""
+        """Abort every request (their streams raise ServerShuttingDown) and end the thread. Blocks until the
+        thread has ended: its step finished, what the aborted requests computed written to the cache and the
+        cache closed. A step can outlast timeout_s (a long prefill on a CPU); past it, stop() logs that it
+        waits, and waits on unless `hurry()` is or was called, then returns with the thread still running."""
         def end() -> None:
             self._draining = self._stopping = True
         self._commands.put(end)
@@ -196,6 +201,18 @@ class EngineBridge:
             self.offload.close()
         if self.alive:
             self._thread.join(timeout_s)
+        if self.alive and not self._hurried.is_set():
+            log.warning("the engine thread is still inside a step %.0f s after the stop; waiting for it to end, so "
+                        "that the cache keeps what the aborted requests computed (signal again to exit now)", timeout_s)
+            while self.alive and not self._hurried.is_set():
+                self._thread.join(HURRY_POLL_S)
+        if self.alive:
+            log.warning("stopping while the engine thread is inside a step: what its requests computed is not "
+                        "written to the disk or remote cache")
+
+    def hurry(self) -> None:
+        """Make `stop()` give up waiting for a step once its timeout has passed (a repeated signal)."""
+        self._hurried.set()
 
     # ---- the asyncio side -------------------------------------------------------------------------
 

@@ -5,9 +5,12 @@ Shutdown, on the first SIGTERM or SIGINT:
 2. in-flight requests run on for up to `--shutdown-timeout-s`; then the bridge aborts what is left
    (a stream gets a last error event and `[DONE]`, a waiting non-streamed request a 503);
 3. uvicorn cancels any task still running `SHUTDOWN_GRACE_S` later, the lifespan stops the engine
-   thread, and the process exits with status 0.
-A second signal skips the waiting: the bridge aborts every request at once, and the steps above run
-without delay (the engine thread is still stopped and the disk cache closed). A task uvicorn has to
+   thread, and the process exits with status 0. The engine thread ends after its current step, which
+   can be long (a long prefill on a CPU): the lifespan waits for it, so that what the aborted requests
+   computed is written to the disk and remote cache and the cache is closed.
+A second signal skips the waiting: the bridge aborts every request at once, the steps above run
+without delay, and the lifespan waits for a step at most `app.ENGINE_STOP_TIMEOUT_S` (the engine thread
+is still stopped and the disk cache closed unless a step outlasts that). A task uvicorn has to
 cancel logs one line, not a CancelledError traceback.
 
 Connections are served by `connections.GuardedH11Protocol` (request-head deadline, connection cap).
@@ -45,10 +48,12 @@ class GracefulServer(uvicorn.Server):
     on a second SIGINT skips the app's shutdown, leaving the engine thread running.)
     """
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[float], None], drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, drain: Callable[[float], None], drain_timeout_s: float,
+                 hurry: Callable[[], None]):
         super().__init__(config)
         self._drain = drain
         self._drain_timeout_s = drain_timeout_s
+        self._hurry = hurry
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit:
@@ -56,12 +61,16 @@ class GracefulServer(uvicorn.Server):
             # A signal handler runs between two bytecodes of the main thread, which may hold a lock drain()
             # takes (the bridge's, a queue's): drain on the event loop, as its next callback.
             try:
-                asyncio.get_running_loop().call_soon_threadsafe(self._drain, 0.0)
+                asyncio.get_running_loop().call_soon_threadsafe(self._abort_now)
             except RuntimeError:  # no loop running (yet, or any more)
-                self._drain(0.0)
+                self._abort_now()
             return
         self.should_exit = True
         log.info("signal %d: shutting down", sig)
+
+    def _abort_now(self) -> None:
+        self._hurry()
+        self._drain(0.0)
 
     async def shutdown(self, sockets=None) -> None:
         self._drain(self._drain_timeout_s)
@@ -101,7 +110,7 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
                             port=options.port, log_config=None, access_log=False, lifespan="on",
                             http=guarded_protocol(options.header_timeout_s, options.max_connections),
                             timeout_graceful_shutdown=options.shutdown_timeout_s + SHUTDOWN_GRACE_S)
-    server = GracefulServer(config, bridge.drain, options.shutdown_timeout_s)
+    server = GracefulServer(config, bridge.drain, options.shutdown_timeout_s, bridge.hurry)
     app.state.ctx.metrics.gc.num_frozen_objects = settle_heap()
     log.info("serving %s (context %d tokens) on http://%s:%d", app.state.ctx.served_model, engine.max_model_len,
              options.host, options.port)
