@@ -102,6 +102,24 @@ def test_a_tool_call_cut_by_max_tokens_finishes_with_length():
     assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "length"
 
 
+@pytest.mark.parametrize("text", [CUT_CALL, XML_CALL[: XML_CALL.index("</function>")]],
+                         ids=["inside_a_parameter", "before_its_closing_function_tag"])
+def test_an_answer_that_ended_inside_its_last_call_finishes_with_stop_not_tool_calls(text):
+    """A stop string (or the model's end of turn) inside a call ended the answer with "stop": it reported
+    "tool_calls", and a client ran a call missing the parameters the stop cut off."""
+    _, _, calls, shaper = shape("", ChatPlan("qwen3", False, TOOLS), [text])
+    assert calls and calls[0][0] == "get_weather"
+    assert shaper.finish_reason("stop") == "stop"
+
+
+@pytest.mark.parametrize("text", [XML_CALL.removesuffix("</tool_call>"), JSON_CALL.removesuffix("</tool_call>")],
+                         ids=["xml", "json"])
+def test_a_call_whose_only_missing_part_is_its_closing_tool_call_tag_finishes_with_tool_calls(text):
+    """A stop string `</tool_call>` (one call at a time) leaves the call itself whole."""
+    _, _, calls, shaper = shape("", ChatPlan("qwen3", False, TOOLS), [text])
+    assert len(calls) == 1 and shaper.finish_reason("stop") == "tool_calls"
+
+
 def test_call_format_follows_the_template():
     assert call_format("... <function=example> ...") == "xml"
     assert call_format('{"name": <function-name>}') == "json"

@@ -153,14 +153,16 @@ class ChatShaper:
         return delta
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """"tool_calls" when the answer made calls and ended on its own ("stop"), else the engine's reason.
+        """"tool_calls" when the answer made calls, finished the last one and ended on its own ("stop"), else
+        the engine's reason.
 
         An answer max_tokens cut ("length") keeps "length" even when calls were parsed: the last call may
         be incomplete (a forced call cut inside its parameters parses with those missing). Its calls are
         still returned as parsed, as OpenAI returns a call's truncated arguments with "length" (Anthropic:
         the tool_use block with stop_reason "max_tokens"); a client must not run the calls of such an
-        answer, and retries with a larger max_tokens."""
-        if self.message.calls and engine_reason == "stop":
+        answer, and retries with a larger max_tokens. So does an answer that ended inside its last call
+        (a stop string, or the model's end of turn, before </function>): "stop", not "tool_calls"."""
+        if self.message.calls and engine_reason == "stop" and not self.calls.cut:
             return "tool_calls"
         return engine_reason
 

@@ -166,6 +166,7 @@ class ToolCallParser:
         self._buf = ""
         self._in_call = False
         self.num_calls = 0
+        self.cut = False  # the last call was parsed from a block the output ended inside (see `finish`)
 
     def feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         self._buf += text
@@ -193,11 +194,15 @@ class ToolCallParser:
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        """What is left once the output has ended. A block it ended inside (a stop string, the end of the
+        answer or max_tokens before </tool_call>) still gives its call where one parses; `cut` then says
+        whether the call itself was left unfinished (an XML call before </function>)."""
         content: list[str] = []
         calls: list[ParsedToolCall] = []
         rest, self._buf = self._buf, ""
         if self._in_call:
             self._emit(rest, False, content, calls)
+            self.cut = bool(calls) and parse_call(rest, self.tools, complete=True) is None
         elif not (self.num_calls and not rest.strip()):
             content.append(rest)
         return "".join(content), calls
@@ -215,6 +220,7 @@ class NoToolCallParser:
     """tool_choice none, no tools, or --tool-call-parser none: everything is content."""
 
     num_calls = 0
+    cut = False
 
     def feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         return text, []
