@@ -2,8 +2,9 @@
 --model directory that is not a checkpoint (a file, no config.json, a config.json that is not JSON or
 not an object, no weights, no tokenizer), an address that cannot be listened on, `cairn generate`
 without a prompt or with --messages that are not a list, an empty --api-key, a --state-cache-gib too
-small for one state slot. Each is a real `python -m cairn.cli` process, checked as the user sees it:
-exit status 2 and one line naming what is wrong, no traceback. `cairn generate` with a sampling flag out
+small for one state slot; weights an interrupted download left incomplete (a shard the index names
+missing, a file cut short, a Git LFS pointer). Each is a real `python -m cairn.cli` process, checked as the
+user sees it: exit status 2 and one line naming what is wrong, no traceback. `cairn generate` with a sampling flag out
 of range or --messages the HTTP server refuses runs in-process, with an engine that fails if it is built:
 the refusal comes before the model loads.
 """
@@ -71,6 +72,33 @@ def test_incomplete_download_is_one_line_naming_what_is_missing_before_torch(che
     (tmp_path / "m" / "model.safetensors.index.json").unlink(missing_ok=True)
     line = refused_before_torch("serve", "--model", str(tmp_path / "m"))
     assert says in line and "is the download complete?" in line, line
+
+
+def _name_a_missing_shard(model):
+    index = {"weight_map": {"a.weight": "model.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _cut_the_weights_short(model):
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _leave_a_git_lfs_pointer(model):
+    (model / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_name_a_missing_shard, "1 of its 2 weight files are missing (model-00002-of-00002.safetensors)"),
+    (_cut_the_weights_short, "model.safetensors is cut short"),
+    (_leave_a_git_lfs_pointer, "model.safetensors is a Git LFS pointer, not the weights"),
+])
+def test_weights_an_interrupted_download_left_incomplete_are_one_line_before_torch(checkpoint, tmp_path, damage,
+                                                                                    says):
+    shutil.copytree(checkpoint, tmp_path / "m")
+    damage(tmp_path / "m")
+    line = refused_before_torch("serve", "--model", str(tmp_path / "m"))
+    assert says in line, line
 
 
 def test_host_that_does_not_resolve_is_one_line():
