@@ -5,8 +5,9 @@ Subcommands: `generate` (one prompt or a chat, prints text and timing) and the o
 COMMANDS. `--log-level` / `--log-format` go before or after the subcommand. A user's mistake
 (cairn.preflight.UserError: a missing or unsupported --model, a port in use, --messages the HTTP server
 would refuse (e.g. an unknown role), a sampling flag out of range (--max-tokens 0); and
-cairn.config.ConfigError: a flag's value out of range, e.g. --port 70000 or --max-num-seqs 0) is
-printed as one line, exit status 2, without a traceback.
+cairn.config.ConfigError: a flag's value out of range, e.g. --port 70000 or --max-num-seqs 0), and a
+checkpoint whose tensors do not fit its config.json (cairn.model.config.WeightError), are printed as one
+line, exit status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cairn import __version__
 from cairn.config import ConfigError
 from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.logs import LOG_FORMATS, setup_logging
+from cairn.model.config import WeightError
 from cairn.preflight import UserError, check_model, check_port
 
 if typing.TYPE_CHECKING:
@@ -192,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[ns.command][2](ns)
-    except (UserError, ConfigError, DiskStoreError) as e:  # a user's mistake (e.g. --port 70000): one line
+    except (UserError, ConfigError, DiskStoreError, WeightError) as e:  # a user's mistake (e.g. --port 70000) or a
+        # checkpoint whose weights do not fit its config.json (the error names the tensor): one line
         print(f"cairn {ns.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -3,8 +3,9 @@
 not an object, no weights, no tokenizer), an address that cannot be listened on, `cairn generate`
 without a prompt or with --messages that are not a list, an empty --api-key, a --state-cache-gib too
 small for one state slot; weights an interrupted download left incomplete (a shard the index names
-missing, a file cut short, a Git LFS pointer). Each is a real `python -m cairn.cli` process, checked as the
-user sees it: exit status 2 and one line naming what is wrong, no traceback. `cairn generate` with a sampling flag out
+missing, a file cut short, a Git LFS pointer), weights that do not fit the config. Each is a real
+`python -m cairn.cli` process, checked as the user sees it: exit status 2 and one line naming what is
+wrong, no traceback. `cairn generate` with a sampling flag out
 of range or --messages the HTTP server refuses runs in-process, with an engine that fails if it is built:
 the refusal comes before the model loads.
 """
@@ -99,6 +100,17 @@ def test_weights_an_interrupted_download_left_incomplete_are_one_line_before_tor
     damage(tmp_path / "m")
     line = refused_before_torch("serve", "--model", str(tmp_path / "m"))
     assert says in line, line
+
+
+def test_weights_that_do_not_fit_the_config_are_one_error_line_not_a_traceback(checkpoint, tmp_path):
+    """Found while loading (after the progress bar), so not before torch; but one line naming the tensor."""
+    shutil.copytree(checkpoint, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    out = cairn("generate", "hi", "--model", str(tmp_path / "m"), "--log-level", "WARNING")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("cairn generate: error: model.layers.0.mlp.down_proj.weight: shape"), out.stderr
 
 
 def test_host_that_does_not_resolve_is_one_line():
