@@ -95,7 +95,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     if not ns.prompt and not ns.messages:
         raise UserError("give a prompt or --messages")
     messages = _parse_messages(ns.messages)
-    check_model(ns.model)
+    check_model(ns.model, ns.quantization)
     from cairn.engine import Engine  # imports torch: after the one-line checks
 
     params, messages = _sampling_params(ns), _checked_messages(messages)  # refused before the model loads
@@ -136,7 +136,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         ns.api_key = os.environ["CAIRN_API_KEY"]
     options = build_group(ServerOptions, ns)
     check_port(options.host, options.port)
-    check_model(ns.model)
+    check_model(ns.model, ns.quantization)
     config = config_from_args(ns)  # torch-free: a refused flag costs no torch import
     from cairn.server.main import serve  # imports torch and the server: after the one-line checks
 

@@ -6,7 +6,8 @@ prints that line and exits with status 2, without a traceback. What is checked:
     check_model(path)       the --model directory exists, is not a hub id, has config.json that
                             cairn implements (no unsupported key, no quantization_config), weights
                             (every shard its index names, each file as long as its header says: an
-                            interrupted download or a Git LFS pointer is refused here) and tokenizer.json
+                            interrupted download or a Git LFS pointer is refused here) and tokenizer.json;
+                            and --quantization is implemented for the model (int8 is not on MoE)
     check_port(host, port)  the server's address can be bound now (not after the model has loaded)
 
 What this is not: the loader (cairn.model.loader), which still validates everything it reads. This
@@ -22,6 +23,10 @@ import re
 import socket
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cairn.model.config import ModelConfig
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as on huggingface.co
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit on a file's JSON header
@@ -32,8 +37,9 @@ class UserError(Exception):
     """A mistake in what the user asked for; its message is one line saying what to do."""
 
 
-def check_model(model: str | None) -> None:
-    """The --model directory is a checkpoint cairn can load (None, the demo model, always is)."""
+def check_model(model: str | None, quantization: str = "none") -> None:
+    """The --model directory is a checkpoint cairn can load (None, the demo model, always is), and
+    `--quantization` is implemented for it (a QuantizationError, one line, before the weights load)."""
     if model is None:
         return
     path = Path(model)
@@ -52,7 +58,11 @@ def check_model(model: str | None) -> None:
     _check_weights(path)
     if not (path / "tokenizer.json").is_file():
         raise UserError(f"--model {model}: no tokenizer.json in the directory (is the download complete?)")
-    _check_config(path, raw)  # last: the model families import torch (seconds before the line above would show)
+    # last: the model families import torch (seconds before the lines above would show)
+    cfg = _check_config(path, raw)
+    from cairn.model.layout import check_quantization
+
+    check_quantization(cfg, quantization)
 
 
 def _read_config(path: Path) -> dict:
@@ -113,12 +123,12 @@ def _check_safetensors_whole(file: Path) -> None:
                         "bytes): is the download complete?")
 
 
-def _check_config(path: Path, raw: dict) -> None:
+def _check_config(path: Path, raw: dict) -> ModelConfig:
     from cairn.model.config import ConfigError
     from cairn.model.families import config_from_hf
 
     try:
-        config_from_hf(raw)
+        return config_from_hf(raw)
     except ConfigError as e:
         quantized = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
         if quantized:

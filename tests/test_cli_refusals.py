@@ -7,7 +7,7 @@ missing, a file cut short, a Git LFS pointer), weights that do not fit the confi
 `python -m cairn.cli` process, checked as the user sees it: exit status 2 and one line naming what is
 wrong, no traceback. `cairn generate` with a sampling flag out
 of range or --messages the HTTP server refuses runs in-process, with an engine that fails if it is built:
-the refusal comes before the model loads.
+the refusal comes before the model loads, as does `--quantization int8` on a MoE model.
 """
 
 from __future__ import annotations
@@ -165,6 +165,24 @@ def generate_refused_before_the_model_loads(monkeypatch, capsys, *args: str) -> 
 def test_generate_sampling_flag_out_of_range_is_one_line_naming_the_flag_before_the_model_loads(
         monkeypatch, capsys, args, says):
     assert says in generate_refused_before_the_model_loads(monkeypatch, capsys, *args)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_int8_on_a_moe_model_is_one_line_before_the_model_loads(checkpoints, monkeypatch, capsys, command):
+    import cairn.engine
+    import cairn.server.main
+    from cairn.cli import main
+
+    def no_engine(*_, **__):
+        raise AssertionError("the engine was built: the refusal came after the model loaded")
+
+    monkeypatch.setattr(cairn.engine, "Engine", no_engine)
+    monkeypatch.setattr(cairn.server.main, "serve", no_engine)
+    args = ["x"] if command == "generate" else ["--port", "0"]
+    status = main([command, *args, "--model", str(checkpoints["qwen3_5_moe"][0]), "--quantization", "int8"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and lines[-1] == f"cairn {command}: error: --quantization int8 is not implemented for MoE " \
+                                        "models (qwen3_5_moe)", lines
 
 
 @pytest.mark.parametrize("messages, says", [
