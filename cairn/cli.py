@@ -5,8 +5,9 @@ Subcommands: `generate` (one prompt or a chat, prints text and timing) and the o
 COMMANDS. `--log-level` / `--log-format` go before or after the subcommand. A user's mistake
 (cairn.preflight.UserError: a missing or unsupported --model, a port in use, --messages the HTTP server
 would refuse (e.g. an unknown role), a sampling flag out of range (--max-tokens 0); and
-cairn.config.ConfigError: a flag's value out of range, e.g. --port 70000 or --max-num-seqs 0) is
-printed as one line, exit status 2, without a traceback.
+cairn.config.ConfigError: a flag's value out of range, e.g. --port 70000 or --max-num-seqs 0), and a
+checkpoint whose tensors do not fit its config.json (cairn.model.config.WeightError), are printed as one
+line, exit status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cairn import __version__
 from cairn.config import ConfigError
 from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.logs import LOG_FORMATS, setup_logging
+from cairn.model.config import WeightError
 from cairn.preflight import UserError, check_model, check_port
 
 if typing.TYPE_CHECKING:
@@ -93,7 +95,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     if not ns.prompt and not ns.messages:
         raise UserError("give a prompt or --messages")
     messages = _parse_messages(ns.messages)
-    check_model(ns.model)
+    check_model(ns.model, ns.quantization)
     from cairn.engine import Engine  # imports torch: after the one-line checks
 
     params, messages = _sampling_params(ns), _checked_messages(messages)  # refused before the model loads
@@ -134,7 +136,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         ns.api_key = os.environ["CAIRN_API_KEY"]
     options = build_group(ServerOptions, ns)
     check_port(options.host, options.port)
-    check_model(ns.model)
+    check_model(ns.model, ns.quantization)
     config = config_from_args(ns)  # torch-free: a refused flag costs no torch import
     from cairn.server.main import serve  # imports torch and the server: after the one-line checks
 
@@ -192,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[ns.command][2](ns)
-    except (UserError, ConfigError, DiskStoreError) as e:  # a user's mistake (e.g. --port 70000): one line
+    except (UserError, ConfigError, DiskStoreError, WeightError) as e:  # a user's mistake (e.g. --port 70000) or a
+        # checkpoint whose weights do not fit its config.json (the error names the tensor): one line
         print(f"cairn {ns.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -46,7 +46,7 @@ from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
-from cairn.sampling import Sampled, SamplingParams, generation_defaults, sample_isolated
+from cairn.sampling import Sampled, SamplingParams, generation_defaults, generation_eos_ids, sample_isolated
 from cairn.scheduler import ScheduledBatch, Scheduler, SequenceFailed
 from cairn.sequence import Sequence, Status
 from cairn.sizing import resolve_sizes
@@ -116,7 +116,7 @@ class Engine:
             self.sampling_defaults: dict = {}
         else:
             self.model, self.model_config = load_checkpoint(opts.model, opts.dtype, self.device, show_progress)
-            self.tokenizer = HFTokenizer(opts.model, self.model_config.eos_token_ids)
+            self.tokenizer = HFTokenizer(opts.model, self.model_config.eos_token_ids + generation_eos_ids(opts.model))
             self.model_name = opts.model
             self.sampling_defaults = generation_defaults(opts.model)
         if self.sampling_defaults:

@@ -5,7 +5,9 @@ prints that line and exits with status 2, without a traceback. What is checked:
 
     check_model(path)       the --model directory exists, is not a hub id, has config.json that
                             cairn implements (no unsupported key, no quantization_config), weights
-                            and tokenizer.json
+                            (every shard its index names, each file as long as its header says: an
+                            interrupted download or a Git LFS pointer is refused here) and tokenizer.json;
+                            and --quantization is implemented for the model (int8 is not on MoE)
     check_port(host, port)  the server's address can be bound now (not after the model has loaded)
 
 What this is not: the loader (cairn.model.loader), which still validates everything it reads. This
@@ -19,17 +21,25 @@ import errno
 import json
 import re
 import socket
+import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cairn.model.config import ModelConfig
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as on huggingface.co
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit on a file's JSON header
+LFS_POINTER = b"version https://git-lfs"  # what `git clone` without git-lfs leaves instead of the weights
 
 
 class UserError(Exception):
     """A mistake in what the user asked for; its message is one line saying what to do."""
 
 
-def check_model(model: str | None) -> None:
-    """The --model directory is a checkpoint cairn can load (None, the demo model, always is)."""
+def check_model(model: str | None, quantization: str = "none") -> None:
+    """The --model directory is a checkpoint cairn can load (None, the demo model, always is), and
+    `--quantization` is implemented for it (a QuantizationError, one line, before the weights load)."""
     if model is None:
         return
     path = Path(model)
@@ -45,11 +55,14 @@ def check_model(model: str | None) -> None:
     if not (path / "config.json").is_file():
         raise UserError(f"--model {model}: no config.json (is this a Hugging Face checkpoint directory?)")
     raw = _read_config(path)
-    if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
-        raise UserError(f"--model {model}: no *.safetensors weights in the directory (is the download complete?)")
+    _check_weights(path)
     if not (path / "tokenizer.json").is_file():
         raise UserError(f"--model {model}: no tokenizer.json in the directory (is the download complete?)")
-    _check_config(path, raw)  # last: the model families import torch (seconds before the line above would show)
+    # last: the model families import torch (seconds before the lines above would show)
+    cfg = _check_config(path, raw)
+    from cairn.model.layout import check_quantization
+
+    check_quantization(cfg, quantization)
 
 
 def _read_config(path: Path) -> dict:
@@ -62,12 +75,60 @@ def _read_config(path: Path) -> dict:
     return raw
 
 
-def _check_config(path: Path, raw: dict) -> None:
+def _check_weights(path: Path) -> None:
+    """The weight files are all there and whole. The loader would find a missing or cut-short shard too,
+    but only after torch and the model are up, and as a traceback."""
+    index = path / "model.safetensors.index.json"
+    files = _indexed_shards(path, index) if index.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"--model {path}: no *.safetensors weights in the directory (is the download complete?)")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise UserError(f"--model {path}: {len(missing)} of its {len(files)} weight files are missing "
+                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): is the download complete?")
+    for file in files:
+        _check_safetensors_whole(file)
+
+
+def _indexed_shards(path: Path, index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({path / name for name in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"--model {path}: {index.name} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _check_safetensors_whole(file: Path) -> None:
+    """The file is a safetensors file at least as long as its header's tensors reach (the header is an
+    8-byte little-endian length, then JSON giving each tensor's data_offsets in the data that follows)."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        start = f.read(len(LFS_POINTER))
+        if start == LFS_POINTER:
+            raise UserError(f"--model {file.parent}: {file.name} is a Git LFS pointer, not the weights (cloned "
+                            "without git-lfs?): run `git lfs pull` in the directory, or download it again")
+        header_len = struct.unpack("<Q", start[:8])[0] if len(start) >= 8 else 0
+        if not 0 < header_len <= min(MAX_SAFETENSORS_HEADER, size - 8):
+            raise UserError(f"--model {file.parent}: {file.name} is not a safetensors file, or is cut short "
+                            f"({size} bytes): is the download complete?")
+        f.seek(8)
+        try:
+            header = json.loads(f.read(header_len))
+            data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise UserError(f"--model {file.parent}: {file.name} has an unreadable safetensors header "
+                            f"({type(e).__name__}: {e})") from None
+    if size < 8 + header_len + data_end:
+        raise UserError(f"--model {file.parent}: {file.name} is cut short ({size} of {8 + header_len + data_end} "
+                        "bytes): is the download complete?")
+
+
+def _check_config(path: Path, raw: dict) -> ModelConfig:
     from cairn.model.config import ConfigError
     from cairn.model.families import config_from_hf
 
     try:
-        config_from_hf(raw)
+        return config_from_hf(raw)
     except ConfigError as e:
         quantized = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
         if quantized:

@@ -128,10 +128,8 @@ def generation_defaults(checkpoint: str | Path) -> dict[str, float | int]:
     """The sampling defaults of a checkpoint's generation_config.json (GENERATION_DEFAULT_KEYS found
     there, in range), used for the fields a request leaves out. {} when there is no such file."""
     path = Path(checkpoint) / "generation_config.json"
-    if not path.is_file():
-        return {}
     try:
-        raw = json.loads(path.read_text())
+        raw = _generation_config(path)
     except (OSError, ValueError) as e:
         log.warning("%s unreadable (%s): no sampling defaults from it", path, e)
         return {}
@@ -142,6 +140,27 @@ def generation_defaults(checkpoint: str | Path) -> dict[str, float | int]:
         log.warning("%s: %s; its sampling defaults are ignored", path, e)
         return {}
     return found
+
+
+def generation_eos_ids(checkpoint: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of a checkpoint's generation_config.json (`eos_token_id`, an int or a list): what
+    transformers' generate and vLLM stop on besides config.json's, often an end-of-turn token config.json
+    leaves out. () when there is no such file or it is unreadable (generation_defaults logs that)."""
+    try:
+        eos = _generation_config(Path(checkpoint) / "generation_config.json").get("eos_token_id")
+    except (OSError, ValueError):
+        return ()
+    return tuple(e for e in (eos if isinstance(eos, list) else [eos]) if type(e) is int)
+
+
+def _generation_config(path: Path) -> dict:
+    """A generation_config.json's object ({} when absent); OSError or ValueError when it cannot be read as one."""
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    return raw
 
 
 # ---- the sampler --------------------------------------------------------------------------------

@@ -159,6 +159,8 @@ def test_checkpoint_directory_without_config_or_weights_is_refused(checkpoints, 
 UNPLACED = [  # (family, an extra tensor no parameter of the model takes)
     ("qwen3_5_text", "model.layers.6.mlp.down_proj.weight"),  # a layer past the last
     ("qwen3_5_text", "model.layers.0.mlp.fused_proj.weight"),  # an unknown MLP tensor
+    ("qwen3_5_text", "model.layers.0.self_attn.k_norm.weight"),  # attention's, on a Gated DeltaNet layer
+    ("qwen3_5_text", "model.layers.2.linear_attn.A_log"),  # Gated DeltaNet's, on an attention layer
     ("qwen3_5_moe", "model.language_model.layers.0.mlp.experts.gate_proj"),  # an unknown expert tensor
     ("nemotron_h", "backbone.layers.10.norm.weight"),  # a layer past the last
     ("nemotron_h", "backbone.layers.0.adapter.weight"),  # neither a norm nor the mixer

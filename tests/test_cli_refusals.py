@@ -2,10 +2,12 @@
 --model directory that is not a checkpoint (a file, no config.json, a config.json that is not JSON or
 not an object, no weights, no tokenizer), an address that cannot be listened on, `cairn generate`
 without a prompt or with --messages that are not a list, an empty --api-key, a --state-cache-gib too
-small for one state slot. Each is a real `python -m cairn.cli` process, checked as the user sees it:
-exit status 2 and one line naming what is wrong, no traceback. `cairn generate` with a sampling flag out
+small for one state slot; weights an interrupted download left incomplete (a shard the index names
+missing, a file cut short, a Git LFS pointer), weights that do not fit the config. Each is a real
+`python -m cairn.cli` process, checked as the user sees it: exit status 2 and one line naming what is
+wrong, no traceback. `cairn generate` with a sampling flag out
 of range or --messages the HTTP server refuses runs in-process, with an engine that fails if it is built:
-the refusal comes before the model loads.
+the refusal comes before the model loads, as does `--quantization int8` on a MoE model.
 """
 
 from __future__ import annotations
@@ -73,6 +75,44 @@ def test_incomplete_download_is_one_line_naming_what_is_missing_before_torch(che
     assert says in line and "is the download complete?" in line, line
 
 
+def _name_a_missing_shard(model):
+    index = {"weight_map": {"a.weight": "model.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _cut_the_weights_short(model):
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _leave_a_git_lfs_pointer(model):
+    (model / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_name_a_missing_shard, "1 of its 2 weight files are missing (model-00002-of-00002.safetensors)"),
+    (_cut_the_weights_short, "model.safetensors is cut short"),
+    (_leave_a_git_lfs_pointer, "model.safetensors is a Git LFS pointer, not the weights"),
+])
+def test_weights_an_interrupted_download_left_incomplete_are_one_line_before_torch(checkpoint, tmp_path, damage,
+                                                                                    says):
+    shutil.copytree(checkpoint, tmp_path / "m")
+    damage(tmp_path / "m")
+    line = refused_before_torch("serve", "--model", str(tmp_path / "m"))
+    assert says in line, line
+
+
+def test_weights_that_do_not_fit_the_config_are_one_error_line_not_a_traceback(checkpoint, tmp_path):
+    """Found while loading (after the progress bar), so not before torch; but one line naming the tensor."""
+    shutil.copytree(checkpoint, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    out = cairn("generate", "hi", "--model", str(tmp_path / "m"), "--log-level", "WARNING")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("cairn generate: error: model.layers.0.mlp.down_proj.weight: shape"), out.stderr
+
+
 def test_host_that_does_not_resolve_is_one_line():
     assert_one_line_error(cairn("serve", "--host", "no-such-host.invalid", "--port", "8123"),
                           "--host no-such-host.invalid: cannot resolve it")
@@ -125,6 +165,24 @@ def generate_refused_before_the_model_loads(monkeypatch, capsys, *args: str) -> 
 def test_generate_sampling_flag_out_of_range_is_one_line_naming_the_flag_before_the_model_loads(
         monkeypatch, capsys, args, says):
     assert says in generate_refused_before_the_model_loads(monkeypatch, capsys, *args)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_int8_on_a_moe_model_is_one_line_before_the_model_loads(checkpoints, monkeypatch, capsys, command):
+    import cairn.engine
+    import cairn.server.main
+    from cairn.cli import main
+
+    def no_engine(*_, **__):
+        raise AssertionError("the engine was built: the refusal came after the model loaded")
+
+    monkeypatch.setattr(cairn.engine, "Engine", no_engine)
+    monkeypatch.setattr(cairn.server.main, "serve", no_engine)
+    args = ["x"] if command == "generate" else ["--port", "0"]
+    status = main([command, *args, "--model", str(checkpoints["qwen3_5_moe"][0]), "--quantization", "int8"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and lines[-1] == f"cairn {command}: error: --quantization int8 is not implemented for MoE " \
+                                        "models (qwen3_5_moe)", lines
 
 
 @pytest.mark.parametrize("messages, says", [

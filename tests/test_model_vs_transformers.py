@@ -1,10 +1,14 @@
 """cairn's models against transformers on the same tiny random checkpoints (fp32).
 
 Each family and on-disk layout of tests/checkpoints.py FAMILIES: one-pass prefill logits, prefill chunked
-at arbitrary points, greedy generation, batched decode, and resuming from a copied recurrent state.
+at arbitrary points, greedy generation (and where it stops: generation_config.json's eos_token_id), batched
+decode, and resuming from a copied recurrent state.
 """
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -70,6 +74,26 @@ def test_greedy_generation_matches_transformers(checkpoints, family):
     llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.02)
     out = llm.generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == expected
+
+
+def test_generation_stops_where_transformers_does_on_a_generation_config_eos(checkpoints, tmp_path):
+    """generation_config.json's eos_token_id (here a token the model emits at step 5, besides config.json's) is
+    what transformers' generate stops on: so does cairn, with finish_reason stop."""
+    path, hf = checkpoints["nemotron_h"]
+    shutil.copytree(path, tmp_path / "m")
+    ids = prompt(30, seed=5)
+    with torch.no_grad():
+        free = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    eos = [free[5], hf.config.eos_token_id]
+    generation = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos}))
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                               pad_token_id=0)[0, len(ids):].tolist()
+    llm = LLM(model=str(tmp_path / "m"), dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.02)
+    out = llm.generate(ids, SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert out.token_ids == expected == free[:6] and out.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "nemotron_h", "falcon_h1", *GRANITE])  # 10-70 s each

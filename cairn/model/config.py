@@ -51,6 +51,11 @@ class ConfigError(ValueError):
     """A checkpoint's config asks for something cairn does not implement."""
 
 
+class WeightError(ValueError):
+    """A checkpoint's tensors do not fit the model (missing, unexpected or misshapen). Here, torch-free, so that
+    the command line can print it as one line without importing the model."""
+
+
 @dataclass(frozen=True)
 class KeyTable:
     """How a family treats each key of its config.json (see the module docstring)."""

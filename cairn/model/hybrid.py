@@ -35,12 +35,8 @@ from cairn.layers.rotary import PartialRotary
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.model import decode_plan
-from cairn.model.config import ModelConfig
+from cairn.model.config import ModelConfig, WeightError
 from cairn.ops import REFERENCE, Kernels
-
-
-class WeightError(ValueError):
-    """A checkpoint's tensors do not fit the model (missing, unexpected or misshapen)."""
 
 
 @dataclass(frozen=True)
@@ -270,9 +266,10 @@ class HybridModel(nn.Module):
     def load_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy one checkpoint tensor into place; False when the name belongs to no parameter."""
         targets = self.targets(name)
-        if targets is None:
-            return False
         params = dict(self.named_parameters(remove_duplicate=False))
+        # the name maps by its form alone: a layer of another kind than the tensor's lacks the parameter
+        if targets is None or any(t.param not in params for t in targets):
+            return False
         for t in targets:
             value = t.transform(tensor) if t.transform else tensor
             dest = params[t.param].data[t.region] if t.region else params[t.param].data

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cairn.config import ConfigError
 from cairn.model.config import ModelConfig
 from cairn.ops import cpu_gemv
 
@@ -62,8 +63,9 @@ LAYOUTS = ("auto", "plain", "packed", "gemv")
 QUANTIZATIONS = ("none", "int8")
 
 
-class QuantizationError(ValueError):
-    """--quantization asks for something not implemented for this model or device."""
+class QuantizationError(ConfigError):
+    """--quantization asks for something not implemented for this model or device (an option's value cairn
+    cannot run with: the command line prints it as one line)."""
 
 
 class PackedLinear(nn.Module):
@@ -242,16 +244,24 @@ def _replace(model: nn.Module, make) -> int:
     return count
 
 
-def quantize(model: nn.Module, cfg: ModelConfig, method: str, device: torch.device) -> None:
-    """Apply `--quantization`; raise QuantizationError (one line) where it is not implemented."""
+def check_quantization(cfg: ModelConfig, method: str, device: torch.device | None = None) -> None:
+    """Raise QuantizationError (one line) where `--quantization method` is not implemented for this model, or
+    for `device` when given (the command line checks the model before loading it, the device unknown yet)."""
     if method == "none":
         return
     if method not in QUANTIZATIONS:
         raise QuantizationError(f"--quantization {method}: unknown (choose from {', '.join(QUANTIZATIONS)})")
-    if device.type != "cpu":
+    if device is not None and device.type != "cpu":
         raise QuantizationError(f"--quantization {method} is implemented for CPU only, not {device.type}")
     if cfg.moe_layers and any(cfg.moe_layers):
         raise QuantizationError(f"--quantization {method} is not implemented for MoE models ({cfg.family})")
+
+
+def quantize(model: nn.Module, cfg: ModelConfig, method: str, device: torch.device) -> None:
+    """Apply `--quantization`; raise QuantizationError (one line) where it is not implemented."""
+    check_quantization(cfg, method, device)
+    if method == "none":
+        return
     n = _replace(model, lambda w, shared: Int8Linear(w))
     log.info("weights: %d linear layers quantized to int8 (weight-only, per output channel)", n)
 
