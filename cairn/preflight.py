@@ -6,7 +6,8 @@ prints that line and exits with status 2, without a traceback. What is checked:
     check_model(path)       the --model directory exists, is not a hub id, has config.json that
                             cairn implements (no unsupported key, no quantization_config), weights
                             (every shard its index names, each file as long as its header says: an
-                            interrupted download or a Git LFS pointer is refused here) and tokenizer.json;
+                            interrupted download or a Git LFS pointer is refused here) and tokenizer.json
+                            (with tokenizer_config.json, whole JSON);
                             and --quantization is implemented for the model (int8 is not on MoE)
     check_port(host, port)  the server's address can be bound now (not after the model has loaded)
 
@@ -56,8 +57,7 @@ def check_model(model: str | None, quantization: str = "none") -> None:
         raise UserError(f"--model {model}: no config.json (is this a Hugging Face checkpoint directory?)")
     raw = _read_config(path)
     _check_weights(path)
-    if not (path / "tokenizer.json").is_file():
-        raise UserError(f"--model {model}: no tokenizer.json in the directory (is the download complete?)")
+    _check_tokenizer(path)
     # last: the model families import torch (seconds before the lines above would show)
     cfg = _check_config(path, raw)
     from cairn.model.layout import check_quantization
@@ -66,13 +66,28 @@ def check_model(model: str | None, quantization: str = "none") -> None:
 
 
 def _read_config(path: Path) -> dict:
+    return _read_json_object(path, "config.json")
+
+
+def _read_json_object(path: Path, name: str, hint: str = "") -> dict:
+    """The JSON object in the checkpoint's file `name`; a UserError (with `hint` after it) when it is none."""
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = json.loads((path / name).read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"--model {path}: config.json cannot be read: {e}") from None
+        raise UserError(f"--model {path}: {name} cannot be read: {e}{hint}") from None
     if not isinstance(raw, dict):
-        raise UserError(f"--model {path}: config.json is not a JSON object")
+        raise UserError(f"--model {path}: {name} is not a JSON object{hint}")
     return raw
+
+
+def _check_tokenizer(path: Path) -> None:
+    """tokenizer.json (and tokenizer_config.json, where there is one) are whole JSON objects: a file an
+    interrupted download cut short would otherwise fail as a traceback once the weights have loaded."""
+    if not (path / "tokenizer.json").is_file():
+        raise UserError(f"--model {path}: no tokenizer.json in the directory (is the download complete?)")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            _read_json_object(path, name, " (is the download complete?)")
 
 
 def _check_weights(path: Path) -> None:

@@ -102,6 +102,16 @@ def test_weights_an_interrupted_download_left_incomplete_are_one_line_before_tor
     assert says in line, line
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_an_interrupted_download_cut_short_is_one_line_before_torch(checkpoint, tmp_path, name):
+    """It failed as a JSONDecodeError traceback, once the weights had loaded."""
+    shutil.copytree(checkpoint, tmp_path / "m")
+    text = (tmp_path / "m" / name).read_text()
+    (tmp_path / "m" / name).write_text(text[: len(text) // 2])
+    line = refused_before_torch("serve", "--model", str(tmp_path / "m"))
+    assert f"{name} cannot be read" in line and "is the download complete?" in line, line
+
+
 def test_weights_that_do_not_fit_the_config_are_one_error_line_not_a_traceback(checkpoint, tmp_path):
     """Found while loading (after the progress bar), so not before torch; but one line naming the tensor."""
     shutil.copytree(checkpoint, tmp_path / "m")
