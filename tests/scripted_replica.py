@@ -27,6 +27,7 @@ class Script:
     probe: str = "good"  # good | missing (404) | garbage (not JSON) | slow (answers after `slow_s`)
     answer: str = "ok"  # ok | busy (503) | cut_before_body | cut_mid_stream | stream_without_usage
     slow_s: float = 3.0
+    models: tuple[str, ...] = ("scripted",)  # what GET /v1/models lists
     generations: list[str] = field(default_factory=list)  # the paths of the generation requests received
 
 
@@ -48,7 +49,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send(self.server.script.health, b'{"status": "scripted"}')
         else:
-            self._send(200, json.dumps({"data": [{"id": "scripted"}]}).encode())
+            data = [{"id": model, "object": "model"} for model in self.server.script.models]
+            self._send(200, json.dumps({"object": "list", "data": data}).encode())
 
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length", 0)))

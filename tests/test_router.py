@@ -177,6 +177,46 @@ def test_a_client_leaving_a_stream_through_the_router_aborts_it_on_the_replica(c
     assert aborted(replica) == before + 1
 
 
+def anthropic_client(router: ServerProcess):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=router.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_an_anthropic_conversation_is_routed_and_its_next_turn_goes_back_to_its_replica(cluster):
+    """/v1/messages (and count_tokens) were not routed at all: an Anthropic agent behind the router got 404s."""
+    _, _, router = cluster
+    claude = anthropic_client(router)
+    system, turn1 = text(100, 50), [{"role": "user", "content": text(50, 51)}]
+    probed = routed_by(router).get("probe", 0)
+    first = claude.messages.with_raw_response.create(model="cairn-demo", system=system, messages=turn1,
+                                                     max_tokens=6)
+    assert routed_by(router)["probe"] == probed + 1  # a new conversation: probed (/v1/cache/probe/messages)
+    answer = first.parse()
+    turn2 = turn1 + [{"role": "assistant", "content": answer.content[0].text or "ok"},
+                     {"role": "user", "content": text(20, 52)}]
+    counted = claude.messages.count_tokens(model="cairn-demo", system=system, messages=turn2).input_tokens
+    with claude.messages.stream(model="cairn-demo", system=system, messages=turn2, max_tokens=6) as stream:
+        second = stream.get_final_message()
+        replica = stream.response.headers["x-cairn-replica"]
+    assert replica == first.headers["x-cairn-replica"]  # placed: its prefix keys are known
+    usage = second.usage
+    assert usage.cache_read_input_tokens >= answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    assert usage.input_tokens + usage.cache_read_input_tokens == counted
+
+
+def test_the_messages_probe_tokenizes_a_messages_body_as_count_tokens_does(cluster):
+    a, _, _ = cluster
+    body = {"model": "cairn-demo", "system": text(30, 60), "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": text(10, 61)}]}]}
+    probed = httpx.post(a.base_url + "/v1/cache/probe/messages", json=body, timeout=60)
+    counted = httpx.post(a.base_url + "/v1/messages/count_tokens", timeout=60,
+                         json={k: v for k, v in body.items() if k != "max_tokens"})
+    assert probed.status_code == 200 and probed.json()["tokens"] == counted.json()["input_tokens"]
+    bad = httpx.post(a.base_url + "/v1/cache/probe/messages", json={"model": "cairn-demo"}, timeout=60)
+    assert bad.status_code == 400
+
+
 def test_a_killed_replicas_requests_go_to_the_other(cluster):
     a, b, router = cluster
     a.proc.send_signal(signal.SIGKILL)

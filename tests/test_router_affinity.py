@@ -61,7 +61,7 @@ def test_placements_are_bounded_and_zero_remembers_nothing():
 
 
 def ranked(router: Router, keys: list[bytes]) -> list[str]:
-    return [r.url for r in asyncio.run(router.ranked(b"{}", {}, keys))]
+    return [r.url for r in asyncio.run(router.ranked("/v1/chat/completions", b"{}", {}, keys))]
 
 
 def test_a_known_conversation_goes_to_its_replica_unless_that_one_is_busier_by_more_than_one():

@@ -145,3 +145,16 @@ def test_a_router_stopped_by_sigterm_or_ctrl_c_exits_0_as_cairn_serve_does(sig):
         assert router.proc.wait(20) == 0
         assert router.stop() == 0
         assert "Traceback" not in router.log()
+
+
+def test_models_lists_what_every_replica_serves_each_once():
+    """Replicas of different models behind one router: /v1/models listed the first replica's alone, so a
+    client choosing a model from it never saw the others (their requests were routed fine)."""
+    scripts = Script(models=("qwen", "shared")), Script(models=("nemotron", "shared")), Script(health=503)
+    with routed(*scripts) as (router, (_, _, down)):
+        deadline = time.monotonic() + 30
+        while replica_report(router, down)["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the health poll has taken it out
+        resp = httpx.get(router.base_url + "/v1/models", timeout=30)
+        assert resp.status_code == 200
+        assert [m["id"] for m in resp.json()["data"]] == ["qwen", "shared", "nemotron"]

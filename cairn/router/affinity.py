@@ -2,7 +2,8 @@
 could change the choice.
 
 A chat request's prefix keys are digests chained over what its rendering depends on besides the messages
-(model, tools, chat_template_kwargs) and then its messages one by one:
+(model, tools, chat_template_kwargs; an Anthropic Messages body's system and thinking too) and then its
+messages one by one:
 
     messages      m0       m1       m2       m3
     keys          k0       k1       k2       k3        k_i = H(k_{i-1} | H(m_i)),  k_-1 = H(model, tools, ...)
@@ -24,7 +25,8 @@ import hashlib
 import json
 from collections import OrderedDict
 
-RENDER_FIELDS = ("model", "tools", "chat_template_kwargs")  # what a chat prompt's rendering reads besides messages
+# what a prompt's rendering reads besides the messages: a chat's fields, then an Anthropic Messages body's own
+RENDER_FIELDS = ("model", "tools", "chat_template_kwargs", "system", "thinking")
 DIGEST_BYTES = 16
 
 

@@ -1,21 +1,28 @@
 """The router's ASGI app: the OpenAI routes of a cairn replica, each request passed to the best replica.
 
-    POST /v1/chat/completions, /v1/completions   send the request to the replica that resumes it fastest:
+    POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's)
+                                 send the request to the replica that resumes it fastest:
                                  a chat whose deepest known message prefix this router sent to replica R
                                  goes to R without a probe while R has at most PLACEMENT_SLACK more
                                  requests in flight than the least busy replica (affinity.py); any other
                                  request probes every available replica (POST /v1/cache/probe with the
-                                 same body, concurrently, probe_timeout_s) and goes to the best ranked
+                                 same body, /v1/cache/probe/messages for a Messages body, concurrently,
+                                 probe_timeout_s) and goes to the best ranked
                                  (replicas.py). Whole answers and SSE streams pass through byte for byte,
                                  with an `x-cairn-replica` header naming the replica
-    GET  /v1/models              from the first available replica
+    POST /v1/messages/count_tokens, /tokenize, /detokenize   to the least busy available replica (no probe:
+                                 every replica of one model answers them alike)
+    GET  /v1/models              every model the available replicas serve, each listed once (replicas of
+                                 different models behind one router); when none lists any, the first
+                                 replica's answer (a 401, ...) or a 503
     GET  /health                 200 with every replica's state while one is available, else 503; how
                                  requests were routed (by placement, by probe, with none available)
 
 A replica that fails before anything was sent to the client (connection refused or reset, a timeout,
 a 502/503/504, or an error before the first body byte) is taken out for cooldown_s and the request is
 tried on the next one; once bytes have gone to the client the stream cannot move, and an error there
-ends an SSE stream with a last `data: {"error": ...}` event. A background task polls each replica's
+ends an SSE stream with a last error event (in the shape of the request's API, as are the router's own
+errors). A background task polls each replica's
 /health every health_interval_s and brings taken-out replicas back once they answer.
 
 What this is not: a replica (no engine, no tokenizer: the replicas tokenize their own probes).
@@ -43,8 +50,12 @@ from cairn.router.options import RouterOptions
 from cairn.router.replicas import Probe, Ranker, Replica
 
 log = logging.getLogger(__name__)
-PROBE_PATH = "/v1/cache/probe"
-FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id")  # the key: either
+PROBE_PATHS = {"/v1/chat/completions": "/v1/cache/probe", "/v1/completions": "/v1/cache/probe",
+               "/v1/messages": "/v1/cache/probe/messages"}  # a generation path -> the probe of its body
+PASSED_THROUGH = ("/v1/messages/count_tokens", "/tokenize", "/detokenize")  # to any replica: no probe
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # their errors are in Anthropic's shape
+FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "anthropic-version",
+                     "anthropic-beta")  # the key: either
 DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "content-encoding")
 RETRY_STATUSES = (502, 503, 504)
 PLACEMENT_SLACK = 1  # requests in flight a placed replica may have beyond the least busy one and still be used unprobed
@@ -91,7 +102,7 @@ class Router:
 
     # ---- probing ----------------------------------------------------------------------------------
 
-    async def ranked(self, body: bytes, headers: dict, keys: list[bytes]) -> list[Replica]:
+    async def ranked(self, path: str, body: bytes, headers: dict, keys: list[bytes]) -> list[Replica]:
         """Replicas to try for this request, best first: the one its deepest known prefix (`keys`, affinity.py)
         was sent to, unprobed, when that one is available and not busier than PLACEMENT_SLACK allows; else
         every available replica probed and ranked; else (none available) every replica, soonest back first:
@@ -105,7 +116,7 @@ class Router:
             self.routed_by["placement"] += 1
             return [placed, *(r for r in self.ranker.by_load(candidates) if r is not placed)]
         self.routed_by["probe"] += 1
-        probes = await asyncio.gather(*(self._probe(r, body, headers) for r in candidates))
+        probes = await asyncio.gather(*(self._probe(r, PROBE_PATHS[path], body, headers) for r in candidates))
         return self.ranker.rank(candidates, dict(zip((r.url for r in candidates), probes, strict=True)))
 
     def _placed(self, keys: list[bytes], candidates: list[Replica]) -> Replica | None:
@@ -115,9 +126,9 @@ class Router:
             return None
         return replica
 
-    async def _probe(self, replica: Replica, body: bytes, headers: dict) -> Probe | None:
+    async def _probe(self, replica: Replica, probe_path: str, body: bytes, headers: dict) -> Probe | None:
         try:
-            resp = await self.client.post(replica.url + PROBE_PATH, content=body, headers=headers,
+            resp = await self.client.post(replica.url + probe_path, content=body, headers=headers,
                                           timeout=self.options.probe_timeout_s)
         except httpx.TimeoutException:
             return None  # slow now: route to it by order alone
@@ -162,7 +173,7 @@ class Router:
             if response.status_code == 200:
                 self.placements.record(list(keys), replica.url)
             return response
-        return last or _error(503, "no replica could take the request", "no_replica")
+        return last or _error(path, 503, "no replica could take the request", "no_replica")
 
     async def _send(self, replica: Replica, method: str, path: str, body: bytes, headers: dict) -> Response:
         request = self.client.build_request(method, replica.url + path, content=body, headers=headers)
@@ -183,8 +194,21 @@ class Router:
             raise ReplicaFailed(f"answered {resp.status_code}", answer)
         replica.num_routed += 1
         streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
-        return _Relayed(replica, _relay(first, chunks, streaming, replica, resp), resp.status_code,
+        return _Relayed(replica, _relay(first, chunks, streaming, replica, resp, path), resp.status_code,
                         _response_headers(resp, replica), background=BackgroundTask(resp.aclose))
+
+    async def models_of(self, replica: Replica, headers: dict) -> tuple[int | None, dict | None]:
+        """(status, body) of the replica's GET /v1/models; a 200 only with a `data` list; (None, None) when it
+        did not answer in probe_timeout_s or not with a JSON object (its /health poll takes it out if down)."""
+        try:
+            resp = await self.client.get(replica.url + "/v1/models", headers=headers,
+                                         timeout=self.options.probe_timeout_s)
+            body = resp.json()
+        except (httpx.HTTPError, ValueError):
+            return None, None
+        if not isinstance(body, dict) or (resp.status_code == 200 and not isinstance(body.get("data"), list)):
+            return None, None
+        return resp.status_code, body
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -203,6 +227,17 @@ class _Relayed(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.replica.num_in_flight -= 1
+
+
+def _union_by_id(lists: list[list]) -> list:
+    """The models of every list, each id once (as the first list naming it gives it), in order."""
+    seen: dict[object, object] = {}
+    for models in lists:
+        for model in models:
+            key = model.get("id") if isinstance(model, dict) else None
+            if key is not None and key not in seen:
+                seen[key] = model
+    return list(seen.values())
 
 
 async def _keys_of(body: bytes) -> list[bytes]:
@@ -225,7 +260,7 @@ async def _safe(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 async def _relay(first: bytes, chunks: AsyncIterator[bytes], streaming: bool, replica: Replica,
-                 resp: httpx.Response) -> AsyncIterator[bytes]:
+                 resp: httpx.Response, path: str) -> AsyncIterator[bytes]:
     """The replica's body; however it ends (client gone included) the replica's response is closed, so a
     replica streaming to a client that left sees the disconnect and aborts the request."""
     try:
@@ -236,8 +271,9 @@ async def _relay(first: bytes, chunks: AsyncIterator[bytes], streaming: bool, re
     except httpx.HTTPError as e:  # bytes already went to the client: the request cannot move
         log.warning("replica %s failed mid-response: %s", replica.url, e)
         if streaming:
-            error = {"error": {"message": f"the replica failed mid-stream: {e}", "type": "server_error"}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            error = _error_body(path, f"the replica failed mid-stream: {e}", "replica_failed")
+            event = "event: error\n" if path in ANTHROPIC_PATHS else ""
+            yield f"{event}data: {json.dumps(error)}\n\n".encode()
     finally:
         await resp.aclose()
 
@@ -252,22 +288,39 @@ def _request_headers(request: Request) -> dict:
     return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}}, status)
+def _error(path: str, status: int, message: str, code: str) -> JSONResponse:
+    """The router's own error, in the shape of the API `path` belongs to."""
+    return JSONResponse(_error_body(path, message, code), status)
+
+
+def _error_body(path: str, message: str, code: str) -> dict:
+    if path in ANTHROPIC_PATHS:
+        return {"type": "error", "error": {"type": "api_error", "message": message}}
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
 
 
 def create_app(urls: list[str], options: RouterOptions) -> Starlette:
     router = Router(urls, options)
 
     async def generation(request: Request) -> Response:
-        body, headers = await request.body(), _request_headers(request)
-        keys = await _keys_of(body) if request.url.path == "/v1/chat/completions" else []
-        order = await router.ranked(body, headers, keys)
-        return await router.forward("POST", request.url.path, body, headers, order, keys)
+        path, body, headers = request.url.path, await request.body(), _request_headers(request)
+        keys = await _keys_of(body) if path in ("/v1/chat/completions", "/v1/messages") else []
+        order = await router.ranked(path, body, headers, keys)
+        return await router.forward("POST", path, body, headers, order, keys)
+
+    async def passthrough(request: Request) -> Response:
+        order = router.ranker.by_load(router.available()) or sorted(router.replicas, key=lambda r: r.down_until)
+        return await router.forward("POST", request.url.path, await request.body(), _request_headers(request), order)
 
     async def models(request: Request) -> Response:
-        order = router.available() or router.replicas
-        return await router.forward("GET", "/v1/models", b"", _request_headers(request), order)
+        replicas = router.available() or router.replicas
+        answers = await asyncio.gather(*(router.models_of(r, _request_headers(request)) for r in replicas))
+        lists = [body["data"] for status, body in answers if status == 200]
+        if lists:
+            return JSONResponse({"object": "list", "data": _union_by_id(lists)})
+        status, body = next(((status, body) for status, body in answers if body is not None), (None, None))
+        return _error("/v1/models", 503, "no replica could list its models", "no_replica") if status is None \
+            else JSONResponse(body, status)
 
     async def health(_: Request) -> Response:
         ok = bool(router.available())
@@ -282,8 +335,8 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
         poller.cancel()
         await router.close()
 
-    routes = [Route("/v1/chat/completions", generation, methods=["POST"]),
-              Route("/v1/completions", generation, methods=["POST"]),
+    routes = [*(Route(path, generation, methods=["POST"]) for path in PROBE_PATHS),
+              *(Route(path, passthrough, methods=["POST"]) for path in PASSED_THROUGH),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.router = router

@@ -8,7 +8,8 @@
     GET  /v1/models             the served model; GET /v1/models/{name} one model or 404
     GET  /health                200 while the engine can make progress, else 503 (never needs the API key)
     GET  /metrics               Prometheus text (this app's own registry; see `metrics`)
-    POST /v1/cache/probe        where a request would resume here, and the queue (see `probe`; for `cairn router`)
+    POST /v1/cache/probe        where a request would resume here, and the queue (see `probe`; for `cairn router`);
+                                /v1/cache/probe/messages: the same for an Anthropic Messages body
 
 With --api-key every route but /health (and /metrics with --metrics-public) needs `Authorization:
 Bearer <key>` or `x-api-key: <key>`; --allowed-origins turns CORS on; a client's X-Request-Id is
@@ -52,7 +53,7 @@ from cairn.server.protocol import DetokenizeRequest, TokenizeRequest
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
-             "/detokenize", "/v1/models", "/health", "/metrics", probe.PATH)
+             "/detokenize", "/v1/models", "/health", "/metrics", probe.PATH, probe.MESSAGES_PATH)
 ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread before saying so
 STATS_TIMEOUT_S = 5.0  # how long /metrics waits for the engine thread between two steps
 

@@ -1,6 +1,7 @@
 """POST /v1/cache/probe: where this replica would resume a request, and how busy it is (for `cairn router`).
 
-Body: the very body of a /v1/chat/completions (with "messages") or /v1/completions request. Nothing is
+Body: the very body of a /v1/chat/completions (with "messages") or /v1/completions request; on
+`/v1/cache/probe/messages` (MESSAGES_PATH), that of an Anthropic /v1/messages request. Nothing is
 generated, locked, loaded or queued: the prompt is rendered and tokenized as the real request would be
 (off the event loop), the remote tier (with --remote-cache) is asked what it holds of the prompt (off the
 engine thread: that answer is then counted in the plan), and the cache's planner answers on the engine
@@ -28,11 +29,13 @@ from starlette.responses import JSONResponse, Response
 
 from cairn.engine import Engine, check_prompt_token_ids
 from cairn.sampling import SamplingParams
+from cairn.server.anthropic import MessagesRequest
 from cairn.server.bridge import Submission
 from cairn.server.generate import ServingContext
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
 
 PATH = "/v1/cache/probe"
+MESSAGES_PATH = PATH + "/messages"  # the probe of an Anthropic Messages body (its fields overlap a chat's)
 
 
 class ProbeRequest(RootModel[ChatCompletionRequest | CompletionRequest]):
@@ -47,6 +50,13 @@ def add_probe_route(app: FastAPI, ctx: ServingContext, read_body, guarded) -> No
     async def probe_route(request: Request) -> Response:
         body = (await read_body(request, ProbeRequest, offload)).root
         return await guarded(probe(ctx, body), "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+
+    async def probe_messages(request: Request) -> Response:
+        return await probe(ctx, (await read_body(request, MessagesRequest, offload)).to_chat())
+
+    @app.post(MESSAGES_PATH)
+    async def probe_messages_route(request: Request) -> Response:
+        return await guarded(probe_messages(request), "messages")
 
 
 async def probe(ctx: ServingContext, body: ChatCompletionRequest | CompletionRequest) -> Response:
