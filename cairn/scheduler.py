@@ -238,7 +238,7 @@ class Scheduler:
         (check_fits let the prompt in, so the pool holds it once they are); the report says why."""
         if not self._admit(seq, resume=False):
             return False  # pages some tier's move still pins: the next step tries again
-        seq.cache.miss_reason = "pool_full"
+        seq.admission.report.miss_reason = "pool_full"  # (seq's report, unless seq is a preempted one's recompute)
         log.info("%s: resuming its %d tokens did not fit the KV pool beside the cached pages it matched; "
                  "prefilled from the start, without the prefix cache", seq.request_id, seq.num_tokens)
         return True
@@ -246,13 +246,16 @@ class Scheduler:
     @staticmethod
     def _apply(seq: Sequence, admission: Admission) -> None:
         """What the cache resumed becomes seq's: its pages, computed count, logits and report (the snapshots
-        it took before a preemption still count)."""
+        it took before a preemption still count). A sequence preempted after its first token keeps its report:
+        that says how its prompt was served (the usage's cached tokens, counted by the metrics at that token),
+        and its recompute may resume past the prompt, from a snapshot it took of its own output."""
         seq.admission = admission
         seq.page_table = list(admission.page_table)
         seq.num_computed = seq.num_cached = admission.num_cached
         seq.ready_logits = admission.ready_logits
-        admission.report.snapshots_taken += seq.cache.snapshots_taken
-        seq.cache = admission.report
+        if not seq.num_output_tokens:
+            admission.report.snapshots_taken += seq.cache.snapshots_taken
+            seq.cache = admission.report
 
     def _unadmit(self, seq: Sequence) -> None:
         """Undo a partial admission: seq stays queued, holding nothing."""

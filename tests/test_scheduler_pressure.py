@@ -5,6 +5,7 @@ against the running page tables and the cache, checked with requests running).""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -48,6 +49,31 @@ def test_decode_rows_preempting_each_other_for_pages_keep_every_output(num_seqs,
     assert together == [run_checked(llm, [p], greedy(max_tokens))[0] for p in prompts]
     engine = llm.engine
     assert engine.kv.allocator.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+
+
+def test_a_request_recomputed_after_preemption_reports_how_its_prompt_was_served(caplog):
+    """A preempted request is admitted again with its prompt and the tokens it generated, and may resume from a
+    snapshot it took itself, past its prompt (req-2 here: prompt 30, resumed at 73). Its cache report (the
+    usage's cached_tokens and `cairn` fields) still says what the cache gave its prompt, as the metrics counted
+    it at its first token: never more cached tokens than the prompt has."""
+    llm = LLM(kv_cache_gib=0.0004, state_cache_gib=0.02, page_size=8, max_num_seqs=3, max_num_batched_tokens=64)
+    engine = llm.engine
+    prompts = [[(3 * i + j) % 200 + 10 for j in range(20 + 5 * i)] for i in range(3)]
+    ids = [engine.add_request(p, greedy(100)) for p in prompts]
+    at_first_token, at_finish = {}, {}
+    with caplog.at_level(logging.INFO, logger="cairn.engine"):
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.delta_token_ids and out.request_id not in at_first_token:
+                    at_first_token[out.request_id] = dataclasses.replace(out.cache)  # (the report object lives on)
+                if out.finished:
+                    at_finish[out.request_id] = out.cache
+    assert any(r.getMessage().startswith("preempted ") for r in caplog.records), "the pool was meant to be short"
+    for rid, prompt in zip(ids, prompts, strict=True):
+        first, last = at_first_token[rid], at_finish[rid]
+        assert last.cached_tokens <= len(prompt), (rid, last)
+        assert (last.cached_tokens, last.resume_position, last.resume_tier, last.resume_source, last.miss_reason) == (
+            first.cached_tokens, first.resume_position, first.resume_tier, first.resume_source, first.miss_reason), rid
 
 
 def test_decode_rows_spending_the_token_budget_hold_a_prefill_back_until_they_leave_room():

@@ -3,6 +3,7 @@ client misbehaves below HTTP): each is answered or cut off, and the server keeps
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -103,6 +104,25 @@ def test_connections_over_the_cap_get_503_and_the_server_recovers(server):
         for s in socks:
             s.close()
     assert status_and_code(last) == (503, "too_many_connections"), last
+    assert_still_serving(server)
+
+
+def test_an_asyncio_client_over_the_connection_cap_reads_its_503(server):
+    """An asyncio client (httpx.AsyncClient, AsyncOpenAI) sends its request before it reads, and stops reading
+    once a send fails: a refusal that closed the connection with that request unread (or arriving after the
+    close) answered it with a reset, and the client saw a broken connection instead of the 503."""
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await client.post(server.base_url + "/v1/completions", json={"prompt": "over", "max_tokens": 1})
+
+    socks = [connect(server.base_url) for _ in range(MAX_CONNECTIONS)]
+    try:
+        answer = asyncio.run(post())
+    finally:
+        for s in socks:
+            s.close()
+    assert (answer.status_code, answer.json()["error"]["code"]) == (503, "too_many_connections"), answer.text
     assert_still_serving(server)
 
 

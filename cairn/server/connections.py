@@ -19,7 +19,11 @@ head, and a cap on open connections), and a large body received past h11.
   Bytes sent after that body (a pipelined request) are dropped.
 
 The guards' answers are OpenAI-shaped JSON written straight to the socket (no request exists yet for the
-app to answer). The request body's deadline is the app's: see `middleware.BodySizeLimit`.
+app to answer), then the connection is closed in stages: its write side at once, the rest once the client
+closes its own or after LINGER_S, what it sends meanwhile read and dropped. Closing a socket whose peer's
+bytes are unread (or still coming: a client sends its request at once) answers them with a reset, and an
+asyncio client (httpx.AsyncClient, AsyncOpenAI) whose send fails on it never reads the answer it had
+received. The request body's deadline is the app's: see `middleware.BodySizeLimit`.
 What this is not: routes or ASGI middlewares.
 """
 
@@ -40,6 +44,7 @@ REASONS = {408: b"Request Timeout", 503: b"Service Unavailable"}
 DIRECT_BODY_BYTES = 1 << 20  # a Content-Length body from this size on is received past h11 (see the docstring)
 DIRECT_READ_BYTES = 1 << 20  # the socket read size while a body is received past h11
 CLOSE_HEADER = (b"connection", b"close")
+LINGER_S = 2.0  # after a guard's answer, how long a client that keeps its end open is read (and ignored)
 
 
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
@@ -56,6 +61,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._direct_body_bytes: int | None = None  # while a body is received past h11: the bytes still due
+        self._linger_timer: asyncio.TimerHandle | None = None  # once a guard answered: closes the connection
         if self.max_connections and len(self.connections) > self.max_connections:
             log.warning("refused a connection from %s: %d connections are open (--max-connections)",
                         _peer(self.client), self.max_connections)
@@ -66,9 +72,13 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:
+            return  # a guard answered: what the client still sends is read only so that closing sends no reset
         if self._direct_body_bytes is None:
             return super().data_received(data)
         self._take_body(data)
@@ -142,7 +152,11 @@ class GuardedH11Protocol(H11Protocol):
         head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
                 % (error.status, REASONS[error.status], len(body)))
         self.transport.write(head + body)
-        self.transport.close()
+        if not self.transport.can_write_eof():  # (TLS: no half-close)
+            self.transport.close()
+            return
+        self.transport.write_eof()  # the client reads the answer, then its end of the stream
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)  # (its EOF closes it sooner)
 
 
 def _peer(client: tuple[str, int] | None) -> str:
