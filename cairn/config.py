@@ -92,7 +92,7 @@ class SchedulerOptions:
     max_num_seqs: int = _f(16, "most requests running at once (each takes one working state slot)")
     max_num_batched_tokens: int = _f(2048, "token budget of one step: decode tokens plus prefill chunks")
     max_model_len: int | None = _f(None, "longest prompt + output; default: the model's and the KV pool's limit")
-    max_waiting: int = _f(1024, "most requests queued before new ones are refused")
+    max_waiting: int = _f(1024, "most requests queued beyond the free running seats before new ones are refused")
     prefill_block: int | None = _f(
         None, "exact resumption: prefill runs in blocks of this many tokens at absolute positions (a multiple of "
         "64) and the prefix cache resumes only at block boundaries or a whole cached prompt, so a resumed request "

@@ -102,9 +102,12 @@ class Scheduler:
                                   f"{total} tokens exceeds the context of {self.max_model_len} tokens")
 
     def add(self, seq: Sequence) -> None:
+        """Queue seq; QueueFull when max_waiting requests already wait beyond the free running seats (requests
+        added between two steps all wait until the next one, including those it will start at once)."""
         self.check_fits(seq)
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+        free_seats = max(0, self.max_num_seqs - len(self.running))
+        if len(self.waiting) >= self.max_waiting + free_seats:
+            raise QueueFull(f"{len(self.waiting) - free_seats} requests are already waiting for a running seat")
         self.waiting.append(seq)
 
     def add_next(self, seqs: list[Sequence]) -> None:

@@ -9,7 +9,7 @@ import pytest
 from cairn.cache.base import Admission, CacheRequest, NullCache
 from cairn.config import EngineConfig
 from cairn.engine import Engine
-from cairn.errors import RequestTooLarge
+from cairn.errors import QueueFull, RequestTooLarge
 from cairn.llm import LLM
 from cairn.outputs import RequestOutput, accumulate
 from cairn.sampling import SamplingParams
@@ -110,6 +110,19 @@ def test_a_max_model_len_that_fits_or_none_asked_is_used_without_a_warning(caplo
         assert make_llm(max_model_len=64).engine.max_model_len == 64
         make_llm()
     assert context_warnings(caplog) == []
+
+
+def test_a_burst_on_an_idle_engine_fills_its_free_seats_before_max_waiting_counts():
+    """Requests that arrive between two steps all wait for the next one, those it will start at once too: with
+    --max-num-seqs 2 --max-waiting 1, a burst of 4 on an idle engine got one accepted and three 429s."""
+    engine, params = LLM(max_num_seqs=2, max_waiting=1).engine, SamplingParams(max_tokens=2)
+    accepted = [engine.add_request([5 + i, 6, 7], params) for i in range(3)]  # two seats, one queued
+    with pytest.raises(QueueFull):
+        engine.add_request([9, 6, 7], params)
+    done = set()
+    while engine.has_unfinished():
+        done |= {out.request_id for out in engine.step() if out.request_finished}
+    assert done == set(accepted)
 
 
 def test_admission_waits_for_free_kv_pages_and_everyone_finishes():

@@ -90,6 +90,7 @@ def test_step_exception_mid_stream_sends_an_error_event_then_done(client, engine
 
 def test_queue_full_is_429_with_retry_after(client, engine, monkeypatch):
     monkeypatch.setattr(engine.scheduler, "max_waiting", 0)
+    monkeypatch.setattr(engine.scheduler, "max_num_seqs", 0)  # no seat free either: nothing may wait
     r = client.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
 
