@@ -123,6 +123,7 @@ class Engine:
             log.info("sampling defaults from generation_config.json (for fields a request leaves out): %s",
                      ", ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())))
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        self._special_ids = frozenset(self.tokenizer.special_tokens.values())  # never shown as a stop token's text
         self.dtype = self.model.embed.weight.dtype
         quantize(self.model, self.model_config, opts.quantization, self.device)  # before the cache digests it
         if opts.fast_kernels:
@@ -408,7 +409,8 @@ class Engine:
                 return self._fail_request(seq, f"the structured output ended after {seq.num_output_tokens} tokens, "
                                                f"before min_tokens ({seq.params.min_tokens})")
             reason = "stop"
-        delta, hit = self._detok[seq.request_id].add(None if is_stop_token else s.token, final=reason is not None,
+        shown = not is_stop_token or (seq.params.include_stop_str_in_output and s.token not in self._special_ids)
+        delta, hit = self._detok[seq.request_id].add(s.token if shown else None, final=reason is not None,
                                                      check_stop=seq.num_output_tokens >= seq.params.min_tokens)
         if hit:
             reason = "stop"

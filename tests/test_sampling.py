@@ -250,6 +250,23 @@ def test_include_stop_str_in_output_keeps_the_stop_string(llm):
     assert kept.text == free.text[: cut + len(stop)] and kept.finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_keeps_a_stop_token_ids_text_unless_it_is_a_special_token(llm):
+    """As vLLM: a stop token's text is cut like a stop string's, and kept with include_stop_str_in_output (an
+    end-of-sequence special token never shows). cairn dropped it even then."""
+    prompt = llm.tokenizer.encode("The quick brown fox says")
+    free = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    at, token = next((i, t) for i, t in enumerate(free.token_ids) if i >= 2 and 32 < t < 127)  # a printable byte
+    eos = llm.tokenizer.eos_token_ids[0]
+    for include in (False, True):
+        out = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                  stop_token_ids=(token,), include_stop_str_in_output=include))[0]
+        assert out.token_ids == free.token_ids[: at + 1] and out.finish_reason == "stop"
+        assert out.text == llm.tokenizer.decode(free.token_ids[: at + include])
+        forced = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, logit_bias={eos: 100.0},
+                                                     include_stop_str_in_output=include))[0]
+        assert forced.token_ids == [eos] and forced.text == ""
+
+
 def test_stop_strings_wait_for_min_tokens(llm):
     prompt = llm.tokenizer.encode("The quick brown fox says")
     free = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
