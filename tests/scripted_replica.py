@@ -55,7 +55,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         script = self.server.script
-        if self.path == "/v1/cache/probe":
+        if self.path.startswith("/v1/cache/probe"):  # (/v1/cache/probe/messages too)
             self._probe(script)
             return
         script.generations.append(self.path)

@@ -101,6 +101,17 @@ def test_a_replica_failing_mid_stream_ends_the_stream_with_an_error_event():
         assert events[-1]["error"]["message"].startswith("the replica failed mid-stream")
 
 
+def test_an_anthropic_stream_cut_mid_way_ends_with_an_error_event_in_anthropics_shape():
+    with routed(Script(answer="cut_mid_stream")) as (router, (replica,)):
+        resp = httpx.post(router.base_url + "/v1/messages", timeout=30, json={
+            "model": "scripted", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 200 and replica.script.generations == ["/v1/messages"]
+        last = resp.text.strip().split("\n\n")[-1].splitlines()
+        assert last[0] == "event: error"
+        error = json.loads(last[1][len("data: "):])
+        assert error["type"] == "error" and error["error"]["message"].startswith("the replica failed mid-stream")
+
+
 def wait_for(condition, timeout_s: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -1,4 +1,4 @@
-"""The router's ASGI app: the OpenAI routes of a cairn replica, each request passed to the best replica.
+"""The router's ASGI app: the API routes of a cairn replica, each request passed to the best replica.
 
     POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's)
                                  send the request to the replica that resumes it fastest:
