@@ -237,12 +237,29 @@ def test_token_prompt_with_message_starts_gets_message_start_snapshots(client, h
                {"role": "assistant", "content": "Let me check."}, {"role": "user", "content": "Go on."}]
     tok = http.post("/tokenize", json={"messages": history}).json()
     starts = tok["message_starts"]
-    assert len(starts) == len(history) and starts[0] == 0
+    assert len(starts) == len(history) + 1 and starts[0] == 0  # and where the generation prompt starts
     ids = tok["tokens"]
     client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"message_starts": starts})
     branch = ids[: starts[2]] + ids[starts[2]: starts[2] + 3][::-1]  # diverges right after message 2 starts
     r = client.completions.create(model=MODEL, prompt=branch, max_tokens=1)
     assert r.usage.model_extra["cairn"]["resume_position"] == starts[2]
+
+
+def test_token_prompt_with_tokenize_starts_resumes_the_next_turn_where_the_answer_started(client, http):
+    """The next turn renders the answer otherwise than the model wrote it (a harness drops its reasoning): a
+    token-id client sending /tokenize's message starts resumes where the answer started, as a chat request does."""
+    history = [{"role": "system", "content": "You answer in riddles. " * 8}, *ASK]
+    tok = http.post("/tokenize", json={"messages": history, "chat_template_kwargs": {"enable_thinking": True}}).json()
+    ids, starts = tok["tokens"], tok["message_starts"]
+
+    def encode(text: str) -> list[int]:
+        return http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+
+    assert ids[starts[-1]:] == encode("<|im_start|>assistant\n<think>\n")
+    client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"message_starts": starts})
+    next_turn = ids[:starts[-1]] + encode("<|im_start|>assistant\nSunny.")
+    r = client.completions.create(model=MODEL, prompt=next_turn, max_tokens=1)
+    assert r.usage.model_extra["cairn"]["resume_position"] == starts[-1]
 
 
 def test_tokenize_and_detokenize_round_trip(http):

@@ -4,9 +4,10 @@
                  -> {"count", "max_model_len", "tokens", "message_starts"}
     /detokenize  {"tokens": [int]} -> {"prompt": str}
 
-`message_starts` are the positions where each chat message starts, the list /v1/completions accepts
-with a token-id prompt (so a client working in token ids gets the same message-start snapshots as
-one sending messages). Tokenizing runs on a worker thread, not on the event loop.
+`message_starts` are the positions where each chat message starts and, with the generation prompt,
+where that starts (the next assistant message's start): the list /v1/completions accepts with a
+token-id prompt, so a client working in token ids gets the same message-start snapshots as one
+sending messages. Tokenizing runs on a worker thread, not on the event loop.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict:
         starts = [0, *ends[:-1]]
         if not body.add_generation_prompt:
             ids = ids[: ends[-1]]
+        elif ends[-1] < len(ids):
+            # where the generation prompt, and so the next assistant message, starts: a chat request snapshots
+            # it too, and a next turn that renders the answer differently (its reasoning dropped) resumes there
+            starts.append(ends[-1])
     return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "message_starts": starts}
 
 
