@@ -39,3 +39,6 @@ def setup_logging(level: str, fmt: str = "text") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # httpx logs every request it sends at INFO: `cairn router`'s health polls (each replica every 2 s, for
+    # ever), probes and forwarded requests. They are shown at DEBUG only, as the servers' /health access lines.
+    logging.getLogger("httpx").setLevel(logging.NOTSET if level.upper() == "DEBUG" else logging.WARNING)

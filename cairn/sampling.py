@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_N = 16  # most choices per request
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 # generation_config.json keys that give a default for a request field the client left out
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -97,6 +98,7 @@ class SamplingParams:
             (len(self.logit_bias) <= 1024, "logit_bias may hold at most 1024 tokens"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed must be in [-2**63, 2**64)"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
             (len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
              "stop must be at most 16 non-empty strings"),

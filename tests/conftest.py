@@ -18,11 +18,12 @@ def root_logging_as_before():
     """A test that runs `cairn.cli.main` in-process configures the root logger (`setup_logging`: its level,
     and a handler on the stderr pytest captured for that test, closed after it). Put both back, so that a
     later test neither logs into a closed file nor sees records of levels it did not ask for."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    root, httpx_log = logging.getLogger(), logging.getLogger("httpx")
+    handlers, level, httpx_level = root.handlers[:], root.level, httpx_log.level
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    httpx_log.setLevel(httpx_level)
 
 
 @pytest.fixture(scope="session")

@@ -198,13 +198,42 @@ def test_bench_flags_do_not_overlap_the_engine_flags():
     assert not flags & {"--seed", "--min-gap-tokens", "--snapshot-policy", "--prefix-cache"}
 
 
+def readme_flag_rows() -> dict[str, str]:
+    """{flag: its default cell} of README.md's Flags table (`--[no-]x` gives --x and --no-x; a row naming two
+    flags, `--host`, `--port`, gives each its part of the cell)."""
+    table = (REPO_ROOT / "README.md").read_text().split("### Flags", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        if line.startswith("| `--"):
+            cell, default = (c.strip() for c in line.strip("|").split("|")[:2])
+            flags = re.findall(r"--(?:\[no-\])?[a-z][a-z0-9-]*", cell)
+            defaults = default.split(", ") if len(flags) > 1 else [default]
+            for flag, value in zip(flags, defaults, strict=True):
+                name = flag.removeprefix("--").removeprefix("[no-]")
+                rows |= {f"--{name}": value, f"--no-{name}": value} if "[no-]" in flag else {flag: value}
+    return rows
+
+
 def test_readme_lists_every_serve_flag():
-    listed = set()
-    for flag in re.findall(r"--(?:\[no-\])?[a-z][a-z0-9-]*", (REPO_ROOT / "README.md").read_text()):
-        name = flag.removeprefix("--").removeprefix("[no-]")
-        listed |= {f"--{name}", f"--no-{name}"} if "[no-]" in flag else {flag}
     flags = {f for line in help_lines("serve") for f in re.findall(r"--[a-z][a-z0-9-]+", line.split("  ")[0])}
-    assert not flags - listed, f"README.md does not list: {sorted(flags - listed)}"
+    listed = set(readme_flag_rows())
+    assert not flags - listed, f"README.md's Flags table does not list: {sorted(flags - listed)}"
+    assert not listed - flags, f"README.md's Flags table lists what `cairn serve` lacks: {sorted(listed - flags)}"
+
+
+def test_readme_flag_table_states_the_defaults_serve_help_gives():
+    rows, wrong = readme_flag_rows(), []
+    for line in help_lines("serve"):
+        found = re.search(r"\(default: ([^);]*)[^)]*\)\s*$", line)
+        if found:
+            stated = found.group(1).removesuffix(".0")
+            cell = rows[line.split()[0].rstrip(",")]
+            mib = re.fullmatch(r"(\d+) MiB", cell)
+            if (str(int(mib.group(1)) << 20) if mib else cell) != stated:
+                wrong.append(f"{line.split()[0]}: README {cell!r}, --help {stated!r}")
+    assert not wrong, wrong
+
+
 def test_cache_verify_accepts_the_short_namespace_id_of_the_startup_log(tmp_path):
     with LLM(disk_cache=str(tmp_path), kv_cache_gib=0.02, state_cache_gib=0.02, snapshot_interval=64) as llm:
         llm.generate(list(range(10, 100)), SamplingParams(max_tokens=2))

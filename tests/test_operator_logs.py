@@ -11,7 +11,7 @@ import httpx
 
 from cairn.activity import ActivityLog
 from cairn.llm import LLM
-from cairn.logs import JsonFormatter
+from cairn.logs import JsonFormatter, setup_logging
 from cairn.sampling import SamplingParams
 from tests.server_process import REPO_ROOT, start_server
 
@@ -116,3 +116,13 @@ def test_json_log_line_of_an_exception_carries_its_traceback_in_the_same_object(
     assert "\n" not in line  # one line per record, even with a multi-line traceback
     obj = json.loads(line)
     assert obj["msg"] == "request failed" and "Traceback" in obj["exc"] and "ValueError: boom" in obj["exc"]
+
+
+def test_httpx_request_lines_such_as_the_router_health_polls_are_logged_at_debug_only():
+    """`cairn router` polls each replica's /health every 2 s through httpx, which logs every request it sends
+    at INFO: at the default level those lines (and the probes' and forwarded requests') are not written."""
+    httpx_log = logging.getLogger("httpx")
+    setup_logging("INFO")
+    assert not httpx_log.isEnabledFor(logging.INFO) and httpx_log.isEnabledFor(logging.WARNING)
+    setup_logging("DEBUG")
+    assert httpx_log.isEnabledFor(logging.INFO)

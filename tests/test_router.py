@@ -217,6 +217,14 @@ def test_the_messages_probe_tokenizes_a_messages_body_as_count_tokens_does(clust
     assert bad.status_code == 400
 
 
+def test_the_router_says_where_it_listens_and_writes_no_line_per_health_poll(cluster):
+    """Its one start-up line names the replicas and the address, as `cairn serve`'s does; the /health polls (every
+    0.2 s here) and the requests it forwards write no httpx line at the default level."""
+    a, b, router = cluster
+    assert f"routing to 2 replica(s) ({a.base_url}, {b.base_url}) on {router.base_url}" in router.log()
+    assert "httpx" not in router.log()
+
+
 def test_a_killed_replicas_requests_go_to_the_other(cluster):
     a, b, router = cluster
     a.proc.send_signal(signal.SIGKILL)

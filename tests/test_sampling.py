@@ -94,7 +94,8 @@ def test_stop_string_truncates_the_text(llm):
                                 dict(top_k=-2), dict(min_p=2), dict(stop=("",)), dict(n=0), dict(n=17),
                                 dict(presence_penalty=-2.1), dict(frequency_penalty=2.1),
                                 dict(repetition_penalty=0.0), dict(repetition_penalty=2.5),
-                                dict(logit_bias={1: 100.5}), dict(min_tokens=300), dict(min_tokens=-1)])
+                                dict(logit_bias={1: 100.5}), dict(min_tokens=300), dict(min_tokens=-1),
+                                dict(seed=2**64), dict(seed=-(2**63) - 1)])
 def test_out_of_range_parameters_are_refused(kw):
     with pytest.raises(SamplingError):
         SamplingParams(**kw)

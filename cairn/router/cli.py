@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from cairn.flags import add_dataclass_args, build_group
 from cairn.preflight import UserError, check_port
 from cairn.router.options import RouterOptions
+
+log = logging.getLogger("cairn.router")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,5 +39,7 @@ def run(ns: argparse.Namespace) -> int:
 
     server = RouterServer(uvicorn.Config(create_app(ns.replica, options), host=options.host, port=options.port,
                                          log_level="warning"))
+    log.info("routing to %d replica(s) (%s) on http://%s:%d", len(ns.replica), ", ".join(ns.replica), options.host,
+             options.port)
     server.run()
     return 0 if server.started else 1

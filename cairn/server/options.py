@@ -37,8 +37,8 @@ class ServerOptions:
                                            "limit)")
     max_connections: int = _f(1024, "open connections allowed at once; one more gets 503 and is closed (0: no cap)")
     api_key: str | None = field(default=None, repr=False, metadata={  # (a secret: kept out of repr)
-        "help": "require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise); the "
-                "CAIRN_API_KEY environment variable sets it too, and keeps it out of the process list"})
+        "help": "require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health (401 "
+                "otherwise); the CAIRN_API_KEY environment variable sets it too, and keeps it out of the process list"})
     metrics_public: bool = _f(False, "serve /metrics without the API key")
     allowed_origins: str | None = _f(None, "comma-separated origins browsers may call the API from (CORS), or '*'; "
                                            "default: none")

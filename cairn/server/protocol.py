@@ -19,13 +19,12 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from cairn.errors import SamplingError
-from cairn.sampling import SamplingParams, StructuredOutput
+from cairn.sampling import SEED_RANGE, SamplingParams, StructuredOutput
 from cairn.server.chat_schema import ChatMessage, NamedToolChoice, Tools, template_message, template_variables
 from cairn.server.errors import APIError, from_exception, naming_max_tokens
 from cairn.server.schema_keywords import refuse_unknown_keywords
 from cairn.server.strict import Strict, StrictInt, TokenIds, refuse_lone_surrogates, refuse_unimplemented
 
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class StreamOptions(Strict):
