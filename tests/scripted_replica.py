@@ -48,6 +48,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         if self.path == "/health":
             self._send(self.server.script.health, b'{"status": "scripted"}')
+        elif self.path.startswith("/v1/models/"):
+            name = self.path[len("/v1/models/"):]
+            found = name in self.server.script.models
+            self._send(200 if found else 404, json.dumps({"id": name, "object": "model"} if found else
+                                                         {"error": {"message": f"no model {name}"}}).encode())
         else:
             data = [{"id": model, "object": "model"} for model in self.server.script.models]
             self._send(200, json.dumps({"object": "list", "data": data}).encode())

@@ -169,3 +169,6 @@ def test_models_lists_what_every_replica_serves_each_once():
         resp = httpx.get(router.base_url + "/v1/models", timeout=30)
         assert resp.status_code == 200
         assert [m["id"] for m in resp.json()["data"]] == ["qwen", "shared", "nemotron"]
+        for name, status in (("nemotron", 200), ("qwen", 200), ("llama", 404)):
+            resp = httpx.get(router.base_url + "/v1/models/" + name, timeout=30)
+            assert resp.status_code == status and (status != 200 or resp.json()["id"] == name)

@@ -14,7 +14,8 @@
                                  every replica of one model answers them alike)
     GET  /v1/models              every model the available replicas serve, each listed once (replicas of
                                  different models behind one router); when none lists any, the first
-                                 replica's answer (a 401, ...) or a 503
+                                 replica's answer (a 401, ...) or a 503; /v1/models/NAME: the card of a
+                                 replica serving NAME, else the first replica's 404
     GET  /health                 200 with every replica's state while one is available, else 503; how
                                  requests were routed (by placement, by probe, with none available)
 
@@ -197,18 +198,20 @@ class Router:
         return _Relayed(replica, _relay(first, chunks, streaming, replica, resp, path), resp.status_code,
                         _response_headers(resp, replica), background=BackgroundTask(resp.aclose))
 
-    async def models_of(self, replica: Replica, headers: dict) -> tuple[int | None, dict | None]:
-        """(status, body) of the replica's GET /v1/models; a 200 only with a `data` list; (None, None) when it
-        did not answer in probe_timeout_s or not with a JSON object (its /health poll takes it out if down)."""
-        try:
-            resp = await self.client.get(replica.url + "/v1/models", headers=headers,
-                                         timeout=self.options.probe_timeout_s)
-            body = resp.json()
-        except (httpx.HTTPError, ValueError):
-            return None, None
-        if not isinstance(body, dict) or (resp.status_code == 200 and not isinstance(body.get("data"), list)):
-            return None, None
-        return resp.status_code, body
+    async def models_of(self, path: str, headers: dict) -> list[tuple[int, dict]]:
+        """(status, body) of GET `path` (/v1/models or one model's) on each available replica (every replica
+        when none is), concurrently; a replica that did not answer in probe_timeout_s with a JSON object is
+        left out (its /health poll takes it out if it is down)."""
+        async def ask(replica: Replica) -> tuple[int, dict] | None:
+            try:
+                resp = await self.client.get(replica.url + path, headers=headers, timeout=self.options.probe_timeout_s)
+                body = resp.json()
+            except (httpx.HTTPError, ValueError):
+                return None
+            return (resp.status_code, body) if isinstance(body, dict) else None
+
+        answers = await asyncio.gather(*(ask(r) for r in self.available() or self.replicas))
+        return [answer for answer in answers if answer is not None]
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -227,6 +230,14 @@ class _Relayed(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.replica.num_in_flight -= 1
+
+
+def _first_answer(answers: list[tuple[int, dict]]) -> Response:
+    """The first replica's answer (a 404 naming the model, a 401), or a 503 when none answered."""
+    if not answers:
+        return _error("/v1/models", 503, "no replica answered", "no_replica")
+    status, body = answers[0]
+    return JSONResponse(body, status)
 
 
 def _union_by_id(lists: list[list]) -> list:
@@ -313,14 +324,15 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
         return await router.forward("POST", request.url.path, await request.body(), _request_headers(request), order)
 
     async def models(request: Request) -> Response:
-        replicas = router.available() or router.replicas
-        answers = await asyncio.gather(*(router.models_of(r, _request_headers(request)) for r in replicas))
-        lists = [body["data"] for status, body in answers if status == 200]
+        answers = await router.models_of(request.url.path, _request_headers(request))
+        lists = [body["data"] for status, body in answers if status == 200 and isinstance(body.get("data"), list)]
         if lists:
             return JSONResponse({"object": "list", "data": _union_by_id(lists)})
-        status, body = next(((status, body) for status, body in answers if body is not None), (None, None))
-        return _error("/v1/models", 503, "no replica could list its models", "no_replica") if status is None \
-            else JSONResponse(body, status)
+        return _first_answer(answers)
+
+    async def model(request: Request) -> Response:
+        answers = await router.models_of(request.url.path, _request_headers(request))
+        return _first_answer([answer for answer in answers if answer[0] == 200] or answers)
 
     async def health(_: Request) -> Response:
         ok = bool(router.available())
@@ -337,7 +349,8 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
 
     routes = [*(Route(path, generation, methods=["POST"]) for path in PROBE_PATHS),
               *(Route(path, passthrough, methods=["POST"]) for path in PASSED_THROUGH),
-              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
+              Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{name:path}", model, methods=["GET"]),
+              Route("/health", health, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.router = router
     return app
