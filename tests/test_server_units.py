@@ -391,22 +391,23 @@ class OneLongStep:
         self.closed = True
 
 
-def stop_in_background(bridge: EngineBridge, timeout_s: float) -> threading.Thread:
-    stopper = threading.Thread(target=bridge.stop, args=(timeout_s,), daemon=True)
+def inside_a_long_step() -> tuple[OneLongStep, EngineBridge, threading.Thread]:
+    """A bridge whose engine is inside its long step, and a thread calling its stop(timeout_s=0.05)."""
+    engine = OneLongStep()
+    bridge = EngineBridge(engine)
+    bridge.start()
+    assert engine.entered.wait(10)
+    stopper = threading.Thread(target=bridge.stop, args=(0.05,), daemon=True)
     stopper.start()
-    return stopper
+    return engine, bridge, stopper
 
 
 def test_stop_waits_past_its_timeout_for_a_long_step_so_that_the_engine_closes_its_cache():
     """The lifespan gave the engine thread 5 s, then the process exited inside the step: engine.close()
     never ran, so the aborted requests' snapshots were not written through and the remote tier's queued
     writes were dropped. stop() now waits for the step to end."""
-    engine = OneLongStep()
-    bridge = EngineBridge(engine)
-    bridge.start()
+    engine, bridge, stopper = inside_a_long_step()
     try:
-        assert engine.entered.wait(10)
-        stopper = stop_in_background(bridge, 0.05)
         stopper.join(0.5)
         still_waiting = stopper.is_alive()
     finally:
@@ -418,12 +419,8 @@ def test_stop_waits_past_its_timeout_for_a_long_step_so_that_the_engine_closes_i
 
 def test_a_hurried_stop_returns_inside_a_long_step_once_its_timeout_has_passed():
     """A second signal: the user wants the process gone now, whatever the step still holds."""
-    engine = OneLongStep()
-    bridge = EngineBridge(engine)
-    bridge.start()
+    engine, bridge, stopper = inside_a_long_step()
     try:
-        assert engine.entered.wait(10)
-        stopper = stop_in_background(bridge, 0.05)
         bridge.hurry()
         stopper.join(10)
         assert not stopper.is_alive() and bridge.alive and not engine.closed
