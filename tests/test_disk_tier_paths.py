@@ -172,6 +172,17 @@ def test_a_read_only_cache_rescans_on_a_miss_and_resumes_what_the_writer_added_s
         assert out.cache.resume_tier == DISK and out.cache.resume_position == 140
 
 
+def test_a_read_only_caches_probe_rescans_as_its_admission_would(tmp_path):
+    """The probe (what `cairn router` ranks replicas by) skipped the rescan: a read-only replica answered 0 for a
+    prompt it then resumed deep from disk, and the router sent its requests elsewhere."""
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as writer, LLM(**OPTS, disk_cache=str(tmp_path)) as reader:
+        cache = reader.engine.cache
+        cache.indexes[DISK].rescan_interval_s = 0.0
+        run(writer, CONVERSATION[:140])
+        probed = cache.probe(CONVERSATION[:140] + [5, 6])
+        assert (probed.position, probed.tier) == (140, DISK)
+
+
 def test_the_keys_remembered_as_unreadable_are_bounded_and_forgotten_all_at_once(tmp_path):
     """A lookup never hangs a segment marked unreadable again (a shared store's index may outlive the file); the
     marks are bounded: the one past MAX_UNREADABLE clears them, so the oldest can be hung (and found bad) again."""

@@ -128,14 +128,14 @@ class HybridPrefixCache(PrefixCache):
         return admission
 
     def _match(self, req: CacheRequest, wait: bool = True) -> MatchResult | None:
-        """The tree's match, after a rescan of a read-only disk store (when `wait`: not for a probe) and, when
-        the prompt is not all cached, hanging what the remote tier's lookup of it found. The lookup runs off
-        the engine thread (prefetch): None while it runs (`wait`; else the match without it), and one is
-        started if none was."""
+        """The tree's match, after a rescan of a read-only disk store (at most every rescan_interval_s, a probe's
+        too: the router ranks replicas by what admission would find) and, when the prompt is not all cached,
+        hanging what the remote tier's lookup of it found. The lookup runs off the engine thread (prefetch):
+        None while it runs (`wait`; else the match without it), and one is started if none was."""
         match = self.tree.match(req.token_ids)
         if match.match_len == len(req.token_ids):
             return match
-        hung = wait and any([index.rescan() for index in self.indexes.values()])
+        hung = any([index.rescan() for index in self.indexes.values()])
         found = self.remote.hang(req.token_ids, req.message_starts, wait)
         if found is None:
             return None
@@ -471,7 +471,8 @@ class HybridPrefixCache(PrefixCache):
     def probe(self, token_ids: list[int]) -> ProbeResult:
         """What admitting this prompt now would plan. Locks, copies and loads nothing, and never waits for
         Redis: what the remote tier's lookup of the prompt found (started by prefetch, or here, for a later
-        probe) is hung on the tree as admission would, and counted in the plan. Call it on the engine thread
+        probe) is hung on the tree as admission would, and counted in the plan, as is what a read-only disk
+        store's rescan finds. Call it on the engine thread
         (between steps), like every other method here."""
         self._forget_stale_disk_keys()
         req = CacheRequest(token_ids, state_slot=-1)
