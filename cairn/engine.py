@@ -34,7 +34,7 @@ from cairn.config import CacheOptions, ConfigError, EngineConfig
 from cairn.decode_graphs import CaptureBackend, DecodeGraphs
 from cairn.demo import DEMO_NAME, build_demo
 from cairn.errors import RequestTooLarge, SamplingError
-from cairn.grammar import GrammarCompiler, allowed_masks_isolated
+from cairn.grammar import BudgetedGrammar, Grammar, GrammarCompiler, allowed_masks_isolated
 from cairn.logits import RowContext
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -225,10 +225,13 @@ class Engine:
 
     def add_request(self, prompt: str | list[int] | TokenizedPrompt | None, params: SamplingParams, *,
                     request_id: str | None = None, messages: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict | None = None, message_starts: list[int] | None = None) -> str:
+                    template_kwargs: dict | None = None, message_starts: list[int] | None = None,
+                    grammar: Grammar | BudgetedGrammar | None = None) -> str:
         """Queue a request: a text prompt, token ids, chat messages, or a prompt already tokenized by
         `tokenize_prompt` (then no tokenizer work happens here). Raises on input that can never run.
-        `message_starts`: with token ids, where chat messages start in them (the cache snapshots there)."""
+        `message_starts`: with token ids, where chat messages start in them (the cache snapshots there).
+        `grammar`: params.structured already compiled by `self.grammars` (the server compiles it off the
+        engine thread: a large schema takes seconds); else it is compiled here."""
         if not isinstance(prompt, TokenizedPrompt):
             try:
                 prompt = tokenize_prompt(self.tokenizer, prompt, messages, template_kwargs, self.max_model_len,
@@ -242,7 +245,8 @@ class Engine:
         request_id = request_id or self.new_request_id()
         if request_id in self.choices:
             raise ValueError(f"request id {request_id!r} is already in use")
-        grammar = self.grammars.compile(params.structured) if params.structured is not None else None
+        if grammar is None and params.structured is not None:
+            grammar = self.grammars.compile(params.structured)
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", ids if i == 0 else list(ids), params,
                          eos_token_ids=eos + params.stop_token_ids, message_starts=list(prompt.message_starts),

@@ -257,3 +257,31 @@ def test_a_constraining_schema_with_a_key_that_is_no_json_schema_keyword_is_400_
              max_tokens=30, temperature=0)
     assert r.status_code == 200, r.text
     assert_still_serving(http)
+
+
+def test_a_schema_whose_refs_chain_deeper_than_the_limit_is_400_and_the_server_lives(http):
+    """llguidance compiles a schema by native recursion on the engine thread: a chain of 1,000 `$defs`, each an
+    object whose property refers to the next (75 KB), overflowed its stack and the server died (SIGSEGV)
+    mid-request. A constraining schema deeper than the limit with its $refs followed (through pointers,
+    anchors or $ids, a cycle included) is a 400 naming the schema; a recursive one (a tree) still serves."""
+    def chained(n: int) -> dict:
+        defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+        return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+    anchored = {"$defs": {f"d{i}": {"$anchor": f"a{i}", "type": "array", "items": {"$ref": f"#a{(i + 1) % 1000}"}}
+                          for i in range(1000)}, "$ref": "#a0"}
+    for schema in (chained(1000), anchored):
+        r = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert_error(r, 400, "invalid_value", "response_format.json_schema.schema")
+        assert "deeper than" in r.json()["error"]["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": chained(1000)}}
+    assert_error(chat(http, tools=[tool], tool_choice="required"), 400, "invalid_value", "tools.0.function.parameters")
+    r = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}})
+    assert_error(r, 400, "invalid_value", "response_format.json_schema.schema")
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"},
+                                                                                  "maxItems": 1}}}
+    for schema in (tree, chained(20)):
+        r = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                 max_tokens=20, temperature=0)
+        assert r.status_code == 200, r.text
+    assert_still_serving(http)

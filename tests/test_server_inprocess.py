@@ -184,6 +184,22 @@ def test_engine_thread_never_renders_or_tokenizes_a_server_request(client, engin
     assert all(thread.startswith("cairn-tokenize") for _, thread in calls), calls
 
 
+def test_engine_thread_never_compiles_a_grammar_of_a_server_request(client, engine, monkeypatch):
+    """llguidance compiles a large schema for seconds (8,000 optional properties: 6 s), with the interpreter
+    lock released: compiled on the engine thread, it stopped every running stream that long. The server
+    compiles a request's grammar in a worker thread, once, and the engine uses that one (n > 1 forks it)."""
+    threads: list[str] = []
+    compiler = engine.grammars
+    monkeypatch.setattr(compiler, "compile", recorded(compiler.compile, lambda: threads.append(
+        threading.current_thread().name)))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "n": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert len(threads) == 1, threads
+    assert not threads[0].startswith("cairn-engine"), threads
+
+
 def test_chat_without_max_tokens_fills_the_context_from_one_tokenization(client, engine, monkeypatch):
     renders = []
     real = engine.tokenizer.render_chat

@@ -7,7 +7,8 @@ The engine is single-threaded, so exactly one thread (started here) makes every 
     asyncio handlers <──(loop.call_soon_threadsafe: per-request asyncio.Queue)── outputs of each step
 
 Nothing but the model runs long on the engine thread: a request's chat template and tokenizer run
-once, in a worker (see `offload`), before the engine thread sees the request.
+once, in a worker (see `offload`), and its grammar is compiled in a worker thread (`compile_grammar`),
+before the engine thread sees the request.
 
 The engine thread blocks on the command queue while the engine has nothing to do (no busy wait),
 and between steps runs every queued command (add, abort, stats...). A request's outputs arrive on
@@ -38,6 +39,7 @@ from typing import Any, TypeVar
 
 from cairn.engine import Engine, StepFailed
 from cairn.errors import PromptTooLong, RequestTooLarge
+from cairn.grammar import BudgetedGrammar, Grammar
 from cairn.outputs import RequestOutput
 from cairn.prompt import TokenizedPrompt
 from cairn.sampling import SamplingParams
@@ -240,9 +242,10 @@ class EngineBridge:
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         prompt = await self.tokenize(sub)
+        grammar = await self.compile_grammar(sub.params)
         await self.prefetch(prompt, sub.params)
         try:
-            await self.call(lambda engine: self._add(engine, sub, prompt, (loop, outputs)))
+            await self.call(lambda engine: self._add(engine, sub, prompt, (loop, outputs), grammar))
         except asyncio.CancelledError:
             self.abort(sub.request_id)  # the add may still run after our caller went away
             raise
@@ -265,6 +268,14 @@ class EngineBridge:
         except WorkersClosed:  # the server is stopping
             raise ServerShuttingDown("The server is shutting down and takes no new requests.") from None
 
+    async def compile_grammar(self, params: SamplingParams) -> Grammar | BudgetedGrammar | None:
+        """The request's grammar (response_format, forced or strict tools, thinking budget), compiled in a
+        worker thread: llguidance takes seconds on a large schema (8,000 optional properties: 6 s), with the
+        interpreter lock released, and on the engine thread every stream stopped for that long."""
+        if params.structured is None:
+            return None
+        return await asyncio.to_thread(self.engine.grammars.compile, params.structured)
+
     async def prefetch(self, prompt: TokenizedPrompt, params: SamplingParams) -> None:
         """Wait for the cache's lookup of the prompt in a slow tier (the remote one), started here, off the
         engine thread: admission then finds the answer ready and never waits on Redis (PrefixCache.prefetch
@@ -279,13 +290,14 @@ class EngineBridge:
 
     # ---- the engine thread ------------------------------------------------------------------------
 
-    def _add(self, engine: Engine, sub: Submission, prompt: TokenizedPrompt, sink: Sink) -> None:
+    def _add(self, engine: Engine, sub: Submission, prompt: TokenizedPrompt, sink: Sink,
+             grammar: Grammar | BudgetedGrammar | None = None) -> None:
         if self._draining:
             raise ServerShuttingDown("The server is shutting down and takes no new requests.")
         params = sub.params
         if sub.fit_max_tokens:  # max_tokens = the context the prompt leaves (at least 1: too long is refused)
             params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
-        engine.add_request(prompt, params, request_id=sub.request_id)
+        engine.add_request(prompt, params, request_id=sub.request_id, grammar=grammar)
         self._sinks[sub.request_id] = sink
 
     def _run(self) -> None:
