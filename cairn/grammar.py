@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -46,6 +47,7 @@ PARAM = {"json_object": "response_format", "json_schema": "response_format", "la
 ANSWER_SEPARATOR = r"/\n{0,2}/"  # between the reasoning's end and a constrained answer
 
 log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 500  # of a grammar's error, as a request's error says it
 
 
 class Grammar:
@@ -68,7 +70,9 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        return self._matcher.get_error()
+        """Why the matcher stopped, in its first line: llguidance appends its whole parser state, which holds
+        the grammar (100 KB and more for a large schema), to every response and log line."""
+        return self._matcher.get_error().split("\n", 1)[0][:MAX_ERROR_CHARS]
 
     def write_mask(self, row: torch.Tensor) -> None:
         """Write the allowed tokens into `row`, int32 [ceil(vocab / 32)], as llguidance's packed bits."""
@@ -120,12 +124,14 @@ class BudgetedGrammar:
 
 
 class GrammarCompiler:
-    """Compiles StructuredOutput specs against one tokenizer and vocabulary size."""
+    """Compiles StructuredOutput specs against one tokenizer and vocabulary size. Thread-safe: the server
+    compiles each request's grammar in a worker thread, several at once."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._ll = None  # llguidance.LLTokenizer, built on first use
+        self._ll = None  # llguidance.LLTokenizer (immutable, shared), built on first use
+        self._ll_lock = threading.Lock()  # built once, not by each of the first concurrent compiles
 
     def compile(self, spec: StructuredOutput) -> Grammar | BudgetedGrammar:
         """A fresh grammar for `spec`. Raises SamplingError (a 400) on a schema llguidance cannot use."""
@@ -157,8 +163,9 @@ class GrammarCompiler:
         return Grammar(matcher)
 
     def _lltokenizer(self):
-        if self._ll is None:
-            self._ll = _lltokenizer(self._tokenizer, self.vocab_size)
+        with self._ll_lock:
+            if self._ll is None:
+                self._ll = _lltokenizer(self._tokenizer, self.vocab_size)
         return self._ll
 
 

@@ -209,3 +209,14 @@ def test_grammar_whose_mask_cannot_be_computed_fails_its_request_alone(llm, monk
     assert maskless.finish_reason == "error" and maskless.error.startswith("no token can be sampled"), maskless.error
     assert answers[("valid", 0)].finish_reason == "stop"
     jsonschema.validate(json.loads(answers[("valid", 0)].text), SMALL)
+
+
+def test_a_schema_past_llguidances_row_limit_fails_its_request_with_a_one_line_error(llm):
+    """600 optional properties compile, then the parser refuses the value's first token: the request's error (its
+    response body and log line) held llguidance's whole parser state with the grammar, 108 KB at 3,000
+    properties, instead of the one line saying why."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    out = llm.generate([5, 6, 7], constrained(schema, max_tokens=8))[0]
+    assert out.finish_reason == "error"
+    assert out.error.count("\n") == 0 and len(out.error) < 700, out.error[:800]
+    assert "Current row has" in out.error
