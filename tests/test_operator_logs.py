@@ -126,3 +126,27 @@ def test_httpx_request_lines_such_as_the_router_health_polls_are_logged_at_debug
     assert not httpx_log.isEnabledFor(logging.INFO) and httpx_log.isEnabledFor(logging.WARNING)
     setup_logging("DEBUG")
     assert httpx_log.isEnabledFor(logging.INFO)
+
+
+def test_an_access_line_escapes_the_control_characters_of_a_percent_decoded_path(caplog):
+    """`GET /%0a2026-12-03 INFO cairn.engine: ...` arrives decoded: the text log held a forged second line."""
+    import asyncio
+
+    from cairn.server.access_log import AccessLog
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "method": "GET", "path": "/\nforged INFO line\x1b[2J", "client": ("1.2.3.4", 5)}
+    with caplog.at_level(logging.INFO, logger="cairn.access"):
+        asyncio.run(AccessLog(app)(scope, receive, send))
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "cairn.access"]
+    assert line == "1.2.3.4 GET /\\x0aforged INFO line\\x1b[2J 404 " + line.split(" 404 ")[1]
+    assert "\n" not in line and "\x1b" not in line

@@ -14,6 +14,7 @@ when the response carries an `x-request-id` header). It replaces uvicorn's own a
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,6 +22,7 @@ from cairn.server.middleware import ResponseEnd
 
 log = logging.getLogger("cairn.access")
 QUIET_PATHS = frozenset({"/health", "/metrics"})
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 Scope = dict
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
@@ -42,7 +44,7 @@ class AccessLog:
 
     @staticmethod
     def _log(scope: Scope, status: int | None, headers: list[tuple[bytes, bytes]], start_s: float) -> None:
-        path = scope.get("path", "")
+        path = _escaped(scope.get("path", ""))
         level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
         if not log.isEnabledFor(level):
             return
@@ -54,3 +56,9 @@ class AccessLog:
                   "status": status, "duration_s": round(duration_s, 4), "request_id": request_id}
         log.log(level, "%s %s %s %d %.3f s", client, fields["method"], path, status, duration_s,
                 extra={"fields": fields})
+
+
+def _escaped(path: str) -> str:
+    """The path with its control characters escaped: it arrives percent-decoded, and `GET /%0a...` would
+    otherwise write a forged line into a text log."""
+    return CONTROL_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}", path)
