@@ -10,6 +10,7 @@ chat body is parsed off the event loop and its prefixes remembered; a body that 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
@@ -18,6 +19,8 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import pytest
 
+from cairn.router.app import MAX_HELD_ANSWER_BYTES, Router
+from cairn.router.options import RouterOptions
 from tests.scripted_replica import BUSY_PADDING, Script, ScriptedReplica
 from tests.server_process import ServerProcess, start_router
 
@@ -172,3 +175,56 @@ def test_models_lists_what_every_replica_serves_each_once():
         for name, status in (("nemotron", 200), ("qwen", 200), ("llama", 404)):
             resp = httpx.get(router.base_url + "/v1/models/" + name, timeout=30)
             assert resp.status_code == status and (status != 200 or resp.json()["id"] == name)
+
+
+CHUNK = b" " * (64 << 10)
+ENDLESS_BYTES = 64 << 20  # "never-ending" for the test: 64x what the router may hold
+
+
+class Endless(httpx.AsyncByteStream):
+    """A replica's answer that goes on (ENDLESS_BYTES of it): counts how much of it the router pulled."""
+
+    def __init__(self, head: bytes = b""):
+        self.head, self.pulled = head, 0
+
+    async def __aiter__(self):
+        yield self.head
+        while self.pulled < ENDLESS_BYTES:
+            self.pulled += len(CHUNK)
+            yield CHUNK
+
+
+def over_endless_answers(status_of: dict[str, int]) -> tuple[Router, list[Endless]]:
+    """A router whose one replica answers every path with `status_of[path]` (default 200) and an endless body
+    (a JSON probe answer, padded), in-process (an httpx mock transport: no sockets)."""
+    answers: list[Endless] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        answers.append(Endless(json.dumps({"position": 96, "est_ttft_s": 0.01}).encode()))
+        return httpx.Response(status_of.get(request.url.path, 200), headers={"content-type": "application/json"},
+                              stream=answers[-1])
+
+    router = Router(["http://replica"], RouterOptions())
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    return router, answers
+
+
+def test_answers_the_router_reads_whole_are_read_no_further_than_it_may_hold():
+    """A replica answering its probe, /health, a model list or a request (with a 503, which the router keeps
+    to pass on) with a never-ending body: the router read it all into memory (5 GB in 10 s, still growing after
+    the client had gone), as each timeout bounds one read, not the answer."""
+    router, answers = over_endless_answers({"/v1/chat/completions": 503})
+
+    async def scenario():
+        probe = await router._probe(router.replicas[0], "/v1/cache/probe", b"{}", {})
+        await router._check(router.replicas[0])
+        models = await router.models_of("/v1/models", {})
+        failed = await router.forward("POST", "/v1/chat/completions", b"{}", {}, router.replicas)
+        await router.close()
+        return probe, models, failed
+
+    probe, models, failed = asyncio.run(scenario())
+    assert probe is None and models == []  # too long to be an answer: as if none came
+    assert failed.status_code == 503 and json.loads(failed.body)["error"]["code"] == "no_replica"
+    assert len(answers) == 4
+    assert all(a.pulled <= MAX_HELD_ANSWER_BYTES + len(CHUNK) for a in answers), [a.pulled for a in answers]

@@ -21,10 +21,16 @@
 
 A replica that fails before anything was sent to the client (connection refused or reset, a timeout,
 a 502/503/504, or an error before the first body byte) is taken out for cooldown_s and the request is
-tried on the next one; once bytes have gone to the client the stream cannot move, and an error there
+tried on the next one (the failed answer is kept, to pass on when no replica does better, only when at
+most MAX_HELD_ANSWER_BYTES long); once bytes have gone to the client the stream cannot move, and an error there
 ends an SSE stream with a last error event (in the shape of the request's API, as are the router's own
 errors). A background task polls each replica's
 /health every health_interval_s and brings taken-out replicas back once they answer.
+
+Memory: what passes on to the client is relayed chunk by chunk, never held. What the router reads whole (a
+probe's answer, a model list, a failed answer it may pass on) it reads up to MAX_HELD_ANSWER_BYTES and no
+further, probes, /health and model lists within probe_timeout_s in all: a replica answering with a huge or
+never-ending body costs the router neither memory nor a stuck task.
 
 What this is not: a replica (no engine, no tokenizer: the replicas tokenize their own probes).
 """
@@ -61,6 +67,11 @@ DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection",
 RETRY_STATUSES = (502, 503, 504)
 PLACEMENT_SLACK = 1  # requests in flight a placed replica may have beyond the least busy one and still be used unprobed
 INLINE_PARSE_BYTES = 256 * 1024  # a larger body is parsed for its prefix keys off the event loop
+MAX_HELD_ANSWER_BYTES = 1 << 20  # the most of a replica's answer the router holds in memory (not relayed ones)
+
+
+class TooLong(Exception):
+    """A replica's answer that the router would hold is longer than MAX_HELD_ANSWER_BYTES."""
 
 
 class ReplicaFailed(Exception):
@@ -94,8 +105,11 @@ class Router:
 
     async def _check(self, replica: Replica) -> None:
         try:
-            ok = (await self.client.get(replica.url + "/health", timeout=self.options.probe_timeout_s)).is_success
-        except httpx.HTTPError as e:
+            async with asyncio.timeout(self.options.probe_timeout_s):  # the status alone: the body is never read
+                async with self.client.stream("GET", replica.url + "/health",
+                                              timeout=self.options.probe_timeout_s) as resp:
+                    ok = resp.is_success
+        except (httpx.HTTPError, TimeoutError) as e:
             ok, replica.last_error = False, f"health: {type(e).__name__}"
         if ok and not replica.healthy:
             log.info("replica %s answers /health again", replica.url)
@@ -129,22 +143,29 @@ class Router:
 
     async def _probe(self, replica: Replica, probe_path: str, body: bytes, headers: dict) -> Probe | None:
         try:
-            resp = await self.client.post(replica.url + probe_path, content=body, headers=headers,
-                                          timeout=self.options.probe_timeout_s)
-        except httpx.TimeoutException:
-            return None  # slow now: route to it by order alone
+            status, answer = await self._small_answer("POST", replica.url + probe_path, content=body, headers=headers)
+        except (httpx.TimeoutException, TimeoutError, TooLong):
+            return None  # slow now (or rambling): route to it by order alone
         except httpx.HTTPError as e:
             self._take_out(replica, f"probe: {type(e).__name__}: {e}")
             return None
-        if resp.status_code != 200:
+        if status != 200:
             return None  # e.g. a replica without the probe endpoint, or a body it refuses (the request will say)
         try:
-            data = resp.json()
+            data = json.loads(answer)
             est = data.get("est_ttft_s")
             return Probe(int(data.get("position", 0)), None if est is None else float(est), int(data.get("waiting", 0)),
                          int(data.get("running", 0)), int(data.get("tokens", 0)))
         except (ValueError, TypeError, AttributeError):
             return None
+
+    async def _small_answer(self, method: str, url: str, **kwargs) -> tuple[int, bytes]:
+        """(status, body) of a request whose answer the router reads whole (a probe, a model list), all of it
+        within probe_timeout_s (TimeoutError, or httpx's, beyond) and at most MAX_HELD_ANSWER_BYTES of body
+        (TooLong beyond: read no further)."""
+        timeout_s = self.options.probe_timeout_s
+        async with asyncio.timeout(timeout_s), self.client.stream(method, url, timeout=timeout_s, **kwargs) as resp:
+            return resp.status_code, await _read_held(resp.aiter_bytes())
 
     def _take_out(self, replica: Replica, why: str) -> None:
         if replica.available():
@@ -188,10 +209,14 @@ class Router:
         except httpx.HTTPError as e:
             await resp.aclose()
             raise ReplicaFailed(f"{type(e).__name__} before the first byte: {e}") from None
-        if resp.status_code in RETRY_STATUSES:
-            rest = first + b"".join([c async for c in _safe(chunks)])
-            await resp.aclose()
-            answer = Response(rest, resp.status_code, _response_headers(resp, replica))
+        if resp.status_code in RETRY_STATUSES:  # kept to pass on when no replica does better, unless too long
+            try:
+                held = await _read_held(_safe(chunks), first)
+            except TooLong:
+                held = None
+            finally:
+                await resp.aclose()
+            answer = None if held is None else Response(held, resp.status_code, _response_headers(resp, replica))
             raise ReplicaFailed(f"answered {resp.status_code}", answer)
         replica.num_routed += 1
         streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
@@ -204,11 +229,11 @@ class Router:
         left out (its /health poll takes it out if it is down)."""
         async def ask(replica: Replica) -> tuple[int, dict] | None:
             try:
-                resp = await self.client.get(replica.url + path, headers=headers, timeout=self.options.probe_timeout_s)
-                body = resp.json()
-            except (httpx.HTTPError, ValueError):
+                status, answer = await self._small_answer("GET", replica.url + path, headers=headers)
+                body = json.loads(answer)
+            except (httpx.HTTPError, TimeoutError, TooLong, ValueError):
                 return None
-            return (resp.status_code, body) if isinstance(body, dict) else None
+            return (status, body) if isinstance(body, dict) else None
 
         answers = await asyncio.gather(*(ask(r) for r in self.available() or self.replicas))
         return [answer for answer in answers if answer is not None]
@@ -262,6 +287,19 @@ async def _keys_of(body: bytes) -> list[bytes]:
         return prefix_keys(data) if isinstance(data, dict) else []
 
     return await asyncio.to_thread(parse) if len(body) > INLINE_PARSE_BYTES else parse()
+
+
+async def _read_held(chunks: AsyncIterator[bytes], first: bytes = b"") -> bytes:
+    """`first` and the rest of an answer's chunks, joined; TooLong, reading no further, past MAX_HELD_ANSWER_BYTES."""
+    parts, size = [first], len(first)
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_HELD_ANSWER_BYTES:
+            raise TooLong(f"an answer of more than {MAX_HELD_ANSWER_BYTES} bytes")
+        parts.append(chunk)
+    if size > MAX_HELD_ANSWER_BYTES:
+        raise TooLong(f"an answer of more than {MAX_HELD_ANSWER_BYTES} bytes")
+    return b"".join(parts)
 
 
 async def _safe(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
