@@ -34,6 +34,8 @@ from cairn.errors import ChatTemplateError
 
 log = logging.getLogger(__name__)
 MARK_VAR = "cairn_message_mark"  # printed where each message's render starts (see encode_chat)
+TEMPLATE_VARIABLES_SET_HERE = ("messages", "add_generation_prompt", "bos_token", "eos_token", MARK_VAR,
+                               "raise_exception", "strftime_now")  # a caller's extra variables must not set them
 
 # The demo model's template: ChatML (plain conversations render as plain ChatML) that also
 # renders tools, assistant reasoning and tool calls the way Qwen3.5's template does (XML-style calls),

@@ -109,10 +109,12 @@ def test_tokenize_with_both_prompt_and_messages_is_400(http):
 
 
 @pytest.mark.parametrize("reserved", [{"messages": []}, {"add_generation_prompt": False}, {"tools": []},
-                                      {"generation_prefix": "zzz"}])
+                                      {"generation_prefix": "zzz"}, {"cairn_message_mark": "x"}, {"bos_token": "x"},
+                                      {"eos_token": "x"}, {"raise_exception": "x"}, {"strftime_now": "x"}])
 def test_tokenize_refuses_a_reserved_chat_template_kwarg_as_chat_and_probe_do(http, reserved):
     """chat_template_kwargs may not set what cairn sets itself: the same 400 naming the key on /tokenize as on
-    /v1/chat/completions and /v1/cache/probe (it was a 500, or tokens silently altered)."""
+    /v1/chat/completions and /v1/cache/probe (it was a 500, or tokens silently altered; the tokenizer's message
+    marker was a 500 too, and the special tokens a 400 blaming `messages`)."""
     (key,) = reserved
     for path in ("/tokenize", "/v1/chat/completions", "/v1/cache/probe"):
         r = http.post(path, json={"model": MODEL, "messages": CHAT, "chat_template_kwargs": reserved})

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, Field
 
 from cairn.server.errors import APIError
 from cairn.server.strict import Strict
+from cairn.tokenizer import TEMPLATE_VARIABLES_SET_HERE
 
 # ---- tools --------------------------------------------------------------------------------------
 
@@ -168,7 +169,8 @@ def _part_text(where: str, part: dict[str, Any]) -> str:
     return part["text"]
 
 
-RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "generation_prefix")  # set by cairn
+# set by cairn: the tokenizer's render (the special tokens, its helpers, its message marker), tools, the forced prefix
+RESERVED_TEMPLATE_VARIABLES = (*TEMPLATE_VARIABLES_SET_HERE, "tools", "generation_prefix")
 
 
 def template_variables(chat_template_kwargs: dict[str, Any] | None, tools: list[Tool] | None) -> dict[str, Any]:
