@@ -34,6 +34,7 @@ from cairn.errors import ChatTemplateError
 
 log = logging.getLogger(__name__)
 MARK_VAR = "cairn_message_mark"  # printed where each message's render starts (see encode_chat)
+MAX_PREFIX_RENDERS = 16  # a template with no loop over `messages`: renders of prefixes to find message starts
 TEMPLATE_VARIABLES_SET_HERE = ("messages", "add_generation_prompt", "bos_token", "eos_token", MARK_VAR,
                                "raise_exception", "strftime_now")  # a caller's extra variables must not set them
 
@@ -205,11 +206,15 @@ class Tokenizer(abc.ABC):
 
     def _render_chat_by_prefix_renders(self, messages: list[dict[str, Any]], **extra) -> tuple[str, list[int]]:
         """render_chat_with_starts for templates the marker cannot instrument: where the render of
-        messages[:i] stops agreeing with the whole one, one render per message (quadratic)."""
-        log.debug("chat template has no loop over `messages`: rendering each prefix for the message starts")
+        messages[:i] stops agreeing with the whole one, one render per message, for the last
+        MAX_PREFIX_RENDERS only (the starts a conversation's next turn resumes from); the earlier ones are 0
+        (no start: no snapshot is placed there). One render per message of all of them was quadratic: a
+        request of 8,000 empty messages, a 256 KiB body, took minutes of the server's CPU."""
+        log.debug("chat template has no loop over `messages`: rendering prefixes for the message starts")
         full = self.render_chat(messages, add_generation_prompt=True, **extra)
-        starts: list[int] = []
-        for k in range(1, len(messages) + 1):
+        first = max(1, len(messages) - MAX_PREFIX_RENDERS + 1)
+        starts: list[int] = [0] * (first - 1)
+        for k in range(first, len(messages) + 1):
             try:
                 prefix = self.render_chat(messages[:k], add_generation_prompt=False, **extra)
             except ChatTemplateError:  # the template refuses this prefix (e.g. no user message yet)

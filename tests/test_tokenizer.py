@@ -10,7 +10,14 @@ import pytest
 
 from cairn.errors import PromptTooLong
 from cairn.prompt import tokenize_prompt
-from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, _common_prefix_len, _token_at_or_after
+from cairn.tokenizer import (
+    MAX_PREFIX_RENDERS,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    _common_prefix_len,
+    _token_at_or_after,
+)
 
 # The shape of Qwen3's template: a system/tools header, a backwards scan for the last user query
 # (messages[::-1]), reasoning kept only after it, grouped tool responses, a `loop` variable.
@@ -135,6 +142,25 @@ def test_template_without_a_messages_loop_falls_back_to_prefix_renders():
     Tokenizer.__init__(tok, "{{ messages[0].content }}|{{ messages[-1].content }}")
     msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     assert tok.encode_chat(msgs)[1] == starts_by_prefix_renders(tok, msgs)
+
+
+def test_a_template_without_a_messages_loop_renders_a_bounded_number_of_prefixes(monkeypatch):
+    """The prefix renders find the starts of the last MAX_PREFIX_RENDERS messages alone (the earlier ones: 0,
+    no start): one render per message made a request's cost quadratic in its number of messages (8,000
+    empty ones, a 256 KiB body, took minutes of the server's CPU)."""
+    tok = ByteTokenizer()
+    Tokenizer.__init__(tok, "{% set turns = messages %}{% for m in turns %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    renders = []
+    original = tok._template.render
+    monkeypatch.setattr(tok._template, "render", lambda *a, **kw: renders.append(1) or original(*a, **kw))
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x" * (i % 3)} for i in range(400)]
+    ids, starts = tok.encode_chat(msgs)
+    assert len(renders) == 1 + 1 + MAX_PREFIX_RENDERS  # the instrumented one (no loop found), the whole, prefixes
+    renders.clear()
+    expected = starts_by_prefix_renders(tok, msgs)
+    assert starts == [0] * (len(msgs) - MAX_PREFIX_RENDERS) + expected[-MAX_PREFIX_RENDERS:]
+    short = msgs[:MAX_PREFIX_RENDERS]
+    assert tok.encode_chat(short)[1] == starts_by_prefix_renders(tok, short)  # a short chat: every start, as before
 
 
 def test_message_content_cannot_forge_a_start_marker():
