@@ -228,3 +228,25 @@ def test_answers_the_router_reads_whole_are_read_no_further_than_it_may_hold():
     assert failed.status_code == 503 and json.loads(failed.body)["error"]["code"] == "no_replica"
     assert len(answers) == 4
     assert all(a.pulled <= MAX_HELD_ANSWER_BYTES + len(CHUNK) for a in answers), [a.pulled for a in answers]
+
+
+def test_a_request_body_over_the_routers_limit_is_413_and_reaches_no_replica():
+    """The router read a client's body whole, however long: a never-ending one grew its memory without bound
+    (5 GB in 8 s); it is refused past --max-request-bytes now, declared or chunked, in the API's shape."""
+    with ScriptedReplica(Script()) as replica:
+        router = start_router("--replica", replica.url, "--max-request-bytes", "1000")
+        try:
+            def chunked():  # no content-length: counted while read
+                yield b'{"model": "scripted", "messages": [{"role": "user", "content": "'
+                yield b"x" * 2000
+                yield b'"}]}'
+
+            for path, body, shape in (("/v1/chat/completions", chunked(), "error"),
+                                      ("/v1/messages", b"{" + b" " * 2000 + b"}", "type")):
+                resp = httpx.post(router.base_url + path, content=body, timeout=30,
+                                  headers={"content-type": "application/json"})
+                assert resp.status_code == 413 and shape in resp.json(), resp.text
+            assert chat(router).status_code == 200  # a body within the limit is routed
+            assert replica.script.generations == ["/v1/chat/completions"]
+        finally:
+            router.stop()

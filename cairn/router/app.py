@@ -19,6 +19,9 @@
     GET  /health                 200 with every replica's state while one is available, else 503; how
                                  requests were routed (by placement, by probe, with none available)
 
+A request body over max_request_bytes is answered 413, one slower than body_timeout_s 408, before any
+replica is asked (the server's BodySizeLimit): the router holds each body whole, to probe and retry with.
+
 A replica that fails before anything was sent to the client (connection refused or reset, a timeout,
 a 502/503/504, or an error before the first body byte) is taken out for cooldown_s and the request is
 tried on the next one (the failed answer is kept, to pass on when no replica does better, only when at
@@ -55,6 +58,7 @@ from starlette.routing import Route
 from cairn.router.affinity import Placements, prefix_keys
 from cairn.router.options import RouterOptions
 from cairn.router.replicas import Probe, Ranker, Replica
+from cairn.server.middleware import BodySizeLimit
 
 log = logging.getLogger(__name__)
 PROBE_PATHS = {"/v1/chat/completions": "/v1/cache/probe", "/v1/completions": "/v1/cache/probe",
@@ -390,5 +394,6 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
               Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{name:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes, timeout_s=options.body_timeout_s)
     app.state.router = router
     return app

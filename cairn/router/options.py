@@ -24,6 +24,9 @@ class RouterOptions:
     health_interval_s: float = _f(2.0, "how often each replica's /health is polled")
     queue_cost_s: float = _f(0.5, "seconds of estimated time to first token one request waiting or running on a "
                                   "replica counts for, when replicas are compared")
+    max_request_bytes: int = _f(32 << 20, "largest request body accepted, in bytes; larger ones get 413 before "
+                                          "any replica is asked (the router holds a body to probe and retry with)")
+    body_timeout_s: float = _f(60.0, "seconds a client may take to send a request body; then 408 (0: no limit)")
     remembered_prefixes: int = _f(1 << 17, "conversation prefixes (one per message) whose replica the router "
                                            "remembers, so that a conversation's next turn goes back there without "
                                            "probing the replicas; 0: probe for every request")
@@ -31,5 +34,5 @@ class RouterOptions:
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be in [0, 65536), got {self.port}")
-        check_at_least(self, {"remembered_prefixes": 0}, positive=("probe_timeout_s", "connect_timeout_s",
-                                                                   "request_timeout_s", "health_interval_s"))
+        check_at_least(self, {"remembered_prefixes": 0, "max_request_bytes": 1, "body_timeout_s": 0},
+                       positive=("probe_timeout_s", "connect_timeout_s", "request_timeout_s", "health_interval_s"))
