@@ -35,7 +35,7 @@ from cairn.decode_graphs import CaptureBackend, DecodeGraphs
 from cairn.demo import DEMO_NAME, build_demo
 from cairn.errors import RequestTooLarge, SamplingError
 from cairn.grammar import BudgetedGrammar, Grammar, GrammarCompiler, allowed_masks_isolated
-from cairn.logits import RowContext
+from cairn.logits import PenaltyCounts, RowContext
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
@@ -370,7 +370,9 @@ class Engine:
             p = seq.params
             banned = seq.eos_token_ids if seq.num_output_tokens < p.min_tokens else ()
             if p.penalized or banned or seq.grammar is not None:
-                contexts[i] = RowContext(seq.token_ids, seq.num_prompt_tokens, banned)
+                if seq.penalty is None and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
+                    seq.penalty = PenaltyCounts()  # kept up to date step by step (see cairn.logits)
+                contexts[i] = RowContext(seq.token_ids, seq.num_prompt_tokens, banned, penalty=seq.penalty)
         constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if constrained:
             masks = allowed_masks_isolated([seqs[i].grammar for i in constrained], self.model_config.vocab_size)

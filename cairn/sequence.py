@@ -56,6 +56,7 @@ class Sequence:
     ready_logits: torch.Tensor | None = None  # next-token logits restored from the cache (nothing to compute)
     index: int = 0  # its choice index in that request (n > 1)
     grammar: object | None = None  # cairn.grammar.Grammar when the output is constrained (structured output)
+    penalty: object | None = None  # cairn.logits.PenaltyCounts, once its penalties were first applied
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

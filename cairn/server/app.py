@@ -48,7 +48,6 @@ from cairn.server.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, R
 from cairn.server.offload import Offload
 from cairn.server.options import MIB, ServerOptions
 from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare
-from cairn.server.protocol import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -168,17 +167,11 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        body = await read_body(request, TokenizeRequest, offload)
-        return await guarded(_json(tokenize.tokenize(ctx, body)), "messages")
+        return await guarded(tokenize.respond(ctx, offload, await body_chunks(request), "tokenize"), "messages")
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        body = await read_body(request, DetokenizeRequest, offload)
-        return await guarded(_json(tokenize.detokenize(ctx, body)), "tokens")
-
-
-async def _json(result: Awaitable[dict]) -> Response:
-    return JSONResponse(await result)
+        return await guarded(tokenize.respond(ctx, offload, await body_chunks(request), "detokenize"), "tokens")
 
 
 def add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
