@@ -50,6 +50,13 @@ log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # of a grammar's error, as a request's error says it
 
 
+def first_line(error: str) -> str:
+    """An llguidance error in its first line: after it llguidance appends its parser state, or the grammar's
+    source with the error marked (100 KB and more for a large schema, which would go to every response and
+    log line)."""
+    return error.split("\n", 1)[0][:MAX_ERROR_CHARS]
+
+
 class Grammar:
     """One request's position in its grammar. Not thread-safe; used by the engine thread only."""
 
@@ -70,9 +77,8 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        """Why the matcher stopped, in its first line: llguidance appends its whole parser state, which holds
-        the grammar (100 KB and more for a large schema), to every response and log line."""
-        return self._matcher.get_error().split("\n", 1)[0][:MAX_ERROR_CHARS]
+        """Why the matcher stopped (first_line)."""
+        return first_line(self._matcher.get_error())
 
     def write_mask(self, row: torch.Tensor) -> None:
         """Write the allowed tokens into `row`, int32 [ceil(vocab / 32)], as llguidance's packed bits."""
@@ -158,8 +164,9 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._lltokenizer(), LLMatcher.grammar_from_lark(lark), log_level=0)
-        if matcher.is_error():
-            raise SamplingError(f"{PARAM.get(kind, 'response_format')} is not usable: {matcher.get_error()}")
+        for m in (matcher, _forced_start(matcher)):
+            if m.is_error():
+                raise SamplingError(f"{PARAM.get(kind, 'response_format')} is not usable: {first_line(m.get_error())}")
         return Grammar(matcher)
 
     def _lltokenizer(self):
@@ -235,6 +242,19 @@ class _ByteVocab:
 
     def __call__(self, text: bytes | str) -> list[int]:
         return list(text) if isinstance(text, bytes) else self._tokenizer.encode(text)
+
+
+def _forced_start(matcher):
+    """A copy of `matcher` past the tokens its grammar forces at the start, with the mask after them computed:
+    a grammar past llguidance's parser limits (a row of too many items: a schema of hundreds of optional
+    properties, after its `{`) compiles and fails only at such a mask, which would fail an admitted request
+    at its first token instead of refusing it. (The copy: the matcher itself stays at the start.)"""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    forced = [] if probe.is_error() else probe.compute_ff_tokens()
+    if forced and probe.consume_tokens(forced):
+        probe.compute_bitmask()
+    return probe
 
 
 def allowed_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:

@@ -211,12 +211,24 @@ def test_grammar_whose_mask_cannot_be_computed_fails_its_request_alone(llm, monk
     jsonschema.validate(json.loads(answers[("valid", 0)].text), SMALL)
 
 
-def test_a_schema_past_llguidances_row_limit_fails_its_request_with_a_one_line_error(llm):
-    """600 optional properties compile, then the parser refuses the value's first token: the request's error (its
-    response body and log line) held llguidance's whole parser state with the grammar, 108 KB at 3,000
-    properties, instead of the one line saying why."""
+def test_a_schema_past_llguidances_row_limit_is_refused_at_add_request_in_one_line(llm):
+    """600 optional properties compile, then the parser refuses the value's first token: the admitted request
+    failed (a 500), its error holding llguidance's whole parser state with the grammar (108 KB at 3,000
+    properties). The first mask is computed at compile time now: a SamplingError (a 400), one line."""
     schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
-    out = llm.generate([5, 6, 7], constrained(schema, max_tokens=8))[0]
-    assert out.finish_reason == "error"
-    assert out.error.count("\n") == 0 and len(out.error) < 700, out.error[:800]
-    assert "Current row has" in out.error
+    with pytest.raises(SamplingError) as refused:
+        llm.engine.add_request([5, 6, 7], constrained(schema, max_tokens=8))
+    assert str(refused.value).count("\n") == 0 and len(str(refused.value)) < 700, str(refused.value)[:800]
+    assert "Current row has" in str(refused.value) and str(refused.value).startswith("response_format")
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_schema_llguidance_cannot_compile_is_refused_in_one_line_without_the_grammar(llm):
+    """A schema over llguidance's size limit: its error went on with the grammar's whole source (1.2 MB for
+    2,000 properties of 50-value enums) into the 400's message."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "enum": [f"v{i}_{j}" for j in range(50)]}
+                                               for i in range(2000)}}
+    with pytest.raises(SamplingError) as refused:
+        llm.engine.add_request([5, 6, 7], constrained(schema, max_tokens=8))
+    assert str(refused.value).count("\n") == 0 and len(str(refused.value)) < 700, str(refused.value)[:800]
+    assert "schema too large" in str(refused.value)
