@@ -7,7 +7,10 @@ Each step (`schedule`) picks, in order:
 2. running sequences still in prefill: a chunk each, within the remaining budget, ending at the end of
    the tokens at the latest (snapshots inside a chunk are captured by the step itself); with a
    `prefill_block` (exact resumption) a chunk also ends only at a multiple of the block or at the end
-   of the tokens, never inside a block, so its blocks are the same whatever the budget left;
+   of the tokens, never inside a block, so its blocks are the same whatever the budget left. When the
+   step also decodes, a chunk deep in a long prompt costs the budget its attention work too (position p:
+   1 + p / `attention_break_even` budget tokens per token, at least one block), so that a step beside
+   streams lasts about as long at position 50K as at 0 instead of growing with the prompt's depth;
 3. waiting sequences, first come first served, while the budget, a working state slot and KV pages
    for the whole remaining prompt are available. The prefix cache plans each admission (where to
    resume, which snapshots to take) and may evict to make room; it returns an `Admission`, which the
@@ -37,6 +40,7 @@ from cairn.cache.stats import CacheStats
 from cairn.errors import QueueFull, RequestTooLarge
 from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
+from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
 from cairn.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -76,7 +80,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, pages: PageAllocator, page_size: int, states: StatePool, cache: PrefixCache,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, max_waiting: int,
-                 prefill_block: int = 0):
+                 prefill_block: int = 0, attention_break_even: int = 0):
         self.pages = pages
         self.page_size = page_size
         self.states = states
@@ -86,6 +90,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.prefill_block = prefill_block  # 0, or chunks end only at multiples of it (or the last token)
+        # the position where a prefill token's attention work equals its weights' (the model's); 0: not counted
+        self.attention_break_even = attention_break_even
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -155,14 +161,15 @@ class Scheduler:
             batch.num_new_tokens.append(1)
             budget -= 1
         batch.num_decode = len(batch.seqs)
+        deep = batch.num_decode > 0  # streams wait for this step: a chunk's attention work counts (_chunk_cost)
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0:
                 break
-            n = self._chunk_len(seq, budget)
+            n = self._chunk_len(seq, budget, deep)
             if n:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
-                budget -= n
+                budget -= self._chunk_cost(seq, n, deep)
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             try:
@@ -175,12 +182,12 @@ class Scheduler:
             if seq.ready_logits is not None:
                 batch.ready.append(seq)
                 continue
-            n = self._chunk_len(seq, budget)
+            n = self._chunk_len(seq, budget, deep)
             if not n:
                 break  # admitted; its first block waits for a step with room
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            budget -= n
+            budget -= self._chunk_cost(seq, n, deep)
         self._ask_captures(batch)
         return batch
 
@@ -193,18 +200,33 @@ class Scheduler:
                     batch.captures[seq.request_id] = wanted
                     batch.capture_pool = pool
 
-    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+    def _chunk_len(self, seq: Sequence, budget: int, deep: bool = False) -> int:
         """Prefill tokens for seq this step; with a prefill block, cut down to the last block boundary.
 
             block = 64, num_computed = 128, budget = 150, num_tokens = 400
             128          192          256 | 278             400
             |--- block ---|--- block ---|-+--- (budget ends) ---|     -> 128 tokens, ending at 256
+
+        `deep`: the budget pays for the chunk's attention work too (_chunk_cost), but it always buys the
+        tokens up to the next block boundary (of GDN_CHUNK tokens without a prefill block) if it could
+        buy them at position 0, so that a deep prompt still advances.
         """
+        if deep and self.attention_break_even:
+            c = self.attention_break_even
+            step = self.prefill_block or GDN_CHUNK
+            budget = max(budget * c // (c + seq.num_computed), min(budget, step - seq.num_computed % step))
         n = seq.next_chunk_len(budget)
         end = seq.num_computed + n
         if self.prefill_block and end < seq.num_tokens:
             end = end // self.prefill_block * self.prefill_block
         return max(0, end - seq.num_computed)
+
+    def _chunk_cost(self, seq: Sequence, n: int, deep: bool) -> int:
+        """What n prefill tokens of seq from its position take of the step's budget: n, or with `deep`
+        n * (1 + position / attention_break_even), the time they take relative to n tokens at position 0."""
+        if not (deep and self.attention_break_even):
+            return n
+        return n + n * seq.num_computed // self.attention_break_even
 
     def _admit(self, seq: Sequence, resume: bool = True) -> bool:
         """Give `seq` a slot and pages for all its tokens, resuming from the cache where it can (`resume`)."""

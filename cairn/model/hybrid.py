@@ -172,6 +172,22 @@ class HybridModel(nn.Module):
         logits = self.lm_head(h).float()
         return logits if cfg.logits_multiplier == 1.0 else logits * cfg.logits_multiplier
 
+    def attention_break_even(self) -> int:
+        """The position at which a prefill token's attention work (its query against every earlier key and
+        value, in every attention layer) equals the work of its layers' weights: a chunk of n tokens at
+        position p costs about n * (1 + p / this) of a chunk at position 0. Counted in multiply-adds from the
+        weights (routed experts: the share each token uses); 0 without attention layers."""
+        cfg = self.cfg
+        per_position = 2 * cfg.num_attention_heads * cfg.head_dim * len(cfg.attention_layers)  # q.k and p.v
+        if not per_position:
+            return 0
+        per_token = 0
+        for p in [*self.layers.parameters(), *self.layers.buffers()]:  # (a layout's or int8 weights are buffers)
+            routed = cfg.num_experts and p.dim() == 3 and p.shape[0] == cfg.num_experts  # stacked experts
+            expert_share = cfg.num_experts_per_tok / cfg.num_experts if routed else 1.0
+            per_token += int(p.numel() * expert_share)
+        return max(1, per_token // per_position)
+
     def decode_plan(self) -> decode_plan.DecodePlan | None:
         """The layers' DecodePlan for the current Kernels (built on first use, once the weights are laid out), or
         None where it would bind nothing."""
