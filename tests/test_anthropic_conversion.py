@@ -89,3 +89,24 @@ def test_stop_sequences_with_a_tool_choice_that_forces_a_call_are_refused_naming
     auto = MessagesRequest.model_validate({**BASE, "tools": tools, "tool_choice": {"type": "auto"},
                                            "stop_sequences": ["END"]})
     assert auto.to_chat().stop == ["END"]
+
+
+def test_a_prefill_becomes_a_continued_final_message():
+    chat = MessagesRequest.model_validate({**BASE, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": "text", "text": "{"}]}]}).to_chat()
+    assert chat.continue_final_message and chat.template_messages()[-1] == {"role": "assistant", "content": "{"}
+    assert chat.prompt_kwargs() == {"continue_final_message": True}
+    assert not MessagesRequest.model_validate(BASE).to_chat().continue_final_message
+
+
+@pytest.mark.parametrize(("fields", "last", "param"), [
+    ({"thinking": {"type": "enabled", "budget_tokens": 8}}, "It is", "thinking"),
+    ({}, [{"type": "tool_use", "id": "t", "name": "f", "input": {}}], "messages.1.content"),
+    ({}, [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "It is"}], "messages.1.content"),
+])
+def test_a_prefill_with_thinking_or_a_tool_use_is_refused_naming_it(fields, last, param):
+    body = MessagesRequest.model_validate({**BASE, **fields, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": last}]})
+    with pytest.raises(APIError) as e:
+        body.to_chat()
+    assert e.value.status == 400 and e.value.param == param

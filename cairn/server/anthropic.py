@@ -2,7 +2,8 @@
 
 A request is turned into the equivalent chat request (system, user / assistant turns, `tool_use` ->
 assistant tool_calls, `tool_result` -> tool messages, `thinking` -> reasoning_content, `thinking`
-config -> the template's enable_thinking, `stop_sequences` -> stop) and runs the chat path
+config -> the template's enable_thinking, `stop_sequences` -> stop, a last assistant message (a prefill)
+-> continue_final_message: the answer continues its text) and runs the chat path
 (`prepare` and `generate.prepare_chat`; a large body in a request worker process): the same template,
 parsers, prefix cache and snapshots. The answer comes back as content blocks (`thinking`, `text`,
 `tool_use`), whole or as Anthropic's SSE events:
@@ -188,7 +189,23 @@ class MessagesRequest(PromptFields):
             chat["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
             if self.thinking.type == "enabled":
                 chat["thinking_token_budget"] = self.thinking.budget_tokens
+        if self.messages[-1].role == "assistant":
+            self._check_prefill()
+            chat["continue_final_message"] = True
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+
+    def _check_prefill(self) -> None:
+        """A last assistant message is a prefill: the answer continues its text (`continue_final_message`),
+        so it holds text alone, and no thinking comes before the answer."""
+        index, last = len(self.messages) - 1, self.messages[-1]
+        kinds = [] if isinstance(last.content, str) else [b.type for b in last.content if b.type != "text"]
+        if kinds:
+            raise APIError(400, f"a last assistant message (a prefill, which the answer continues) may hold text "
+                                f"blocks only, not {kinds[0]}", param=f"messages.{index}.content", code="invalid_value")
+        if self.thinking is not None and self.thinking.type != "disabled":
+            raise APIError(400, f"thinking {self.thinking.type} cannot be combined with a last assistant message (a "
+                                "prefill): the answer continues its text, after no thinking", param="thinking",
+                           code="invalid_value")
 
 
 def _tool_choice(choice: ToolChoice) -> Any:
