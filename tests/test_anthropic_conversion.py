@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from cairn.server.anthropic import MessagesRequest
-from cairn.server.errors import APIError
+from cairn.server.errors import APIError, from_validation_errors
 
 
 def test_blocks_become_chat_messages_with_reasoning_tool_calls_and_tool_results():
@@ -110,3 +111,24 @@ def test_a_prefill_with_thinking_or_a_tool_use_is_refused_naming_it(fields, last
     with pytest.raises(APIError) as e:
         body.to_chat()
     assert e.value.status == 400 and e.value.param == param
+
+
+def _user(*blocks: dict) -> dict:
+    return {**BASE, "messages": [{"role": "user", "content": list(blocks)}]}
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    (_user({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}),
+     "messages.0.content.0", "'image'"),
+    ({**BASE, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type", "'custom'"),
+    (_user({"type": "text"}), "messages.0.content.0.text", "Field required"),
+    (_user({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]}),
+     "messages.0.content.0.content.0.type", "'text'"),
+])
+def test_a_block_or_tool_the_server_does_not_take_is_refused_naming_it(body, param, says):
+    """The 400 names the block or tool and what is wrong with it, not the `str` alternative of a content
+    given as a list (`Input should be a valid string`) nor the fields of a type it is not."""
+    with pytest.raises(ValidationError) as e:
+        MessagesRequest.model_validate(body)
+    error = from_validation_errors(e.value.errors(include_url=False))
+    assert error.param == param and says in error.message, error.message
