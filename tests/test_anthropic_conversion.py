@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cairn.server.anthropic import MessagesRequest
+from cairn.server.anthropic import CountTokensRequest, MessagesRequest
 from cairn.server.errors import APIError, from_validation_errors
 
 
@@ -132,3 +132,12 @@ def test_a_block_or_tool_the_server_does_not_take_is_refused_naming_it(body, par
         MessagesRequest.model_validate(body)
     error = from_validation_errors(e.value.errors(include_url=False))
     assert error.param == param and says in error.message, error.message
+
+
+def test_count_tokens_takes_the_prompt_fields_a_messages_request_takes_cache_control_included():
+    """A client counts the tokens of the very body it sends: top-level cache_control (automatic prompt
+    caching), accepted by /v1/messages, was an unknown field to /v1/messages/count_tokens."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_control": {"type": "ephemeral"}}
+    assert CountTokensRequest.model_validate(body).to_chat().template_messages() == [{"role": "user", "content": "x"}]
+    assert MessagesRequest.model_validate({**body, "max_tokens": 5}).to_chat().template_messages() == \
+        [{"role": "user", "content": "x"}]

@@ -141,6 +141,7 @@ class PromptFields(Strict):
     tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
 
     @model_validator(mode="before")
     @classmethod
@@ -156,7 +157,6 @@ class MessagesRequest(PromptFields):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
-    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
 
     @model_validator(mode="after")
     def _no_stop_in_a_forced_call(self) -> MessagesRequest:
