@@ -104,8 +104,9 @@ def test_a_prefill_becomes_a_continued_final_message():
     ({"thinking": {"type": "enabled", "budget_tokens": 8}}, "It is", "thinking"),
     ({}, [{"type": "tool_use", "id": "t", "name": "f", "input": {}}], "messages.1.content"),
     ({}, [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "It is"}], "messages.1.content"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "{", "output_config.format"),
 ])
-def test_a_prefill_with_thinking_or_a_tool_use_is_refused_naming_it(fields, last, param):
+def test_a_prefill_with_thinking_a_tool_use_or_an_output_format_is_refused_naming_it(fields, last, param):
     body = MessagesRequest.model_validate({**BASE, **fields, "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": last}]})
     with pytest.raises(APIError) as e:
@@ -141,3 +142,25 @@ def test_count_tokens_takes_the_prompt_fields_a_messages_request_takes_cache_con
     assert CountTokensRequest.model_validate(body).to_chat().template_messages() == [{"role": "user", "content": "x"}]
     assert MessagesRequest.model_validate({**body, "max_tokens": 5}).to_chat().template_messages() == \
         [{"role": "user", "content": "x"}]
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def test_output_config_format_becomes_the_chats_json_schema_response_format():
+    chat = MessagesRequest.model_validate({**BASE, "output_config": {"format": {"type": "json_schema",
+                                                                                "schema": SCHEMA}}}).to_chat()
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == SCHEMA
+    assert CountTokensRequest.model_validate({k: v for k, v in BASE.items() if k != "max_tokens"} |
+                                             {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "stop_sequences": ["}"]},
+     "stop_sequences"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "tools": [
+        {"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}}, "output_config.format"),
+])
+def test_output_config_it_cannot_honour_is_refused_naming_it(fields, param):
+    assert _refused_param({**BASE, **fields}) == param

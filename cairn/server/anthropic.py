@@ -11,6 +11,9 @@ parsers, prefix cache and snapshots. The answer comes back as content blocks (`t
     message_start, then per block: content_block_start, content_block_delta..., content_block_stop,
     then message_delta (stop_reason, usage) and message_stop.
 
+`output_config.format` (structured output, what the client's messages.parse sends) is the chat's
+response_format json_schema: the text block is JSON valid for its schema (after the thinking block,
+if any); `output_config.effort` is accepted only null.
 usage: `input_tokens` counts the prompt tokens computed, `cache_read_input_tokens` those resumed from
 cairn's prefix cache (the same figure as OpenAI's cached_tokens); cairn has no separate cache write
 (`cache_creation_input_tokens` is 0), `cache_control` marks are accepted and change nothing. The
@@ -128,6 +131,20 @@ class ThinkingConfig(Strict):
         return self
 
 
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")  # JSON Schema the answer's text follows (constrained decoding)
+
+
+class OutputConfig(Strict):
+    format: OutputFormat | None = None  # structured output: the chat's response_format json_schema
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unimplemented(cls, data: Any) -> Any:
+        return refuse_unimplemented(data, "output_config.")  # effort
+
+
 class Metadata(Strict):
     user_id: str | None = None  # stored nowhere
 
@@ -142,6 +159,7 @@ class PromptFields(Strict):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
+    output_config: OutputConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -160,11 +178,17 @@ class MessagesRequest(PromptFields):
 
     @model_validator(mode="after")
     def _no_stop_in_a_forced_call(self) -> MessagesRequest:
-        """The chat check (ChatCompletionRequest.check_tools), said in this API's names."""
-        if self.stop_sequences and self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
-            raise APIError(400, "stop_sequences cannot be combined with a tool_choice that forces a call: the whole "
-                                "output is constrained, and a stop inside it would end it invalid",
-                           param="stop_sequences", code="invalid_value")
+        """The chat checks (ChatCompletionRequest.check_tools), said in this API's names."""
+        forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
+        structured = self.output_config is not None and self.output_config.format is not None
+        if structured and forced:
+            raise APIError(400, "output_config.format cannot be combined with a tool_choice that forces a call",
+                           param="output_config.format", code="invalid_value")
+        if self.stop_sequences and (forced or structured):
+            what = "a tool_choice that forces a call" if forced else "output_config.format"
+            raise APIError(400, f"stop_sequences cannot be combined with {what}: the whole output is constrained, "
+                                "and a stop inside it would end it invalid", param="stop_sequences",
+                           code="invalid_value")
         return self
 
     def to_chat(self) -> ChatCompletionRequest:
@@ -189,6 +213,9 @@ class MessagesRequest(PromptFields):
             chat["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
             if self.thinking.type == "enabled":
                 chat["thinking_token_budget"] = self.thinking.budget_tokens
+        if self.output_config is not None and self.output_config.format is not None:
+            chat["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": self.output_config.format.schema_}}
         if self.messages[-1].role == "assistant":
             self._check_prefill()
             chat["continue_final_message"] = True
@@ -196,12 +223,17 @@ class MessagesRequest(PromptFields):
 
     def _check_prefill(self) -> None:
         """A last assistant message is a prefill: the answer continues its text (`continue_final_message`),
-        so it holds text alone, and no thinking comes before the answer."""
+        so it holds text alone, no thinking comes before the answer and no structured output's grammar
+        (which starts an answer afresh) constrains it."""
         index, last = len(self.messages) - 1, self.messages[-1]
         kinds = [] if isinstance(last.content, str) else [b.type for b in last.content if b.type != "text"]
         if kinds:
             raise APIError(400, f"a last assistant message (a prefill, which the answer continues) may hold text "
                                 f"blocks only, not {kinds[0]}", param=f"messages.{index}.content", code="invalid_value")
+        if self.output_config is not None and self.output_config.format is not None:
+            raise APIError(400, "output_config.format cannot be combined with a last assistant message (a prefill): "
+                                "its grammar starts the answer afresh", param="output_config.format",
+                           code="invalid_value")
         if self.thinking is not None and self.thinking.type != "disabled":
             raise APIError(400, f"thinking {self.thinking.type} cannot be combined with a last assistant message (a "
                                 "prefill): the answer continues its text, after no thinking", param="thinking",
