@@ -164,3 +164,25 @@ def test_output_config_format_becomes_the_chats_json_schema_response_format():
 ])
 def test_output_config_it_cannot_honour_is_refused_naming_it(fields, param):
     assert _refused_param({**BASE, **fields}) == param
+
+
+def test_the_anthropic_clients_own_response_blocks_dumped_back_are_accepted():
+    """An agent that keeps its transcript as the client's blocks' model_dump() sends a tool_use block with
+    `caller` and `toolset_name` null (fields of the client's request types too): they were unknown fields, a
+    400. A direct caller (the model's own call) is accepted; a toolset is refused naming it."""
+    import anthropic.types
+
+    use = anthropic.types.ToolUseBlock(id="toolu_1", name="f", input={"a": 1}, type="tool_use").model_dump()
+    text = anthropic.types.TextBlock(text="calling", type="text").model_dump()
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok", "toolset_name": None}
+    body = {**BASE, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [text, use]},
+                                 {"role": "user", "content": [result]}]}
+    chat = MessagesRequest.model_validate(body).to_chat().template_messages()
+    assert [m["role"] for m in chat] == ["user", "assistant", "tool"] and chat[1]["tool_calls"][0]["id"] == "toolu_1"
+    direct = {**use, "caller": {"type": "direct"}}
+    MessagesRequest.model_validate({**body, "messages": [
+        body["messages"][0], {"role": "assistant", "content": [direct]}]})
+    with pytest.raises(ValidationError) as e:
+        MessagesRequest.model_validate({**body, "messages": [
+            body["messages"][0], {"role": "assistant", "content": [{**use, "toolset_name": "mcp"}]}]})
+    assert from_validation_errors(e.value.errors(include_url=False)).param == "messages.1.content.0.toolset_name"

@@ -67,12 +67,20 @@ class ThinkingBlock(Strict):
     signature: str | None = None
 
 
+class DirectCaller(Strict):
+    type: Literal["direct"]  # the model called the tool itself: every call cairn returns
+
+
 class ToolUseBlock(Strict):
+    """Also as the anthropic client dumps its own response blocks: with `caller` and `toolset_name` null."""
+
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    caller: DirectCaller | None = None
+    toolset_name: None = None
 
 
 class ToolResultBlock(Strict):
@@ -81,6 +89,7 @@ class ToolResultBlock(Strict):
     content: str | list[TextBlock] | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
+    toolset_name: None = None
 
 
 Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
