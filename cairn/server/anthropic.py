@@ -29,22 +29,24 @@ would send ({"input_tokens": N}), rendered and tokenized as that request would b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cairn.outputs import Completion
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
-from cairn.server.chat_schema import refuse_duplicate_names
-from cairn.server.errors import APIError, from_exception
+from cairn.server.chat_schema import FunctionName, refuse_duplicate_names
+from cairn.server.errors import APIError, from_exception, from_validation_errors
 from cairn.server.generate import Generation, ServingContext, SSEResponse, prepare_chat, start_generation
 from cairn.server.protocol import ChatCompletionRequest
 from cairn.server.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
@@ -76,7 +78,7 @@ class ToolUseBlock(Strict):
 
     type: Literal["tool_use"]
     id: str
-    name: str
+    name: FunctionName
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
     caller: DirectCaller | None = None
@@ -101,7 +103,7 @@ class Message(Strict):
 
 
 class AnthropicTool(Strict):
-    name: str
+    name: FunctionName
     description: str | None = None
     input_schema: dict[str, Any]
     strict: bool | None = None  # true: the tool_use input follows input_schema (constrained decoding)
@@ -228,7 +230,10 @@ class MessagesRequest(PromptFields):
         if self.messages[-1].role == "assistant":
             self._check_prefill()
             chat["continue_final_message"] = True
-        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+        except ValidationError as e:  # a value this API's fields take and the chat request's do not
+            raise from_validation_errors(e.errors(include_url=False)) from None
 
     def _check_prefill(self) -> None:
         """A last assistant message is a prefill: the answer continues its text (`continue_final_message`),
@@ -247,6 +252,33 @@ class MessagesRequest(PromptFields):
             raise APIError(400, f"thinking {self.thinking.type} cannot be combined with a last assistant message (a "
                                 "prefill): the answer continues its text, after no thinking", param="thinking",
                            code="invalid_value")
+
+
+# the chat request's field paths as this API names them, for an error the chat's checks raise (`prepare_messages`)
+CHAT_PATHS = ((re.compile(r"\btools\.(\d+)\.function\.parameters\b"), r"tools.\1.input_schema"),
+              (re.compile(r"\btools\.(\d+)\.function\.name\b"), r"tools.\1.name"),
+              (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "output_config.format.schema"),
+              (re.compile(r"\bresponse_format\b"), "output_config.format"),
+              (re.compile(r"\bthinking_token_budget\b"), "thinking.budget_tokens"))
+
+
+def in_anthropic_names(e: APIError) -> APIError:
+    """`e`, raised by the equivalent chat request's checks, naming the fields this request sent."""
+    def rename(text: str) -> str:
+        for pattern, name in CHAT_PATHS:
+            text = pattern.sub(name, text)
+        return text
+
+    return dataclasses.replace(e, message=rename(e.message), param=e.param and rename(e.param))
+
+
+def prepare_messages(ctx: ServingContext, body: MessagesRequest | CountTokensRequest,
+                     request_id: str) -> tuple[Submission, ChatPlan]:
+    """prepare_chat of the equivalent chat request; an error it raises names this API's fields."""
+    try:
+        return prepare_chat(ctx, body.to_chat(), request_id)
+    except APIError as e:
+        raise in_anthropic_names(e) from None
 
 
 def _tool_choice(choice: ToolChoice) -> Any:
@@ -344,7 +376,7 @@ class CountTokensRequest(PromptFields):
 async def count_tokens(ctx: ServingContext, body: CountTokensRequest) -> dict:
     """{"input_tokens": N}: the prompt a Messages request with `body`'s fields would send, rendered and
     tokenized as it would be (off the event loop), the generation prompt and a forced call's prefix included."""
-    sub, _ = prepare_chat(ctx, body.to_chat(), "count_tokens")
+    sub, _ = prepare_messages(ctx, body, "count_tokens")
     prompt = await ctx.bridge.tokenize(sub)
     return {"input_tokens": len(prompt.token_ids)}
 
