@@ -188,7 +188,7 @@ class MessagesRequest(PromptFields):
     metadata: Metadata | None = None
 
     @model_validator(mode="after")
-    def _no_stop_in_a_forced_call(self) -> MessagesRequest:
+    def _no_stop_in_a_constrained_answer(self) -> MessagesRequest:
         """The chat checks (ChatCompletionRequest.check_tools), said in this API's names."""
         forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
         structured = self.output_config is not None and self.output_config.format is not None
