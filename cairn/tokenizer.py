@@ -213,13 +213,15 @@ class Tokenizer(abc.ABC):
         that message what it puts around any (Qwen3's empty `<think>` block) and nothing after it. Raises
         ChatTemplateError when the template does not render that content as sent."""
         tag = f"\x00{secrets.token_hex(8)}\x00"  # unguessable: no message can forge one
-        last = {**messages[-1], "content": (messages[-1].get("content") or "") + tag}
+        last = {**messages[-1], "content": (messages[-1].get("content") or "") + tag + " "}
         text, starts = self.render_chat_with_starts([*messages[:-1], last], add_generation_prompt=False, **extra)
         if text.count(tag) != 1:
             raise ChatTemplateError("the chat template does not render the last message's content as it was sent, "
                                     "so the answer cannot continue it")
         end = text.index(tag)
-        return text[:end], [min(start, end) for start in starts]
+        kept = text[:end] if text.startswith(tag + " ", end) else text[:end].rstrip()  # a template that trims
+        #   the content (Qwen3.5's) trims its trailing whitespace, as transformers does
+        return kept, [min(start, len(kept)) for start in starts]
 
     def _render_chat_by_prefix_renders(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                                        **extra) -> tuple[str, list[int]]:

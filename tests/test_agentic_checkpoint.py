@@ -87,11 +87,14 @@ def continued_ids(hf, messages: list[dict]) -> list[int]:
 def test_continue_final_message_prompt_is_transformers_rendering_and_the_answer_is_content(served):
     """The answer continues the last assistant message: the prompt is transformers'
     apply_chat_template(continue_final_message=True), token for token (Qwen3.5's and Qwen3's empty
-    `<think>` block before the text included), and the answer is content, never reasoning."""
+    `<think>` block before the text included; a trailing space the template trims away trimmed too), and
+    the answer is content, never reasoning."""
     _, client, hf = served
-    body = chat(client, messages=PREFILL, continue_final_message=True, return_token_ids=True)
-    assert body["prompt_token_ids"] == continued_ids(hf, PREFILL)
-    assert not body["choices"][0]["message"].get("reasoning_content")
+    for text in ("It is", "It is \n"):
+        messages = [PREFILL[0], {"role": "assistant", "content": text}]
+        body = chat(client, messages=messages, continue_final_message=True, return_token_ids=True)
+        assert body["prompt_token_ids"] == continued_ids(hf, messages), text
+        assert not body["choices"][0]["message"].get("reasoning_content")
     refused = [({"messages": PREFILL[:1]}, "continue_final_message"),
                ({"messages": PREFILL, "tools": BOUNDED, "tool_choice": FORCE}, "tool_choice"),
                ({"messages": PREFILL, "response_format": {"type": "json_object"}}, "response_format")]
