@@ -30,7 +30,8 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | None = None,
                     messages: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
                     max_model_len: int | None = None, message_starts: list[int] | None = None) -> TokenizedPrompt:
     """A text prompt, token ids, or chat messages (rendered with the template, `template_kwargs` passed
-    to it; its `generation_prefix`, if any, is appended to the render) as a TokenizedPrompt; token ids
+    to it; its `generation_prefix`, if any, is appended to the render; with `continue_final_message` the render
+    ends inside the last message, which the answer continues) as a TokenizedPrompt; token ids
     keep the `message_starts` given with them. Raises ChatTemplateError for messages the template refuses, and,
     given `max_model_len`, PromptTooLong without encoding a text too long to fit in any case.
     Imports no torch: it also runs in the server's tokenizer worker processes."""
@@ -42,7 +43,10 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | None = None,
         return TokenizedPrompt(ids, sorted({p for p in message_starts or () if 0 < p < len(ids)}))
     kwargs = dict(template_kwargs or {})
     generation_prefix = kwargs.pop("generation_prefix", "")  # forced start of the answer (a tool call's)
-    text, char_starts = tokenizer.render_chat_with_starts(messages, **kwargs)
+    if kwargs.pop("continue_final_message", False):  # the answer continues the last message's content
+        text, char_starts = tokenizer.render_chat_continuing(messages, **kwargs)
+    else:
+        text, char_starts = tokenizer.render_chat_with_starts(messages, **kwargs)
     text += generation_prefix
     _refuse_if_surely_too_long(tokenizer, text, max_model_len)
     ids, starts = tokenizer.encode_rendered(text, char_starts)

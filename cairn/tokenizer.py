@@ -187,9 +187,10 @@ class Tokenizer(abc.ABC):
         ids, offsets = self.encode_with_offsets(text)
         return ids, [len(ids) if c >= len(text) else _token_holding(offsets, c, len(ids)) for c in char_starts]
 
-    def render_chat_with_starts(self, messages: list[dict[str, Any]], **extra) -> tuple[str, list[int]]:
-        """The rendered conversation (with generation prompt) and, for i = 1 .. len(messages), the
-        character where the template starts rendering messages[i] (for i = len(messages): where its
+    def render_chat_with_starts(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                **extra) -> tuple[str, list[int]]:
+        """The rendered conversation (with generation prompt, unless told not to) and, for i = 1 .. len(messages),
+        the character where the template starts rendering messages[i] (for i = len(messages): where its
         loop over the messages ends, i.e. where the generation prompt starts). One render, whatever
         the number of messages.
 
@@ -198,20 +199,39 @@ class Tokenizer(abc.ABC):
         start in the whole render, which a later request extending the conversation shares.
         """
         marker = f"\x00{secrets.token_hex(8)}\x00"  # unguessable: no message can forge one
-        parts = self.render_chat(messages, add_generation_prompt=True, **extra, **{MARK_VAR: marker}).split(marker)
+        parts = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra,
+                                 **{MARK_VAR: marker}).split(marker)
         if len(parts) != len(messages) + 2:  # no loop over `messages` found, or it skipped some
-            return self._render_chat_by_prefix_renders(messages, **extra)
+            return self._render_chat_by_prefix_renders(messages, add_generation_prompt, **extra)
         marks = list(itertools.accumulate(len(p) for p in parts))  # marks[i]: where message i starts
         return "".join(parts), marks[1:len(messages) + 1]
 
-    def _render_chat_by_prefix_renders(self, messages: list[dict[str, Any]], **extra) -> tuple[str, list[int]]:
+    def render_chat_continuing(self, messages: list[dict[str, Any]], **extra) -> tuple[str, list[int]]:
+        """render_chat_with_starts for an answer that continues the last message (transformers' and vLLM's
+        continue_final_message, Anthropic's prefilled assistant turn): the conversation rendered without a
+        generation prompt and cut where the last message's content ends, so that the template puts around
+        that message what it puts around any (Qwen3's empty `<think>` block) and nothing after it. Raises
+        ChatTemplateError when the template does not render that content as sent."""
+        tag = f"\x00{secrets.token_hex(8)}\x00"  # unguessable: no message can forge one
+        last = {**messages[-1], "content": (messages[-1].get("content") or "") + tag + " "}
+        text, starts = self.render_chat_with_starts([*messages[:-1], last], add_generation_prompt=False, **extra)
+        if text.count(tag) != 1:
+            raise ChatTemplateError("the chat template does not render the last message's content as it was sent, "
+                                    "so the answer cannot continue it")
+        end = text.index(tag)
+        kept = text[:end] if text.startswith(tag + " ", end) else text[:end].rstrip()  # a template that trims
+        #   the content (Qwen3.5's) trims its trailing whitespace, as transformers does
+        return kept, [min(start, len(kept)) for start in starts]
+
+    def _render_chat_by_prefix_renders(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                       **extra) -> tuple[str, list[int]]:
         """render_chat_with_starts for templates the marker cannot instrument: where the render of
         messages[:i] stops agreeing with the whole one, one render per message, for the last
         MAX_PREFIX_RENDERS only (the starts a conversation's next turn resumes from); the earlier ones are 0
         (no start: no snapshot is placed there). One render per message of all of them was quadratic: a
         request of 8,000 empty messages, a 256 KiB body, took minutes of the server's CPU."""
         log.debug("chat template has no loop over `messages`: rendering prefixes for the message starts")
-        full = self.render_chat(messages, add_generation_prompt=True, **extra)
+        full = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
         first = max(1, len(messages) - MAX_PREFIX_RENDERS + 1)
         starts: list[int] = [0] * (first - 1)
         for k in range(first, len(messages) + 1):

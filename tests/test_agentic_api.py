@@ -411,6 +411,24 @@ def test_anthropic_tool_choice_any_with_several_tools(claude):
     jsonschema.validate(use.input, next(t["input_schema"] for t in tools if t["name"] == use.name))
 
 
+def test_anthropic_structured_output_is_parsed_by_the_clients_parse_helper(claude):
+    """messages.parse(output_format=Model) sends output_config.format (a JSON schema); it was a 400 unknown
+    field. The text block is JSON valid for the schema, whole and streamed, and the client parses it."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):  # bounded (the client moves numeric bounds into descriptions): random weights end it
+        ok: bool
+        word: Literal["yes", "no"]
+
+    ask = dict(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "Answer?"}], extra_body=T0)
+    parsed = claude.messages.parse(**ask, output_format=Answer)
+    assert parsed.stop_reason == "end_turn" and isinstance(parsed.parsed_output, Answer)
+    with claude.messages.stream(**ask, output_format=Answer) as stream:
+        assert stream.get_final_message().parsed_output == parsed.parsed_output
+
+
 def test_a_forced_call_cut_by_max_tokens_finishes_with_length_whole_and_streamed(client, claude):
     """max_tokens (40: the call's tags are 35 byte tokens) cuts a forced call inside its first parameter: the
     call parsed so far comes back, but the answer finishes with "length" (Anthropic: "max_tokens"), whole

@@ -74,3 +74,50 @@ def test_qwen35_template_opens_reasoning_and_forced_calls_follow_the_template(se
         assert "reasoning_content" not in answer
         assert prompt_text.endswith("<|im_start|>assistant\n")
         assert output_text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {')
+
+
+PREFILL = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "It is"}]
+
+
+def continued_ids(hf, messages: list[dict]) -> list[int]:
+    out = hf.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=False, tokenize=True)
+    return list(out["input_ids"] if not isinstance(out, list) else out)
+
+
+def test_continue_final_message_prompt_is_transformers_rendering_and_the_answer_is_content(served):
+    """The answer continues the last assistant message: the prompt is transformers'
+    apply_chat_template(continue_final_message=True), token for token (Qwen3.5's and Qwen3's empty
+    `<think>` block before the text included; a trailing space the template trims away trimmed too), and
+    the answer is content, never reasoning."""
+    _, client, hf = served
+    for text in ("It is", "It is \n"):
+        messages = [PREFILL[0], {"role": "assistant", "content": text}]
+        body = chat(client, messages=messages, continue_final_message=True, return_token_ids=True)
+        assert body["prompt_token_ids"] == continued_ids(hf, messages), text
+        assert not body["choices"][0]["message"].get("reasoning_content")
+    refused = [({"messages": PREFILL[:1]}, "continue_final_message"),
+               ({"messages": PREFILL, "tools": BOUNDED, "tool_choice": FORCE}, "tool_choice"),
+               ({"messages": PREFILL, "response_format": {"type": "json_object"}}, "response_format")]
+    for fields, param in refused:
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 6, "continue_final_message": True,
+                                                      **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_anthropic_prefill_is_continued_not_answered_as_a_new_turn(served):
+    """A last assistant message in /v1/messages (a prefill) is the start of the answer, as Anthropic's API
+    has it: the prompt ends inside it (what count_tokens counts and the usage reports), and the answer,
+    whole or streamed, is one text block continuing it."""
+    _, client, hf = served
+    expected = len(continued_ids(hf, PREFILL))
+    counted = client.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": PREFILL}).json()
+    assert counted == {"input_tokens": expected}
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": PREFILL}
+    whole = client.post("/v1/messages", json=body).json()
+    assert whole["usage"]["input_tokens"] + whole["usage"]["cache_read_input_tokens"] == expected
+    assert [b["type"] for b in whole["content"]] == ["text"]
+    with client.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"] == ["text"]
+    assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == \
+        whole["content"][0]["text"]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from cairn.server.anthropic import MessagesRequest
-from cairn.server.errors import APIError
+from cairn.server.anthropic import CountTokensRequest, MessagesRequest
+from cairn.server.errors import APIError, from_validation_errors
 
 
 def test_blocks_become_chat_messages_with_reasoning_tool_calls_and_tool_results():
@@ -89,3 +90,99 @@ def test_stop_sequences_with_a_tool_choice_that_forces_a_call_are_refused_naming
     auto = MessagesRequest.model_validate({**BASE, "tools": tools, "tool_choice": {"type": "auto"},
                                            "stop_sequences": ["END"]})
     assert auto.to_chat().stop == ["END"]
+
+
+def test_a_prefill_becomes_a_continued_final_message():
+    chat = MessagesRequest.model_validate({**BASE, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": "text", "text": "{"}]}]}).to_chat()
+    assert chat.continue_final_message and chat.template_messages()[-1] == {"role": "assistant", "content": "{"}
+    assert chat.prompt_kwargs() == {"continue_final_message": True}
+    assert not MessagesRequest.model_validate(BASE).to_chat().continue_final_message
+
+
+@pytest.mark.parametrize(("fields", "last", "param"), [
+    ({"thinking": {"type": "enabled", "budget_tokens": 8}}, "It is", "thinking"),
+    ({}, [{"type": "tool_use", "id": "t", "name": "f", "input": {}}], "messages.1.content"),
+    ({}, [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "It is"}], "messages.1.content"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "{", "output_config.format"),
+])
+def test_a_prefill_with_thinking_a_tool_use_or_an_output_format_is_refused_naming_it(fields, last, param):
+    body = MessagesRequest.model_validate({**BASE, **fields, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": last}]})
+    with pytest.raises(APIError) as e:
+        body.to_chat()
+    assert e.value.status == 400 and e.value.param == param
+
+
+def _user(*blocks: dict) -> dict:
+    return {**BASE, "messages": [{"role": "user", "content": list(blocks)}]}
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    (_user({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}),
+     "messages.0.content.0", "'image'"),
+    ({**BASE, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type", "'custom'"),
+    (_user({"type": "text"}), "messages.0.content.0.text", "Field required"),
+    (_user({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]}),
+     "messages.0.content.0.content.0.type", "'text'"),
+])
+def test_a_block_or_tool_the_server_does_not_take_is_refused_naming_it(body, param, says):
+    """The 400 names the block or tool and what is wrong with it, not the `str` alternative of a content
+    given as a list (`Input should be a valid string`) nor the fields of a type it is not."""
+    with pytest.raises(ValidationError) as e:
+        MessagesRequest.model_validate(body)
+    error = from_validation_errors(e.value.errors(include_url=False))
+    assert error.param == param and says in error.message, error.message
+
+
+def test_count_tokens_takes_the_prompt_fields_a_messages_request_takes_cache_control_included():
+    """A client counts the tokens of the very body it sends: top-level cache_control (automatic prompt
+    caching), accepted by /v1/messages, was an unknown field to /v1/messages/count_tokens."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_control": {"type": "ephemeral"}}
+    assert CountTokensRequest.model_validate(body).to_chat().template_messages() == [{"role": "user", "content": "x"}]
+    assert MessagesRequest.model_validate({**body, "max_tokens": 5}).to_chat().template_messages() == \
+        [{"role": "user", "content": "x"}]
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def test_output_config_format_becomes_the_chats_json_schema_response_format():
+    chat = MessagesRequest.model_validate({**BASE, "output_config": {"format": {"type": "json_schema",
+                                                                                "schema": SCHEMA}}}).to_chat()
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == SCHEMA
+    assert CountTokensRequest.model_validate({k: v for k, v in BASE.items() if k != "max_tokens"} |
+                                             {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "stop_sequences": ["}"]},
+     "stop_sequences"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "tools": [
+        {"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}}, "output_config.format"),
+])
+def test_output_config_it_cannot_honour_is_refused_naming_it(fields, param):
+    assert _refused_param({**BASE, **fields}) == param
+
+
+def test_the_anthropic_clients_own_response_blocks_dumped_back_are_accepted():
+    """An agent that keeps its transcript as the client's blocks' model_dump() sends a tool_use block with
+    `caller` and `toolset_name` null (fields of the client's request types too): they were unknown fields, a
+    400. A direct caller (the model's own call) is accepted; a toolset is refused naming it."""
+    import anthropic.types
+
+    use = anthropic.types.ToolUseBlock(id="toolu_1", name="f", input={"a": 1}, type="tool_use").model_dump()
+    text = anthropic.types.TextBlock(text="calling", type="text").model_dump()
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok", "toolset_name": None}
+    body = {**BASE, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [text, use]},
+                                 {"role": "user", "content": [result]}]}
+    chat = MessagesRequest.model_validate(body).to_chat().template_messages()
+    assert [m["role"] for m in chat] == ["user", "assistant", "tool"] and chat[1]["tool_calls"][0]["id"] == "toolu_1"
+    direct = {**use, "caller": {"type": "direct"}}
+    MessagesRequest.model_validate({**body, "messages": [
+        body["messages"][0], {"role": "assistant", "content": [direct]}]})
+    with pytest.raises(ValidationError) as e:
+        MessagesRequest.model_validate({**body, "messages": [
+            body["messages"][0], {"role": "assistant", "content": [{**use, "toolset_name": "mcp"}]}]})
+    assert from_validation_errors(e.value.errors(include_url=False)).param == "messages.1.content.0.toolset_name"

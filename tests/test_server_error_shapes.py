@@ -261,6 +261,29 @@ def test_a_constraining_schema_with_a_key_that_is_no_json_schema_keyword_is_400_
     assert_still_serving(http)
 
 
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"s": {"maxLenght": 3}}}}],
+      "tool_choice": {"type": "any"}}, "tools.0.input_schema.properties.s.maxLenght: "),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "integer", "maximun": 5}}}},
+     "output_config.format.schema.maximun: "),
+    ({"tools": [{"name": "my tool", "input_schema": {"type": "object"}}]}, "tools.0.name: "),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "", "input": {}}]}]}, "messages.1.content.0.name: "),
+])
+def test_an_anthropic_refusal_names_the_anthropic_field_not_the_chat_requests(http, fields, says):
+    """/v1/messages runs as the equivalent chat request, whose checks named their own fields to an Anthropic
+    client (`tools.0.function.parameters...`, `response_format...`), or answered a tool name the chat request
+    refuses with pydantic's dump of that internal request ("1 validation error for ChatCompletionRequest...")."""
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], **fields}
+    counted = {k: v for k, v in body.items() if k != "max_tokens"}
+    for path, sent in (("/v1/messages", body), ("/v1/messages/count_tokens", counted)):
+        r = http.post(path, json=sent)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(says) and "ChatCompletionRequest" not in message, message
+    assert_still_serving(http)
+
+
 def test_a_schema_whose_refs_chain_deeper_than_the_limit_is_400_and_the_server_lives(http):
     """llguidance compiles a schema by native recursion on the engine thread: a chain of 1,000 `$defs`, each an
     object whose property refers to the next (75 KB), overflowed its stack and the server died (SIGSEGV)

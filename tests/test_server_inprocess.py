@@ -159,6 +159,22 @@ def test_served_model_name_replaces_the_engine_name(engine):
         assert c.post("/v1/chat/completions", json={**CHAT, "model": "my-model"}).json()["model"] == "my-model"
 
 
+def test_model_list_and_card_validate_as_the_openai_and_anthropic_clients_types(client):
+    """GET /v1/models serves both APIs' clients: the card has OpenAI's fields (id, object, created, owned_by)
+    and Anthropic's (type, display_name, created_at, lifecycle), the list Anthropic's page fields; with
+    those missing, the anthropic client's ModelInfo came back with display_name and created_at None."""
+    import anthropic.types
+    import openai.types
+
+    listed = client.get("/v1/models").json()
+    card = client.get(f"/v1/models/{MODEL}").json()
+    assert listed["data"] == [card] and (listed["has_more"], listed["first_id"], listed["last_id"]) == \
+        (False, MODEL, MODEL)
+    assert openai.types.Model.model_validate(card).id == MODEL
+    info = anthropic.types.ModelInfo.model_validate(card)
+    assert (info.type, info.display_name, info.created_at.timestamp()) == ("model", MODEL, card["created"])
+
+
 def recorded(real, record):
     """`real`, calling `record()` first unless it renders the chat parsers' probe conversation."""
     def wrapper(*args, **kwargs):

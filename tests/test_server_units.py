@@ -142,6 +142,17 @@ def test_an_empty_suffix_is_neutral_and_accepted_and_a_real_one_refused(suffix):
     assert (e.value.status, e.value.param) == (400, "suffix")
 
 
+@pytest.mark.parametrize("modalities", [None, ["text"]])
+def test_text_output_modalities_are_neutral_and_accepted_and_audio_refused(modalities):
+    """modalities: ["text"] (OpenAI's default, which clients send) asks for the text cairn writes (it was a
+    400); asking for audio too is refused, not ignored."""
+    body = {"messages": [{"role": "user", "content": "a"}], "modalities": modalities}
+    assert ChatCompletionRequest.model_validate(body).messages[0].content == "a"
+    with pytest.raises(APIError) as e:
+        ChatCompletionRequest.model_validate({**body, "modalities": ["text", "audio"]})
+    assert (e.value.status, e.value.param) == (400, "modalities")
+
+
 # ---- what a request may not carry silently --------------------------------------------------------
 
 def _refusal(make, *args) -> APIError:

@@ -59,6 +59,7 @@ from cairn.router.affinity import Placements, prefix_keys
 from cairn.router.options import RouterOptions
 from cairn.router.replicas import Probe, Ranker, Replica
 from cairn.server.middleware import BodySizeLimit
+from cairn.server.responses import model_list
 
 log = logging.getLogger(__name__)
 PROBE_PATHS = {"/v1/chat/completions": "/v1/cache/probe", "/v1/completions": "/v1/cache/probe",
@@ -369,7 +370,7 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
         answers = await router.models_of(request.url.path, _request_headers(request))
         lists = [body["data"] for status, body in answers if status == 200 and isinstance(body.get("data"), list)]
         if lists:
-            return JSONResponse({"object": "list", "data": _union_by_id(lists)})
+            return JSONResponse(model_list(_union_by_id(lists)))
         return _first_answer(answers)
 
     async def model(request: Request) -> Response:

@@ -2,7 +2,8 @@
 
 A request is turned into the equivalent chat request (system, user / assistant turns, `tool_use` ->
 assistant tool_calls, `tool_result` -> tool messages, `thinking` -> reasoning_content, `thinking`
-config -> the template's enable_thinking, `stop_sequences` -> stop) and runs the chat path
+config -> the template's enable_thinking, `stop_sequences` -> stop, a last assistant message (a prefill)
+-> continue_final_message: the answer continues its text) and runs the chat path
 (`prepare` and `generate.prepare_chat`; a large body in a request worker process): the same template,
 parsers, prefix cache and snapshots. The answer comes back as content blocks (`thinking`, `text`,
 `tool_use`), whole or as Anthropic's SSE events:
@@ -10,6 +11,9 @@ parsers, prefix cache and snapshots. The answer comes back as content blocks (`t
     message_start, then per block: content_block_start, content_block_delta..., content_block_stop,
     then message_delta (stop_reason, usage) and message_stop.
 
+`output_config.format` (structured output, what the client's messages.parse sends) is the chat's
+response_format json_schema: the text block is JSON valid for its schema (after the thinking block,
+if any); `output_config.effort` is accepted only null.
 usage: `input_tokens` counts the prompt tokens computed, `cache_read_input_tokens` those resumed from
 cairn's prefix cache (the same figure as OpenAI's cached_tokens); cairn has no separate cache write
 (`cache_creation_input_tokens` is 0), `cache_control` marks are accepted and change nothing. The
@@ -25,22 +29,24 @@ would send ({"input_tokens": N}), rendered and tokenized as that request would b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cairn.outputs import Completion
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
-from cairn.server.chat_schema import refuse_duplicate_names
-from cairn.server.errors import APIError, from_exception
+from cairn.server.chat_schema import FunctionName, refuse_duplicate_names
+from cairn.server.errors import APIError, from_exception, from_validation_errors
 from cairn.server.generate import Generation, ServingContext, SSEResponse, prepare_chat, start_generation
 from cairn.server.protocol import ChatCompletionRequest
 from cairn.server.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
@@ -63,12 +69,20 @@ class ThinkingBlock(Strict):
     signature: str | None = None
 
 
+class DirectCaller(Strict):
+    type: Literal["direct"]  # the model called the tool itself: every call cairn returns
+
+
 class ToolUseBlock(Strict):
+    """Also as the anthropic client dumps its own response blocks: with `caller` and `toolset_name` null."""
+
     type: Literal["tool_use"]
     id: str
-    name: str
+    name: FunctionName
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    caller: DirectCaller | None = None
+    toolset_name: None = None
 
 
 class ToolResultBlock(Strict):
@@ -77,6 +91,7 @@ class ToolResultBlock(Strict):
     content: str | list[TextBlock] | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
+    toolset_name: None = None
 
 
 Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
@@ -88,7 +103,7 @@ class Message(Strict):
 
 
 class AnthropicTool(Strict):
-    name: str
+    name: FunctionName
     description: str | None = None
     input_schema: dict[str, Any]
     strict: bool | None = None  # true: the tool_use input follows input_schema (constrained decoding)
@@ -127,6 +142,20 @@ class ThinkingConfig(Strict):
         return self
 
 
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")  # JSON Schema the answer's text follows (constrained decoding)
+
+
+class OutputConfig(Strict):
+    format: OutputFormat | None = None  # structured output: the chat's response_format json_schema
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unimplemented(cls, data: Any) -> Any:
+        return refuse_unimplemented(data, "output_config.")  # effort
+
+
 class Metadata(Strict):
     user_id: str | None = None  # stored nowhere
 
@@ -140,6 +169,8 @@ class PromptFields(Strict):
     tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
+    output_config: OutputConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -155,15 +186,20 @@ class MessagesRequest(PromptFields):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
-    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
 
     @model_validator(mode="after")
-    def _no_stop_in_a_forced_call(self) -> MessagesRequest:
-        """The chat check (ChatCompletionRequest.check_tools), said in this API's names."""
-        if self.stop_sequences and self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
-            raise APIError(400, "stop_sequences cannot be combined with a tool_choice that forces a call: the whole "
-                                "output is constrained, and a stop inside it would end it invalid",
-                           param="stop_sequences", code="invalid_value")
+    def _no_stop_in_a_constrained_answer(self) -> MessagesRequest:
+        """The chat checks (ChatCompletionRequest.check_tools), said in this API's names."""
+        forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
+        structured = self.output_config is not None and self.output_config.format is not None
+        if structured and forced:
+            raise APIError(400, "output_config.format cannot be combined with a tool_choice that forces a call",
+                           param="output_config.format", code="invalid_value")
+        if self.stop_sequences and (forced or structured):
+            what = "a tool_choice that forces a call" if forced else "output_config.format"
+            raise APIError(400, f"stop_sequences cannot be combined with {what}: the whole output is constrained, "
+                                "and a stop inside it would end it invalid", param="stop_sequences",
+                           code="invalid_value")
         return self
 
     def to_chat(self) -> ChatCompletionRequest:
@@ -188,7 +224,61 @@ class MessagesRequest(PromptFields):
             chat["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
             if self.thinking.type == "enabled":
                 chat["thinking_token_budget"] = self.thinking.budget_tokens
-        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+        if self.output_config is not None and self.output_config.format is not None:
+            chat["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": self.output_config.format.schema_}}
+        if self.messages[-1].role == "assistant":
+            self._check_prefill()
+            chat["continue_final_message"] = True
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+        except ValidationError as e:  # a value this API's fields take and the chat request's do not
+            raise from_validation_errors(e.errors(include_url=False)) from None
+
+    def _check_prefill(self) -> None:
+        """A last assistant message is a prefill: the answer continues its text (`continue_final_message`),
+        so it holds text alone, no thinking comes before the answer and no structured output's grammar
+        (which starts an answer afresh) constrains it."""
+        index, last = len(self.messages) - 1, self.messages[-1]
+        kinds = [] if isinstance(last.content, str) else [b.type for b in last.content if b.type != "text"]
+        if kinds:
+            raise APIError(400, f"a last assistant message (a prefill, which the answer continues) may hold text "
+                                f"blocks only, not {kinds[0]}", param=f"messages.{index}.content", code="invalid_value")
+        if self.output_config is not None and self.output_config.format is not None:
+            raise APIError(400, "output_config.format cannot be combined with a last assistant message (a prefill): "
+                                "its grammar starts the answer afresh", param="output_config.format",
+                           code="invalid_value")
+        if self.thinking is not None and self.thinking.type != "disabled":
+            raise APIError(400, f"thinking {self.thinking.type} cannot be combined with a last assistant message (a "
+                                "prefill): the answer continues its text, after no thinking", param="thinking",
+                           code="invalid_value")
+
+
+# the chat request's field paths as this API names them, for an error the chat's checks raise (`prepare_messages`)
+CHAT_PATHS = ((re.compile(r"\btools\.(\d+)\.function\.parameters\b"), r"tools.\1.input_schema"),
+              (re.compile(r"\btools\.(\d+)\.function\.name\b"), r"tools.\1.name"),
+              (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "output_config.format.schema"),
+              (re.compile(r"\bresponse_format\b"), "output_config.format"),
+              (re.compile(r"\bthinking_token_budget\b"), "thinking.budget_tokens"))
+
+
+def in_anthropic_names(e: APIError) -> APIError:
+    """`e`, raised by the equivalent chat request's checks, naming the fields this request sent."""
+    def rename(text: str) -> str:
+        for pattern, name in CHAT_PATHS:
+            text = pattern.sub(name, text)
+        return text
+
+    return dataclasses.replace(e, message=rename(e.message), param=e.param and rename(e.param))
+
+
+def prepare_messages(ctx: ServingContext, body: MessagesRequest | CountTokensRequest,
+                     request_id: str) -> tuple[Submission, ChatPlan]:
+    """prepare_chat of the equivalent chat request; an error it raises names this API's fields."""
+    try:
+        return prepare_chat(ctx, body.to_chat(), request_id)
+    except APIError as e:
+        raise in_anthropic_names(e) from None
 
 
 def _tool_choice(choice: ToolChoice) -> Any:
@@ -286,7 +376,7 @@ class CountTokensRequest(PromptFields):
 async def count_tokens(ctx: ServingContext, body: CountTokensRequest) -> dict:
     """{"input_tokens": N}: the prompt a Messages request with `body`'s fields would send, rendered and
     tokenized as it would be (off the event loop), the generation prompt and a forced call's prefix included."""
-    sub, _ = prepare_chat(ctx, body.to_chat(), "count_tokens")
+    sub, _ = prepare_messages(ctx, body, "count_tokens")
     prompt = await ctx.bridge.tokenize(sub)
     return {"input_tokens": len(prompt.token_ids)}
 

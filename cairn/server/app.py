@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import Awaitable
@@ -48,6 +49,7 @@ from cairn.server.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, R
 from cairn.server.offload import Offload
 from cairn.server.options import MIB, ServerOptions
 from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare
+from cairn.server.responses import model_list
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -107,8 +109,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def model_card(ctx: ServingContext, created_s: int) -> dict:
+    """The served model as OpenAI's clients (id, object, created, owned_by) and Anthropic's (type,
+    display_name, created_at, lifecycle) read a model; `created` is when this server started."""
+    created_at = datetime.datetime.fromtimestamp(created_s, datetime.UTC).isoformat().replace("+00:00", "Z")
     return {"id": ctx.served_model, "object": "model", "created": created_s, "owned_by": "cairn",
-            "max_model_len": ctx.max_model_len}
+            "max_model_len": ctx.max_model_len, "type": "model", "display_name": ctx.served_model,
+            "created_at": created_at, "lifecycle": "active"}
 
 
 async def body_chunks(request: Request) -> list[bytes]:
@@ -179,7 +185,7 @@ def add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(ctx, created_s)]}
+        return model_list([model_card(ctx, created_s)])
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> Response:

@@ -79,6 +79,7 @@ class Constraints:
     strict: dict[str, dict] | None = None  # tool_choice auto with `strict` tools: the calls made follow these
     response_format: StructuredOutput | None = None
     think_budget: int | None = None
+    continues: bool = False  # continue_final_message: the answer goes on from the last message's text
 
 
 def plan_chat(tokenizer: Tokenizer, reasoning_parser: str, tool_call_parser: str, template_kwargs: dict[str, Any],
@@ -88,7 +89,8 @@ def plan_chat(tokenizer: Tokenizer, reasoning_parser: str, tool_call_parser: str
     A forced call skips the reasoning (the block the template opened is closed in the prompt); a
     response_format, strict tools or a thinking budget let the reasoning run first (bounded by the
     budget). A response_format leaves strict tools unconstrained (the answer is its JSON)."""
-    in_reasoning = reasoning_parser != "none" and opens_reasoning(tokenizer, template_kwargs)
+    in_reasoning = (reasoning_parser != "none" and not constraints.continues  # (a continued message is content)
+                    and opens_reasoning(tokenizer, template_kwargs))
     if tool_call_parser == "none":
         tools = None
     prefix, structured = "", constraints.response_format

@@ -169,8 +169,9 @@ def _part_text(where: str, part: dict[str, Any]) -> str:
     return part["text"]
 
 
-# set by cairn: the tokenizer's render (the special tokens, its helpers, its message marker), tools, the forced prefix
-RESERVED_TEMPLATE_VARIABLES = (*TEMPLATE_VARIABLES_SET_HERE, "tools", "generation_prefix")
+# set by cairn: the tokenizer's render (the special tokens, its helpers, its message marker), tools, the forced
+# prefix, the continued last message
+RESERVED_TEMPLATE_VARIABLES = (*TEMPLATE_VARIABLES_SET_HERE, "tools", "generation_prefix", "continue_final_message")
 
 
 def template_variables(chat_template_kwargs: dict[str, Any] | None, tools: list[Tool] | None) -> dict[str, Any]:

@@ -118,12 +118,13 @@ def naming_max_tokens(error: APIError, field: str) -> APIError:
 
 
 def from_validation_errors(errors: list[dict]) -> APIError:
-    """The response for FastAPI's RequestValidationError (malformed JSON, wrong or missing fields)."""
-    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    """The response for FastAPI's RequestValidationError (malformed JSON, wrong or missing fields), naming
+    the error that says most (see `_telling`)."""
+    first = min(errors, key=_telling) if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"The request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+    loc = _path(first.get("loc", ()))
     param = ".".join(loc) or None
     code = "missing_field" if first.get("type") == "missing" else "invalid_value"
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
@@ -132,6 +133,29 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return APIError(400, message, param=param, code=code)
+
+
+def _telling(error: dict) -> int:
+    """How much an error tells the client, least first: a block or tool of a type the server does not
+    take (an Anthropic image block, a server tool) says so, before the other members of the union (the
+    `str` of `content: str | list[...]`, given a list) and the fields of the type it is not."""
+    loc = error.get("loc", ())
+    if error.get("type") == "union_tag_invalid" or (error.get("type") == "literal_error" and loc[-1:] == ("type",)):
+        return 0
+    if error.get("type") == "string_type" and "str" in loc and isinstance(error.get("input"), list | dict):
+        return 2
+    return 1
+
+
+def _path(loc: tuple) -> list[str]:
+    """The error's location as the client's field path: without `body`, the union members pydantic
+    tried, and the tag it read a tagged union's member by (`...content.0.tool_result.content`)."""
+    path: list[str] = []
+    for i, part in enumerate(loc):
+        tag = i >= 2 and isinstance(loc[i - 2], str) and "tagged-union[" in loc[i - 2]
+        if part != "body" and not _is_union_tag(part) and not tag:
+            path.append(str(part))
+    return path
 
 
 def _is_union_tag(part) -> bool:

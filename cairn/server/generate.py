@@ -242,6 +242,7 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: s
     ctx.check_model(body.model)
     body.token_ids_in_vocab(ctx.vocab_size)
     body.check_tools()
+    body.check_continuation()
     params = body.to_sampling_params(context_fill_tokens=ctx.max_model_len, defaults=ctx.sampling_defaults)
     kwargs = body.template_kwargs()
     forced = body.forced_tools()
@@ -251,10 +252,11 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: s
     tools = ({t.function.name: t.function.parameters or {} for t in body.tools}
              if body.tools and body.tool_choice != "none" else None)
     constraints = Constraints(forced, isinstance(body.tool_choice, NamedToolChoice), body.strict_tools(),
-                              params.structured, body.thinking_token_budget)
+                              params.structured, body.thinking_token_budget, body.continue_final_message)
     plan = plan_chat(ctx.tokenizer, ctx.reasoning_parser, ctx.tool_call_parser, kwargs, tools,
                      body.parallel_tool_calls, constraints)
     params = replace(params, structured=plan.structured)
+    kwargs = body.prompt_kwargs()
     if plan.generation_prefix:
         kwargs = {**kwargs, "generation_prefix": plan.generation_prefix}
     sub = Submission(request_id, params, messages=body.template_messages(), template_kwargs=kwargs,

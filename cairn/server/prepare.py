@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.prompt import tokenize_prompt
-from cairn.server.anthropic import MessagesRequest
+from cairn.server.anthropic import MessagesRequest, prepare_messages
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatPlan
 from cairn.server.errors import ServerShuttingDown
@@ -91,7 +91,7 @@ def prepare_here(ctx: ServingContext, body: bytes, kind: str, request_id: str) -
         return Prepared(completion, prepare_completion(ctx, completion, request_id))
     if kind == "messages":
         anthropic_body = parse_body(MessagesRequest, body)
-        return Prepared(anthropic_body, *prepare_chat(ctx, anthropic_body.to_chat(), request_id))
+        return Prepared(anthropic_body, *prepare_messages(ctx, anthropic_body, request_id))
     chat = parse_body(ChatCompletionRequest, body)
     return Prepared(chat, *prepare_chat(ctx, chat, request_id))
 

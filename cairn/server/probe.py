@@ -73,7 +73,7 @@ def _submission(body: ChatCompletionRequest | CompletionRequest) -> Submission:
     request_id = f"probe-{uuid.uuid4().hex[:8]}"
     if isinstance(body, ChatCompletionRequest):
         return Submission(request_id, SamplingParams(), messages=body.template_messages(),
-                          template_kwargs=body.template_kwargs())
+                          template_kwargs=body.prompt_kwargs())
     prompt = body.engine_prompt()
     return Submission(request_id, SamplingParams(), prompt=prompt, message_starts=body.checked_message_starts(prompt))
 

@@ -155,6 +155,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True  # False: at most one call is returned
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking)
     thinking_token_budget: int | None = Field(None, ge=0)  # vLLM extension: most reasoning tokens, then </think>
+    continue_final_message: bool = False  # vLLM extension: the answer continues the last (assistant) message
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -185,6 +186,12 @@ class ChatCompletionRequest(SamplingFields):
         """Variables for the chat template beside the messages (see `template_variables`)."""
         return template_variables(self.chat_template_kwargs, self.tools)
 
+    def prompt_kwargs(self) -> dict[str, Any]:
+        """template_kwargs, and how the prompt ends (`tokenize_prompt`): inside the last message when the
+        answer continues it."""
+        continues = {"continue_final_message": True} if self.continue_final_message else {}
+        return {**self.template_kwargs(), **continues}
+
     def forced_tools(self) -> dict[str, dict] | None:
         """The functions a call must be made to (name -> parameters schema): all the tools for
         `required`, the named one for a named tool_choice; None when no call is forced."""
@@ -200,9 +207,23 @@ class ChatCompletionRequest(SamplingFields):
             return None
         return {t.function.name: t.function.parameters or {} for t in self.tools or ()}
 
+    def check_continuation(self) -> None:
+        """With continue_final_message the last message is an assistant's, whose text the answer continues
+        (a tool call cannot be continued)."""
+        if not self.continue_final_message:
+            return
+        index, last = len(self.messages) - 1, self.messages[-1]
+        if last.role != "assistant":
+            raise APIError(400, f"continue_final_message needs an assistant message last, not {last.role!r}",
+                           param="continue_final_message", code="invalid_value")
+        if last.tool_calls:
+            raise APIError(400, "continue_final_message cannot continue a message that makes tool calls",
+                           param=f"messages.{index}.tool_calls", code="invalid_value")
+
     def check_tools(self) -> None:
-        """tool_choice must name a given tool; a forced call and response_format exclude each other; neither
-        takes a stop (the whole output is constrained: a stop string or token could only cut it invalid)."""
+        """tool_choice must name a given tool; a forced call and response_format exclude each other and
+        continue_final_message; neither takes a stop (the whole output is constrained: a stop string or
+        token could only cut it invalid)."""
         names = {t.function.name for t in self.tools or ()}
         forces_call = self.tool_choice not in (None, "none", "auto")
         structured = self.response_format is not None and self.response_format.type != "text"
@@ -218,6 +239,10 @@ class ChatCompletionRequest(SamplingFields):
         for i, tool in enumerate(self.tools or ()):
             if enforced is not None and tool.function.name in enforced:
                 refuse_unknown_keywords(tool.function.parameters, f"tools.{i}.function.parameters")
+        if self.continue_final_message and (forces_call or structured):
+            field = "tool_choice" if forces_call else "response_format"
+            raise APIError(400, f"{field} cannot be combined with continue_final_message: its grammar starts the "
+                                "answer afresh, not inside the last message", param=field, code="invalid_value")
         if (forces_call or structured) and (self.stop or self.stop_token_ids):
             field = "stop" if self.stop else "stop_token_ids"
             what = "a tool_choice that forces a call" if forces_call else f"response_format {self.response_format.type}"

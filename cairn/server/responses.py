@@ -21,6 +21,12 @@ from cairn.tokenizer import Tokenizer
 DONE_EVENT = "data: [DONE]\n\n"
 
 
+def model_list(cards: list[dict]) -> dict:
+    """GET /v1/models: OpenAI's list of model cards, with Anthropic's page fields (one page, all of them)."""
+    return {"object": "list", "data": cards, "has_more": False, "first_id": cards[0]["id"] if cards else None,
+            "last_id": cards[-1]["id"] if cards else None}
+
+
 class CairnCacheUsage(BaseModel):
     """What the prefix cache did for this request (Completion.cache)."""
 

@@ -26,7 +26,8 @@ UNIMPLEMENTED_FIELDS: dict[str, Any] = {
     "best_of": 1, "echo": False, "suffix": "", "structured_outputs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
     "functions": None, "function_call": None, "reasoning_effort": None, "prompt_logprobs": None,
-    "logprobs_mode": None, "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
+    "logprobs_mode": None, "audio": None, "modalities": ["text"], "prediction": None, "web_search_options": None,
+    "effort": None,  # Anthropic's output_config.effort
 }
 
 
