@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cairn.router.replicas import Probe, Ranker, Replica
-from tests.server_process import REPO_ROOT, ServerProcess, free_port, openai_client, start_server
+from tests.server_process import REPO_ROOT, ServerProcess, free_port, openai_client, start_cli, start_server
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly",
          "hex", "every", "jolly", "box")
@@ -223,6 +223,32 @@ def test_the_router_says_where_it_listens_and_writes_no_line_per_health_poll(clu
     a, b, router = cluster
     assert f"routing to 2 replica(s) ({a.base_url}, {b.base_url}) on {router.base_url}" in router.log()
     assert "httpx" not in router.log()
+
+
+def test_the_router_closes_a_trickled_request_head_with_408_and_connections_over_its_cap_with_503(cluster):
+    """The router ran on uvicorn's plain protocol: a client trickling its headers held a connection as long as
+    it liked, and connections had no cap. It now has `cairn serve`'s guards (--header-timeout-s,
+    --max-connections)."""
+    from tests.test_server_clients import connect, status_and_code, trickle_until_answered
+
+    _, b, _ = cluster
+    router = start_cli("router", "--replica", b.base_url, "--header-timeout-s", "1", "--max-connections", "3",
+                       timeout_s=60)
+    try:
+        with connect(router.base_url) as sock:
+            answer = trickle_until_answered(sock, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100,
+                                            every_s=0.3)
+        assert status_and_code(answer) == (408, "request_timeout"), answer
+        socks = [connect(router.base_url) for _ in range(4)]
+        try:
+            last = trickle_until_answered(socks[-1], b"", every_s=0.1, limit_s=0.5)
+        finally:
+            for sock in socks:
+                sock.close()
+        assert status_and_code(last) == (503, "too_many_connections"), last
+        assert httpx.get(router.base_url + "/health", timeout=10).status_code == 200
+    finally:
+        router.stop()
 
 
 def test_a_killed_replicas_requests_go_to_the_other(cluster):

@@ -28,6 +28,7 @@ def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from cairn.router.app import create_app
+    from cairn.server.connections import guarded_protocol
 
     class RouterServer(uvicorn.Server):
         """Ends `cairn router` with status 0 after SIGTERM / SIGINT, as `cairn serve` does: uvicorn's own
@@ -38,7 +39,8 @@ def run(ns: argparse.Namespace) -> int:
             self.should_exit = True
 
     server = RouterServer(uvicorn.Config(create_app(ns.replica, options), host=options.host, port=options.port,
-                                         log_level="warning"))
+                                         log_level="warning",  # (the request-head deadline and connection cap
+                                         http=guarded_protocol(options.header_timeout_s, options.max_connections)))
     log.info("routing to %d replica(s) (%s) on http://%s:%d", len(ns.replica), ", ".join(ns.replica), options.host,
              options.port)
     server.run()

@@ -26,7 +26,11 @@ class RouterOptions:
                                   "replica counts for, when replicas are compared")
     max_request_bytes: int = _f(32 << 20, "largest request body accepted, in bytes; larger ones get 413 before "
                                           "any replica is asked (the router holds a body to probe and retry with)")
+    header_timeout_s: float = _f(10.0, "seconds a client may take to send a request's line and headers; then 408 "
+                                       "and the connection is closed (0: no limit)")
     body_timeout_s: float = _f(60.0, "seconds a client may take to send a request body; then 408 (0: no limit)")
+    max_connections: int = _f(1024, "open client connections allowed at once; one more gets 503 and is closed "
+                                    "(0: no cap)")
     remembered_prefixes: int = _f(1 << 17, "conversation prefixes (one per message) whose replica the router "
                                            "remembers, so that a conversation's next turn goes back there without "
                                            "probing the replicas; 0: probe for every request")
@@ -34,5 +38,6 @@ class RouterOptions:
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be in [0, 65536), got {self.port}")
-        check_at_least(self, {"remembered_prefixes": 0, "max_request_bytes": 1, "body_timeout_s": 0},
+        check_at_least(self, {"remembered_prefixes": 0, "max_request_bytes": 1, "body_timeout_s": 0,
+                              "header_timeout_s": 0, "max_connections": 0},
                        positive=("probe_timeout_s", "connect_timeout_s", "request_timeout_s", "health_interval_s"))
