@@ -140,7 +140,7 @@ class Engine:
         self.cache = cache if cache is not None else self._build_cache(config.cache)
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache, max_num_seqs,
                                    sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
-                                   self.prefill_block, self.model.attention_break_even())
+                                   self.prefill_block, self.model.attention_break_even(), GDN_CHUNK)
         self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.prefill_block, graphs)
         if self.scheduler.attention_break_even:
             log.info("prefill beside decoding streams: a token at position p takes 1 + p / %d of the step's token "

@@ -40,7 +40,6 @@ from cairn.cache.stats import CacheStats
 from cairn.errors import QueueFull, RequestTooLarge
 from cairn.memory.pages import PageAllocator
 from cairn.memory.state_pool import StatePool
-from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
 from cairn.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, pages: PageAllocator, page_size: int, states: StatePool, cache: PrefixCache,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, max_waiting: int,
-                 prefill_block: int = 0, attention_break_even: int = 0):
+                 prefill_block: int = 0, attention_break_even: int = 0, deep_chunk_step: int = 64):
         self.pages = pages
         self.page_size = page_size
         self.states = states
@@ -92,6 +91,7 @@ class Scheduler:
         self.prefill_block = prefill_block  # 0, or chunks end only at multiples of it (or the last token)
         # the position where a prefill token's attention work equals its weights' (the model's); 0: not counted
         self.attention_break_even = attention_break_even
+        self.deep_chunk_step = deep_chunk_step  # no prefill block: a deep chunk reaches the next multiple
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -208,12 +208,12 @@ class Scheduler:
             |--- block ---|--- block ---|-+--- (budget ends) ---|     -> 128 tokens, ending at 256
 
         `deep`: the budget pays for the chunk's attention work too (_chunk_cost), but it always buys the
-        tokens up to the next block boundary (of GDN_CHUNK tokens without a prefill block) if it could
+        tokens up to the next block boundary (of deep_chunk_step tokens without a prefill block) if it could
         buy them at position 0, so that a deep prompt still advances.
         """
         if deep and self.attention_break_even:
             c = self.attention_break_even
-            step = self.prefill_block or GDN_CHUNK
+            step = self.prefill_block or self.deep_chunk_step
             budget = max(budget * c // (c + seq.num_computed), min(budget, step - seq.num_computed % step))
         n = seq.next_chunk_len(budget)
         end = seq.num_computed + n
