@@ -264,9 +264,18 @@ class Engine:
             self.scheduler.add(seq)
         for seq in seqs:
             self._seqs[seq.request_id] = seq
-            self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                                      self._hidden_ids(params))
         self.choices.add(request_id, seqs, hold)
         return request_id
+
+    def _hidden_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens whose text the output leaves out: with skip_special_tokens, the special tokens, but for
+        those params.keep_special_tokens names (the markers a chat parser reads). Their ids stay in the output."""
+        if not params.skip_special_tokens:
+            return frozenset()
+        special = self.tokenizer.special_tokens
+        return self._special_ids.difference(special[t] for t in params.keep_special_tokens if t in special)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
