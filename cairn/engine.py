@@ -123,7 +123,8 @@ class Engine:
             log.info("sampling defaults from generation_config.json (for fields a request leaves out): %s",
                      ", ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())))
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        self._special_ids = frozenset(self.tokenizer.special_tokens.values())  # never shown as a stop token's text
+        self._special_ids = frozenset(self.tokenizer.special_tokens.values())  # never a stop token's text; no text at
+        #   all with skip_special_tokens (see _hidden_ids)
         self.dtype = self.model.embed.weight.dtype
         quantize(self.model, self.model_config, opts.quantization, self.device)  # before the cache digests it
         if opts.fast_kernels:
@@ -262,11 +263,21 @@ class Engine:
         hold = self._shares_prompt(params)
         for seq in seqs[:1] if hold else seqs:
             self.scheduler.add(seq)
+        hidden = self._hidden_ids(params)
         for seq in seqs:
             self._seqs[seq.request_id] = seq
-            self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            self._detok[seq.request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                                      hidden)
         self.choices.add(request_id, seqs, hold)
         return request_id
+
+    def _hidden_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens whose text the output leaves out: with skip_special_tokens, the special tokens, but for
+        those params.keep_special_tokens names (the markers a chat parser reads). Their ids stay in the output."""
+        if not params.skip_special_tokens:
+            return frozenset()
+        special = self.tokenizer.special_tokens
+        return self._special_ids.difference(special[t] for t in params.keep_special_tokens if t in special)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size

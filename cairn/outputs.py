@@ -10,6 +10,8 @@ until they cannot be the start of a stop string; the final text ends before the 
 (or after it, with include_stop_str_in_output). A stop string is looked for only in text not yet
 returned, so the deltas always add up to the final text (a stop string completed while min_tokens
 still held the check back, and partly streamed since, does not cut text already sent).
+The text of the tokens in `hidden` (special tokens, with skip_special_tokens) is left out: they are not
+fed to the decoder at all, so stop strings are looked for in the text the user gets.
 """
 
 from __future__ import annotations
@@ -110,8 +112,10 @@ class WindowDecoder:
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], include_stop: bool = False):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], include_stop: bool = False,
+                 hidden: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
+        self.hidden = hidden  # token ids whose text is left out (special tokens, with skip_special_tokens)
         self.stop = stop
         self.include_stop = include_stop  # keep the stop string that ended the text
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -121,9 +125,9 @@ class Detokenizer:
         self._pending: list[int] = []  # ids fed since the decoder last returned text
 
     def add(self, token: int | None, final: bool, check_stop: bool = True) -> tuple[str, bool]:
-        """Feed one token (None: no text for it, e.g. EOS). Returns (delta, hit_stop_string).
-        `check_stop` False: stop strings are not looked for yet (before min_tokens)."""
-        if token is not None:
+        """Feed one token (None, or a token in `hidden`: no text for it, e.g. EOS). Returns (delta,
+        hit_stop_string). `check_stop` False: stop strings are not looked for yet (before min_tokens)."""
+        if token is not None and token not in self.hidden:
             self._pending.append(token)
             piece = self._step(token)
             if piece is not None:

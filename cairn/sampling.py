@@ -67,6 +67,8 @@ class SamplingParams:
     seed: int | None = None  # per-request seed: the same seed and prompt give the same tokens
     stop: tuple[str, ...] = ()  # stop strings; the output ends before the first occurrence
     include_stop_str_in_output: bool = False  # keep the stop string that ended the output in the text
+    skip_special_tokens: bool = True  # leave the text of special tokens out of the output text (not its token ids)
+    keep_special_tokens: tuple[str, ...] = ()  # special tokens whose text stays even so (a chat parser's markers)
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens, beside the model's end-of-sequence tokens
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
     logprobs: bool = False  # report the chosen token's log-probability
@@ -80,6 +82,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "keep_special_tokens", tuple(self.keep_special_tokens))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         self.validate()

@@ -26,6 +26,8 @@ from cairn.grammar import lark_tag
 from cairn.sampling import StructuredOutput
 from cairn.server.call_grammar import call_format, calls_grammar
 from cairn.server.parsers import (
+    CALL_END,
+    CALL_START,
     THINK_END,
     THINK_START,
     NoReasoningParser,
@@ -50,6 +52,13 @@ class ChatPlan:
     generation_prefix: str = ""  # text appended to the prompt, which the answer continues
     parallel_tool_calls: bool = True
     structured: StructuredOutput | None = None  # the grammar of the output (see cairn.grammar)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The tags the parsers of this plan read in the generated text: kept in it even where the tokenizer
+        has them as special tokens, whose text skip_special_tokens otherwise leaves out."""
+        reasoning = (THINK_START, THINK_END) if self.reasoning_parser != "none" else ()
+        return reasoning + ((CALL_START, CALL_END) if self.tools is not None else ())
 
 
 def opens_reasoning(tokenizer: Tokenizer, template_kwargs: dict[str, Any]) -> bool:

@@ -255,7 +255,7 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: s
                               params.structured, body.thinking_token_budget, body.continue_final_message)
     plan = plan_chat(ctx.tokenizer, ctx.reasoning_parser, ctx.tool_call_parser, kwargs, tools,
                      body.parallel_tool_calls, constraints)
-    params = replace(params, structured=plan.structured)
+    params = replace(params, structured=plan.structured, keep_special_tokens=plan.markers)
     kwargs = body.prompt_kwargs()
     if plan.generation_prefix:
         kwargs = {**kwargs, "generation_prefix": plan.generation_prefix}
@@ -333,9 +333,15 @@ async def completions(ctx: ServingContext, sub: Submission, body: CompletionRequ
         return SSEResponse(_completion_events(gen, body), gen.close)
     outs = await gen.final_outputs(request)
     bodies = [completion_response(gen.header, out, completion_logprobs(
-        ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, TextOffsets())
+        ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs, _text_offsets(ctx, body))
         if body.logprobs is not None else None, body.return_token_ids) for out in outs]
     return JSONResponse(_with_choices(bodies, outs))
+
+
+def _text_offsets(ctx: ServingContext, body: CompletionRequest) -> TextOffsets:
+    """logprobs.text_offset of one answer: offsets in its text, where skip_special_tokens leaves special tokens'
+    text out (their tokens, and their text in logprobs.tokens, stay)."""
+    return TextOffsets(frozenset(ctx.tokenizer.special_tokens.values()) if body.skip_special_tokens else frozenset())
 
 
 async def _completion_events(gen: Generation, body: CompletionRequest) -> AsyncIterator[str]:
@@ -345,8 +351,10 @@ async def _completion_events(gen: Generation, body: CompletionRequest) -> AsyncI
         async for out in gen.outputs():
             logprobs = None
             if body.logprobs is not None and out.delta_token_ids:
+                if out.index not in offsets:
+                    offsets[out.index] = _text_offsets(gen.ctx, body)
                 logprobs = completion_logprobs(gen.ctx.tokenizer, out.delta_token_ids, out.delta_logprobs,
-                                               out.delta_top_logprobs, offsets.setdefault(out.index, TextOffsets()))
+                                               out.delta_top_logprobs, offsets[out.index])
             extra = {"token_ids": out.delta_token_ids} if body.return_token_ids and out.delta_token_ids else {}
             if out.finished and body.return_token_ids:
                 extra["prompt_token_ids"] = out.prompt_token_ids

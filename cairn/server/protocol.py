@@ -99,6 +99,7 @@ class SamplingFields(Strict):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
     min_tokens: int = 0  # vLLM extension: no stop before this many tokens
     include_stop_str_in_output: bool = False  # vLLM extension
+    skip_special_tokens: bool = True  # vLLM extension: leave special tokens' text out of the output text
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
@@ -136,6 +137,7 @@ class SamplingFields(Strict):
                               logprobs=logprobs, top_logprobs=top_logprobs, cache_prompt=self.cache_prompt,
                               n=self.n, logit_bias=_logit_bias(self.logit_bias), min_tokens=self.min_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens,
                               structured=self.response_format.structured() if self.response_format else None,
                               extra=extra, **given)
 

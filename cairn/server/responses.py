@@ -81,16 +81,19 @@ class TextOffsets:
         tokens    "   c3  a9  e2  82  ac  "          (the answer "é€", as byte tokens)
         offsets   0   1   1   2   2   2   3
 
-    One per answer, fed its tokens in order (a stream's chunks one after the other)."""
+    One per answer, fed its tokens in order (a stream's chunks one after the other). A token whose text
+    the answer leaves out (`hidden`: special tokens, with skip_special_tokens) takes no room in it."""
 
-    def __init__(self):
+    def __init__(self, hidden: frozenset[int] = frozenset()):
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.num_chars = 0
+        self.hidden = hidden
 
-    def next_start(self, raw: bytes) -> int:
-        """The offset of the next token, whose bytes are `raw`; then counts them in."""
+    def next_start(self, raw: bytes, token_id: int | None = None) -> int:
+        """The offset of the next token, whose bytes are `raw`; then counts them in (unless it is hidden)."""
         start = self.num_chars
-        self.num_chars += len(self._utf8.decode(raw))
+        if token_id not in self.hidden:
+            self.num_chars += len(self._utf8.decode(raw))
         return start
 
 
@@ -116,7 +119,7 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: li
     for i, tid in enumerate(token_ids[: len(logprobs)]):
         raw = tokenizer.token_bytes(tid)
         tokens.append(token_text(raw))
-        starts.append(offsets.next_start(raw))
+        starts.append(offsets.next_start(raw, tid))
         tops.append(_top_by_text(tokenizer, top[i] if i < len(top) else []))
     return {"tokens": tokens, "token_logprobs": logprobs[: len(tokens)], "top_logprobs": tops,
             "text_offset": starts}
