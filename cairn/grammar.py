@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable
 
@@ -50,11 +51,20 @@ log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # of a grammar's error, as a request's error says it
 
 
-def first_line(error: str) -> str:
-    """An llguidance error in its first line: after it llguidance appends its parser state, or the grammar's
-    source with the error marked (100 KB and more for a large schema, which would go to every response and
-    log line)."""
-    return error.split("\n", 1)[0][:MAX_ERROR_CHARS]
+def error_summary(error: str) -> str:
+    """llguidance's error without what it appends to it: a failed step's parser state and grammar (`<state>...`),
+    a failed compile's grammar source with the error marked (`   2 | answer: ...`), 100 KB and more for a large
+    schema, which would go to every response and log line; its own lines joined by spaces, at most
+    MAX_ERROR_CHARS characters."""
+    kept = []
+    for line in error.split("\n"):
+        if line.startswith("<state>") or _SOURCE_LINE.match(line):
+            break
+        kept.append(line.strip())
+    return " ".join(line for line in kept if line)[:MAX_ERROR_CHARS]
+
+
+_SOURCE_LINE = re.compile(r"\s*\d+ \| ")
 
 
 class Grammar:
@@ -77,8 +87,8 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        """Why the matcher stopped (first_line)."""
-        return first_line(self._matcher.get_error())
+        """Why the matcher stopped (error_summary)."""
+        return error_summary(self._matcher.get_error())
 
     def write_mask(self, row: torch.Tensor) -> None:
         """Write the allowed tokens into `row`, int32 [ceil(vocab / 32)], as llguidance's packed bits."""
@@ -166,7 +176,8 @@ class GrammarCompiler:
         matcher = LLMatcher(self._lltokenizer(), LLMatcher.grammar_from_lark(lark), log_level=0)
         for m in (matcher, _forced_start(matcher)):
             if m.is_error():
-                raise SamplingError(f"{PARAM.get(kind, 'response_format')} is not usable: {first_line(m.get_error())}")
+                raise SamplingError(f"{PARAM.get(kind, 'response_format')} is not usable: "
+                                    f"{error_summary(m.get_error())}")
         return Grammar(matcher)
 
     def _lltokenizer(self):
