@@ -104,6 +104,23 @@ def test_continue_final_message_prompt_is_transformers_rendering_and_the_answer_
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_tokenize_with_continue_final_message_gives_the_prompt_a_continuing_chat_request_gets(served):
+    """/tokenize took no continue_final_message (a 400 unknown field): a token-id client could not get the
+    prompt a continuing chat request is given, nor its message starts."""
+    _, client, hf = served
+    r = client.post("/tokenize", json={"model": "tiny", "messages": PREFILL, "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == continued_ids(hf, PREFILL)
+    chat_body = chat(client, messages=PREFILL, continue_final_message=True, return_token_ids=True)
+    assert r.json()["tokens"] == chat_body["prompt_token_ids"]
+    starts = r.json()["message_starts"]
+    assert starts[0] == 0 and len(starts) == 2 and 0 < starts[1] < r.json()["count"]  # the user's, the assistant's
+    for fields, message in [({"messages": PREFILL[:1]}, "assistant message last"),
+                            ({"messages": PREFILL, "add_generation_prompt": True}, "exclude each other")]:
+        r = client.post("/tokenize", json={"model": "tiny", "continue_final_message": True, **fields})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
 def test_anthropic_prefill_is_continued_not_answered_as_a_new_turn(served):
     """A last assistant message in /v1/messages (a prefill) is the start of the answer, as Anthropic's API
     has it: the prompt ends inside it (what count_tokens counts and the usage reports), and the answer,

@@ -210,17 +210,7 @@ class ChatCompletionRequest(SamplingFields):
         return {t.function.name: t.function.parameters or {} for t in self.tools or ()}
 
     def check_continuation(self) -> None:
-        """With continue_final_message the last message is an assistant's, whose text the answer continues
-        (a tool call cannot be continued)."""
-        if not self.continue_final_message:
-            return
-        index, last = len(self.messages) - 1, self.messages[-1]
-        if last.role != "assistant":
-            raise APIError(400, f"continue_final_message needs an assistant message last, not {last.role!r}",
-                           param="continue_final_message", code="invalid_value")
-        if last.tool_calls:
-            raise APIError(400, "continue_final_message cannot continue a message that makes tool calls",
-                           param=f"messages.{index}.tool_calls", code="invalid_value")
+        check_continuation(self.messages, self.continue_final_message)
 
     def check_tools(self) -> None:
         """tool_choice must name a given tool; a forced call and response_format exclude each other and
@@ -284,6 +274,20 @@ class CompletionRequest(SamplingFields):
         return starts
 
 
+def check_continuation(messages: Messages, continues: bool) -> None:
+    """With continue_final_message the last message is an assistant's, whose text the answer continues
+    (a tool call cannot be continued)."""
+    if not continues:
+        return
+    index, last = len(messages) - 1, messages[-1]
+    if last.role != "assistant":
+        raise APIError(400, f"continue_final_message needs an assistant message last, not {last.role!r}",
+                       param="continue_final_message", code="invalid_value")
+    if last.tool_calls:
+        raise APIError(400, "continue_final_message cannot continue a message that makes tool calls",
+                       param=f"messages.{index}.tool_calls", code="invalid_value")
+
+
 class TokenizeRequest(Strict):
     """POST /tokenize: text (`prompt`) or chat `messages` (rendered with the chat template)."""
 
@@ -291,6 +295,7 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: Messages | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt a chat request with it gets: ends inside the last message
     tools: Tools | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # accepted for vLLM clients; cairn's tokenizers add none
@@ -304,6 +309,12 @@ class TokenizeRequest(Strict):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
+        if self.continue_final_message and "add_generation_prompt" in self.model_fields_set \
+                and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other: the prompt "
+                             "ends inside the last message")
+        if self.continue_final_message and self.messages is None:
+            raise ValueError("continue_final_message needs messages")
         return self
 
     def template_kwargs(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """POST /tokenize and /detokenize: text or chat messages to token ids (with the message starts), and back.
 
-    /tokenize    {"prompt": str} or {"messages": [...], "tools", "chat_template_kwargs", "add_generation_prompt"}
+    /tokenize    {"prompt": str} or {"messages": [...], "tools", "chat_template_kwargs", "add_generation_prompt" or
+                 "continue_final_message"}
                  -> {"count", "max_model_len", "tokens", "message_starts"}
     /detokenize  {"tokens": [int]} -> {"prompt": str}
 
@@ -21,12 +22,13 @@ import asyncio
 
 from starlette.responses import JSONResponse, Response
 
+from cairn.prompt import tokenize_prompt
 from cairn.server.chat_schema import template_message
 from cairn.server.errors import APIError, ServerShuttingDown
 from cairn.server.generate import ServingContext
 from cairn.server.offload import Offload
 from cairn.server.prepare import parse_body
-from cairn.server.protocol import DetokenizeRequest, TokenizeRequest
+from cairn.server.protocol import DetokenizeRequest, TokenizeRequest, check_continuation
 from cairn.server.workers import WorkersClosed
 
 REQUESTS = {"tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
@@ -63,6 +65,12 @@ def tokenize_here(ctx: ServingContext, body: TokenizeRequest) -> dict:
     ctx.check_model(body.model)
     if body.prompt is not None:
         ids, starts = ctx.tokenizer.encode(body.prompt), []
+    elif body.continue_final_message:  # the prompt a chat request continuing its last message gets
+        check_continuation(body.messages, True)
+        messages = [template_message(i, m) for i, m in enumerate(body.messages)]
+        tokenized = tokenize_prompt(ctx.tokenizer, None, messages, {**body.template_kwargs(),
+                                                                    "continue_final_message": True})
+        ids, starts = tokenized.token_ids, [0, *tokenized.message_starts]
     else:
         messages = [template_message(i, m) for i, m in enumerate(body.messages)]
         ids, ends = ctx.tokenizer.encode_chat(messages, **body.template_kwargs())
