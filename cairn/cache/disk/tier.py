@@ -10,7 +10,8 @@ disk too, so `persist` writes the missing ancestors first, and a chain continues
 end, so an ancestor that is the front slice of a longer segment is written again as a segment of its own.
 
 The namespace is the compatibility digest (cairn/compat.py, computed by the engine): the model
-weights' content digest, the architecture, dtypes, page size and format version. A segment of
+weights' content digest, the architecture, dtypes, page size and format version (with exact resumption, the
+prefill block and the kernels a prefill's linears run on too). A segment of
 another model is never read.
 A second store of segments (a shared remote one) is a second DiskTier instance with its own name
 and store, placed in the factory's tier list; nothing else changes. What this is not: the file
