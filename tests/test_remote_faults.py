@@ -128,3 +128,22 @@ def test_redis_killed_between_the_lookup_and_the_load_resumes_cold(redis_server,
         redis_server.kill()
         finish(engine, outputs, logprobs)  # admission finds the chain, its load fails: cold, not an error
         equal_to_cold(cold, prompt, outputs[late], logprobs[late])
+
+
+def test_a_redis_restarted_empty_under_a_running_replica_gets_the_whole_conversation_written_again(redis_server, cold):
+    """Replica A wrote a conversation to Redis; Redis restarts empty while A runs. A's next turn resumes from its
+    own device tier, and its write must not be the new end alone (its parents are gone: a chain nobody can
+    resume): A notices the lost epoch key and writes the path whole, so replica B resumes the turn after from
+    Redis, as cold."""
+    a, prompt = served_on_a(redis_server.url)
+    with a:
+        redis_server.restart_empty()
+        out = run(a, prompt)
+        assert out.cache.resume_tier == "device"
+        assert remote(a).store.flush()
+        assert a.engine.cache.stats().remote.faults.get("redis_reset") == 1
+        following = prompt + out.token_ids + [8, 9]
+    with replica(redis_server.url) as b:
+        got = run(b, following)
+        assert got.cache.resume_tier == REMOTE and got.cache.cached_tokens >= len(prompt)
+        same_as_cold(cold, got, following)

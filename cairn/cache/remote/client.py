@@ -139,9 +139,9 @@ class GuardedRedis:
         return result
 
     def pipelined(self, commands: list[tuple], ttl_s: int | None = None):
-        """("set", name, value) / ("setpx", name, value, ms) / ("get" | "delete", name) commands in
-        one round trip (a cluster client splits them by node): their results, or FAILED. `ttl_s` applies to
-        the sets; a setpx expires after its own `ms` milliseconds."""
+        """("set", name, value) / ("setpx", name, value, ms) / ("setnx", name, value) / ("get" | "delete", name)
+        commands in one round trip (a cluster client splits them by node): their results, or FAILED. `ttl_s`
+        applies to the sets; a setpx expires after its own `ms` milliseconds, a setnx never."""
         def run(client):
             pipe = client.pipeline(transaction=False)
             for op, name, *value in commands:
@@ -149,6 +149,8 @@ class GuardedRedis:
                     pipe.set(name, value[0], ex=ttl_s)
                 elif op == "setpx":
                     pipe.set(name, value[0], px=value[1])
+                elif op == "setnx":
+                    pipe.set(name, value[0], nx=True)
                 elif op == "get":
                     pipe.get(name)
                 else:  # "delete"
