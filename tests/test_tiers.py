@@ -10,6 +10,7 @@ Budgets here are a few snapshots each, so every test moves state between tiers.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -177,14 +178,18 @@ def test_a_prefix_resumed_from_disk_is_put_back_on_the_device_for_the_next_reque
         assert moves["snapshot disk->device"] >= 1 and moves["kv disk->device"] >= 1
 
 
-def test_another_model_never_sees_the_segments(tmp_path, family):
+def test_another_model_never_sees_the_segments(tmp_path, family, caplog):
+    """And says so at start-up: one line names the other namespaces the directory holds, never read here."""
     with tiered(tmp_path, model=family) as first:
         run(first, CONVERSATION)
+    (first_namespace,) = os.listdir(tmp_path)
     other_weights = {"demo_seed": 1} if family is None else {}  # the demo's other weights, or the demo itself
-    with tiered(tmp_path, **other_weights) as other:  # another model: another namespace
+    with caplog.at_level(logging.INFO, "cairn.cache.factory"), tiered(tmp_path, **other_weights) as other:
         assert len(other.engine.cache.tiers.by_name["disk"].store) == 0
         assert run(other, CONVERSATION[:300] + [1]).cache.cached_tokens == 0
     assert len(os.listdir(tmp_path)) == 2
+    (line,) = [r.getMessage() for r in caplog.records if "also holds" in r.getMessage()]
+    assert f"1 namespace(s) of other models, dtypes or settings ({first_namespace[:16]})" in line
 
 
 def _segment_files(tmp_path):
