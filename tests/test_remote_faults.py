@@ -147,3 +147,19 @@ def test_a_redis_restarted_empty_under_a_running_replica_gets_the_whole_conversa
         got = run(b, following)
         assert got.cache.resume_tier == REMOTE and got.cache.cached_tokens >= len(prompt)
         same_as_cold(cold, got, following)
+
+
+def test_a_redis_refusing_writes_at_its_maxmemory_still_answers_lookups(redis_server, cold):
+    """Redis's default maxmemory policy (noeviction) refuses every write once full, with an error answer: the
+    replica counts the refused write and keeps reading (the breaker, which skips every call as for a Redis that
+    is down, stays closed), so a conversation already stored resumes from Redis as cold."""
+    a, prompt = served_on_a(redis_server.url)
+    with a, replica(redis_server.url) as b:
+        redis_server.client().config_set("maxmemory-policy", "noeviction")
+        redis_server.client().config_set("maxmemory", "1")  # full: every write is refused from now on
+        run(b, list(range(100, 220)))  # another conversation: its write-behind is refused
+        assert remote(b).store.flush()
+        assert b.engine.cache.stats().remote.faults.get("refused", 0) >= 1
+        out = run(b, prompt)
+        assert out.cache.resume_tier == REMOTE and out.cache.cached_tokens >= len(CONVERSATION)
+        same_as_cold(cold, out, prompt)

@@ -47,7 +47,7 @@ class ChainLookup:
         if not keys:  # an empty prompt (the server looks it up before the engine refuses it): Redis is not asked
             return []
         order = sorted(keys, reverse=True)
-        epoch = self.epoch_probe()  # read first: a Redis that lost its segments is noticed before the chain
+        epoch = self.epoch_probe()  # read (only) first: a Redis that lost its segments is noticed before the chain
         probes = epoch + [("get", name(keys[p])) for name in (self.names.entry, self.names.marker) for p in order]
         deadline, waited, infos = time.monotonic() + self.wait_s, False, []
         while True:

@@ -201,7 +201,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         if job.segment.snapshot_bytes is not None:  # its markers are deleted with it, so set before it
             self.markers.flush(self.redis.timeout_s)
             unmark = self.markers.unmark(job.entries)
-        epoch = self.epoch_probe()
+        epoch = self.epoch_probe(write=True)
         result = self.redis.pipelined(epoch + [("set", name, data) for name, data in sets] + unmark, self.ttl_s)
         if result is FAILED:
             self._drop([job.segment.key])
@@ -214,15 +214,16 @@ class RedisSegmentStore(ChainLookup, Pins):
                 entry.info = dataclasses.replace(entry.info, size_bytes=len(value))
         self.saw_epoch(result[len(epoch) - 1])  # after the write: a segment whose parents Redis lost is forgotten too
 
-    def epoch_probe(self) -> list[tuple]:
-        """The commands, first in a pipeline, that read the namespace's epoch key (setting it to a new random
-        value where Redis has none); the pipeline's result at len(...) - 1 is its value, for saw_epoch."""
+    def epoch_probe(self, write: bool = False) -> list[tuple]:
+        """The commands, first in a pipeline, that read the namespace's epoch key (a write's pipeline sets it
+        first to a new random value where Redis has none; a lookup only reads, so that a Redis refusing writes
+        at its maxmemory still answers it); the pipeline's result at len(...) - 1 is its value, for saw_epoch."""
         name = self.names.epoch()
-        return [("setnx", name, os.urandom(8).hex().encode()), ("get", name)]
+        return [("setnx", name, os.urandom(8).hex().encode()), ("get", name)] if write else [("get", name)]
 
     def saw_epoch(self, value: bytes | None) -> None:
-        """The epoch key read by a pipeline: if it changed since the last one read here, Redis lost what was
-        written before (restarted empty, flushed): forget every segment known here (module docstring)."""
+        """The epoch key read by a pipeline: if it changed (or is gone) since the last one read here, Redis lost
+        what was written before (restarted empty, flushed): forget every segment known here (module docstring)."""
         with self._lock:
             before, self._epoch = self._epoch, value
             if before is None or value == before:
