@@ -236,6 +236,10 @@ class DiskTier:
         ref = node.kv.get(self.name)
         return ref is not None and ref.segment_end != node.end
 
+    def operations(self) -> dict[str, int]:
+        """What the tier did, for /metrics (cairn_cache_disk_operations_total{kind}): its counters."""
+        return dict(self.counters)
+
     def _wrote(self, node: Node, segment: Segment) -> None:
         """`segment`, node's, was just put into the store: record it on node, count it, tell `on_written`."""
         self._record(node, segment.key, segment.snapshot_bytes is not None)
