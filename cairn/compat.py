@@ -27,13 +27,18 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def compat_digest(weights: str, cfg: ModelConfig, dtype: torch.dtype, page_size: int, prefill_block: int = 0) -> str:
+def compat_digest(weights: str, cfg: ModelConfig, dtype: torch.dtype, page_size: int, prefill_block: int = 0,
+                  prefill_kernels: str = "") -> str:
     """The namespace of a disk cache: everything that must match for a stored state to be valid here.
 
     `prefill_block` (exact resumption) is part of it when set: a state computed in other blocks is
-    valid but not bit for bit what a cold run here computes."""
+    valid but not bit for bit what a cold run here computes. So, with it, are the kernels that multiply a
+    prefill's rows when they are not F.linear on the weights as loaded (`layout.prefill_kernels`: the AVX2
+    gemv path sums in another order), so that a cache written under another --weight-layout is not resumed."""
     fields = {"weights": weights, "config": dataclasses.asdict(cfg), "dtype": str(dtype),
               "state_dtype": "float32", "page_size": page_size, "format": FORMAT_VERSION}
     if prefill_block:
         fields["prefill_block"] = prefill_block
+        if prefill_kernels:
+            fields["prefill_kernels"] = prefill_kernels
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()

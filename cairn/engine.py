@@ -39,7 +39,7 @@ from cairn.logits import PenaltyCounts, RowContext
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
-from cairn.model.layout import apply_layout, lay_out_int8, quantize
+from cairn.model.layout import apply_layout, lay_out_int8, prefill_kernels, quantize
 from cairn.model.loader import load_checkpoint
 from cairn.ops import cuda_graphs, load_fused_cpu_ops, select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
@@ -138,7 +138,12 @@ class Engine:
                                                            self._max_model_len(reserved_pages=1))
         self.max_model_len = self._max_model_len()
         self.prefill_block = prefill_block(sched.prefill_block, self.dtype, sched.max_num_batched_tokens, max_num_seqs)
-        self.cache = cache if cache is not None else self._build_cache(config.cache)
+        # the weights' digest before the layout re-lays them (an int8 model's too: quantize made them); the
+        # kernels the layout chose are part of the cache's compatibility digest (layout.prefill_kernels)
+        weights = self._weights_digest(config.cache) if cache is None else ""
+        lay_out = apply_layout if opts.quantization == "none" else lay_out_int8
+        self.weight_layout = lay_out(self.model, opts.weight_layout, self.dtype, self.device)
+        self.cache = cache if cache is not None else self._build_cache(config.cache, weights)
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache, max_num_seqs,
                                    sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
                                    self.prefill_block, self.model.attention_break_even(), GDN_CHUNK)
@@ -149,9 +154,6 @@ class Engine:
                      self.scheduler.attention_break_even)
         if self.prefill_block:
             log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
-        # after the digest: a layout keeps the numbers (an int8 model's too: quantize made them)
-        lay_out = apply_layout if opts.quantization == "none" else lay_out_int8
-        self.weight_layout = lay_out(self.model, opts.weight_layout, self.dtype, self.device)
         load_fused_cpu_ops(self.model.kernels, self.dtype, self.device)  # built before /health answers, not mid-request
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
@@ -161,13 +163,19 @@ class Engine:
 
     # ---- set-up -----------------------------------------------------------------------------------
 
-    def _build_cache(self, opts: CacheOptions) -> PrefixCache:
+    def _weights_digest(self, opts: CacheOptions) -> str:
+        """The weights' content digest when a disk or remote cache will need it ("" otherwise: it reads them all)."""
+        if not self.model_config.recurrent_layers or not (opts.disk_cache or opts.remote_cache):
+            return ""
+        return weights_digest(self.model)
+
+    def _build_cache(self, opts: CacheOptions, weights: str) -> PrefixCache:
         """The prefix cache, handed plain values: the compatibility digest is computed here, with a disk or
-        remote cache."""
+        remote cache (`weights`: the weights' digest, taken before the layout re-laid them)."""
         if not self.model_config.recurrent_layers:
             return NullCache()
-        digest = compat_digest(weights_digest(self.model), self.model_config, self.kv.k.dtype, self.kv.page_size,
-                               self.prefill_block) if opts.disk_cache or opts.remote_cache else ""
+        digest = compat_digest(weights, self.model_config, self.kv.k.dtype, self.kv.page_size, self.prefill_block,
+                               prefill_kernels(self.model)) if weights else ""
         return build_cache(opts, self.kv, self.states, self.model_config.vocab_size, digest, self.model_name,
                            self.prefill_block)
 

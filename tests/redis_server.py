@@ -1,10 +1,10 @@
 """Test helper: a real `redis-server` on a free loopback port, without persistence.
 
 `start_redis()` starts it, waits until it answers PING and returns a `RedisServer` (url, stop(), kill(),
-pause() / resume() by SIGSTOP / SIGCONT); `redis_or_skip()` does the same but skips the calling test,
-with the reason, when redis-server is not installed (scripts/setup installs it). Each server runs in a
-temporary work dir of its own (its log, a cluster node's nodes.conf), removed once the server has exited
-(stop(), kill(), or a start that failed).
+pause() / resume() by SIGSTOP / SIGCONT, restart_empty() on the same port); `redis_or_skip()` does the
+same but skips the calling test, with the reason, when redis-server is not installed (scripts/setup installs
+it). Each server runs in a temporary work dir of its own (its log, a cluster node's nodes.conf), removed once
+the server has exited (stop(), kill(), or a start that failed).
 Not a test module: it holds no assertions.
 """
 
@@ -32,6 +32,7 @@ class RedisServer:
     proc: subprocess.Popen
     port: int
     workdir: Path
+    cmd: tuple[str, ...] = ()  # how it was started
 
     @property
     def log_path(self) -> Path:
@@ -72,6 +73,19 @@ class RedisServer:
                 self.proc.wait(10)
         self.kill()  # kills it if SIGTERM did not end it, and removes the work dir
 
+    def restart_empty(self, timeout_s: float = 20.0) -> None:
+        """SIGKILL it and start it again on the same port, holding nothing (no persistence): what a Redis
+        restarted under running replicas holds."""
+        self.proc.kill()
+        self.proc.wait()
+        with open(self.workdir / "redis.out", "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not self.answers_ping():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start again:\n{_tail(self.log_path)}")
+            time.sleep(0.05)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -92,7 +106,7 @@ def start_redis(timeout_s: float = 20.0, *args: str) -> RedisServer:
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
-    server = RedisServer(proc, port, workdir)
+    server = RedisServer(proc, port, workdir, tuple(cmd))
     deadline = time.monotonic() + timeout_s
     why = f"did not answer PING in {timeout_s}s"
     while time.monotonic() < deadline:

@@ -232,3 +232,27 @@ def test_a_namespace_owned_by_another_user_is_refused_with_one_line(env):
     with pytest.raises(DiskStoreError, match="belongs to uid"):
         DiskStore(env.root, DIGEST, BUDGET_BYTES)
     assert len(list(env.namespace.glob("*.seg"))) == 2  # nothing touched
+
+
+@pytest.mark.parametrize("missing", ["the directory", "this model's namespace"])
+def test_a_disk_cache_on_a_read_only_filesystem_lacking_what_it_needs_is_refused_with_one_line(tmp_path, monkeypatch,
+                                                                                               missing):
+    """A cache directory on a read-only filesystem (EROFS, injected at mkdir: nothing else makes one without
+    root): missing, or holding other models' namespaces only, it is a one-line DiskStoreError, never an
+    OSError's traceback; its other namespaces are untouched."""
+    root = tmp_path / "cache"
+    if missing == "this model's namespace":
+        with DiskStore(root, "ef" * 32, BUDGET_BYTES) as other:  # another model's namespace, filled
+            assert other.put(make_segment(300))
+
+    def read_only(path, mode=0o777, *, dir_fd=None):  # as Linux answers: EEXIST first, then EROFS
+        if os.path.lexists(path if dir_fd is None else f"/proc/self/fd/{dir_fd}/{path}"):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    why = "does not exist and cannot be created" if missing == "the directory" else "holds no namespace"
+    with pytest.raises(DiskStoreError, match=f"{why}.*Read-only file system"):
+        DiskStore(root, DIGEST, BUDGET_BYTES)
+    monkeypatch.undo()
+    assert (not root.exists()) if missing == "the directory" else [p.name for p in root.iterdir()] == ["ef" * 32]

@@ -172,6 +172,23 @@ def test_a_read_only_cache_rescans_on_a_miss_and_resumes_what_the_writer_added_s
         assert out.cache.resume_tier == DISK and out.cache.resume_position == 140
 
 
+
+def test_a_read_only_cache_takes_the_lock_once_its_writer_is_gone_and_writes_from_then_on(tmp_path):
+    """A rolling restart: the new engine starts beside the old one (read-only: the old one holds the lock), then the
+    old one stops. The new one's next miss takes the lock, so what it computes from then on is written to disk and
+    is resumed there after its own restart (it stayed read-only until restarted: nothing it served was kept)."""
+    writer = LLM(**OPTS, disk_cache=str(tmp_path))
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as reader:
+        store = reader.engine.cache.tiers.by_name[DISK].store
+        assert store.readonly
+        reader.engine.cache.indexes[DISK].rescan_interval_s = 0.0
+        writer.close()
+        run(reader, CONVERSATION[:140])
+        assert not store.readonly and operations(reader)["segments_written"] >= 1
+    with LLM(**OPTS, disk_cache=str(tmp_path)) as after:
+        out = run(after, CONVERSATION[:140] + [5, 6])
+        assert out.cache.resume_tier == DISK and out.cache.resume_position == 140
+
 def test_a_read_only_caches_probe_rescans_as_its_admission_would(tmp_path):
     """The probe (what `cairn router` ranks replicas by) skipped the rescan: a read-only replica answered 0 for a
     prompt it then resumed deep from disk, and the router sent its requests elsewhere."""

@@ -128,3 +128,40 @@ def test_redis_killed_between_the_lookup_and_the_load_resumes_cold(redis_server,
         redis_server.kill()
         finish(engine, outputs, logprobs)  # admission finds the chain, its load fails: cold, not an error
         equal_to_cold(cold, prompt, outputs[late], logprobs[late])
+
+
+def test_a_redis_restarted_empty_under_a_running_replica_gets_the_whole_conversation_written_again(redis_server, cold):
+    """Replica A wrote a conversation to Redis; Redis restarts empty while A runs. A's next turn resumes from its
+    own device tier, and its write must not be the new end alone (its parents are gone: a chain nobody can
+    resume): A notices the lost epoch key and writes the path whole, so replica B resumes the turn after from
+    Redis, as cold."""
+    a, prompt = served_on_a(redis_server.url)
+    with a:
+        redis_server.restart_empty()
+        out = run(a, prompt)
+        assert out.cache.resume_tier == "device"
+        assert remote(a).store.flush()
+        assert a.engine.cache.stats().remote.faults.get("redis_reset") == 1
+        following = prompt + out.token_ids + [8, 9]
+    with replica(redis_server.url) as b:
+        got = run(b, following)
+        assert got.cache.resume_tier == REMOTE and got.cache.cached_tokens >= len(prompt)
+        same_as_cold(cold, got, following)
+
+
+def test_a_redis_refusing_writes_at_its_maxmemory_still_answers_lookups(redis_server, cold):
+    """Redis's default maxmemory policy (noeviction) refuses every write once full, with an error answer: the
+    replica counts the refused write and keeps reading (the breaker, which skips every call as for a Redis that
+    is down, stays closed), so a conversation already stored resumes from Redis as cold."""
+    a, prompt = served_on_a(redis_server.url)
+    with a, replica(redis_server.url) as b:
+        redis_server.client().config_set("maxmemory-policy", "noeviction")
+        redis_server.client().config_set("maxmemory", "1")  # full: every write is refused from now on
+        run(b, list(range(100, 220)))  # another conversation: its write-behind is refused
+        assert remote(b).store.flush()
+        remote_stats = b.engine.cache.stats().remote
+        assert remote_stats.faults.get("refused", 0) >= 1
+        assert remote_stats.operations["segments_written"] == 0 and remote_stats.operations["segments_queued"] >= 1
+        out = run(b, prompt)
+        assert out.cache.resume_tier == REMOTE and out.cache.cached_tokens >= len(CONVERSATION)
+        same_as_cold(cold, out, prompt)

@@ -10,6 +10,7 @@ Budgets here are a few snapshots each, so every test moves state between tiers.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -177,14 +178,18 @@ def test_a_prefix_resumed_from_disk_is_put_back_on_the_device_for_the_next_reque
         assert moves["snapshot disk->device"] >= 1 and moves["kv disk->device"] >= 1
 
 
-def test_another_model_never_sees_the_segments(tmp_path, family):
+def test_another_model_never_sees_the_segments(tmp_path, family, caplog):
+    """And says so at start-up: one line names the other namespaces the directory holds, never read here."""
     with tiered(tmp_path, model=family) as first:
         run(first, CONVERSATION)
+    (first_namespace,) = os.listdir(tmp_path)
     other_weights = {"demo_seed": 1} if family is None else {}  # the demo's other weights, or the demo itself
-    with tiered(tmp_path, **other_weights) as other:  # another model: another namespace
+    with caplog.at_level(logging.INFO, "cairn.cache.factory"), tiered(tmp_path, **other_weights) as other:
         assert len(other.engine.cache.tiers.by_name["disk"].store) == 0
         assert run(other, CONVERSATION[:300] + [1]).cache.cached_tokens == 0
     assert len(os.listdir(tmp_path)) == 2
+    (line,) = [r.getMessage() for r in caplog.records if "also holds" in r.getMessage()]
+    assert f"1 namespace(s) of other models, dtypes or settings ({first_namespace[:16]})" in line
 
 
 def _segment_files(tmp_path):
@@ -326,3 +331,27 @@ def test_half_precision_resume_from_each_tier_is_bit_for_bit_cold(tmp_path, tier
     ref = LLM(**OPTS, **half, prefix_cache=False).generate(prompt, G)[0]
     assert out.token_ids == ref.token_ids
     assert torch.equal(warm, torch.stack(sampled_logits))
+
+
+@pytest.mark.parametrize("written, read", [("gemv", "plain"), ("plain", "gemv")])
+def test_a_disk_cache_written_under_another_weight_layout_is_not_resumed_in_exact_mode(tmp_path, written, read):
+    """The AVX2 gemv path multiplies a prefill's rows in another order than F.linear: a snapshot computed under
+    one layout is not bit for bit what a cold prefill under the other computes, so with --prefill-block (exact
+    resumption) the layouts name different namespaces and a restart under the other layout resumes nothing."""
+    from cairn.ops import cpu_gemv
+
+    flags = cpu_gemv.cpu_flags()
+    if cpu_gemv.isa_for(flags) != "avx2":  # AMX / AVX512-BF16: gemv takes decode rows only, a prefill is F.linear's
+        pytest.skip("--weight-layout gemv takes no AVX2 path on this CPU")
+    if isinstance(kernel := cpu_gemv.load(flags, "avx2"), str):
+        pytest.skip(f"the AVX2 gemv kernel is unavailable here: {kernel}")
+    half = dict(dtype="bfloat16", prefill_block=64)
+    with tiered(tmp_path, device_slots=40, disk_write_through=True, weight_layout=written, **half) as first:
+        run(first, CONVERSATION)
+    prompt = CONVERSATION[:330] + [1, 2]
+    with tiered(tmp_path, weight_layout=read, **half) as second:
+        out = run(second, prompt)
+    with LLM(**OPTS, **half, weight_layout=read, prefix_cache=False) as cold:
+        ref = cold.generate(prompt, G)[0]
+    assert out.token_ids == ref.token_ids and out.logprobs == ref.logprobs
+    assert out.cache.resume_tier != "disk"

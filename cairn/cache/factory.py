@@ -14,6 +14,7 @@ import torch
 
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.disk.namespace import ReadBuffer
+from cairn.cache.disk.offline import namespace_names
 from cairn.cache.disk.store import DiskStore, format_size
 from cairn.cache.disk.tier import DiskTier
 from cairn.cache.hybrid import HybridPrefixCache
@@ -84,6 +85,11 @@ def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str 
                       create_parents=opts.disk_cache_create_parents, model_name=model_name)
     log.info("disk cache: %s/%s (%s budget%s)", opts.disk_cache, digest[:16], format_size(store.budget_bytes),
              f"; read-only: {store.readonly_reason}" if store.readonly else "")
+    others = [name[:16] for name in namespace_names(opts.disk_cache) if name != digest]
+    if others:  # another model's, dtype's or settings' (a weight layout, a prefill block): never read here
+        log.info("disk cache: %s also holds %d namespace(s) of other models, dtypes or settings (%s%s), never read "
+                 "by this server (cairn cache ls lists them)", opts.disk_cache, len(others), ", ".join(others[:4]),
+                 ", ..." if len(others) > 4 else "")
     return DiskTier(store, page_size, opts.disk_write_through, DISK, DISK_BANDWIDTH, ReadBuffer())
 
 

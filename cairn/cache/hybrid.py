@@ -464,7 +464,7 @@ class HybridPrefixCache(PrefixCache):
             return None
         tier = self.tiers.by_name[name]
         return DiskStats(tier.store.used_bytes, len(tier.store), dict(tier.store.faults), dict(index.forgotten),
-                         dict(tier.counters))
+                         tier.operations())
 
     # ---- probing (the router's question) ------------------------------------------------------------
 

@@ -20,7 +20,8 @@ class DiskStats:
     # counter cairn_cache_disk_operations_total{kind}: the tier's segments_written, write_failed (the store
     # refused it), write_unreadable (the node's KV could not be read to write it), read_ok, read_bad,
     # read_missing, orphan_segments (indexed at start-up without their parent: never resumable; the disk
-    # store's lock holder deletes them); the remote tier adds lookups and lookup_hits
+    # store's lock holder deletes them); the remote tier adds lookups and lookup_hits, and segments_queued (written
+    # behind the requests: its segments_written counts those Redis accepted)
     operations: dict[str, int] = field(default_factory=dict)
 
 

@@ -362,6 +362,24 @@ def _gemv_done(model: nn.Module, n: int, kernel: cpu_gemv.GemvKernel) -> str:
             f"(read elsewhere too: a tied embedding table, a weight its module reads)")
 
 
+def prefill_kernels(model: nn.Module) -> str:
+    """Which kernels multiply a prefill's rows in the linears, where that is not F.linear on the weights as
+    loaded ("" then): "gemv-avx2" (the AVX2 gemv path, every row, in its own order of sums), "packed" (oneDNN's
+    blocked weights), "int8" or "int8-gemv-avx2" (joined by "+" where several are present). A snapshot computed
+    under one of these is not bit for bit what a prefill under another computes, so exact resumption keeps them
+    apart in the compatibility digest (cairn/compat.py). The AMX and AVX512-BF16 gemv paths take decode rows
+    only, and a prefill's go to F.linear: those count as plain."""
+    kinds = set()
+    for m in model.modules():
+        if isinstance(m, GemvLinear) and m.kernel.slices_prefill:
+            kinds.add(f"gemv-{m.kernel.isa}")
+        elif isinstance(m, PackedLinear):
+            kinds.add("packed")
+        elif isinstance(m, Int8Linear):
+            kinds.add("int8" if m.kernel is None else f"int8-gemv-{m.kernel.isa}")
+    return "+".join(sorted(kinds))
+
+
 def decode_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter and packed weight except the embedding
     table (one row per token); a tied lm_head (named after it) still counts whole."""

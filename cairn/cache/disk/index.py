@@ -96,11 +96,13 @@ class DiskIndex:
 
     def rescan(self) -> bool:
         """Re-read a read-only store's directory if the interval has passed; True when it hung new snapshots
-        or segments on the tree (then match again)."""
+        or segments on the tree (then match again). First the store takes the lock if its holder is gone (then
+        it writes from now on, and this scan is the lock holder's)."""
         store = self.disk.store
         if not store.readonly or time.monotonic() - self._last_scan_s < self.rescan_interval_s:
             return False
         self._last_scan_s = time.monotonic()
+        store.take_over()
         before = set(store.keys())
         store.scan()
         self.forget()

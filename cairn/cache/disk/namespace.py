@@ -232,14 +232,32 @@ def _check_root(root: str) -> None:
         raise DiskStoreError(f"disk cache {root} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
 
 
+def _make_namespace(root: str, compat_digest: str, root_fd: int) -> None:
+    """Create the namespace in the root unless it exists; DiskStoreError when it cannot be (a read-only cache
+    directory filled by other models, dtypes or settings holds nothing for this one)."""
+    try:
+        _make_private_dir(compat_digest, dir_fd=root_fd)
+    except FileNotFoundError:  # the root vanished: open_namespace answers None
+        return
+    except OSError as e:
+        if os.path.isdir(os.path.join(root, compat_digest)):
+            return  # there after all (a concurrent server made it between the two calls)
+        raise DiskStoreError(f"disk cache {root} holds no namespace {compat_digest[:16]} for this model (its "
+                             f"weights, dtype and settings) and one cannot be created there: {e.strerror or e}"
+                             ) from None
+
+
 def _make_root(root: str, create_parents: bool) -> None:
     parent = os.path.dirname(root)
-    if create_parents:
-        os.makedirs(parent, DIR_MODE, exist_ok=True)
-    elif not os.path.isdir(parent):
-        raise DiskStoreError(f"disk cache {root}: the directory {parent} does not exist "
-                             "(create it, or pass --disk-cache-create-parents)")
-    _make_private_dir(root)
+    try:
+        if create_parents:
+            os.makedirs(parent, DIR_MODE, exist_ok=True)
+        elif not os.path.isdir(parent):
+            raise DiskStoreError(f"disk cache {root}: the directory {parent} does not exist "
+                                 "(create it, or pass --disk-cache-create-parents)")
+        _make_private_dir(root)
+    except OSError as e:  # a read-only filesystem, a parent we may not write
+        raise DiskStoreError(f"disk cache {root} does not exist and cannot be created: {e.strerror or e}") from None
 
 
 def open_namespace(root, compat_digest: str, create: bool, create_parents: bool = False) -> int | None:
@@ -257,7 +275,7 @@ def open_namespace(root, compat_digest: str, create: bool, create_parents: bool 
     root_fd = os.open(root, _OPEN_DIR)
     try:
         if create:
-            _make_private_dir(compat_digest, dir_fd=root_fd)
+            _make_namespace(root, compat_digest, root_fd)
         fd = os.open(compat_digest, _OPEN_DIR, dir_fd=root_fd)
     except FileNotFoundError:
         return None

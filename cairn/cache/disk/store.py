@@ -93,6 +93,8 @@ class _Entry:
 # ---------------------------------------------------------------------------------------------- store
 
 
+HELD_ELSEWHERE = "another process holds its lock"  # readonly_reason while a live process holds the lock
+
 class DiskStore(Pins):
     """Segments of one model namespace on disk, within `budget_bytes`.
 
@@ -107,6 +109,8 @@ class DiskStore(Pins):
       remove_unreachable(keys)  delete segments the tier found orphaned at start-up.
     A store that cannot take the namespace's lock is read-only (`readonly_reason`: another process holds
     it, or it could not be taken, and why): it gets and scans, never writes, evicts, deletes or moves.
+    `take_over()` takes the lock once the process that held it is gone (a rolling restart: the old
+    server stops after the new one started), and the store is the lock holder from then on.
     used_bytes <= budget_bytes always holds for the lock holder.
     Bad files: the lock holder deletes a corrupt segment of ours and moves an entry named like a
     segment that is not a regular file (a link, a FIFO...) into quarantine/, so neither is met again
@@ -130,6 +134,7 @@ class DiskStore(Pins):
         self._lock = threading.RLock()  # guards everything above
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
         self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
+        self._model_name = model_name
         self._lock_fd = None
         self.readonly_reason: str | None = None  # why the store is read-only (None: it holds the lock)
         try:
@@ -152,9 +157,31 @@ class DiskStore(Pins):
             self._faults.report("lock_failed", LOCK_NAME, f"{e}; this store is read-only")
             return None
         if fd is None:
-            self.readonly_reason = "another process holds its lock"
+            self.readonly_reason = HELD_ELSEWHERE
             logger.warning("disk cache %s/%s is read-only: %s", self.root, self.compat_digest, self.readonly_reason)
         return fd
+
+    def take_over(self) -> bool:
+        """Take the lock that another process held when this store opened, if that process is gone: from then
+        on this store writes, evicts and deletes (the caller scans next, which cleans and fits the budget as
+        the lock holder does). True when it took it (one log line). A lock that could not be taken at all (a
+        read-only filesystem) is not tried again."""
+        if self._lock_fd is not None or self.readonly_reason != HELD_ELSEWHERE:
+            return False
+        with self._put_lock:
+            try:
+                fd = try_lock(self._dir_fd)
+            except OSError:
+                return False
+            if fd is None:
+                return False
+            with self._lock:
+                self._lock_fd, self.readonly_reason = fd, None
+        if self._model_name is not None:
+            write_model_name(self._dir_fd, self._model_name)
+        logger.info("disk cache %s/%s: the process that held its lock is gone; this server writes it from now on",
+                    self.root, self.compat_digest)
+        return True
 
     def _warn_if_budget_exceeds_free_space(self) -> None:
         """One start-up warning when the budget is more than the filesystem has room for (its free space plus

@@ -10,7 +10,8 @@ disk too, so `persist` writes the missing ancestors first, and a chain continues
 end, so an ancestor that is the front slice of a longer segment is written again as a segment of its own.
 
 The namespace is the compatibility digest (cairn/compat.py, computed by the engine): the model
-weights' content digest, the architecture, dtypes, page size and format version. A segment of
+weights' content digest, the architecture, dtypes, page size and format version (with exact resumption, the
+prefill block and the kernels a prefill's linears run on too). A segment of
 another model is never read.
 A second store of segments (a shared remote one) is a second DiskTier instance with its own name
 and store, placed in the factory's tier list; nothing else changes. What this is not: the file
@@ -234,6 +235,10 @@ class DiskTier:
         """node's segment here goes on past node's end (node was split off its front)."""
         ref = node.kv.get(self.name)
         return ref is not None and ref.segment_end != node.end
+
+    def operations(self) -> dict[str, int]:
+        """What the tier did, for /metrics (cairn_cache_disk_operations_total{kind}): its counters."""
+        return dict(self.counters)
 
     def _wrote(self, node: Node, segment: Segment) -> None:
         """`segment`, node's, was just put into the store: record it on node, count it, tell `on_written`."""

@@ -9,8 +9,8 @@
     counted(name)    one of the store's counts
 
 It uses the store's state (redis, names, markers, wait_s, _lock, _counts, _index, _register, _trim,
-_fault), set up by RedisSegmentStore.__init__; it is not used alone. What this is not: the writes, or the
-reading of a segment's bytes (store.py).
+_fault, epoch_probe, saw_epoch), set up by RedisSegmentStore.__init__; it is not used alone. What this is
+not: the writes, or the reading of a segment's bytes (store.py).
 """
 
 from __future__ import annotations
@@ -47,12 +47,15 @@ class ChainLookup:
         if not keys:  # an empty prompt (the server looks it up before the engine refuses it): Redis is not asked
             return []
         order = sorted(keys, reverse=True)
-        probes = [("get", name(keys[p])) for name in (self.names.entry, self.names.marker) for p in order]
+        epoch = self.epoch_probe()  # read (only) first: a Redis that lost its segments is noticed before the chain
+        probes = epoch + [("get", name(keys[p])) for name in (self.names.entry, self.names.marker) for p in order]
         deadline, waited, infos = time.monotonic() + self.wait_s, False, []
         while True:
             values = self.redis.pipelined(probes)
             if values is FAILED:
                 break
+            self.saw_epoch(values[len(epoch) - 1])
+            values = values[len(epoch):]
             infos = self._deepest_chain(tokens, order, keys, values[:len(order)])
             depth = infos[-1].start_position + infos[-1].num_tokens if infos else 0
             if not self.markers.announced_deeper(tokens, order, values[len(order):], depth):

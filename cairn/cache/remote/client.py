@@ -9,7 +9,10 @@ URL forms (`--remote-cache`):
                                                     (redis-py's RedisCluster; a cluster has no DB number)
 
 Every call has a short socket timeout and no retries: a failure is counted and opens the breaker,
-which skips every call for `cooldown_s` (callers see a miss) and logs one line per outage.
+which skips every call for `cooldown_s` (callers see a miss) and logs one line per outage. A command Redis
+answers with an error (a write refused at its maxmemory under the noeviction policy, a read-only replica) is
+counted as "refused" and logged at most once a minute; it does not open the breaker: Redis is reachable, and
+its reads still answer.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 0.5  # each Redis call (connect, or one command / pipeline round trip)
 DEFAULT_COOLDOWN_S = 5.0  # how long the breaker stays open after a failure
+REFUSED_LOG_INTERVAL_S = 60.0  # at most one line this often for commands Redis refuses
 FAILED = object()  # what GuardedRedis returns when Redis was not reached
 _TRUE = ("1", "true", "yes", "on")
 
@@ -58,6 +62,16 @@ def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S):
 
         return RedisCluster.from_url(plain_url, **kwargs)
     return redis.Redis.from_url(plain_url, **kwargs)
+
+
+def _refused(error: Exception) -> bool:
+    """Whether Redis answered the command with an error of its own (OOM at maxmemory, READONLY, MISCONF, NOPERM),
+    rather than not answering or a cluster that cannot serve the slot (CLUSTERDOWN, TRYAGAIN: unavailable)."""
+    from redis import exceptions
+
+    unavailable = (exceptions.ClusterDownError, exceptions.TryAgainError, exceptions.AskError,
+                   exceptions.ClusterCrossSlotError)
+    return isinstance(error, exceptions.ResponseError) and not isinstance(error, unavailable)
 
 
 def redacted(url: str) -> str:
@@ -120,6 +134,7 @@ class GuardedRedis:
         self.client = client
         self.breaker = Breaker(redacted(url), cooldown_s)
         self._lock = threading.Lock()
+        self._refused_logged_at: float | None = None  # time.monotonic() of the last "refused" line
 
     def call(self, fn: Callable):
         """fn(client), or FAILED."""
@@ -132,16 +147,29 @@ class GuardedRedis:
                     self.client = connect(self.url, self.timeout_s)
             result = fn(self.client)
         except Exception as e:  # redis-py's errors, and OSError from a socket: all a miss
+            if _refused(e):  # Redis answered, with an error: reachable, so the breaker stays closed
+                self.on_fault("refused")
+                self.breaker.success()
+                self._log_refused(e)
+                return FAILED
             self.on_fault("timeout" if "Timeout" in type(e).__name__ else "unavailable")
             self.breaker.failure(e)
             return FAILED
         self.breaker.success()
         return result
 
+    def _log_refused(self, error: Exception) -> None:
+        now = time.monotonic()
+        if self._refused_logged_at is not None and now - self._refused_logged_at < REFUSED_LOG_INTERVAL_S:
+            return
+        self._refused_logged_at = now
+        log.warning("remote cache %s refused a command (%s: %s): what it holds is still read; writes are counted "
+                    "as refused (at most one line a minute)", self.breaker.name, type(error).__name__, error)
+
     def pipelined(self, commands: list[tuple], ttl_s: int | None = None):
-        """("set", name, value) / ("setpx", name, value, ms) / ("get" | "delete", name) commands in
-        one round trip (a cluster client splits them by node): their results, or FAILED. `ttl_s` applies to
-        the sets; a setpx expires after its own `ms` milliseconds."""
+        """("set", name, value) / ("setpx", name, value, ms) / ("setnx", name, value) / ("get" | "delete", name)
+        commands in one round trip (a cluster client splits them by node): their results, or FAILED. `ttl_s`
+        applies to the sets; a setpx expires after its own `ms` milliseconds, a setnx never."""
         def run(client):
             pipe = client.pipeline(transaction=False)
             for op, name, *value in commands:
@@ -149,6 +177,8 @@ class GuardedRedis:
                     pipe.set(name, value[0], ex=ttl_s)
                 elif op == "setpx":
                     pipe.set(name, value[0], px=value[1])
+                elif op == "setnx":
+                    pipe.set(name, value[0], nx=True)
                 elif op == "get":
                     pipe.get(name)
                 else:  # "delete"

@@ -123,3 +123,6 @@ class KeyNames:
 
     def marker(self, end_key: bytes) -> str:
         return f"cairn:{self.namespace}:w:{end_key.hex()}"
+
+    def epoch(self) -> str:
+        return f"cairn:{self.namespace}:epoch"

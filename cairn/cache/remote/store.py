@@ -24,6 +24,13 @@ returns (from memory until written). A
 write that fails leaves the index (counted, and `on_evict` is told). Redis has no pins: `pin` only
 keeps this process's record; a segment Redis evicted anyway is a miss.
 
+A replica writes only the segments of a path it does not know to be in Redis, so a Redis restarted empty (or
+flushed) under a running replica would be sent only the new ends of its conversations, chains whose parents
+are gone, which nobody can resume. So every write and lookup pipeline also reads the namespace's epoch key
+(keys.py; set to a random value by the first replica to find it absent): when it differs from the one this
+store saw last, Redis lost what was written before, and every segment known here is forgotten (on_evict is
+told, counted as the fault `redis_reset`, one log line): the next request over each path writes it whole.
+
 The lookup side (lookup, and registering what it found) is chains.py's ChainLookup, mixed in here.
 What this is not: the tier's choice of what to write or when to look up (tier.py), the segment format.
 """
@@ -85,6 +92,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         self.max_segments = max_segments  # cap on the segments known here (Redis may hold many more)
         self.wait_s = wait_s  # see DEFAULT_WAIT_S; 0: never wait for another replica's write
         self.writer_id = os.urandom(8).hex()  # names this store's markers (its own are not waited for)
+        self._epoch: bytes | None = None  # the namespace's epoch key as last read (None: not read yet)
         self.faults: dict[str, int] = {}  # reason -> occurrences
         self.redis = GuardedRedis(url, timeout_s, cooldown_s, self._fault, client)
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0, "forgotten": 0,
@@ -193,7 +201,9 @@ class RedisSegmentStore(ChainLookup, Pins):
         if job.segment.snapshot_bytes is not None:  # its markers are deleted with it, so set before it
             self.markers.flush(self.redis.timeout_s)
             unmark = self.markers.unmark(job.entries)
-        if self.redis.pipelined([("set", name, data) for name, data in sets] + unmark, self.ttl_s) is FAILED:
+        epoch = self.epoch_probe(write=True)
+        result = self.redis.pipelined(epoch + [("set", name, data) for name, data in sets] + unmark, self.ttl_s)
+        if result is FAILED:
             self._drop([job.segment.key])
             return
         with self._lock:
@@ -202,6 +212,28 @@ class RedisSegmentStore(ChainLookup, Pins):
             entry = self._index.get(job.segment.key)
             if entry is not None:
                 entry.info = dataclasses.replace(entry.info, size_bytes=len(value))
+        self.saw_epoch(result[len(epoch) - 1])  # after the write: a segment whose parents Redis lost is forgotten too
+
+    def epoch_probe(self, write: bool = False) -> list[tuple]:
+        """The commands, first in a pipeline, that read the namespace's epoch key (a write's pipeline sets it
+        first to a new random value where Redis has none; a lookup only reads, so that a Redis refusing writes
+        at its maxmemory still answers it); the pipeline's result at len(...) - 1 is its value, for saw_epoch."""
+        name = self.names.epoch()
+        return [("setnx", name, os.urandom(8).hex().encode()), ("get", name)] if write else [("get", name)]
+
+    def saw_epoch(self, value: bytes | None) -> None:
+        """The epoch key read by a pipeline: if it changed (or is gone) since the last one read here, Redis lost
+        what was written before (restarted empty, flushed): forget every segment known here (module docstring)."""
+        with self._lock:
+            before, self._epoch = self._epoch, value
+            if before is None or value == before:
+                return
+            keys = [k for k in self._index if k not in self._pins]  # a pinned one's load finds it missing
+        self._fault("redis_reset")
+        log.warning("remote cache %s lost what was written before (its epoch key changed: restarted empty or "
+                    "flushed); forgetting the %d segments known here, which the next requests write again",
+                    self.redis.breaker.name, len(keys))
+        self._drop(keys)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued write is done; False if some are still queued after timeout_s."""

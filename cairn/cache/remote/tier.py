@@ -64,6 +64,14 @@ class RemoteTier(DiskTier):
             queued += 1
         return queued
 
+    def operations(self) -> dict[str, int]:
+        """As DiskTier's, but `segments_written` counts the segments Redis accepted (the store's background
+        writer) and `segments_queued` those queued behind requests, of which Redis may refuse some."""
+        ops = super().operations()
+        ops["segments_queued"] = ops.pop("segments_written", 0)
+        ops["segments_written"] = self.store.counted("written")
+        return ops
+
     def _known(self, node: Node, parent_key: bytes | None) -> bool:
         """The store already holds node's segment, with its snapshot when it has one (recorded on the node)."""
         if super()._known(node, parent_key):
