@@ -449,3 +449,18 @@ def test_a_developer_message_is_rendered_as_the_system_message_it_stands_for():
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]})
     assert body.template_messages() == plain.template_messages()
     assert body.template_messages()[0] == {"role": "system", "content": "be brief"}
+
+
+def test_an_api_error_made_by_keyword_survives_the_pickle_a_request_worker_sends_it_in():
+    """A request worker raises errors to the server pickled. An exception pickles its positional arguments only,
+    and one made by keyword (dataclasses.replace: the Anthropic route renaming a chat error's fields) had none:
+    unpickling it raised TypeError in the server, and a large /v1/messages body got a 500 for a 400."""
+    import dataclasses
+    import pickle
+
+    original = APIError(400, "tool_choice needs a name", param="tool_choice.name", code="invalid_value")
+    renamed = dataclasses.replace(original, message="renamed", param="tool_choice")
+    for e in (original, renamed, APIError(status=429, message="busy", headers={"Retry-After": "1"})):
+        back = pickle.loads(pickle.dumps(e))
+        assert (back.status, back.message, back.type, back.param, back.code, back.headers) == \
+            (e.status, e.message, e.type, e.param, e.code, e.headers)

@@ -67,6 +67,12 @@ class APIError(Exception):
     def __str__(self) -> str:
         return f"{self.status} {self.code or self.type}: {self.message}"
 
+    def __reduce__(self):
+        """Pickled by its fields (a request worker process raises it to the server): an exception pickles its
+        `args`, which hold only the positional arguments it was made with, none for one made by keyword
+        (`dataclasses.replace`), and unpickling it then failed in the server as a 500."""
+        return type(self), (self.status, self.message, self.type, self.param, self.code, self.headers)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
