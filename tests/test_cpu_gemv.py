@@ -260,19 +260,23 @@ def test_gemv_layout_on_the_avx2_path_keeps_a_weight_its_module_reads_itself(che
     assert (got - ref).abs().max().item() < 0.02 * ref.std().item()
 
 
-def test_gemv_layout_leaves_the_disk_cache_namespace_alone(checkpoints, tmp_path):
-    """The compatibility digest names a disk cache's namespace from the weights as loaded: a gemv layout that
-    re-lays them (the AVX2 path) gives the namespace the plain layout gives, so either resumes the other's."""
+def test_gemv_layout_shares_the_disk_cache_namespace_only_without_exact_resumption(checkpoints, tmp_path):
+    """The compatibility digest names a disk cache's namespace from the weights as loaded (taken before a layout
+    re-lays them): without exact resumption a gemv layout (the AVX2 path) gives the namespace the plain layout
+    gives, so either resumes the other's; with it (bf16's default prefill block) they differ, since the AVX2
+    path sums a prefill's rows in its own order and a resume must be bit for bit a cold prefill here."""
     avx2_kernel()
     path, _ = checkpoints["qwen3_next"]
-    names = {}
-    for name in ("plain", "gemv"):
-        root = tmp_path / name
-        with LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
-                 disk_cache=str(root), weight_layout=name) as llm:
-            assert llm.engine.weight_layout == name
-        names[name] = sorted(p.name for p in root.iterdir())
-    assert names["plain"] == names["gemv"] and len(names["plain"]) == 1
+    for block, shared in ((0, True), (None, False)):
+        names = {}
+        for name in ("plain", "gemv"):
+            root = tmp_path / f"{name}-{block}"
+            with LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
+                     disk_cache=str(root), weight_layout=name, prefill_block=block) as llm:
+                assert llm.engine.weight_layout == name and bool(llm.engine.prefill_block) == (block is None)
+            names[name] = sorted(p.name for p in root.iterdir())
+        assert len(names["plain"]) == len(names["gemv"]) == 1
+        assert (names["plain"] == names["gemv"]) == shared, block
 
 
 def test_gemv_falls_back_to_plain_in_one_line_on_a_cpu_without_the_instructions(caplog):
