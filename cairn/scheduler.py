@@ -161,15 +161,16 @@ class Scheduler:
             batch.num_new_tokens.append(1)
             budget -= 1
         batch.num_decode = len(batch.seqs)
-        deep = batch.num_decode > 0  # streams wait for this step: a chunk's attention work counts (_chunk_cost)
+        # streams wait for this step: a chunk's attention work counts too (_chunk_cost); 0: it does not
+        break_even = self.attention_break_even if batch.num_decode else 0
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0:
                 break
-            n = self._chunk_len(seq, budget, deep)
+            n = self._chunk_len(seq, budget, break_even)
             if n:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
-                budget -= self._chunk_cost(seq, n, deep)
+                budget -= self._chunk_cost(seq, n, break_even)
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             try:
@@ -182,12 +183,12 @@ class Scheduler:
             if seq.ready_logits is not None:
                 batch.ready.append(seq)
                 continue
-            n = self._chunk_len(seq, budget, deep)
+            n = self._chunk_len(seq, budget, break_even)
             if not n:
                 break  # admitted; its first block waits for a step with room
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            budget -= self._chunk_cost(seq, n, deep)
+            budget -= self._chunk_cost(seq, n, break_even)
         self._ask_captures(batch)
         return batch
 
@@ -200,33 +201,32 @@ class Scheduler:
                     batch.captures[seq.request_id] = wanted
                     batch.capture_pool = pool
 
-    def _chunk_len(self, seq: Sequence, budget: int, deep: bool = False) -> int:
+    def _chunk_len(self, seq: Sequence, budget: int, break_even: int = 0) -> int:
         """Prefill tokens for seq this step; with a prefill block, cut down to the last block boundary.
 
             block = 64, num_computed = 128, budget = 150, num_tokens = 400
             128          192          256 | 278             400
             |--- block ---|--- block ---|-+--- (budget ends) ---|     -> 128 tokens, ending at 256
 
-        `deep`: the budget pays for the chunk's attention work too (_chunk_cost), but it always buys the
+        `break_even` (not 0): the budget pays for the chunk's attention work too (_chunk_cost), but it always buys the
         tokens up to the next block boundary (of deep_chunk_step tokens without a prefill block) if it could
         buy them at position 0, so that a deep prompt still advances.
         """
-        if deep and self.attention_break_even:
-            c = self.attention_break_even
+        if break_even:
             step = self.prefill_block or self.deep_chunk_step
-            budget = max(budget * c // (c + seq.num_computed), min(budget, step - seq.num_computed % step))
+            budget = max(budget * break_even // (break_even + seq.num_computed),
+                         min(budget, step - seq.num_computed % step))
         n = seq.next_chunk_len(budget)
         end = seq.num_computed + n
         if self.prefill_block and end < seq.num_tokens:
             end = end // self.prefill_block * self.prefill_block
         return max(0, end - seq.num_computed)
 
-    def _chunk_cost(self, seq: Sequence, n: int, deep: bool) -> int:
-        """What n prefill tokens of seq from its position take of the step's budget: n, or with `deep`
-        n * (1 + position / attention_break_even), the time they take relative to n tokens at position 0."""
-        if not (deep and self.attention_break_even):
-            return n
-        return n + n * seq.num_computed // self.attention_break_even
+    @staticmethod
+    def _chunk_cost(seq: Sequence, n: int, break_even: int) -> int:
+        """What n prefill tokens of seq from its position take of the step's budget: n, or with a `break_even`
+        n * (1 + position / break_even), the time they take relative to n tokens at position 0."""
+        return n + n * seq.num_computed // break_even if break_even else n
 
     def _admit(self, seq: Sequence, resume: bool = True) -> bool:
         """Give `seq` a slot and pages for all its tokens, resuming from the cache where it can (`resume`)."""

@@ -63,25 +63,27 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict:
 
 def tokenize_here(ctx: ServingContext, body: TokenizeRequest) -> dict:
     ctx.check_model(body.model)
-    if body.prompt is not None:
-        ids, starts = ctx.tokenizer.encode(body.prompt), []
-    elif body.continue_final_message:  # the prompt a chat request continuing its last message gets
+    ids, starts = (ctx.tokenizer.encode(body.prompt), []) if body.prompt is not None else _chat_tokens(ctx, body)
+    return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "message_starts": starts}
+
+
+def _chat_tokens(ctx: ServingContext, body: TokenizeRequest) -> tuple[list[int], list[int]]:
+    """The token ids of body's messages rendered with the chat template, and where each message starts."""
+    messages = [template_message(i, m) for i, m in enumerate(body.messages)]
+    if body.continue_final_message:  # the prompt a chat request continuing its last message gets
         check_continuation(body.messages, True)
-        messages = [template_message(i, m) for i, m in enumerate(body.messages)]
         tokenized = tokenize_prompt(ctx.tokenizer, None, messages, {**body.template_kwargs(),
                                                                     "continue_final_message": True})
-        ids, starts = tokenized.token_ids, [0, *tokenized.message_starts]
-    else:
-        messages = [template_message(i, m) for i, m in enumerate(body.messages)]
-        ids, ends = ctx.tokenizer.encode_chat(messages, **body.template_kwargs())
-        starts = [0, *ends[:-1]]
-        if not body.add_generation_prompt:
-            ids = ids[: ends[-1]]
-        elif ends[-1] < len(ids):
-            # where the generation prompt, and so the next assistant message, starts: a chat request snapshots
-            # it too, and a next turn that renders the answer differently (its reasoning dropped) resumes there
-            starts.append(ends[-1])
-    return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "message_starts": starts}
+        return tokenized.token_ids, [0, *tokenized.message_starts]
+    ids, ends = ctx.tokenizer.encode_chat(messages, **body.template_kwargs())
+    starts = [0, *ends[:-1]]
+    if not body.add_generation_prompt:
+        ids = ids[: ends[-1]]
+    elif ends[-1] < len(ids):
+        # where the generation prompt, and so the next assistant message, starts: a chat request snapshots
+        # it too, and a next turn that renders the answer differently (its reasoning dropped) resumes there
+        starts.append(ends[-1])
+    return ids, starts
 
 
 async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> dict:

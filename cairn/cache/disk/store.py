@@ -95,6 +95,7 @@ class _Entry:
 
 HELD_ELSEWHERE = "another process holds its lock"  # readonly_reason while a live process holds the lock
 
+
 class DiskStore(Pins):
     """Segments of one model namespace on disk, within `budget_bytes`.
 
