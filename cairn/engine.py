@@ -29,7 +29,7 @@ from cairn.activity import ActivityLog
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
 from cairn.choices import ChoiceGroups
-from cairn.compat import compat_digest, weights_digest
+from cairn.compat import compat_digest, kernel_platform, weights_digest
 from cairn.config import CacheOptions, ConfigError, EngineConfig
 from cairn.decode_graphs import CaptureBackend, DecodeGraphs
 from cairn.demo import DEMO_NAME, build_demo
@@ -153,7 +153,8 @@ class Engine:
                      "budget (from that position its attention costs more than its weights)",
                      self.scheduler.attention_break_even)
         if self.prefill_block:
-            log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends", self.prefill_block)
+            log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends; stored states are "
+                     "shared only with the same platform (%s)", self.prefill_block, kernel_platform(self.device))
         load_fused_cpu_ops(self.model.kernels, self.dtype, self.device)  # built before /health answers, not mid-request
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
@@ -175,7 +176,7 @@ class Engine:
         if not self.model_config.recurrent_layers:
             return NullCache()
         digest = compat_digest(weights, self.model_config, self.kv.k.dtype, self.kv.page_size, self.prefill_block,
-                               prefill_kernels(self.model)) if weights else ""
+                               prefill_kernels(self.model), kernel_platform(self.device)) if weights else ""
         return build_cache(opts, self.kv, self.states, self.model_config.vocab_size, digest, self.model_name,
                            self.prefill_block)
 
