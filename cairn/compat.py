@@ -37,7 +37,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 def kernel_platform(device: torch.device) -> str:
     """What chooses the instructions a product runs on this machine: torch's version and, on a CPU, its dispatch
     level, the matrix-relevant CPU flags and oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA); on a GPU its name and compute
-    capability with CUDA's version. Not the thread count: a product's sums were measured the same at 1 and 2."""
+    capability with CUDA's version. Not the thread count: a bf16 prefill gave the same bits at 1 to 8 threads."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return (f"torch {torch.__version__} cuda {torch.version.cuda} {torch.cuda.get_device_name(device)} "
