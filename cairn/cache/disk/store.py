@@ -3,7 +3,8 @@
 `DiskStore` puts and gets `Segment`s by key (LRU eviction, pins), writes atomically, indexes the
 namespace at start-up from headers only, verifies every checksum on `get`, turns every bad file into
 a counted miss, and counts every refusal in `faults` (faults.py: each logged with the file it concerns,
-each reason at most once a minute). The on-disk layout, safe file primitives live in namespace.py, the
+each reason at most once a minute). The on-disk layout, safe file primitives live in namespace.py, which
+process writes the namespace (its lock, read-only stores, the take-over) in lock.py, the
 `cairn cache ls|verify|purge` helpers (`list_namespaces`, `verify_store`, `purge_namespace`, re-exported
 here) in offline.py.
 
@@ -29,6 +30,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from cairn.cache.disk.faults import FaultLog
+from cairn.cache.disk.lock import NamespaceLock
 from cairn.cache.disk.namespace import (
     LOCK_NAME,
     MODEL_NAME,
@@ -45,7 +47,6 @@ from cairn.cache.disk.namespace import (
     read_segment_tokens,
     segment_file_name,
     set_aside,
-    try_lock,
     unlink_ours,
     write_atomic,
     write_model_name,
@@ -93,9 +94,6 @@ class _Entry:
 # ---------------------------------------------------------------------------------------------- store
 
 
-HELD_ELSEWHERE = "another process holds its lock"  # readonly_reason while a live process holds the lock
-
-
 class DiskStore(Pins):
     """Segments of one model namespace on disk, within `budget_bytes`.
 
@@ -136,10 +134,9 @@ class DiskStore(Pins):
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
         self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
         self._model_name = model_name
-        self._lock_fd = None
-        self.readonly_reason: str | None = None  # why the store is read-only (None: it holds the lock)
+        self._ns_lock: NamespaceLock | None = None  # this process writes the namespace while it holds it
         try:
-            self._lock_fd = self._take_lock()
+            self._ns_lock = NamespaceLock(self._dir_fd, f"{self.root}/{compat_digest}", self._faults)
             if model_name is not None and not self.readonly:
                 write_model_name(self._dir_fd, model_name)
             self.scan()
@@ -149,39 +146,15 @@ class DiskStore(Pins):
         if not self.readonly:
             self._warn_if_budget_exceeds_free_space()
 
-    def _take_lock(self) -> int | None:
-        """The namespace's lock fd, or None: the store is read-only, and readonly_reason (logged once) says why."""
-        try:
-            fd = try_lock(self._dir_fd)
-        except OSError as e:
-            self.readonly_reason = f"its lock could not be taken: {e}"
-            self._faults.report("lock_failed", LOCK_NAME, f"{e}; this store is read-only")
-            return None
-        if fd is None:
-            self.readonly_reason = HELD_ELSEWHERE
-            logger.warning("disk cache %s/%s is read-only: %s", self.root, self.compat_digest, self.readonly_reason)
-        return fd
-
     def take_over(self) -> bool:
-        """Take the lock that another process held when this store opened, if that process is gone: from then
-        on this store writes, evicts and deletes (the caller scans next, which cleans and fits the budget as
-        the lock holder does). True when it took it (one log line). A lock that could not be taken at all (a
-        read-only filesystem) is not tried again."""
-        if self._lock_fd is not None or self.readonly_reason != HELD_ELSEWHERE:
-            return False
-        with self._put_lock:
-            try:
-                fd = try_lock(self._dir_fd)
-            except OSError:
+        """Take the lock that another process held when this store opened, if that process is gone (lock.py):
+        from then on this store writes, evicts and deletes (the caller scans next, which cleans and fits the
+        budget as the lock holder does). True when it took it."""
+        with self._put_lock, self._lock:
+            if not self._ns_lock.take_over(self._dir_fd):
                 return False
-            if fd is None:
-                return False
-            with self._lock:
-                self._lock_fd, self.readonly_reason = fd, None
         if self._model_name is not None:
             write_model_name(self._dir_fd, self._model_name)
-        logger.info("disk cache %s/%s: the process that held its lock is gone; this server writes it from now on",
-                    self.root, self.compat_digest)
         return True
 
     def _warn_if_budget_exceeds_free_space(self) -> None:
@@ -200,7 +173,12 @@ class DiskStore(Pins):
 
     @property
     def readonly(self) -> bool:
-        return self._lock_fd is None
+        return self._ns_lock is None or not self._ns_lock.held
+
+    @property
+    def readonly_reason(self) -> str | None:
+        """Why the store is read-only (lock.py), or None: it holds the namespace's lock."""
+        return None if self._ns_lock is None else self._ns_lock.reason
 
     @property
     def faults(self) -> dict[str, int]:
@@ -532,10 +510,11 @@ class DiskStore(Pins):
     def close(self) -> None:
         """Release the lock (another process may then manage the namespace) and the directory. Idempotent."""
         with self._put_lock, self._lock:
-            for fd in (self._lock_fd, self._dir_fd):
-                if fd is not None:
-                    os.close(fd)
-            self._lock_fd = self._dir_fd = None
+            if self._ns_lock is not None:
+                self._ns_lock.release()
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+            self._dir_fd = None
 
     def __enter__(self) -> DiskStore:
         return self
