@@ -94,6 +94,19 @@ class _Entry:
 # ---------------------------------------------------------------------------------------------- store
 
 
+# The store's counts (stats()), since it opened. The segments it indexes are always
+#   segments == scanned + puts - rewrites - evictions - removed - dropped   (check_integrity asserts it)
+COUNTS = (
+    "puts",       # segment files written (a put of a key whose file already holds it all writes nothing)
+    "rewrites",   # of those, files that replaced an indexed key's file (a snapshot or logits added)
+    "evictions",  # indexed segments deleted to fit the budget (least recently used first)
+    "removed",    # indexed segments deleted as unreachable (remove_unreachable: orphans found at start-up)
+    "dropped",    # indexed segments dropped because their file was found bad, or gone (another process)
+    "scanned",    # segments a scan indexed that were not indexed before (start-up, a rescan)
+    "gets", "hits",  # get() calls, and those that returned a segment
+)
+
+
 class DiskStore(Pins):
     """Segments of one model namespace on disk, within `budget_bytes`.
 
@@ -129,7 +142,7 @@ class DiskStore(Pins):
         self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
         self._rejected: dict[str, tuple[int, int]] = {}  # file name -> (inode, mtime ns) of a file found bad
         self._used_bytes = 0  # sum of indexed sizes, plus the size of a put in flight
-        self._counts = {"puts": 0, "gets": 0, "hits": 0, "evictions": 0}
+        self._counts = dict.fromkeys(COUNTS, 0)  # see COUNTS
         self._lock = threading.RLock()  # guards everything above
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
         self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
@@ -210,6 +223,8 @@ class DiskStore(Pins):
                         entry.last_used = self._index[key].last_used
                 order = sorted(found.values(), key=lambda e: (e.last_used, rank.get(e.header.key, -1), e.header.key))
                 vanished = [key for key in self._index if key not in found]  # another process removed them
+                self._counts["scanned"] += sum(key not in self._index for key in found)
+                self._counts["dropped"] += len(vanished)
                 self._index = OrderedDict((e.header.key, e) for e in order)
                 self._used_bytes = sum(e.size_bytes for e in order)
                 evicted = [] if self.readonly else self._fit_budget()
@@ -340,6 +355,7 @@ class DiskStore(Pins):
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._used_bytes -= entry.size_bytes
+                self._counts["dropped"] += 1
         self._remember_rejected(name)
         if delete and not self.readonly:
             unlink_ours(self._dir_fd, name)
@@ -374,7 +390,13 @@ class DiskStore(Pins):
     def used_bytes(self) -> int:
         return self._used_bytes
 
+    def segment_counts(self) -> dict[str, int]:
+        """The COUNTS of segments entering and leaving the index (all but gets and hits), for /metrics."""
+        with self._lock:
+            return {name: n for name, n in self._counts.items() if name not in ("gets", "hits")}
+
     def stats(self) -> dict:
+        """segments (indexed now), used_bytes, budget_bytes, readonly, and the COUNTS."""
         with self._lock:
             return {"segments": len(self._index), "used_bytes": self._used_bytes, "budget_bytes": self.budget_bytes,
                     **self._counts, "readonly": self.readonly}
@@ -454,6 +476,7 @@ class DiskStore(Pins):
             self._used_bytes += (size_bytes - old.size_bytes if old else size_bytes) - reserved
             self._index[segment.key] = _Entry(header, size_bytes, time.time())
             self._counts["puts"] += 1
+            self._counts["rewrites"] += old is not None
 
     def _plan_eviction(self, need_bytes: int, exclude: bytes | None) -> list[bytes] | None:
         """Least-recently-used unpinned keys (never `exclude`) whose removal makes room for need_bytes.
@@ -470,12 +493,12 @@ class DiskStore(Pins):
                 excess -= entry.size_bytes
         return victims if excess <= 0 else None
 
-    def _evict(self, victims: list[bytes]) -> list[bytes]:
-        """Drop victims from the index and delete their files (caller holds self._lock)."""
+    def _evict(self, victims: list[bytes], count: str = "evictions") -> list[bytes]:
+        """Drop victims from the index and delete their files, counted under `count` (caller holds self._lock)."""
         for key in victims:
             self._used_bytes -= self._index.pop(key).size_bytes
             unlink_ours(self._dir_fd, segment_file_name(key))
-            self._counts["evictions"] += 1
+            self._counts[count] += 1
         return victims
 
     def remove_unreachable(self, keys: list[bytes]) -> int:
@@ -489,7 +512,7 @@ class DiskStore(Pins):
             for key in keys:
                 if key in self._index and key not in self._pins:
                     freed += self._index[key].size_bytes
-                    self._evict([key])
+                    self._evict([key], "removed")
         return freed
 
     def _notify(self, keys: list[bytes]) -> None:
@@ -506,6 +529,9 @@ class DiskStore(Pins):
             assert self.readonly or self._used_bytes <= self.budget_bytes, "over budget"
             assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
             assert all(k == e.header.key for k, e in self._index.items()), "index key differs from its header"
+            c = self._counts
+            assert len(self._index) == (c["scanned"] + c["puts"] - c["rewrites"] - c["evictions"] - c["removed"]
+                                        - c["dropped"]), f"the counts do not add up to the {len(self._index)} indexed"
 
     def close(self) -> None:
         """Release the lock (another process may then manage the namespace) and the directory. Idempotent."""
