@@ -352,7 +352,7 @@ def test_a_budget_larger_than_the_free_space_is_one_start_up_warning_and_the_sto
     with caplog.at_level(logging.WARNING), DiskStore(root, DIGEST, 16 * 2**30) as store:
         (warning,) = [r.getMessage() for r in caplog.records if "free on its filesystem" in r.getMessage()]
         assert "budget of 16.0 GiB exceeds the 2.0 MiB free" in warning and str(root) in warning
-        assert "writes beyond the free space will fail and be counted, and the cache keeps serving" in warning
+        assert "when it is full, the least recently used segments make room for new ones" in warning
         seg = make_segment(1)
         assert store.put(seg) and store.get(seg.key) == seg
 

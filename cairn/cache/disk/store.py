@@ -17,6 +17,7 @@ only mutated under a lock. A get that races an eviction returns None, never wron
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -94,6 +95,9 @@ class _Entry:
 # ---------------------------------------------------------------------------------------------- store
 
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a write found the filesystem (or the user's quota) full
+FULL_DISK_RETRIES = 2  # writes again after evicting to fit what a full filesystem holds (bounded: others may fill it)
+
 # The store's counts (stats()), since it opened. The segments it indexes are always
 #   segments == scanned + puts - rewrites - evictions - removed - dropped   (check_integrity asserts it)
 COUNTS = (
@@ -124,6 +128,12 @@ class DiskStore(Pins):
     `take_over()` takes the lock once the process that held it is gone (a rolling restart: the old
     server stops after the new one started), and the store is the lock holder from then on.
     used_bytes <= budget_bytes always holds for the lock holder.
+    A full disk: a write that fails with ENOSPC (or EDQUOT) for want of free space lowers the effective budget
+    (`effective_budget_bytes`) to what the filesystem holds (counted as "disk_full", one line), evicts down
+    to it, least recently used and unpinned first, and writes again (at most FULL_DISK_RETRIES times); a
+    later write that would evict under it measures the free space again, so the budget comes back with the
+    space. A segment that cannot fit even with every unpinned segment evicted fails ("write_failed") with
+    nothing evicted for it.
     Bad files: the lock holder deletes a corrupt segment of ours and moves an entry named like a
     segment that is not a regular file (a link, a FIFO...) into quarantine/, so neither is met again
     at the next start; a read-only store remembers the files it rejected and skips them on a rescan.
@@ -142,6 +152,9 @@ class DiskStore(Pins):
         self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
         self._rejected: dict[str, tuple[int, int]] = {}  # file name -> (inode, mtime ns) of a file found bad
         self._used_bytes = 0  # sum of indexed sizes, plus the size of a put in flight
+        # The budget the filesystem was found to hold when a write failed for want of space (<= budget_bytes):
+        # evictions fit this one; measured again when a write would need to evict under it (see _found_full).
+        self.effective_budget_bytes = budget_bytes
         self._counts = dict.fromkeys(COUNTS, 0)  # see COUNTS
         self._lock = threading.RLock()  # guards everything above
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
@@ -172,16 +185,16 @@ class DiskStore(Pins):
 
     def _warn_if_budget_exceeds_free_space(self) -> None:
         """One start-up warning when the budget is more than the filesystem has room for (its free space plus
-        what the store already holds). Nothing is refused: a write the disk has no room for fails (ENOSPC),
-        counted as "write_failed" like any failed write, and the store keeps serving what it holds."""
+        what the store already holds). Nothing is refused: when a write finds the disk full, the store evicts
+        its least-recently-used segments to make room and keeps what fits (see _found_full)."""
         try:
             free_bytes = shutil.disk_usage(self.root).free
         except OSError:
             return
         if self.budget_bytes > free_bytes + self._used_bytes:
             held = f" (besides the {format_size(self._used_bytes)} it holds)" if self._used_bytes else ""
-            logger.warning("disk cache %s: the budget of %s exceeds the %s free on its filesystem%s; writes "
-                           "beyond the free space will fail and be counted, and the cache keeps serving",
+            logger.warning("disk cache %s: the budget of %s exceeds the %s free on its filesystem%s; when it is "
+                           "full, the least recently used segments make room for new ones",
                            self.root, format_size(self.budget_bytes), format_size(free_bytes), held)
 
     @property
@@ -238,7 +251,8 @@ class DiskStore(Pins):
         if victims:
             freed_bytes = sum(self._index[key].size_bytes for key in victims)
             logger.info("disk cache %s: evicted %d segment(s), %s, to fit the budget of %s",
-                        self.compat_digest[:16], len(victims), format_size(freed_bytes), format_size(self.budget_bytes))
+                        self.compat_digest[:16], len(victims), format_size(freed_bytes),
+                        format_size(self.effective_budget_bytes))
         return self._evict(victims)
 
     def _scan_one(self, name: str) -> _Entry | None:
@@ -433,23 +447,78 @@ class DiskStore(Pins):
         except SegmentError as e:
             self._faults.report("too_large", segment_file_name(segment.key), e.message)
             return False, []
-        size_bytes = sum(memoryview(p).nbytes for p in parts)
-        reservation = self._reserve(segment.key, size_bytes)
-        if reservation is None:
-            return False, []
-        evicted, reserved = reservation
-        try:
-            if not write_atomic(self._dir_fd, segment_file_name(segment.key), parts):
-                self._faults.report("dir_sync_failed", segment_file_name(segment.key),
-                                    "the directory fsync failed after the rename")
-        except (OSError, UnusableEntry) as e:
+        size_bytes, name, evicted = sum(memoryview(p).nbytes for p in parts), segment_file_name(segment.key), []
+        for attempt in range(1 + FULL_DISK_RETRIES):
+            reservation = self._reserve(segment.key, size_bytes)
+            if reservation is None:
+                return False, evicted
+            evicted += reservation[0]
+            error = self._write(name, parts)
+            if error is None:
+                self._commit(segment, parts[0], size_bytes, reservation[1])
+                return True, evicted
             with self._lock:
-                self._used_bytes -= reserved
-            self._faults.report(getattr(e, "reason", "write_failed"), segment_file_name(segment.key),
-                                "" if isinstance(e, UnusableEntry) else str(e))
-            return False, evicted
-        self._commit(segment, parts[0], size_bytes, reserved)
-        return True, evicted
+                self._used_bytes -= reservation[1]
+            if attempt == FULL_DISK_RETRIES or not self._found_full(error, segment.key, size_bytes):
+                self._faults.report(getattr(error, "reason", "write_failed"), name,
+                                    "" if isinstance(error, UnusableEntry) else str(error))
+                return False, evicted
+        raise AssertionError("unreachable: the last attempt returns")
+
+    def _write(self, name: str, parts) -> OSError | UnusableEntry | None:
+        """Write the file atomically; the error that failed it, or None."""
+        try:
+            if not write_atomic(self._dir_fd, name, parts):
+                self._faults.report("dir_sync_failed", name, "the directory fsync failed after the rename")
+        except (OSError, UnusableEntry) as e:
+            return e
+        return None
+
+    # ------------------------------------------------------------------------------------ a full disk
+
+    def _found_full(self, error: Exception, key: bytes, size_bytes: int) -> bool:
+        """A write failed with ENOSPC (or EDQUOT) and the free space explains it: the filesystem holds less
+        than the budget. Lower the effective budget to what it holds (counted as "disk_full"; one line when
+        the store starts keeping less than its budget) and answer True: evict down to it and write again.
+        False, nothing evicted for it, when the failure is not for want of bytes (out of inodes, say), or when
+        even evicting every unpinned segment would not make room: the write fails as any other."""
+        if not (isinstance(error, OSError) and error.errno in NO_SPACE):
+            return False
+        fits = self._bytes_that_fit(size_bytes)
+        if fits is None or fits >= self._used_bytes + size_bytes:
+            return False
+        self._faults.count("disk_full")
+        with self._lock:
+            lowered, self.effective_budget_bytes = self.effective_budget_bytes == self.budget_bytes, fits
+            kept = sum(e.size_bytes for k, e in self._index.items() if k in self._pins or k == key)
+        if lowered:
+            logger.warning("disk cache %s: the filesystem under %s is full (%s): it has room for %s of segments, "
+                           "less than the budget of %s; evicting the least recently used to fit what it holds, "
+                           "until space comes back", self.compat_digest[:16], self.root, error.strerror,
+                           format_size(fits), format_size(self.budget_bytes))
+        return kept + size_bytes <= fits
+
+    def _bytes_that_fit(self, size_bytes: int) -> int | None:
+        """The segment bytes the filesystem can hold with a write of size_bytes next: the store's files plus the
+        free space, less what rounding that file up to whole blocks takes; None when it cannot be measured."""
+        try:
+            fs = os.fstatvfs(self._dir_fd)
+        except OSError:
+            return None
+        block = fs.f_frsize or 4096
+        return max(0, self._used_bytes + fs.f_bavail * block - (-size_bytes % block))
+
+    def _remeasure(self, size_bytes: int) -> None:
+        """Under a budget lowered by a full disk, measure again before evicting for a write: the effective
+        budget follows the free space back up (one line when it is the whole budget again), or down.
+        Caller holds self._lock."""
+        fits = self._bytes_that_fit(size_bytes)
+        if fits is None:
+            return
+        self.effective_budget_bytes = min(self.budget_bytes, fits)
+        if self.effective_budget_bytes == self.budget_bytes:
+            logger.info("disk cache %s: the filesystem under %s has room again; the budget is %s again",
+                        self.compat_digest[:16], self.root, format_size(self.budget_bytes))
 
     def _reserve(self, key: bytes, size_bytes: int) -> tuple[list[bytes], int] | None:
         """Evict to make room for size_bytes under key and count them as used.
@@ -462,9 +531,16 @@ class DiskStore(Pins):
                 self._faults.report("too_large", segment_file_name(key),
                                     f"{size_bytes} bytes > budget {self.budget_bytes}")
                 return None
-            victims = self._plan_eviction(size_bytes - old, exclude=key)
+            full = self.effective_budget_bytes < self.budget_bytes
+            if full and self._used_bytes + size_bytes - old > self.effective_budget_bytes:
+                self._remeasure(size_bytes)
+                full = self.effective_budget_bytes < self.budget_bytes
+            # On a full disk the old file takes its room until the new one is renamed over it.
+            victims = self._plan_eviction(size_bytes if full else size_bytes - old, exclude=key)
             if victims is None:
-                self._faults.report("budget_full", segment_file_name(key), "pinned segments leave too little room")
+                room = f" in the {format_size(self.effective_budget_bytes)} the full filesystem holds" if full else ""
+                self._faults.report("budget_full", segment_file_name(key),
+                                    f"pinned segments leave too little room{room}")
                 return None
             self._used_bytes += size_bytes - old
             return self._evict(victims), size_bytes - old
@@ -483,7 +559,7 @@ class DiskStore(Pins):
 
         [] when it already fits; None when even evicting every unpinned key would not be enough.
         """
-        excess = self._used_bytes + need_bytes - self.budget_bytes
+        excess = self._used_bytes + need_bytes - self.effective_budget_bytes
         victims = []
         for key, entry in self._index.items():
             if excess <= 0:
@@ -527,6 +603,7 @@ class DiskStore(Pins):
         with self._lock:
             assert self._used_bytes == sum(e.size_bytes for e in self._index.values()), "used_bytes drifted"
             assert self.readonly or self._used_bytes <= self.budget_bytes, "over budget"
+            assert self.effective_budget_bytes <= self.budget_bytes, "an effective budget above the budget"
             assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
             assert all(k == e.header.key for k, e in self._index.items()), "index key differs from its header"
             c = self._counts
