@@ -4,9 +4,9 @@
 namespace at start-up from headers only, verifies every checksum on `get`, turns every bad file into
 a counted miss, and counts every refusal in `faults` (faults.py: each logged with the file it concerns,
 each reason at most once a minute). The on-disk layout, safe file primitives live in namespace.py, which
-process writes the namespace (its lock, read-only stores, the take-over) in lock.py, the
-`cairn cache ls|verify|purge` helpers (`list_namespaces`, `verify_store`, `purge_namespace`, re-exported
-here) in offline.py.
+process writes the namespace (its lock, read-only stores, the take-over) in lock.py, how much of the budget
+a filling filesystem holds (the effective budget) in space.py, the `cairn cache ls|verify|purge` helpers
+(`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in offline.py.
 
 This module is NOT the file format (segment.py), the tensor conversion, nor the tier policy (what
 to demote or prefetch, when to read): it stores and returns bytes.
@@ -17,11 +17,9 @@ only mutated under a lock. A get that races an eviction returns None, never wron
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
-import shutil
 import stat
 import threading
 import time
@@ -63,6 +61,7 @@ from cairn.cache.disk.segment import (
     encode_segment_parts,
     read_header,
 )
+from cairn.cache.disk.space import FilesystemRoom, format_size
 
 __all__ = ["DiskStore", "SegmentInfo", "DiskStoreError", "StoreLockedError", "NamespaceSummary", "VerifyResult",
            "list_namespaces", "verify_store", "purge_namespace", "format_size"]
@@ -95,7 +94,6 @@ class _Entry:
 # ---------------------------------------------------------------------------------------------- store
 
 
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a write found the filesystem (or the user's quota) full
 FULL_DISK_RETRIES = 2  # writes again after evicting to fit what a full filesystem holds (bounded: others may fill it)
 
 # The store's counts (stats()), since it opened. The segments it indexes are always
@@ -152,13 +150,11 @@ class DiskStore(Pins):
         self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
         self._rejected: dict[str, tuple[int, int]] = {}  # file name -> (inode, mtime ns) of a file found bad
         self._used_bytes = 0  # sum of indexed sizes, plus the size of a put in flight
-        # The budget the filesystem was found to hold when a write failed for want of space (<= budget_bytes):
-        # evictions fit this one; measured again when a write would need to evict under it (see _found_full).
-        self.effective_budget_bytes = budget_bytes
         self._counts = dict.fromkeys(COUNTS, 0)  # see COUNTS
         self._lock = threading.RLock()  # guards everything above
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
         self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
+        self._room = FilesystemRoom(self._dir_fd, self.root, compat_digest[:16], budget_bytes)  # see space.py
         self._model_name = model_name
         self._ns_lock: NamespaceLock | None = None  # this process writes the namespace while it holds it
         try:
@@ -170,7 +166,7 @@ class DiskStore(Pins):
             self.close()
             raise
         if not self.readonly:
-            self._warn_if_budget_exceeds_free_space()
+            self._room.warn_if_short(self._used_bytes)
 
     def take_over(self) -> bool:
         """Take the lock that another process held when this store opened, if that process is gone (lock.py):
@@ -183,19 +179,10 @@ class DiskStore(Pins):
             write_model_name(self._dir_fd, self._model_name)
         return True
 
-    def _warn_if_budget_exceeds_free_space(self) -> None:
-        """One start-up warning when the budget is more than the filesystem has room for (its free space plus
-        what the store already holds). Nothing is refused: when a write finds the disk full, the store evicts
-        its least-recently-used segments to make room and keeps what fits (see _found_full)."""
-        try:
-            free_bytes = shutil.disk_usage(self.root).free
-        except OSError:
-            return
-        if self.budget_bytes > free_bytes + self._used_bytes:
-            held = f" (besides the {format_size(self._used_bytes)} it holds)" if self._used_bytes else ""
-            logger.warning("disk cache %s: the budget of %s exceeds the %s free on its filesystem%s; when it is "
-                           "full, the least recently used segments make room for new ones",
-                           self.root, format_size(self.budget_bytes), format_size(free_bytes), held)
+    @property
+    def effective_budget_bytes(self) -> int:
+        """The budget evictions fit: budget_bytes, or less while the filesystem holds less (space.py)."""
+        return self._room.effective_bytes
 
     @property
     def readonly(self) -> bool:
@@ -252,7 +239,7 @@ class DiskStore(Pins):
             freed_bytes = sum(self._index[key].size_bytes for key in victims)
             logger.info("disk cache %s: evicted %d segment(s), %s, to fit the budget of %s",
                         self.compat_digest[:16], len(victims), format_size(freed_bytes),
-                        format_size(self.effective_budget_bytes))
+                        format_size(self._room.effective_bytes))
         return self._evict(victims)
 
     def _scan_one(self, name: str) -> _Entry | None:
@@ -459,7 +446,7 @@ class DiskStore(Pins):
                 return True, evicted
             with self._lock:
                 self._used_bytes -= reservation[1]
-            if attempt == FULL_DISK_RETRIES or not self._found_full(error, segment.key, size_bytes):
+            if attempt == FULL_DISK_RETRIES or not self._made_room(error, segment.key, size_bytes):
                 self._faults.report(getattr(error, "reason", "write_failed"), name,
                                     "" if isinstance(error, UnusableEntry) else str(error))
                 return False, evicted
@@ -474,51 +461,18 @@ class DiskStore(Pins):
             return e
         return None
 
-    # ------------------------------------------------------------------------------------ a full disk
-
-    def _found_full(self, error: Exception, key: bytes, size_bytes: int) -> bool:
-        """A write failed with ENOSPC (or EDQUOT) and the free space explains it: the filesystem holds less
-        than the budget. Lower the effective budget to what it holds (counted as "disk_full"; one line when
-        the store starts keeping less than its budget) and answer True: evict down to it and write again.
-        False, nothing evicted for it, when the failure is not for want of bytes (out of inodes, say), or when
-        even evicting every unpinned segment would not make room: the write fails as any other."""
-        if not (isinstance(error, OSError) and error.errno in NO_SPACE):
-            return False
-        fits = self._bytes_that_fit(size_bytes)
-        if fits is None or fits >= self._used_bytes + size_bytes:
-            return False
-        self._faults.count("disk_full")
+    def _made_room(self, error: Exception, key: bytes, size_bytes: int) -> bool:
+        """The write failed for want of free space (space.py): the effective budget is lowered to what the
+        filesystem holds (counted as "disk_full"); True: evict down to it and write again. False, nothing
+        evicted for it, when the failure is another, or when even evicting every unpinned segment would not
+        make room: the write fails as any other."""
         with self._lock:
-            lowered, self.effective_budget_bytes = self.effective_budget_bytes == self.budget_bytes, fits
+            fits = self._room.found_full(error, self._used_bytes, size_bytes)
+            if fits is None:
+                return False
+            self._faults.count("disk_full")
             kept = sum(e.size_bytes for k, e in self._index.items() if k in self._pins or k == key)
-        if lowered:
-            logger.warning("disk cache %s: the filesystem under %s is full (%s): it has room for %s of segments, "
-                           "less than the budget of %s; evicting the least recently used to fit what it holds, "
-                           "until space comes back", self.compat_digest[:16], self.root, error.strerror,
-                           format_size(fits), format_size(self.budget_bytes))
         return kept + size_bytes <= fits
-
-    def _bytes_that_fit(self, size_bytes: int) -> int | None:
-        """The segment bytes the filesystem can hold with a write of size_bytes next: the store's files plus the
-        free space, less what rounding that file up to whole blocks takes; None when it cannot be measured."""
-        try:
-            fs = os.fstatvfs(self._dir_fd)
-        except OSError:
-            return None
-        block = fs.f_frsize or 4096
-        return max(0, self._used_bytes + fs.f_bavail * block - (-size_bytes % block))
-
-    def _remeasure(self, size_bytes: int) -> None:
-        """Under a budget lowered by a full disk, measure again before evicting for a write: the effective
-        budget follows the free space back up (one line when it is the whole budget again), or down.
-        Caller holds self._lock."""
-        fits = self._bytes_that_fit(size_bytes)
-        if fits is None:
-            return
-        self.effective_budget_bytes = min(self.budget_bytes, fits)
-        if self.effective_budget_bytes == self.budget_bytes:
-            logger.info("disk cache %s: the filesystem under %s has room again; the budget is %s again",
-                        self.compat_digest[:16], self.root, format_size(self.budget_bytes))
 
     def _reserve(self, key: bytes, size_bytes: int) -> tuple[list[bytes], int] | None:
         """Evict to make room for size_bytes under key and count them as used.
@@ -531,14 +485,13 @@ class DiskStore(Pins):
                 self._faults.report("too_large", segment_file_name(key),
                                     f"{size_bytes} bytes > budget {self.budget_bytes}")
                 return None
-            full = self.effective_budget_bytes < self.budget_bytes
-            if full and self._used_bytes + size_bytes - old > self.effective_budget_bytes:
-                self._remeasure(size_bytes)
-                full = self.effective_budget_bytes < self.budget_bytes
+            if self._room.short and self._used_bytes + size_bytes - old > self._room.effective_bytes:
+                self._room.remeasure(self._used_bytes, size_bytes)
+            full = self._room.short
             # On a full disk the old file takes its room until the new one is renamed over it.
             victims = self._plan_eviction(size_bytes if full else size_bytes - old, exclude=key)
             if victims is None:
-                room = f" in the {format_size(self.effective_budget_bytes)} the full filesystem holds" if full else ""
+                room = f" in the {format_size(self._room.effective_bytes)} the full filesystem holds" if full else ""
                 self._faults.report("budget_full", segment_file_name(key),
                                     f"pinned segments leave too little room{room}")
                 return None
@@ -559,7 +512,7 @@ class DiskStore(Pins):
 
         [] when it already fits; None when even evicting every unpinned key would not be enough.
         """
-        excess = self._used_bytes + need_bytes - self.effective_budget_bytes
+        excess = self._used_bytes + need_bytes - self._room.effective_bytes
         victims = []
         for key, entry in self._index.items():
             if excess <= 0:
@@ -603,7 +556,7 @@ class DiskStore(Pins):
         with self._lock:
             assert self._used_bytes == sum(e.size_bytes for e in self._index.values()), "used_bytes drifted"
             assert self.readonly or self._used_bytes <= self.budget_bytes, "over budget"
-            assert self.effective_budget_bytes <= self.budget_bytes, "an effective budget above the budget"
+            assert self._room.effective_bytes <= self.budget_bytes, "an effective budget above the budget"
             assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
             assert all(k == e.header.key for k, e in self._index.items()), "index key differs from its header"
             c = self._counts
@@ -624,11 +577,6 @@ class DiskStore(Pins):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def format_size(num_bytes: int) -> str:
-    """A byte count for a log line: in GiB from 1 GiB up, else in MiB (a budget of 0.01 GiB is "10.2 MiB")."""
-    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _covers(header: SegmentHeader, segment: Segment) -> bool:
