@@ -94,6 +94,7 @@ def test_put_then_get_returns_the_identical_segment(root, compression):
         assert store.get(segment_key(None, [9])) is None
         assert store.stats() | {"used_bytes": 0} == {"segments": 1, "used_bytes": 0, "budget_bytes": 1 << 20,
                                                      "puts": 1, "gets": 2, "hits": 1, "evictions": 0,
+                                                     "rewrites": 0, "removed": 0, "dropped": 0, "scanned": 0,
                                                      "readonly": False}
         store.check_integrity()
 
@@ -226,6 +227,38 @@ def test_put_of_a_stored_key_rewrites_only_to_add_a_snapshot(root):
         store.check_integrity()
 
 
+def test_the_store_counts_add_up_to_the_segments_it_indexes(root):
+    """segments == scanned + puts - rewrites - evictions - removed - dropped at every step: a rewrite (a snapshot
+    added to a stored key) is a put that adds no segment, an orphan removed is not a budget eviction, and a bad
+    file dropped from the index and what a restart finds are counted too (an operator compared puts minus
+    evictions with the segments indexed, and they drifted apart)."""
+    segs = equal_sized_segments(3)
+    size = file_bytes(segs[0])
+
+    def counts(store):
+        store.check_integrity()
+        return {k: v for k, v in store.stats().items() if k not in ("used_bytes", "budget_bytes", "gets", "hits",
+                                                                       "readonly")}
+
+    with DiskStore(root, DIGEST, 2 * size + 200) as store:
+        bare = make_segment(10, snapshot=False)  # segs[0] without its snapshot: the same key
+        assert store.put(bare) and store.put(segs[0]) and store.put(segs[0])  # written, rewritten, touched
+        assert counts(store) == {"segments": 1, "scanned": 0, "puts": 2, "rewrites": 1, "evictions": 0, "removed": 0,
+                                 "dropped": 0}
+        assert store.put(segs[1]) and store.put(segs[2])  # segs[0] leaves for the budget
+        assert counts(store) == {"segments": 2, "scanned": 0, "puts": 4, "rewrites": 1, "evictions": 1, "removed": 0,
+                                 "dropped": 0}
+        assert store.remove_unreachable([segs[1].key]) == size  # an orphan: not an eviction
+        (root / DIGEST / f"{segs[2].key.hex()}.seg").write_bytes(b"garbage")
+        assert store.get(segs[2].key) is None  # a bad file: dropped
+        assert counts(store) == {"segments": 0, "scanned": 0, "puts": 4, "rewrites": 1, "evictions": 1, "removed": 1,
+                                 "dropped": 1}
+        assert store.put(segs[0]) and store.put(segs[1])
+    with DiskStore(root, DIGEST, 2 * size + 200) as store:
+        assert counts(store) == {"segments": 2, "scanned": 2, "puts": 0, "rewrites": 0, "evictions": 0, "removed": 0,
+                                 "dropped": 0}
+
+
 def test_store_in_same_process_with_its_own_lock_description_is_readonly(root):
     seg = make_segment(1)
     with DiskStore(root, DIGEST, 1 << 20) as writer:
@@ -319,7 +352,7 @@ def test_a_budget_larger_than_the_free_space_is_one_start_up_warning_and_the_sto
     with caplog.at_level(logging.WARNING), DiskStore(root, DIGEST, 16 * 2**30) as store:
         (warning,) = [r.getMessage() for r in caplog.records if "free on its filesystem" in r.getMessage()]
         assert "budget of 16.0 GiB exceeds the 2.0 MiB free" in warning and str(root) in warning
-        assert "writes beyond the free space will fail and be counted, and the cache keeps serving" in warning
+        assert "when it is full, the least recently used segments make room for new ones" in warning
         seg = make_segment(1)
         assert store.put(seg) and store.get(seg.key) == seg
 

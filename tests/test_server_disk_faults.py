@@ -20,6 +20,7 @@ import httpx
 
 from cairn.cache.disk.index import RESCAN_INTERVAL_S
 from tests.server_process import REPO_ROOT, start_server
+from tests.small_filesystem import fill, small_filesystem
 
 FLAGS = ("--snapshot-interval", "64", "--page-size", "8", "--max-num-seqs", "2", "--device-snapshot-gib", "0.002",
          "--disk-cache-gib", "0.25")  # a budget any test machine has room for: no free-space warning
@@ -149,6 +150,35 @@ def test_read_only_second_server_resumes_what_the_writer_adds_after_it_started(t
         writer.stop()
     assert warm["usage"]["cairn"]["tier"] == "disk" and warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert text(warm) == text(cold)
+
+
+def test_a_full_disk_fails_no_request_and_keeps_storing_the_new_conversations(tmp_path):
+    """The filesystem under --disk-cache fills up (another file grew, and the budget exceeds it): every request
+    is served and equals a cold run, the store makes room from its least-recently-used segments (one line), so
+    the newest conversation is still stored: after a restart it resumes from disk, as cold serves it."""
+    flags = (*FLAGS, "--host-cache-gib", "0", "--disk-cache")
+    with small_filesystem(tmp_path / "fs", 24 << 20) as fs:
+        server = start_server(*flags, str(fs / "cache"))
+        try:
+            fill(fs / "other.bin", 7 << 20)  # room for the segments of two or three requests (0.25 GiB budget)
+            with httpx.Client(base_url=server.base_url, timeout=60) as http:
+                first_turns = [complete(http, conversation(topic)) for topic in TOPICS]
+                assert_warm_equals_cold(http)
+                metrics = http.get("/metrics").text
+        finally:
+            assert server.stop() == 0
+        restarted = start_server(*flags, str(fs / "cache"))
+        try:
+            with httpx.Client(base_url=restarted.base_url, timeout=60) as http:
+                warm, cold = complete(http, follow_up(TOPICS[-1])), complete(http, follow_up(TOPICS[-1]), cache=False)
+        finally:
+            assert restarted.stop() == 0
+    # resumed from disk past the newest first turn: what was written last, after the disk filled, was kept
+    assert warm["usage"]["cairn"]["tier"] == "disk" and text(warm) == text(cold)
+    assert warm["usage"]["cairn"]["resume_position"] > first_turns[-1]["usage"]["prompt_tokens"], warm["usage"]
+    assert metric(metrics, "cairn_cache_disk_faults_total").get("disk_full", 0) >= 1
+    assert metric(metrics, "cairn_cache_disk_store_segments_total")["evictions"] >= 1
+    assert server.log().count("is full (No space left on device)") == 1 and "Traceback" not in server.log()
 
 
 def test_serve_refuses_a_symlinked_disk_cache_with_one_line(tmp_path):

@@ -464,7 +464,7 @@ class HybridPrefixCache(PrefixCache):
             return None
         tier = self.tiers.by_name[name]
         return DiskStats(tier.store.used_bytes, len(tier.store), dict(tier.store.faults), dict(index.forgotten),
-                         tier.operations())
+                         tier.operations(), tier.store.segment_counts() if name == DISK else {})
 
     # ---- probing (the router's question) ------------------------------------------------------------
 

@@ -121,6 +121,7 @@ CACHE_SERIES = (
     ("disk.faults", "disk_faults", "reason", False),
     ("disk.forgotten", "disk_segments_forgotten", "reason", False),
     ("disk.operations", "disk_operations", "kind", False),
+    ("disk.store_segments", "disk_store_segments", "event", False),
     ("remote.used_bytes", "remote_used_bytes", None, True),
     ("remote.num_segments", "num_remote_segments", None, True),
     ("remote.faults", "remote_faults", "reason", False),

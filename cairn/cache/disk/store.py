@@ -3,9 +3,10 @@
 `DiskStore` puts and gets `Segment`s by key (LRU eviction, pins), writes atomically, indexes the
 namespace at start-up from headers only, verifies every checksum on `get`, turns every bad file into
 a counted miss, and counts every refusal in `faults` (faults.py: each logged with the file it concerns,
-each reason at most once a minute). The on-disk layout, safe file primitives live in namespace.py, the
-`cairn cache ls|verify|purge` helpers (`list_namespaces`, `verify_store`, `purge_namespace`, re-exported
-here) in offline.py.
+each reason at most once a minute). The on-disk layout, safe file primitives live in namespace.py, which
+process writes the namespace (its lock, read-only stores, the take-over) in lock.py, how much of the budget
+a filling filesystem holds (the effective budget) in space.py, the `cairn cache ls|verify|purge` helpers
+(`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in offline.py.
 
 This module is NOT the file format (segment.py), the tensor conversion, nor the tier policy (what
 to demote or prefetch, when to read): it stores and returns bytes.
@@ -19,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import stat
 import threading
 import time
@@ -29,6 +29,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from cairn.cache.disk.faults import FaultLog
+from cairn.cache.disk.lock import NamespaceLock
 from cairn.cache.disk.namespace import (
     LOCK_NAME,
     MODEL_NAME,
@@ -45,7 +46,6 @@ from cairn.cache.disk.namespace import (
     read_segment_tokens,
     segment_file_name,
     set_aside,
-    try_lock,
     unlink_ours,
     write_atomic,
     write_model_name,
@@ -61,6 +61,7 @@ from cairn.cache.disk.segment import (
     encode_segment_parts,
     read_header,
 )
+from cairn.cache.disk.space import FilesystemRoom, format_size
 
 __all__ = ["DiskStore", "SegmentInfo", "DiskStoreError", "StoreLockedError", "NamespaceSummary", "VerifyResult",
            "list_namespaces", "verify_store", "purge_namespace", "format_size"]
@@ -93,7 +94,19 @@ class _Entry:
 # ---------------------------------------------------------------------------------------------- store
 
 
-HELD_ELSEWHERE = "another process holds its lock"  # readonly_reason while a live process holds the lock
+FULL_DISK_RETRIES = 2  # writes again after evicting to fit what a full filesystem holds (bounded: others may fill it)
+
+# The store's counts (stats()), since it opened. The segments it indexes are always
+#   segments == scanned + puts - rewrites - evictions - removed - dropped   (check_integrity asserts it)
+COUNTS = (
+    "puts",       # segment files written (a put of a key whose file already holds it all writes nothing)
+    "rewrites",   # of those, files that replaced an indexed key's file (a snapshot or logits added)
+    "evictions",  # indexed segments deleted to fit the budget (least recently used first)
+    "removed",    # indexed segments deleted as unreachable (remove_unreachable: orphans found at start-up)
+    "dropped",    # indexed segments dropped because their file was found bad, or gone (another process)
+    "scanned",    # segments a scan indexed that were not indexed before (start-up, a rescan)
+    "gets", "hits",  # get() calls, and those that returned a segment
+)
 
 
 class DiskStore(Pins):
@@ -113,6 +126,12 @@ class DiskStore(Pins):
     `take_over()` takes the lock once the process that held it is gone (a rolling restart: the old
     server stops after the new one started), and the store is the lock holder from then on.
     used_bytes <= budget_bytes always holds for the lock holder.
+    A full disk: a write that fails with ENOSPC (or EDQUOT) for want of free space lowers the effective budget
+    (`effective_budget_bytes`) to what the filesystem holds (counted as "disk_full", one line), evicts down
+    to it, least recently used and unpinned first, and writes again (at most FULL_DISK_RETRIES times); a
+    later write that would evict under it measures the free space again, so the budget comes back with the
+    space. A segment that cannot fit even with every unpinned segment evicted fails ("write_failed") with
+    nothing evicted for it.
     Bad files: the lock holder deletes a corrupt segment of ours and moves an entry named like a
     segment that is not a regular file (a link, a FIFO...) into quarantine/, so neither is met again
     at the next start; a read-only store remembers the files it rejected and skips them on a rescan.
@@ -131,15 +150,15 @@ class DiskStore(Pins):
         self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
         self._rejected: dict[str, tuple[int, int]] = {}  # file name -> (inode, mtime ns) of a file found bad
         self._used_bytes = 0  # sum of indexed sizes, plus the size of a put in flight
-        self._counts = {"puts": 0, "gets": 0, "hits": 0, "evictions": 0}
+        self._counts = dict.fromkeys(COUNTS, 0)  # see COUNTS
         self._lock = threading.RLock()  # guards everything above
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
         self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
+        self._room = FilesystemRoom(self._dir_fd, self.root, compat_digest[:16], budget_bytes)  # see space.py
         self._model_name = model_name
-        self._lock_fd = None
-        self.readonly_reason: str | None = None  # why the store is read-only (None: it holds the lock)
+        self._ns_lock: NamespaceLock | None = None  # this process writes the namespace while it holds it
         try:
-            self._lock_fd = self._take_lock()
+            self._ns_lock = NamespaceLock(self._dir_fd, f"{self.root}/{compat_digest}", self._faults)
             if model_name is not None and not self.readonly:
                 write_model_name(self._dir_fd, model_name)
             self.scan()
@@ -147,60 +166,32 @@ class DiskStore(Pins):
             self.close()
             raise
         if not self.readonly:
-            self._warn_if_budget_exceeds_free_space()
-
-    def _take_lock(self) -> int | None:
-        """The namespace's lock fd, or None: the store is read-only, and readonly_reason (logged once) says why."""
-        try:
-            fd = try_lock(self._dir_fd)
-        except OSError as e:
-            self.readonly_reason = f"its lock could not be taken: {e}"
-            self._faults.report("lock_failed", LOCK_NAME, f"{e}; this store is read-only")
-            return None
-        if fd is None:
-            self.readonly_reason = HELD_ELSEWHERE
-            logger.warning("disk cache %s/%s is read-only: %s", self.root, self.compat_digest, self.readonly_reason)
-        return fd
+            self._room.warn_if_short(self._used_bytes)
 
     def take_over(self) -> bool:
-        """Take the lock that another process held when this store opened, if that process is gone: from then
-        on this store writes, evicts and deletes (the caller scans next, which cleans and fits the budget as
-        the lock holder does). True when it took it (one log line). A lock that could not be taken at all (a
-        read-only filesystem) is not tried again."""
-        if self._lock_fd is not None or self.readonly_reason != HELD_ELSEWHERE:
-            return False
-        with self._put_lock:
-            try:
-                fd = try_lock(self._dir_fd)
-            except OSError:
+        """Take the lock that another process held when this store opened, if that process is gone (lock.py):
+        from then on this store writes, evicts and deletes (the caller scans next, which cleans and fits the
+        budget as the lock holder does). True when it took it."""
+        with self._put_lock, self._lock:
+            if not self._ns_lock.take_over(self._dir_fd):
                 return False
-            if fd is None:
-                return False
-            with self._lock:
-                self._lock_fd, self.readonly_reason = fd, None
         if self._model_name is not None:
             write_model_name(self._dir_fd, self._model_name)
-        logger.info("disk cache %s/%s: the process that held its lock is gone; this server writes it from now on",
-                    self.root, self.compat_digest)
         return True
 
-    def _warn_if_budget_exceeds_free_space(self) -> None:
-        """One start-up warning when the budget is more than the filesystem has room for (its free space plus
-        what the store already holds). Nothing is refused: a write the disk has no room for fails (ENOSPC),
-        counted as "write_failed" like any failed write, and the store keeps serving what it holds."""
-        try:
-            free_bytes = shutil.disk_usage(self.root).free
-        except OSError:
-            return
-        if self.budget_bytes > free_bytes + self._used_bytes:
-            held = f" (besides the {format_size(self._used_bytes)} it holds)" if self._used_bytes else ""
-            logger.warning("disk cache %s: the budget of %s exceeds the %s free on its filesystem%s; writes "
-                           "beyond the free space will fail and be counted, and the cache keeps serving",
-                           self.root, format_size(self.budget_bytes), format_size(free_bytes), held)
+    @property
+    def effective_budget_bytes(self) -> int:
+        """The budget evictions fit: budget_bytes, or less while the filesystem holds less (space.py)."""
+        return self._room.effective_bytes
 
     @property
     def readonly(self) -> bool:
-        return self._lock_fd is None
+        return self._ns_lock is None or not self._ns_lock.held
+
+    @property
+    def readonly_reason(self) -> str | None:
+        """Why the store is read-only (lock.py), or None: it holds the namespace's lock."""
+        return None if self._ns_lock is None else self._ns_lock.reason
 
     @property
     def faults(self) -> dict[str, int]:
@@ -232,6 +223,8 @@ class DiskStore(Pins):
                         entry.last_used = self._index[key].last_used
                 order = sorted(found.values(), key=lambda e: (e.last_used, rank.get(e.header.key, -1), e.header.key))
                 vanished = [key for key in self._index if key not in found]  # another process removed them
+                self._counts["scanned"] += sum(key not in self._index for key in found)
+                self._counts["dropped"] += len(vanished)
                 self._index = OrderedDict((e.header.key, e) for e in order)
                 self._used_bytes = sum(e.size_bytes for e in order)
                 evicted = [] if self.readonly else self._fit_budget()
@@ -245,7 +238,8 @@ class DiskStore(Pins):
         if victims:
             freed_bytes = sum(self._index[key].size_bytes for key in victims)
             logger.info("disk cache %s: evicted %d segment(s), %s, to fit the budget of %s",
-                        self.compat_digest[:16], len(victims), format_size(freed_bytes), format_size(self.budget_bytes))
+                        self.compat_digest[:16], len(victims), format_size(freed_bytes),
+                        format_size(self._room.effective_bytes))
         return self._evict(victims)
 
     def _scan_one(self, name: str) -> _Entry | None:
@@ -362,6 +356,7 @@ class DiskStore(Pins):
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._used_bytes -= entry.size_bytes
+                self._counts["dropped"] += 1
         self._remember_rejected(name)
         if delete and not self.readonly:
             unlink_ours(self._dir_fd, name)
@@ -396,7 +391,13 @@ class DiskStore(Pins):
     def used_bytes(self) -> int:
         return self._used_bytes
 
+    def segment_counts(self) -> dict[str, int]:
+        """The COUNTS of segments entering and leaving the index (all but gets and hits), for /metrics."""
+        with self._lock:
+            return {name: n for name, n in self._counts.items() if name not in ("gets", "hits")}
+
     def stats(self) -> dict:
+        """segments (indexed now), used_bytes, budget_bytes, readonly, and the COUNTS."""
         with self._lock:
             return {"segments": len(self._index), "used_bytes": self._used_bytes, "budget_bytes": self.budget_bytes,
                     **self._counts, "readonly": self.readonly}
@@ -433,23 +434,45 @@ class DiskStore(Pins):
         except SegmentError as e:
             self._faults.report("too_large", segment_file_name(segment.key), e.message)
             return False, []
-        size_bytes = sum(memoryview(p).nbytes for p in parts)
-        reservation = self._reserve(segment.key, size_bytes)
-        if reservation is None:
-            return False, []
-        evicted, reserved = reservation
-        try:
-            if not write_atomic(self._dir_fd, segment_file_name(segment.key), parts):
-                self._faults.report("dir_sync_failed", segment_file_name(segment.key),
-                                    "the directory fsync failed after the rename")
-        except (OSError, UnusableEntry) as e:
+        size_bytes, name, evicted = sum(memoryview(p).nbytes for p in parts), segment_file_name(segment.key), []
+        for attempt in range(1 + FULL_DISK_RETRIES):
+            reservation = self._reserve(segment.key, size_bytes)
+            if reservation is None:
+                return False, evicted
+            evicted += reservation[0]
+            error = self._write(name, parts)
+            if error is None:
+                self._commit(segment, parts[0], size_bytes, reservation[1])
+                return True, evicted
             with self._lock:
-                self._used_bytes -= reserved
-            self._faults.report(getattr(e, "reason", "write_failed"), segment_file_name(segment.key),
-                                "" if isinstance(e, UnusableEntry) else str(e))
-            return False, evicted
-        self._commit(segment, parts[0], size_bytes, reserved)
-        return True, evicted
+                self._used_bytes -= reservation[1]
+            if attempt == FULL_DISK_RETRIES or not self._made_room(error, segment.key, size_bytes):
+                self._faults.report(getattr(error, "reason", "write_failed"), name,
+                                    "" if isinstance(error, UnusableEntry) else str(error))
+                return False, evicted
+        raise AssertionError("unreachable: the last attempt returns")
+
+    def _write(self, name: str, parts) -> OSError | UnusableEntry | None:
+        """Write the file atomically; the error that failed it, or None."""
+        try:
+            if not write_atomic(self._dir_fd, name, parts):
+                self._faults.report("dir_sync_failed", name, "the directory fsync failed after the rename")
+        except (OSError, UnusableEntry) as e:
+            return e
+        return None
+
+    def _made_room(self, error: Exception, key: bytes, size_bytes: int) -> bool:
+        """The write failed for want of free space (space.py): the effective budget is lowered to what the
+        filesystem holds (counted as "disk_full"); True: evict down to it and write again. False, nothing
+        evicted for it, when the failure is another, or when even evicting every unpinned segment would not
+        make room: the write fails as any other."""
+        with self._lock:
+            fits = self._room.found_full(error, self._used_bytes, size_bytes)
+            if fits is None:
+                return False
+            self._faults.count("disk_full")
+            kept = sum(e.size_bytes for k, e in self._index.items() if k in self._pins or k == key)
+        return kept + size_bytes <= fits
 
     def _reserve(self, key: bytes, size_bytes: int) -> tuple[list[bytes], int] | None:
         """Evict to make room for size_bytes under key and count them as used.
@@ -462,9 +485,15 @@ class DiskStore(Pins):
                 self._faults.report("too_large", segment_file_name(key),
                                     f"{size_bytes} bytes > budget {self.budget_bytes}")
                 return None
-            victims = self._plan_eviction(size_bytes - old, exclude=key)
+            if self._room.short and self._used_bytes + size_bytes - old > self._room.effective_bytes:
+                self._room.remeasure(self._used_bytes, size_bytes)
+            full = self._room.short
+            # On a full disk the old file takes its room until the new one is renamed over it.
+            victims = self._plan_eviction(size_bytes if full else size_bytes - old, exclude=key)
             if victims is None:
-                self._faults.report("budget_full", segment_file_name(key), "pinned segments leave too little room")
+                room = f" in the {format_size(self._room.effective_bytes)} the full filesystem holds" if full else ""
+                self._faults.report("budget_full", segment_file_name(key),
+                                    f"pinned segments leave too little room{room}")
                 return None
             self._used_bytes += size_bytes - old
             return self._evict(victims), size_bytes - old
@@ -476,13 +505,14 @@ class DiskStore(Pins):
             self._used_bytes += (size_bytes - old.size_bytes if old else size_bytes) - reserved
             self._index[segment.key] = _Entry(header, size_bytes, time.time())
             self._counts["puts"] += 1
+            self._counts["rewrites"] += old is not None
 
     def _plan_eviction(self, need_bytes: int, exclude: bytes | None) -> list[bytes] | None:
         """Least-recently-used unpinned keys (never `exclude`) whose removal makes room for need_bytes.
 
         [] when it already fits; None when even evicting every unpinned key would not be enough.
         """
-        excess = self._used_bytes + need_bytes - self.budget_bytes
+        excess = self._used_bytes + need_bytes - self._room.effective_bytes
         victims = []
         for key, entry in self._index.items():
             if excess <= 0:
@@ -492,12 +522,12 @@ class DiskStore(Pins):
                 excess -= entry.size_bytes
         return victims if excess <= 0 else None
 
-    def _evict(self, victims: list[bytes]) -> list[bytes]:
-        """Drop victims from the index and delete their files (caller holds self._lock)."""
+    def _evict(self, victims: list[bytes], count: str = "evictions") -> list[bytes]:
+        """Drop victims from the index and delete their files, counted under `count` (caller holds self._lock)."""
         for key in victims:
             self._used_bytes -= self._index.pop(key).size_bytes
             unlink_ours(self._dir_fd, segment_file_name(key))
-            self._counts["evictions"] += 1
+            self._counts[count] += 1
         return victims
 
     def remove_unreachable(self, keys: list[bytes]) -> int:
@@ -511,7 +541,7 @@ class DiskStore(Pins):
             for key in keys:
                 if key in self._index and key not in self._pins:
                     freed += self._index[key].size_bytes
-                    self._evict([key])
+                    self._evict([key], "removed")
         return freed
 
     def _notify(self, keys: list[bytes]) -> None:
@@ -526,27 +556,27 @@ class DiskStore(Pins):
         with self._lock:
             assert self._used_bytes == sum(e.size_bytes for e in self._index.values()), "used_bytes drifted"
             assert self.readonly or self._used_bytes <= self.budget_bytes, "over budget"
+            assert self._room.effective_bytes <= self.budget_bytes, "an effective budget above the budget"
             assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
             assert all(k == e.header.key for k, e in self._index.items()), "index key differs from its header"
+            c = self._counts
+            assert len(self._index) == (c["scanned"] + c["puts"] - c["rewrites"] - c["evictions"] - c["removed"]
+                                        - c["dropped"]), f"the counts do not add up to the {len(self._index)} indexed"
 
     def close(self) -> None:
         """Release the lock (another process may then manage the namespace) and the directory. Idempotent."""
         with self._put_lock, self._lock:
-            for fd in (self._lock_fd, self._dir_fd):
-                if fd is not None:
-                    os.close(fd)
-            self._lock_fd = self._dir_fd = None
+            if self._ns_lock is not None:
+                self._ns_lock.release()
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+            self._dir_fd = None
 
     def __enter__(self) -> DiskStore:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def format_size(num_bytes: int) -> str:
-    """A byte count for a log line: in GiB from 1 GiB up, else in MiB (a budget of 0.01 GiB is "10.2 MiB")."""
-    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _covers(header: SegmentHeader, segment: Segment) -> bool:
