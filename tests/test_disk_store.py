@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cairn.cache.disk import store as disk_store
+from cairn.cache.disk import entries as disk_entries
 from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.segment import Segment, SegmentLimits, segment_key
 from cairn.cache.disk.store import (
@@ -440,8 +440,8 @@ def test_read_only_rescan_indexes_what_the_writer_adds_and_forgets_what_it_remov
             assert writer.put(second)
             (root / DIGEST / f"{first.key.hex()}.seg").unlink()  # as the writer's eviction would
             reads = []
-            original = disk_store.read_index_header
-            monkeypatch.setattr(disk_store, "read_index_header", lambda fd, name, *a: reads.append(name) or
+            original = disk_entries.read_index_header
+            monkeypatch.setattr(disk_entries, "read_index_header", lambda fd, name, *a: reads.append(name) or
                                 original(fd, name, *a))
             reader.scan()
             assert reader.get(second.key) == second and reader.info(first.key) is None

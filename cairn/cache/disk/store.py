@@ -5,7 +5,8 @@ namespace at start-up from headers only, verifies every checksum on `get`, turns
 a counted miss, and counts every refusal in `faults` (faults.py: each logged with the file it concerns,
 each reason at most once a minute). The on-disk layout, safe file primitives live in namespace.py, which
 process writes the namespace (its lock, read-only stores, the take-over) in lock.py, how much of the budget
-a filling filesystem holds (the effective budget) in space.py, the `cairn cache ls|verify|purge` helpers
+a filling filesystem holds (the effective budget) in space.py, which directory entries a scan indexes and
+what becomes of a bad file (deleted, set aside, remembered) in entries.py, the `cairn cache ls|verify|purge` helpers
 (`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in offline.py.
 
 This module is NOT the file format (segment.py), the tensor conversion, nor the tier policy (what
@@ -20,32 +21,24 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import stat
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass
 
+from cairn.cache.disk.entries import DirectoryEntries, IndexEntry
 from cairn.cache.disk.faults import FaultLog
 from cairn.cache.disk.lock import NamespaceLock
 from cairn.cache.disk.namespace import (
-    LOCK_NAME,
-    MODEL_NAME,
-    QUARANTINE_NAME,
-    SEGMENT_NAME,
-    TEMP_NAME,
     DiskStoreError,
     ReadBuffer,
     StoreLockedError,
     UnusableEntry,
     open_namespace,
-    read_index_header,
     read_segment_file,
     read_segment_tokens,
     segment_file_name,
-    set_aside,
     unlink_ours,
     write_atomic,
     write_model_name,
@@ -81,14 +74,6 @@ class SegmentInfo:
     has_logits: bool  # holds the logits at start_position + num_tokens - 1
     size_bytes: int  # file size, counted against the budget
     last_used: float  # wall-clock seconds of the last get/put in this process (file mtime at scan)
-
-
-@dataclass
-class _Entry:
-    header: SegmentHeader  # the validated header of the indexed file
-    size_bytes: int  # file size
-    last_used: float  # see SegmentInfo.last_used
-    mtime_ns: int = 0  # the file's mtime when scanned (0: written here); a rescan skips an unchanged file
 
 
 # ---------------------------------------------------------------------------------------------- store
@@ -146,14 +131,14 @@ class DiskStore(Pins):
         self.root, self.compat_digest, self.budget_bytes = os.fspath(root), compat_digest, budget_bytes
         self.compression, self.limits, self.on_evict = compression, limits, on_evict
         self._faults = FaultLog(f"disk cache {compat_digest[:16]}", logger)  # counts and logs every refusal
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._index: OrderedDict[bytes, IndexEntry] = OrderedDict()  # least recently used first
         self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
-        self._rejected: dict[str, tuple[int, int]] = {}  # file name -> (inode, mtime ns) of a file found bad
         self._used_bytes = 0  # sum of indexed sizes, plus the size of a put in flight
         self._counts = dict.fromkeys(COUNTS, 0)  # see COUNTS
         self._lock = threading.RLock()  # guards everything above
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
         self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
+        self._entries = DirectoryEntries(self._dir_fd, compat_digest, limits, self._faults, lambda: self.readonly)
         self._room = FilesystemRoom(self._dir_fd, self.root, compat_digest[:16], budget_bytes)  # see space.py
         self._model_name = model_name
         self._ns_lock: NamespaceLock | None = None  # this process writes the namespace while it holds it
@@ -213,7 +198,7 @@ class DiskStore(Pins):
             self._check_open()
             found = {}
             for name in sorted(os.listdir(self._dir_fd)):
-                entry = self._scan_one(name)
+                entry = self._entries.read(name, self._index.get)
                 if entry is not None:
                     found[entry.header.key] = entry
             with self._lock:
@@ -241,70 +226,6 @@ class DiskStore(Pins):
                         self.compat_digest[:16], len(victims), format_size(freed_bytes),
                         format_size(self._room.effective_bytes))
         return self._evict(victims)
-
-    def _scan_one(self, name: str) -> _Entry | None:
-        if name in (LOCK_NAME, MODEL_NAME, QUARANTINE_NAME) or self._is_rejected(name):
-            return None
-        if TEMP_NAME.fullmatch(name):
-            if not self.readonly and unlink_ours(self._dir_fd, name):
-                self._faults.report("stale_temp", name)
-            return None
-        if not SEGMENT_NAME.fullmatch(name):
-            self._faults.report("foreign_name", name)
-            return None
-        if (known := self._unchanged(name)) is not None:
-            return known
-        try:
-            header, st = read_index_header(self._dir_fd, name, self.compat_digest, self.limits)
-        except UnusableEntry as e:
-            self._faults.report(e.reason, name)
-            self._remember_rejected(name)
-            self._set_aside(name)
-        except SegmentError as e:
-            self._faults.report(e.reason, name, e.message)
-            self._remember_rejected(name)
-            if not self.readonly:
-                unlink_ours(self._dir_fd, name)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            self._faults.report("read_failed", name, str(e))
-        else:
-            return _Entry(header, st.st_size, st.st_mtime, st.st_mtime_ns)
-        return None
-
-    def _unchanged(self, name: str) -> _Entry | None:
-        """The indexed entry of `name` when its file is the one indexed (same size and mtime): a rescan
-        does not read it again."""
-        entry = self._index.get(bytes.fromhex(name.removesuffix(".seg")))
-        if entry is None or not entry.mtime_ns:
-            return None
-        try:
-            st = os.lstat(name, dir_fd=self._dir_fd)
-        except OSError:
-            return None
-        same = stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == (entry.size_bytes, entry.mtime_ns)
-        return entry if same else None
-
-    def _is_rejected(self, name: str) -> bool:
-        """A file found bad before and unchanged since (a read-only store cannot remove it)."""
-        if name not in self._rejected:
-            return False
-        try:
-            st = os.lstat(name, dir_fd=self._dir_fd)
-        except OSError:
-            return False
-        return self._rejected[name] == (st.st_ino, st.st_mtime_ns)
-
-    def _remember_rejected(self, name: str) -> None:
-        with suppress(OSError):
-            st = os.lstat(name, dir_fd=self._dir_fd)
-            self._rejected[name] = (st.st_ino, st.st_mtime_ns)
-
-    def _set_aside(self, name: str) -> None:
-        """The lock holder moves a non-regular entry into quarantine/ (counted when that fails)."""
-        if not self.readonly and not set_aside(self._dir_fd, name):
-            self._faults.report("quarantine_failed", name)
 
     # ------------------------------------------------------------------------------------ reads
 
@@ -357,11 +278,7 @@ class DiskStore(Pins):
             if entry is not None:
                 self._used_bytes -= entry.size_bytes
                 self._counts["dropped"] += 1
-        self._remember_rejected(name)
-        if delete and not self.readonly:
-            unlink_ours(self._dir_fd, name)
-        elif set_aside:
-            self._set_aside(name)
+        self._entries.reject(name, delete, set_aside)
         self._notify([key] if entry is not None else [])
 
     def _touch(self, key: bytes) -> None:
@@ -503,7 +420,7 @@ class DiskStore(Pins):
         with self._lock:
             old = self._index.pop(segment.key, None)
             self._used_bytes += (size_bytes - old.size_bytes if old else size_bytes) - reserved
-            self._index[segment.key] = _Entry(header, size_bytes, time.time())
+            self._index[segment.key] = IndexEntry(header, size_bytes, time.time())
             self._counts["puts"] += 1
             self._counts["rewrites"] += old is not None
 
