@@ -167,8 +167,8 @@ class GuardedRedis:
                     "as refused (at most one line a minute)", self.breaker.name, type(error).__name__, error)
 
     def pipelined(self, commands: list[tuple], ttl_s: int | None = None):
-        """("set", name, value) / ("setpx", name, value, ms) / ("setnx", name, value) / ("get" | "delete", name)
-        commands in one round trip (a cluster client splits them by node): their results, or FAILED. `ttl_s`
+        """("set", name, value) / ("setpx", name, value, ms) / ("setnx", name, value) / ("get" | "delete" | "exists",
+        name) commands in one round trip (a cluster client splits them by node): their results, or FAILED. `ttl_s`
         applies to the sets; a setpx expires after its own `ms` milliseconds, a setnx never."""
         def run(client):
             pipe = client.pipeline(transaction=False)
@@ -181,6 +181,8 @@ class GuardedRedis:
                     pipe.set(name, value[0], nx=True)
                 elif op == "get":
                     pipe.get(name)
+                elif op == "exists":
+                    pipe.exists(name)
                 else:  # "delete"
                     pipe.delete(name)
             return pipe.execute()

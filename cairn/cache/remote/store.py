@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)
 DEFAULT_MAX_SEGMENTS = 1 << 16  # segments known here (written or looked up); the least recently used go first
 DEFAULT_WAIT_S = 3.0  # the longest a lookup waits for a deeper chain another replica's marker announces
+EPOCH_WITNESSES = 4  # recent segments whose presence shows an epoch key gone was evicted, not flushed (saw_epoch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +213,8 @@ class RedisSegmentStore(ChainLookup, Pins):
             entry = self._index.get(job.segment.key)
             if entry is not None:
                 entry.info = dataclasses.replace(entry.info, size_bytes=len(value))
-        self.saw_epoch(result[len(epoch) - 1])  # after the write: a segment whose parents Redis lost is forgotten too
+        self.saw_epoch(result[len(epoch) - 1], job.segment.key)  # after the write: one whose parents Redis lost is
+        # forgotten too
 
     def epoch_probe(self, write: bool = False) -> list[tuple]:
         """The commands, first in a pipeline, that read the namespace's epoch key (a write's pipeline sets it
@@ -221,19 +223,35 @@ class RedisSegmentStore(ChainLookup, Pins):
         name = self.names.epoch()
         return [("setnx", name, os.urandom(8).hex().encode()), ("get", name)] if write else [("get", name)]
 
-    def saw_epoch(self, value: bytes | None) -> None:
+    def saw_epoch(self, value: bytes | None, written: bytes | None = None) -> None:
         """The epoch key read by a pipeline: if it changed (or is gone) since the last one read here, Redis lost
-        what was written before (restarted empty, flushed): forget every segment known here (module docstring)."""
+        what was written before (restarted empty, flushed): forget every segment known here (module docstring).
+        Unless one of the most recently used segments known here is still in Redis: then Redis evicted the epoch
+        key, not everything (allkeys-lru ranks keys by the second they were last used: under a write rate that fills
+        maxmemory within seconds, the epoch key, read by every pipeline, is no safer than any other key), counted as
+        the fault "epoch_evicted". `written`: the segment the calling pipeline wrote, which proves nothing. (Another
+        replica may have written that same segment again since a flush: then the segments lost here are found
+        gone when read, a miss, and forgotten.)"""
         with self._lock:
             before, self._epoch = self._epoch, value
             if before is None or value == before:
                 return
+            recent = [k for k in reversed(self._index) if k not in self._pending and k != written]
+        if recent and self._any_held(recent[:EPOCH_WITNESSES]):
+            self._fault("epoch_evicted")
+            return
+        with self._lock:
             keys = [k for k in self._index if k not in self._pins]  # a pinned one's load finds it missing
         self._fault("redis_reset")
         log.warning("remote cache %s lost what was written before (its epoch key changed: restarted empty or "
                     "flushed); forgetting the %d segments known here, which the next requests write again",
                     self.redis.breaker.name, len(keys))
         self._drop(keys)
+
+    def _any_held(self, keys: list[bytes]) -> bool:
+        """One of these segments is in Redis (False when Redis does not answer: forgetting is the safe side)."""
+        result = self.redis.pipelined([("exists", self.names.segment(key)) for key in keys])
+        return result is not FAILED and any(result)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued write is done; False if some are still queued after timeout_s."""
