@@ -11,10 +11,21 @@
                      deeper chain is being written, the probe is repeated every WAIT_POLL_S until it has
                      landed (or the marker is gone, or wait_s has passed): the turn that follows a turn
                      served elsewhere arrives before that turn's write-behind is done
-    info / keys / get_tokens / pin / unpin / len / used_bytes / close    as DiskStore's, over the
-                     segments this process knows of (those it wrote or looked up): Redis may hold more.
-                     At most max_segments are known: beyond, the least recently used are forgotten here
-                     (on_evict is told; Redis keeps them, a later lookup finds them again)
+    info / keys / get_tokens / pin / unpin / len / close    as DiskStore's, over the segments this
+                     process knows of (those it wrote or looked up): Redis may hold more, or fewer (it
+                     evicts and expires without telling anyone)
+    used_bytes       the bytes of the known segments (as stored in Redis; a queued one's uncompressed
+                     size until written; 0 for one a lookup found without its size): what this replica
+                     believes Redis holds for it, at most `byte_budget`, NOT what Redis holds (its INFO
+                     memory says that, for every replica and key together)
+
+The record of known segments is bounded twice, the least recently used forgotten first (on_evict is told;
+Redis keeps them, a later lookup finds them again; counted in stats()["forgotten"]): by count (max_segments)
+and by bytes (`byte_budget`: Redis's maxmemory, read with CONFIG GET, or from INFO memory where a managed
+Redis refuses CONFIG, again every MEMORY_READ_INTERVAL_S; or the max_bytes given, the smaller of the two).
+Redis cannot hold more than its maxmemory, so a record that claims more claims segments Redis has evicted,
+which this replica would then neither write again nor know to be gone. A Redis without a maxmemory (0), or
+one that answers neither, bounds nothing (max_bytes alone does, when given).
 
 Writes happen behind the request: `put` only records the segment here and queues it; a background
 thread encodes it (segment.py, every section checksummed) and sends it with its index entries in one
@@ -71,6 +82,7 @@ DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one mor
 DEFAULT_MAX_SEGMENTS = 1 << 16  # segments known here (written or looked up); the least recently used go first
 DEFAULT_WAIT_S = 3.0  # the longest a lookup waits for a deeper chain another replica's marker announces
 EPOCH_WITNESSES = 4  # recent segments whose presence shows an epoch key gone was evicted, not flushed (saw_epoch)
+MEMORY_READ_INTERVAL_S = 60.0  # Redis's maxmemory is read again this often (CONFIG SET changes it at run time)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +98,15 @@ class RedisSegmentStore(ChainLookup, Pins):
                  limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cooldown_s: float = DEFAULT_COOLDOWN_S,
                  queue_segments: int = DEFAULT_QUEUE_SEGMENTS, ttl_s: int | None = None, client=None,
-                 max_segments: int = DEFAULT_MAX_SEGMENTS, wait_s: float = DEFAULT_WAIT_S):
+                 max_segments: int = DEFAULT_MAX_SEGMENTS, wait_s: float = DEFAULT_WAIT_S,
+                 max_bytes: int | None = None):
         self.url, self.compat_digest, self.page_size = url, namespace, page_size
         self.compression, self.limits, self.on_evict, self.ttl_s = compression, limits, on_evict, ttl_s
         self.names = KeyNames(namespace)
         self.max_segments = max_segments  # cap on the segments known here (Redis may hold many more)
+        self.max_bytes = max_bytes  # cap on their bytes, beside Redis's maxmemory (None: that alone)
+        self.redis_maxmemory: int | None = None  # as Redis last told it (0: no limit; None: not told)
+        self._memory_read_at: float | None = None  # time.monotonic() of the last attempt to read it
         self.wait_s = wait_s  # see DEFAULT_WAIT_S; 0: never wait for another replica's write
         self.writer_id = os.urandom(8).hex()  # names this store's markers (its own are not waited for)
         self._epoch: bytes | None = None  # the namespace's epoch key as last read (None: not read yet)
@@ -99,6 +115,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0, "forgotten": 0,
                         "lookups_waited": 0, "lookup_waits_expired": 0}
         self._index: OrderedDict[bytes, KnownSegment] = OrderedDict()  # least recently used first
+        self._known_bytes = 0  # sum of the size_bytes in _index
         self._by_end: dict[bytes, bytes] = {}  # canonical key of a segment's end -> its key
         self._pending: dict[bytes, Segment] = {}  # queued, not yet written
         self._pins: dict[bytes, int] = {}
@@ -212,9 +229,12 @@ class RedisSegmentStore(ChainLookup, Pins):
             self._counts["written"] += 1
             entry = self._index.get(job.segment.key)
             if entry is not None:
+                self._known_bytes += len(value) - entry.info.size_bytes
                 entry.info = dataclasses.replace(entry.info, size_bytes=len(value))
         self.saw_epoch(result[len(epoch) - 1], job.segment.key)  # after the write: one whose parents Redis lost is
         # forgotten too
+        self._trim(keep={job.segment.key})  # its size is now the stored one (with compression's framing)
+        self.read_maxmemory(keep={job.segment.key})
 
     def epoch_probe(self, write: bool = False) -> list[tuple]:
         """The commands, first in a pipeline, that read the namespace's epoch key (a write's pipeline sets it
@@ -231,7 +251,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         maxmemory within seconds, the epoch key, read by every pipeline, is no safer than any other key), counted as
         the fault "epoch_evicted". `written`: the segment the calling pipeline wrote, which proves nothing. (Another
         replica may have written that same segment again since a flush: then the segments lost here are found
-        gone when read, a miss, and forgotten.)"""
+        gone when read, and forgotten with what chains below them, chain by chain.)"""
         with self._lock:
             before, self._epoch = self._epoch, value
             if before is None or value == before:
@@ -242,6 +262,7 @@ class RedisSegmentStore(ChainLookup, Pins):
             return
         with self._lock:
             keys = [k for k in self._index if k not in self._pins]  # a pinned one's load finds it missing
+            self._memory_read_at = None  # a Redis restarted may have another maxmemory
         self._fault("redis_reset")
         log.warning("remote cache %s lost what was written before (its epoch key changed: restarted empty or "
                     "flushed); forgetting the %d segments known here, which the next requests write again",
@@ -264,6 +285,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         with self._lock:
             self._counts["gets"] += 1
             if key in self._pending:
+                self._counts["hits"] += 1
                 return self._pending[key]
             if key not in self._index:
                 return None
@@ -295,6 +317,8 @@ class RedisSegmentStore(ChainLookup, Pins):
 
     def _register(self, entry: KnownSegment) -> None:
         """Index entry (caller holds self._lock)."""
+        previous = self._index.get(entry.info.key)
+        self._known_bytes += entry.info.size_bytes - (previous.info.size_bytes if previous is not None else 0)
         self._index[entry.info.key] = entry
         self._index.move_to_end(entry.info.key)
         self._by_end[entry.end_hash.digest()] = entry.info.key
@@ -303,24 +327,52 @@ class RedisSegmentStore(ChainLookup, Pins):
         """Undo _register of a segment never queued: back to what was known of it (caller holds self._lock)."""
         entry = self._index.pop(key, None)
         if entry is not None:
+            self._known_bytes -= entry.info.size_bytes
             self._by_end.pop(entry.end_hash.digest(), None)
         if previous is not None:
             self._register(previous)
 
     def _trim(self, keep: set[bytes]) -> None:
-        """Forget the least recently used known segments beyond max_segments (never one queued for writing,
-        pinned, or in `keep`: the chain just written or found), telling on_evict: the cache then drops the
-        tree's references to them, so neither this index nor the nodes whose only copy is in Redis grow
-        without bound. Redis keeps the segments: a later lookup finds them again. Counted in
+        """Forget the least recently used known segments beyond max_segments or byte_budget (never one queued
+        for writing, pinned, or in `keep`: the chain just written or found; those alone may exceed either),
+        telling on_evict: the cache then drops the tree's references to them, so neither this index nor the
+        nodes whose only copy is in Redis grow without bound, nor claim more than Redis can hold. Counted in
         stats()["forgotten"]."""
         with self._lock:
+            budget = self.byte_budget
             excess = len(self._index) - self.max_segments
-            if excess <= 0:
-                return
-            keys = [k for k in self._index if k not in self._pending and k not in self._pins and k not in keep]
-            keys = keys[:excess]
+            excess_bytes = 0 if budget is None else self._known_bytes - budget
+            keys = []
+            for key, entry in self._index.items():  # least recently used first
+                if excess <= 0 and excess_bytes <= 0:
+                    break
+                if key not in self._pending and key not in self._pins and key not in keep:
+                    keys.append(key)
+                    excess, excess_bytes = excess - 1, excess_bytes - entry.info.size_bytes
             self._counts["forgotten"] += len(keys)
         self._drop(keys)
+
+    @property
+    def byte_budget(self) -> int | None:
+        """The bytes the known segments may claim: the smaller of max_bytes and Redis's maxmemory (None: no bound;
+        the module docstring)."""
+        bounds = [b for b in (self.max_bytes, self.redis_maxmemory or None) if b is not None]
+        return min(bounds) if bounds else None
+
+    def read_maxmemory(self, keep: set[bytes]) -> None:
+        """Ask Redis its maxmemory if MEMORY_READ_INTERVAL_S have passed since the last attempt, and trim the record
+        to it. The writer and lookup threads call it (never the engine's), after a pipeline Redis answered."""
+        with self._lock:
+            now = time.monotonic()
+            if self._memory_read_at is not None and now - self._memory_read_at < MEMORY_READ_INTERVAL_S:
+                return
+            self._memory_read_at = now
+        value = self.redis.call(_maxmemory)
+        if value is FAILED or value is None:  # not reached (counted by the client), or it would not say
+            return
+        with self._lock:
+            self.redis_maxmemory = value
+        self._trim(keep)
 
     def _reject(self, key: bytes, reason: str) -> None:
         self._fault(reason)
@@ -334,6 +386,7 @@ class RedisSegmentStore(ChainLookup, Pins):
                 self._pending.pop(key, None)
                 entry = self._index.pop(key, None)
                 if entry is not None:
+                    self._known_bytes -= entry.info.size_bytes
                     self._by_end.pop(entry.end_hash.digest(), None)
                     dropped.append(key)
         if self.on_evict is not None:
@@ -357,20 +410,22 @@ class RedisSegmentStore(ChainLookup, Pins):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the known segments (Redis's own maxmemory is the budget)."""
-        with self._lock:
-            return sum(e.info.size_bytes for e in self._index.values())
+        """Bytes of the known segments, at most byte_budget (not what Redis holds: the module docstring)."""
+        return self._known_bytes
 
     def stats(self) -> dict:
         with self._lock:
-            return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._writer.num_queued,
-                    **self._counts, "marked": self.markers.num_set, "breaker_opened": self.redis.breaker.num_opened}
+            return {"segments": len(self._index), "used_bytes": self._known_bytes,
+                    "byte_budget": self.byte_budget or 0, "redis_maxmemory": self.redis_maxmemory or 0,
+                    "queued": self._writer.num_queued, **self._counts, "marked": self.markers.num_set,
+                    "breaker_opened": self.redis.breaker.num_opened}
 
     def check_integrity(self) -> None:
         with self._lock:
             assert all(k == e.info.key for k, e in self._index.items()), "index key differs from its record"
             assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
             assert set(self._pending) <= set(self._index), "a queued segment is not indexed"
+            assert self._known_bytes == sum(e.info.size_bytes for e in self._index.values()), "known bytes drifted"
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Finish the queued writes (up to timeout_s), stop the writer and close the connection. Idempotent."""
@@ -381,6 +436,28 @@ class RedisSegmentStore(ChainLookup, Pins):
         self._writer.close(timeout_s)
         self.markers.close(timeout_s)
         self.redis.close()
+
+
+def _maxmemory(client) -> int | None:
+    """Redis's maxmemory in bytes (0: no limit) by CONFIG GET, or from INFO memory where CONFIG is refused (managed
+    Redis services rename or forbid it); None when neither answers. A cluster's is its primaries' sum (0 when one
+    has no limit)."""
+    from redis import exceptions
+
+    cluster = hasattr(client, "get_primaries")
+    target = {"target_nodes": client.PRIMARIES} if cluster else {}
+    for read in (lambda: client.config_get("maxmemory", **target), lambda: client.info("memory", **target)):
+        try:
+            answer = read()
+        except exceptions.ResponseError:
+            continue
+        per_node = list(answer.values()) if cluster and "maxmemory" not in answer else [answer]
+        try:
+            limits = [int(node["maxmemory"]) for node in per_node]
+        except (KeyError, TypeError, ValueError):
+            continue
+        return 0 if not limits or 0 in limits else sum(limits)
+    return None
 
 
 def _covers(info: SegmentInfo, segment: Segment) -> bool:
