@@ -1,6 +1,7 @@
 """The Redis segment store against a real redis-server that evicts: what a replica believes Redis holds stays
-within what Redis can hold (its maxmemory, read with CONFIG GET, or INFO where CONFIG is refused), and an epoch
-key evicted is not taken for a Redis flushed.
+within what Redis can hold (its maxmemory, read with CONFIG GET, or INFO where CONFIG is refused), a write keeps
+the parents of what it writes as recently used as it in Redis's LRU, and a value found gone takes what chains
+below it out of the record, so the next write of that path is whole.
 
 Each test starts its own redis-server (tests/redis_server.py), skipped only when none is installed; the segments
 are test_remote_store.py's.
@@ -8,7 +9,10 @@ are test_remote_store.py's.
 
 from __future__ import annotations
 
+import time
+
 from cairn.cache.disk.segment import Segment
+from cairn.cache.remote.keys import prefix_keys
 from tests.redis_server import redis_or_skip
 from tests.test_remote_store import chain, make_store, put_all
 
@@ -77,6 +81,46 @@ def test_max_bytes_bounds_the_record_below_redis_maxmemory(redis_server):
     assert store.stats()["byte_budget"] == store.max_bytes and store.used_bytes <= store.max_bytes
     assert sorted(store.keys()) == sorted(big_segment(10 * i).key for i in (2, 3))
     store.close()
+
+
+def test_a_write_touches_the_known_parents_it_chains_below_in_redis():
+    """Redis's LRU ranks keys by their last use; a conversation grows by children while its parents are not read by
+    the replica that holds them, so without the touch its oldest segments were the first Redis evicted."""
+    redis = redis_or_skip("--maxmemory-policy", "allkeys-lru")
+    store = make_store(redis.url)
+    try:
+        tokens = list(range(100, 112))
+        parents, child = chain(tokens, [0, 4, 8, 12], snapshot_at={8, 12})[:2], chain(tokens, [0, 4, 8, 12])[2]
+        put_all(store, parents)
+        time.sleep(2.2)  # OBJECT IDLETIME counts whole seconds
+        r = redis.client()
+        assert all(r.object("idletime", store.names.segment(p.key)) >= 2 for p in parents)
+        put_all(store, [child])
+        assert all(r.object("idletime", store.names.segment(p.key)) <= 1 for p in parents)
+    finally:
+        store.close(), redis.stop()
+
+
+def test_a_value_found_gone_forgets_the_segments_below_it_so_the_next_write_is_whole(redis_server):
+    """Redis evicted the middle and the end of a chain; a read finds the middle gone. The end was still believed held,
+    so writing the path again sent the middle alone, and a replica resuming the chain found the end gone too."""
+    forgotten: list[bytes] = []
+    store = make_store(redis_server.url, on_evict=forgotten.append)
+    tokens = list(range(200, 212))
+    segs = chain(tokens, [0, 4, 8, 12], snapshot_at={4, 8, 12})
+    put_all(store, segs)
+    r = redis_server.client()
+    r.delete(store.names.segment(segs[1].key), store.names.segment(segs[2].key))  # what allkeys-lru did
+    assert store.get(segs[1].key) is None
+    assert store.faults == {"missing": 1} and forgotten == [segs[1].key, segs[2].key]
+    assert store.info(segs[0].key) is not None and store.info(segs[2].key) is None
+    store.check_integrity()
+    put_all(store, segs)  # the next request over the path writes what is not known: the middle and the end
+    reader = make_store(redis_server.url)
+    found = reader.lookup(tokens, prefix_keys(tokens, [4, 8, 12]))
+    assert [i.key for i in found] == [s.key for s in segs]
+    assert all(reader.get(s.key) is not None for s in segs) and reader.faults == {}
+    store.close(), reader.close()
 
 
 def test_an_epoch_key_evicted_alone_is_no_reset_and_a_flush_still_is(redis_server):

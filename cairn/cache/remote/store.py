@@ -35,6 +35,15 @@ returns (from memory until written). A
 write that fails leaves the index (counted, and `on_evict` is told). Redis has no pins: `pin` only
 keeps this process's record; a segment Redis evicted anyway is a miss.
 
+Eviction under a maxmemory policy (allkeys-lru, the recommended one) ranks keys by their last use, and a
+conversation grows by new children while its parents are only read by a replica that does not hold them: so
+every write pipeline also touches the known segments the written one chains below (TOUCH, or EXPIRE with a
+TTL), before setting it: a chain's parents are never less recently used than its newest segment, and Redis
+evicts whole old conversations rather than the roots of live ones. A value found vanished all the same (get:
+"missing") is forgotten here with every known segment chained below it (they cannot be resumed without it,
+and may be gone too), telling on_evict: the next request over that path, which recomputes it, writes it
+whole from there, as after a `redis_reset` below, for one chain.
+
 A replica writes only the segments of a path it does not know to be in Redis, so a Redis restarted empty (or
 flushed) under a running replica would be sent only the new ends of its conversations, chains whose parents
 are gone, which nobody can resume. So every write and lookup pipeline also reads the namespace's epoch key
@@ -89,6 +98,7 @@ MEMORY_READ_INTERVAL_S = 60.0  # Redis's maxmemory is read again this often (CON
 class _Write:
     segment: Segment
     entries: tuple[tuple[bytes, IndexEntry], ...]  # (canonical key of the entry's position, entry sans size)
+    parents: tuple[bytes, ...] = ()  # keys of the known segments it chains below, touched with its write
 
 
 class RedisSegmentStore(ChainLookup, Pins):
@@ -144,6 +154,9 @@ class RedisSegmentStore(ChainLookup, Pins):
                 return False
             bounds, end_hash = chain
             entries = self._entries(segment, bounds, end_hash)
+            parents = self._ancestors(segment.parent_key)
+            for key in reversed(parents):  # used now, as in Redis once written (the module docstring)
+                self._index.move_to_end(key)
         if self.redis.breaker.is_open:
             self._fault("breaker_open")
             return False
@@ -157,7 +170,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         # so one set after that would outlive the write (readers would wait for nothing); refused when full:
         # readers then do not wait, nothing else is lost
         announced = segment.snapshot_bytes is not None and self.markers.announce(entries)
-        if not self._writer.submit(_Write(segment, entries)):
+        if not self._writer.submit(_Write(segment, entries, parents)):
             self._fault("queue_full")
             with self._lock:
                 self._pending.pop(segment.key, None)
@@ -181,6 +194,15 @@ class RedisSegmentStore(ChainLookup, Pins):
             bounds, h = parent.bounds, parent.end_hash.copy()
         h.update(_tokens_to_bytes(segment.tokens))
         return bounds + (segment.end_position,), h
+
+    def _ancestors(self, parent_key: bytes | None) -> tuple[bytes, ...]:
+        """Keys of the known segments a segment whose parent key is `parent_key` chains below, nearest first (up
+        to the first not known here). Caller holds self._lock."""
+        keys, end = [], parent_key
+        while end is not None and (entry := self._index.get(self._by_end.get(end, b""))) is not None:
+            keys.append(entry.info.key)
+            end = entry.info.parent_key
+        return tuple(keys)
 
     def _entries(self, segment: Segment, bounds: tuple[int, ...], end_hash) -> tuple[tuple[bytes, IndexEntry], ...]:
         """The index entries to write: at the end, and at the page-aligned position below it when that is
@@ -220,7 +242,9 @@ class RedisSegmentStore(ChainLookup, Pins):
             self.markers.flush(self.redis.timeout_s)
             unmark = self.markers.unmark(job.entries)
         epoch = self.epoch_probe(write=True)
-        result = self.redis.pipelined(epoch + [("set", name, data) for name, data in sets] + unmark, self.ttl_s)
+        touch = [("touch", self.names.segment(key)) for key in job.parents]  # before the sets: see the docstring
+        result = self.redis.pipelined(epoch + touch + [("set", name, data) for name, data in sets] + unmark,
+                                      self.ttl_s)
         if result is FAILED:
             self._drop([job.segment.key])
             return
@@ -292,8 +316,9 @@ class RedisSegmentStore(ChainLookup, Pins):
         value = self.redis.call(lambda c: c.get(self.names.segment(key)))
         if value is FAILED:
             return None
-        if value is None:
-            self._reject(key, "missing")  # expired or evicted by Redis: a miss
+        if value is None:  # expired or evicted by Redis: a miss, and what chains below it is forgotten too
+            self._fault("missing")
+            self._drop(self._below(key))
             return None
         try:
             segment = decode_segment(value, self.compat_digest, self.limits)
@@ -308,6 +333,18 @@ class RedisSegmentStore(ChainLookup, Pins):
             if key in self._index:
                 self._index.move_to_end(key)
         return segment
+
+    def _below(self, key: bytes) -> list[bytes]:
+        """key and the keys of every known segment chained below it (the module docstring: a vanished value)."""
+        with self._lock:
+            if key not in self._index:
+                return []
+            ends, keys = {self._index[key].end_hash.digest()}, [key]
+            for entry in sorted(self._index.values(), key=lambda e: e.info.start_position):  # parents first
+                if entry.info.parent_key in ends:
+                    ends.add(entry.end_hash.digest())
+                    keys.append(entry.info.key)
+            return keys
 
     def get_tokens(self, key: bytes) -> tuple[int, ...] | None:
         """The tokens of a known segment (verified against its key when it was written or looked up)."""
