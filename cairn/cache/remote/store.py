@@ -24,8 +24,9 @@ Redis keeps them, a later lookup finds them again; counted in stats()["forgotten
 and by bytes (`byte_budget`: Redis's maxmemory, read with CONFIG GET, or from INFO memory where a managed
 Redis refuses CONFIG, again every MEMORY_READ_INTERVAL_S; or the max_bytes given, the smaller of the two).
 Redis cannot hold more than its maxmemory, so a record that claims more claims segments Redis has evicted,
-which this replica would then neither write again nor know to be gone. A Redis without a maxmemory (0), or
-one that answers neither, bounds nothing (max_bytes alone does, when given).
+which this replica would then neither write again nor know to be gone. It is a loose bound (other replicas'
+segments, the index entries and Redis's own overhead share that memory), but one the record never passes. A
+Redis without a maxmemory (0), or one that answers neither, bounds nothing (max_bytes alone does, when given).
 
 Writes happen behind the request: `put` only records the segment here and queues it; a background
 thread encodes it (segment.py, every section checksummed) and sends it with its index entries in one
@@ -49,7 +50,9 @@ flushed) under a running replica would be sent only the new ends of its conversa
 are gone, which nobody can resume. So every write and lookup pipeline also reads the namespace's epoch key
 (keys.py; set to a random value by the first replica to find it absent): when it differs from the one this
 store saw last, Redis lost what was written before, and every segment known here is forgotten (on_evict is
-told, counted as the fault `redis_reset`, one log line): the next request over each path writes it whole.
+told, counted as the fault `redis_reset`, one log line): the next request over each path writes it whole. Unless
+a recently used segment known here is still in Redis: then Redis evicted the epoch key alone (counted as the
+fault `epoch_evicted`; saw_epoch).
 
 The lookup side (lookup, and registering what it found) is chains.py's ChainLookup, mixed in here.
 What this is not: the tier's choice of what to write or when to look up (tier.py), the segment format.
