@@ -237,6 +237,26 @@ def test_a_segment_corrupted_after_start_up_is_dropped_when_read(tmp_path, cold)
         out = run(second, prompt)
         assert out.cache.cached_tokens == 0 and out.cache.miss_reason == "corrupt"
         same_as_cold(cold, out, prompt)
+        assert second.engine.cache.stats().resume_failures == {"corrupt": 1}
+
+
+def test_a_segment_file_deleted_after_start_up_is_a_miss_reported_evicted_not_corrupt(tmp_path, cold):
+    """A file deleted under the server (an operator's cleanup, another server's eviction) is a value gone, not one
+    that failed verification: miss_reason "evicted", counted apart in cairn_cache_resume_failures_total."""
+    with tiered(tmp_path) as first:
+        run(first, CONVERSATION)
+    with tiered(tmp_path) as second:
+        for path in _segment_files(tmp_path):
+            path.unlink()
+        prompt = CONVERSATION[:300] + [4, 4]
+        out = run(second, prompt)
+        assert out.cache.cached_tokens == 0 and out.cache.miss_reason == "evicted"
+        same_as_cold(cold, out, prompt)
+        stats = second.engine.cache.stats()
+        assert stats.resume_failures == {"evicted": 1} and set(stats.disk.faults) == {"missing"}
+        operations = stats.disk.operations
+        assert operations["read_vanished"] == 1 and "read_bad" not in operations
+        assert stats.disk.forgotten.get("disk_evicted", 0) >= 1 and "disk_unreadable" not in stats.disk.forgotten
 
 
 def test_disk_segments_hold_what_the_tree_says(tmp_path):

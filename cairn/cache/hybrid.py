@@ -73,6 +73,7 @@ class HybridPrefixCache(PrefixCache):
         self.taken_by_source: Counter[str] = Counter()
         self.restored_by_tier: Counter[str] = Counter()
         self.dropped_by_reason: Counter[str] = Counter()
+        self.resume_failures: Counter[str] = Counter()  # planned resumes abandoned: "corrupt", "evicted"
         # put back on the device what a resume reads from a slower tier (TierSet.promote); the tests of faults
         # in a lower tier turn it off to keep a running request's path on that tier alone
         self.promote_resumed = True
@@ -115,7 +116,8 @@ class HybridPrefixCache(PrefixCache):
                 return None
             if outcome == "ok":
                 break
-            report.miss_reason = "corrupt"
+            report.miss_reason = outcome  # "corrupt" or "evicted" (a segment's value gone from its store)
+            self.resume_failures[outcome] += 1
             self._forget_stale_disk_keys()
             match = self.tree.match(req.token_ids)
         report.match_length = match.match_len
@@ -187,7 +189,8 @@ class HybridPrefixCache(PrefixCache):
 
     def _resume(self, req: CacheRequest, match: MatchResult, chosen: Plan, admission: Admission) -> str:
         """Load KV [0, p) into fresh or shared pages and the snapshot at p into req's slot, and record them in
-        `admission`. "ok", "wait" (no pages now) or "corrupt" (a disk copy was unreadable: it is marked bad).
+        `admission`. "ok", "wait" (no pages now), "corrupt" (a segment failed verification or could not be read:
+        it is marked bad) or "evicted" (a segment's value was gone from its store: it is forgotten).
         On any outcome but "ok", or an exception, nothing is held for req."""
         p = chosen.position
         started = time.perf_counter()
@@ -207,8 +210,8 @@ class HybridPrefixCache(PrefixCache):
             except BaseException:
                 self._abandon(table, lock)
                 raise
-        if logits is False:
-            return self._abandon(table, lock)
+        if isinstance(logits, str):
+            return self._abandon(table, lock, logits)
         admission.state.lock = lock
         admission.page_table, admission.num_cached = table, p
         if p == len(req.token_ids):
@@ -241,7 +244,7 @@ class HybridPrefixCache(PrefixCache):
 
     def _load(self, req: CacheRequest, table: list[int], copies: list, handle: TieredSnapshot, tier: str):
         """Copy the pages listed in `copies` and the snapshot into req's pages and slot; returns the
-        snapshot's logits (or None), or False when a disk segment was unreadable (marked bad)."""
+        snapshot's logits (or None), or why a segment could not be read ("corrupt": marked bad; "evicted")."""
         segments: dict = {}
         for index, (node, i) in copies:
             if node.pages is not None:
@@ -249,13 +252,19 @@ class HybridPrefixCache(PrefixCache):
                 continue
             holder, page = self.tiers.page_copy(node, i, segments)
             if page is None:
-                self.indexes[holder.name].mark_bad(node.kv[holder.name].key)
-                return False
+                return self._unreadable(holder.name, node.kv[holder.name].key)
             self.kv.k[:, table[index]], self.kv.v[:, table[index]] = page
         logits = self.tiers.restore_snapshot(handle, tier, self.states, req.state_slot)
-        if logits is False:
-            self.indexes[tier].mark_bad(handle.copies[tier])
-        return logits
+        return self._unreadable(tier, handle.copies[tier]) if logits is False else logits
+
+    def _unreadable(self, tier: str, key: bytes) -> str:
+        """A segment of `tier` could not be read: mark it bad, or forget it when its value was gone; why."""
+        why = self.tiers.by_name[tier].unreadable_why
+        if why == "evicted":
+            self.indexes[tier].mark_gone(key)
+        else:
+            self.indexes[tier].mark_bad(key)
+        return why
 
     def _page_plan(self, match: MatchResult, p: int) -> tuple[list[int | None], list[tuple[int, tuple[Node, int]]]]:
         """The request's page table for [0, p): shared device pages, and None where a copy is needed."""
@@ -283,10 +292,10 @@ class HybridPrefixCache(PrefixCache):
             table[index] = page
         return True
 
-    def _abandon(self, table: list[int], lock: LockHandle) -> str:
+    def _abandon(self, table: list[int], lock: LockHandle, why: str = "corrupt") -> str:
         self.kv.allocator.decref(table)
         self.tree.unlock(lock)
-        return "corrupt"
+        return why
 
     def _report_resume(self, report: CacheReport, p: int, chosen: Plan, source: str, seconds: float) -> None:
         report.cached_tokens = report.resume_position = p
@@ -450,6 +459,7 @@ class HybridPrefixCache(PrefixCache):
         return CacheStats(
             counters=dict(self.counters), taken_by_source=dict(self.taken_by_source),
             restored_by_tier=dict(self.restored_by_tier), dropped_by_reason=dict(self.dropped_by_reason),
+            resume_failures=dict(self.resume_failures),
             tier_moves=dict(self.tiers.moved), tier_drops=dict(self.tiers.dropped),
             snapshots_per_tier={t: per_tier.get(t, 0) for t in self.tiers.names},
             snapshot_used_bytes={t.name: t.used_bytes for t in pools},

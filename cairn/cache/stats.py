@@ -18,10 +18,11 @@ class DiskStats:
     faults: dict[str, int] = field(default_factory=dict)  # counter cairn_cache_disk_faults_total{reason}
     forgotten: dict[str, int] = field(default_factory=dict)  # counter ..._disk_segments_forgotten_total{reason}
     # counter cairn_cache_disk_operations_total{kind}: the tier's segments_written, write_failed (the store
-    # refused it), write_unreadable (the node's KV could not be read to write it), read_ok, read_bad,
-    # read_missing, orphan_segments (indexed at start-up without their parent: never resumable; the disk
-    # store's lock holder deletes them); the remote tier adds lookups and lookup_hits, and segments_queued (written
-    # behind the requests: its segments_written counts those Redis accepted)
+    # refused it), write_unreadable (the node's KV could not be read to write it), read_ok, read_bad (failed
+    # verification or could not be read), read_missing (the store had let it go), read_vanished (the store found
+    # its value gone: evicted, expired, deleted), orphan_segments (indexed at start-up without their parent: never
+    # resumable; the disk store's lock holder deletes them); the remote tier adds lookups and lookup_hits, and
+    # segments_queued (written behind the requests: its segments_written counts those Redis accepted)
     operations: dict[str, int] = field(default_factory=dict)
     # counter cairn_cache_disk_store_segments_total{event} (the disk store's, store.py's COUNTS): puts (files
     # written), rewrites (of those, a stored key's file replaced to add a snapshot), evictions (the budget),
@@ -37,6 +38,10 @@ class CacheStats:
     taken_by_source: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_taken_by_total{source}
     restored_by_tier: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_restored_from_total{tier}
     dropped_by_reason: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_dropped_total{reason}
+    # counter cairn_cache_resume_failures_total{reason}: planned resumes abandoned at admission (then planned again,
+    # shallower) because a segment could not be read: "corrupt" (failed verification, or an I/O error) or "evicted"
+    # (its value gone from its store: Redis evicted or expired it, its disk file was deleted)
+    resume_failures: dict[str, int] = field(default_factory=dict)
     # counter cairn_cache_tier_moves_total{kind}: demotions ("snapshot device->host", "kv host->disk", ...) and
     # what resumes put back on the device ("snapshot disk->device", "kv disk->device", ...)
     tier_moves: dict[str, int] = field(default_factory=dict)

@@ -109,6 +109,7 @@ CACHE_SERIES = (
     ("taken_by_source", "snapshots_taken_by", "source", False),
     ("restored_by_tier", "snapshots_restored_from", "tier", False),
     ("dropped_by_reason", "snapshots_dropped", "reason", False),
+    ("resume_failures", "resume_failures", "reason", False),
     ("tier_moves", "tier_moves", "kind", False),
     ("tier_drops", "tier_drops", "reason", False),
     ("snapshots_per_tier", "num_snapshots", "tier", True),

@@ -2,7 +2,9 @@
 
     index()        hang every stored segment whose prefix chain is complete on the tree (start-up, and
                    after a rescan): nodes whose KV is on disk, snapshots whose copy is on disk
-    mark_bad(key)  the cache found this segment unreadable (missing, truncated, bit-flipped, a link...)
+    mark_bad(key)  the cache found this segment unreadable (truncated, bit-flipped, a link, an I/O error...)
+    mark_gone(key) the cache found this segment gone from its store (evicted, expired, its file deleted):
+                   forgotten as evicted, and hung again when a rescan or lookup finds it written again
     forget()       drop the tree's references to segments that left the store (budget eviction, a bad
                    file the store found, a key marked bad); a node or snapshot still locked by a running
                    request keeps its record until a later forget(), and `usable` says not to resume
@@ -127,6 +129,9 @@ class DiskIndex:
         if len(self._unreadable) >= MAX_UNREADABLE:
             self._unreadable.clear()
         self._unreadable.add(key)  # a lookup does not hang it again (its index entries may outlive it)
+
+    def mark_gone(self, key: bytes) -> None:
+        self._evicted(key)  # not remembered as unreadable: a value written again under its key is good
 
     def relink(self) -> int:
         """Hang again what lies below each segment marked bad and since written again (its key is back in the

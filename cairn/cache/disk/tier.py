@@ -38,6 +38,7 @@ from cairn.cache.tree.nodes import DISK, DiskRef, Node, page_indices
 from cairn.memory.state_pool import StatePool
 
 log = logging.getLogger(__name__)
+VANISHED_FAULT = "missing"  # the fault both segment stores count for a value gone when read (deleted, evicted)
 
 
 def _path_to(node: Node) -> list[Node]:
@@ -118,6 +119,9 @@ class DiskTier:
         self._restore_buffer = restore_buffer
         self.on_written: Callable[[bytes], None] | None = None  # told each segment key `persist` wrote (the index)
         self._restore_lock = threading.Lock()  # one restore at a time uses the buffer
+        # why the last read that failed did: "evicted" (the store no longer had the value: evicted, expired, its
+        # file deleted) or "corrupt" (it failed verification, or could not be read); the cache's miss_reason
+        self.unreadable_why = "corrupt"
 
     # ---- the LowerTier protocol -------------------------------------------------------------------
 
@@ -144,6 +148,8 @@ class DiskTier:
             segment = self.read(key, self._restore_buffer)
             snap = None if segment is None else self.snapshot_of(segment)
             if snap is None:
+                if segment is not None:  # a whole segment without the snapshot its record promised
+                    self.unreadable_why = "corrupt"
                 return False
             dst.write_slot(slot, snap.tensors)
             return None if snap.logits is None else snap.logits.to(dst.device, copy=True)
@@ -275,16 +281,27 @@ class DiskTier:
     # ---- reading ----------------------------------------------------------------------------------
 
     def read(self, key: bytes, buffer: ReadBuffer | None = None) -> Segment | None:
-        """The verified segment, pinned while read; None (counted) when missing or bad. Its bytes are read
-        into `buffer` when given (valid until that buffer's next read)."""
-        if not self.store.pin(key):
+        """The verified segment, pinned while read; None (counted, `unreadable_why` set) when missing or bad. Its
+        bytes are read into `buffer` when given (valid until that buffer's next read). A value the store finds gone
+        is told apart from a bad one by the store's count of VANISHED_FAULT (reads run on the engine thread
+        alone, the only one that counts it)."""
+        if not self.store.pin(key):  # the store let it go already (evicted, a failed write)
             self.counters["read_missing"] += 1
+            self.unreadable_why = "evicted"
             return None
+        vanished = self.store.faults.get(VANISHED_FAULT, 0)
         try:
             segment = self.store.get(key) if buffer is None else self.store.get(key, buffer)
         finally:
             self.store.unpin(key)
-        self.counters["read_ok" if segment is not None else "read_bad"] += 1
+        if segment is not None:
+            self.counters["read_ok"] += 1
+        elif self.store.faults.get(VANISHED_FAULT, 0) > vanished:
+            self.counters["read_vanished"] += 1
+            self.unreadable_why = "evicted"
+        else:
+            self.counters["read_bad"] += 1
+            self.unreadable_why = "corrupt"
         return segment
 
     @staticmethod

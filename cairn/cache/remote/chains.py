@@ -9,8 +9,8 @@
     counted(name)    one of the store's counts
 
 It uses the store's state (redis, names, markers, wait_s, _lock, _counts, _index, _register, _trim,
-_fault, epoch_probe, saw_epoch), set up by RedisSegmentStore.__init__; it is not used alone. What this is
-not: the writes, or the reading of a segment's bytes (store.py).
+_fault, epoch_probe, saw_epoch, read_maxmemory), set up by RedisSegmentStore.__init__; it is not used alone. What
+this is not: the writes, or the reading of a segment's bytes (store.py).
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ class ChainLookup:
             time.sleep(WAIT_POLL_S)
         self._count("lookups")
         self._trim(keep={info.key for info in infos})
+        if values is not FAILED:
+            self.read_maxmemory(keep={info.key for info in infos})
         return infos
 
     def _count(self, name: str) -> None:

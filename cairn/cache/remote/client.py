@@ -167,9 +167,10 @@ class GuardedRedis:
                     "as refused (at most one line a minute)", self.breaker.name, type(error).__name__, error)
 
     def pipelined(self, commands: list[tuple], ttl_s: int | None = None):
-        """("set", name, value) / ("setpx", name, value, ms) / ("setnx", name, value) / ("get" | "delete", name)
-        commands in one round trip (a cluster client splits them by node): their results, or FAILED. `ttl_s`
-        applies to the sets; a setpx expires after its own `ms` milliseconds, a setnx never."""
+        """("set", name, value) / ("setpx", name, value, ms) / ("setnx", name, value) / ("get" | "delete" | "exists" |
+        "touch", name) commands in one round trip (a cluster client splits them by node): their results, or FAILED.
+        `ttl_s` applies to the sets; a setpx expires after its own `ms` milliseconds, a setnx never. A touch marks the
+        key used now for Redis's LRU / LFU eviction (with `ttl_s`, an EXPIRE that also restarts its time to live)."""
         def run(client):
             pipe = client.pipeline(transaction=False)
             for op, name, *value in commands:
@@ -181,6 +182,12 @@ class GuardedRedis:
                     pipe.set(name, value[0], nx=True)
                 elif op == "get":
                     pipe.get(name)
+                elif op == "exists":
+                    pipe.exists(name)
+                elif op == "touch" and ttl_s is None:
+                    pipe.touch(name)
+                elif op == "touch":
+                    pipe.expire(name, ttl_s)
                 else:  # "delete"
                     pipe.delete(name)
             return pipe.execute()

@@ -11,10 +11,22 @@
                      deeper chain is being written, the probe is repeated every WAIT_POLL_S until it has
                      landed (or the marker is gone, or wait_s has passed): the turn that follows a turn
                      served elsewhere arrives before that turn's write-behind is done
-    info / keys / get_tokens / pin / unpin / len / used_bytes / close    as DiskStore's, over the
-                     segments this process knows of (those it wrote or looked up): Redis may hold more.
-                     At most max_segments are known: beyond, the least recently used are forgotten here
-                     (on_evict is told; Redis keeps them, a later lookup finds them again)
+    info / keys / get_tokens / pin / unpin / len / close    as DiskStore's, over the segments this
+                     process knows of (those it wrote or looked up): Redis may hold more, or fewer (it
+                     evicts and expires without telling anyone)
+    used_bytes       the bytes of the known segments (as stored in Redis; a queued one's uncompressed
+                     size until written; 0 for one a lookup found without its size): what this replica
+                     believes Redis holds for it, at most `byte_budget`, NOT what Redis holds (its INFO
+                     memory says that, for every replica and key together)
+
+The record of known segments is bounded twice, the least recently used forgotten first (on_evict is told;
+Redis keeps them, a later lookup finds them again; counted in stats()["forgotten"]): by count (max_segments)
+and by bytes (`byte_budget`: Redis's maxmemory, read with CONFIG GET, or from INFO memory where a managed
+Redis refuses CONFIG, again every MEMORY_READ_INTERVAL_S; or the max_bytes given, the smaller of the two).
+Redis cannot hold more than its maxmemory, so a record that claims more claims segments Redis has evicted,
+which this replica would then neither write again nor know to be gone. It is a loose bound (other replicas'
+segments, the index entries and Redis's own overhead share that memory), but one the record never passes. A
+Redis without a maxmemory (0), or one that answers neither, bounds nothing (max_bytes alone does, when given).
 
 Writes happen behind the request: `put` only records the segment here and queues it; a background
 thread encodes it (segment.py, every section checksummed) and sends it with its index entries in one
@@ -24,12 +36,23 @@ returns (from memory until written). A
 write that fails leaves the index (counted, and `on_evict` is told). Redis has no pins: `pin` only
 keeps this process's record; a segment Redis evicted anyway is a miss.
 
+Eviction under a maxmemory policy (allkeys-lru, the recommended one) ranks keys by their last use, and a
+conversation grows by new children while its parents are only read by a replica that does not hold them: so
+every write pipeline also touches the known segments the written one chains below (TOUCH, or EXPIRE with a
+TTL), before setting it: a chain's parents are never less recently used than its newest segment, and Redis
+evicts whole old conversations rather than the roots of live ones. A value found vanished all the same (get:
+"missing") is forgotten here with every known segment chained below it (they cannot be resumed without it,
+and may be gone too), telling on_evict: the next request over that path, which recomputes it, writes it
+whole from there, as after a `redis_reset` below, for one chain.
+
 A replica writes only the segments of a path it does not know to be in Redis, so a Redis restarted empty (or
 flushed) under a running replica would be sent only the new ends of its conversations, chains whose parents
 are gone, which nobody can resume. So every write and lookup pipeline also reads the namespace's epoch key
 (keys.py; set to a random value by the first replica to find it absent): when it differs from the one this
 store saw last, Redis lost what was written before, and every segment known here is forgotten (on_evict is
-told, counted as the fault `redis_reset`, one log line): the next request over each path writes it whole.
+told, counted as the fault `redis_reset`, one log line): the next request over each path writes it whole. Unless
+a recently used segment known here is still in Redis: then Redis evicted the epoch key alone (counted as the
+fault `epoch_evicted`; saw_epoch).
 
 The lookup side (lookup, and registering what it found) is chains.py's ChainLookup, mixed in here.
 What this is not: the tier's choice of what to write or when to look up (tier.py), the segment format.
@@ -70,12 +93,15 @@ log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)
 DEFAULT_MAX_SEGMENTS = 1 << 16  # segments known here (written or looked up); the least recently used go first
 DEFAULT_WAIT_S = 3.0  # the longest a lookup waits for a deeper chain another replica's marker announces
+EPOCH_WITNESSES = 4  # recent segments whose presence shows an epoch key gone was evicted, not flushed (saw_epoch)
+MEMORY_READ_INTERVAL_S = 60.0  # Redis's maxmemory is read again this often (CONFIG SET changes it at run time)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Write:
     segment: Segment
     entries: tuple[tuple[bytes, IndexEntry], ...]  # (canonical key of the entry's position, entry sans size)
+    parents: tuple[bytes, ...] = ()  # keys of the known segments it chains below, touched with its write
 
 
 class RedisSegmentStore(ChainLookup, Pins):
@@ -85,11 +111,15 @@ class RedisSegmentStore(ChainLookup, Pins):
                  limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cooldown_s: float = DEFAULT_COOLDOWN_S,
                  queue_segments: int = DEFAULT_QUEUE_SEGMENTS, ttl_s: int | None = None, client=None,
-                 max_segments: int = DEFAULT_MAX_SEGMENTS, wait_s: float = DEFAULT_WAIT_S):
+                 max_segments: int = DEFAULT_MAX_SEGMENTS, wait_s: float = DEFAULT_WAIT_S,
+                 max_bytes: int | None = None):
         self.url, self.compat_digest, self.page_size = url, namespace, page_size
         self.compression, self.limits, self.on_evict, self.ttl_s = compression, limits, on_evict, ttl_s
         self.names = KeyNames(namespace)
         self.max_segments = max_segments  # cap on the segments known here (Redis may hold many more)
+        self.max_bytes = max_bytes  # cap on their bytes, beside Redis's maxmemory (None: that alone)
+        self.redis_maxmemory: int | None = None  # as Redis last told it (0: no limit; None: not told)
+        self._memory_read_at: float | None = None  # time.monotonic() of the last attempt to read it
         self.wait_s = wait_s  # see DEFAULT_WAIT_S; 0: never wait for another replica's write
         self.writer_id = os.urandom(8).hex()  # names this store's markers (its own are not waited for)
         self._epoch: bytes | None = None  # the namespace's epoch key as last read (None: not read yet)
@@ -98,6 +128,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0, "forgotten": 0,
                         "lookups_waited": 0, "lookup_waits_expired": 0}
         self._index: OrderedDict[bytes, KnownSegment] = OrderedDict()  # least recently used first
+        self._known_bytes = 0  # sum of the size_bytes in _index
         self._by_end: dict[bytes, bytes] = {}  # canonical key of a segment's end -> its key
         self._pending: dict[bytes, Segment] = {}  # queued, not yet written
         self._pins: dict[bytes, int] = {}
@@ -126,6 +157,9 @@ class RedisSegmentStore(ChainLookup, Pins):
                 return False
             bounds, end_hash = chain
             entries = self._entries(segment, bounds, end_hash)
+            parents = self._ancestors(segment.parent_key)
+            for key in reversed(parents):  # used now, as in Redis once written (the module docstring)
+                self._index.move_to_end(key)
         if self.redis.breaker.is_open:
             self._fault("breaker_open")
             return False
@@ -139,7 +173,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         # so one set after that would outlive the write (readers would wait for nothing); refused when full:
         # readers then do not wait, nothing else is lost
         announced = segment.snapshot_bytes is not None and self.markers.announce(entries)
-        if not self._writer.submit(_Write(segment, entries)):
+        if not self._writer.submit(_Write(segment, entries, parents)):
             self._fault("queue_full")
             with self._lock:
                 self._pending.pop(segment.key, None)
@@ -163,6 +197,15 @@ class RedisSegmentStore(ChainLookup, Pins):
             bounds, h = parent.bounds, parent.end_hash.copy()
         h.update(_tokens_to_bytes(segment.tokens))
         return bounds + (segment.end_position,), h
+
+    def _ancestors(self, parent_key: bytes | None) -> tuple[bytes, ...]:
+        """Keys of the known segments a segment whose parent key is `parent_key` chains below, nearest first (up
+        to the first not known here). Caller holds self._lock."""
+        keys, end = [], parent_key
+        while end is not None and (entry := self._index.get(self._by_end.get(end, b""))) is not None:
+            keys.append(entry.info.key)
+            end = entry.info.parent_key
+        return tuple(keys)
 
     def _entries(self, segment: Segment, bounds: tuple[int, ...], end_hash) -> tuple[tuple[bytes, IndexEntry], ...]:
         """The index entries to write: at the end, and at the page-aligned position below it when that is
@@ -202,7 +245,9 @@ class RedisSegmentStore(ChainLookup, Pins):
             self.markers.flush(self.redis.timeout_s)
             unmark = self.markers.unmark(job.entries)
         epoch = self.epoch_probe(write=True)
-        result = self.redis.pipelined(epoch + [("set", name, data) for name, data in sets] + unmark, self.ttl_s)
+        touch = [("touch", self.names.segment(key)) for key in job.parents]  # before the sets: see the docstring
+        result = self.redis.pipelined(epoch + touch + [("set", name, data) for name, data in sets] + unmark,
+                                      self.ttl_s)
         if result is FAILED:
             self._drop([job.segment.key])
             return
@@ -211,8 +256,12 @@ class RedisSegmentStore(ChainLookup, Pins):
             self._counts["written"] += 1
             entry = self._index.get(job.segment.key)
             if entry is not None:
+                self._known_bytes += len(value) - entry.info.size_bytes
                 entry.info = dataclasses.replace(entry.info, size_bytes=len(value))
-        self.saw_epoch(result[len(epoch) - 1])  # after the write: a segment whose parents Redis lost is forgotten too
+        self.saw_epoch(result[len(epoch) - 1], job.segment.key)  # after the write: one whose parents Redis lost is
+        # forgotten too
+        self._trim(keep={job.segment.key})  # its size is now the stored one (with compression's framing)
+        self.read_maxmemory(keep={job.segment.key})
 
     def epoch_probe(self, write: bool = False) -> list[tuple]:
         """The commands, first in a pipeline, that read the namespace's epoch key (a write's pipeline sets it
@@ -221,19 +270,36 @@ class RedisSegmentStore(ChainLookup, Pins):
         name = self.names.epoch()
         return [("setnx", name, os.urandom(8).hex().encode()), ("get", name)] if write else [("get", name)]
 
-    def saw_epoch(self, value: bytes | None) -> None:
+    def saw_epoch(self, value: bytes | None, written: bytes | None = None) -> None:
         """The epoch key read by a pipeline: if it changed (or is gone) since the last one read here, Redis lost
-        what was written before (restarted empty, flushed): forget every segment known here (module docstring)."""
+        what was written before (restarted empty, flushed): forget every segment known here (module docstring).
+        Unless one of the most recently used segments known here is still in Redis: then Redis evicted the epoch
+        key, not everything (allkeys-lru ranks keys by the second they were last used: under a write rate that fills
+        maxmemory within seconds, the epoch key, read by every pipeline, is no safer than any other key), counted as
+        the fault "epoch_evicted". `written`: the segment the calling pipeline wrote, which proves nothing. (Another
+        replica may have written that same segment again since a flush: then the segments lost here are found
+        gone when read, and forgotten with what chains below them, chain by chain.)"""
         with self._lock:
             before, self._epoch = self._epoch, value
             if before is None or value == before:
                 return
+            recent = [k for k in reversed(self._index) if k not in self._pending and k != written]
+        if recent and self._any_held(recent[:EPOCH_WITNESSES]):
+            self._fault("epoch_evicted")
+            return
+        with self._lock:
             keys = [k for k in self._index if k not in self._pins]  # a pinned one's load finds it missing
+            self._memory_read_at = None  # a Redis restarted may have another maxmemory
         self._fault("redis_reset")
         log.warning("remote cache %s lost what was written before (its epoch key changed: restarted empty or "
                     "flushed); forgetting the %d segments known here, which the next requests write again",
                     self.redis.breaker.name, len(keys))
         self._drop(keys)
+
+    def _any_held(self, keys: list[bytes]) -> bool:
+        """One of these segments is in Redis (False when Redis does not answer: forgetting is the safe side)."""
+        result = self.redis.pipelined([("exists", self.names.segment(key)) for key in keys])
+        return result is not FAILED and any(result)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued write is done; False if some are still queued after timeout_s."""
@@ -246,14 +312,16 @@ class RedisSegmentStore(ChainLookup, Pins):
         with self._lock:
             self._counts["gets"] += 1
             if key in self._pending:
+                self._counts["hits"] += 1
                 return self._pending[key]
             if key not in self._index:
                 return None
         value = self.redis.call(lambda c: c.get(self.names.segment(key)))
         if value is FAILED:
             return None
-        if value is None:
-            self._reject(key, "missing")  # expired or evicted by Redis: a miss
+        if value is None:  # expired or evicted by Redis: a miss, and what chains below it is forgotten too
+            self._fault("missing")
+            self._drop(self._below(key))
             return None
         try:
             segment = decode_segment(value, self.compat_digest, self.limits)
@@ -269,6 +337,18 @@ class RedisSegmentStore(ChainLookup, Pins):
                 self._index.move_to_end(key)
         return segment
 
+    def _below(self, key: bytes) -> list[bytes]:
+        """key and the keys of every known segment chained below it (the module docstring: a vanished value)."""
+        with self._lock:
+            if key not in self._index:
+                return []
+            ends, keys = {self._index[key].end_hash.digest()}, [key]
+            for entry in sorted(self._index.values(), key=lambda e: e.info.start_position):  # parents first
+                if entry.info.parent_key in ends:
+                    ends.add(entry.end_hash.digest())
+                    keys.append(entry.info.key)
+            return keys
+
     def get_tokens(self, key: bytes) -> tuple[int, ...] | None:
         """The tokens of a known segment (verified against its key when it was written or looked up)."""
         with self._lock:
@@ -277,6 +357,8 @@ class RedisSegmentStore(ChainLookup, Pins):
 
     def _register(self, entry: KnownSegment) -> None:
         """Index entry (caller holds self._lock)."""
+        previous = self._index.get(entry.info.key)
+        self._known_bytes += entry.info.size_bytes - (previous.info.size_bytes if previous is not None else 0)
         self._index[entry.info.key] = entry
         self._index.move_to_end(entry.info.key)
         self._by_end[entry.end_hash.digest()] = entry.info.key
@@ -285,24 +367,52 @@ class RedisSegmentStore(ChainLookup, Pins):
         """Undo _register of a segment never queued: back to what was known of it (caller holds self._lock)."""
         entry = self._index.pop(key, None)
         if entry is not None:
+            self._known_bytes -= entry.info.size_bytes
             self._by_end.pop(entry.end_hash.digest(), None)
         if previous is not None:
             self._register(previous)
 
     def _trim(self, keep: set[bytes]) -> None:
-        """Forget the least recently used known segments beyond max_segments (never one queued for writing,
-        pinned, or in `keep`: the chain just written or found), telling on_evict: the cache then drops the
-        tree's references to them, so neither this index nor the nodes whose only copy is in Redis grow
-        without bound. Redis keeps the segments: a later lookup finds them again. Counted in
+        """Forget the least recently used known segments beyond max_segments or byte_budget (never one queued
+        for writing, pinned, or in `keep`: the chain just written or found; those alone may exceed either),
+        telling on_evict: the cache then drops the tree's references to them, so neither this index nor the
+        nodes whose only copy is in Redis grow without bound, nor claim more than Redis can hold. Counted in
         stats()["forgotten"]."""
         with self._lock:
+            budget = self.byte_budget
             excess = len(self._index) - self.max_segments
-            if excess <= 0:
-                return
-            keys = [k for k in self._index if k not in self._pending and k not in self._pins and k not in keep]
-            keys = keys[:excess]
+            excess_bytes = 0 if budget is None else self._known_bytes - budget
+            keys = []
+            for key, entry in self._index.items():  # least recently used first
+                if excess <= 0 and excess_bytes <= 0:
+                    break
+                if key not in self._pending and key not in self._pins and key not in keep:
+                    keys.append(key)
+                    excess, excess_bytes = excess - 1, excess_bytes - entry.info.size_bytes
             self._counts["forgotten"] += len(keys)
         self._drop(keys)
+
+    @property
+    def byte_budget(self) -> int | None:
+        """The bytes the known segments may claim: the smaller of max_bytes and Redis's maxmemory (None: no bound;
+        the module docstring)."""
+        bounds = [b for b in (self.max_bytes, self.redis_maxmemory or None) if b is not None]
+        return min(bounds) if bounds else None
+
+    def read_maxmemory(self, keep: set[bytes]) -> None:
+        """Ask Redis its maxmemory if MEMORY_READ_INTERVAL_S have passed since the last attempt, and trim the record
+        to it. The writer and lookup threads call it (never the engine's), after a pipeline Redis answered."""
+        with self._lock:
+            now = time.monotonic()
+            if self._memory_read_at is not None and now - self._memory_read_at < MEMORY_READ_INTERVAL_S:
+                return
+            self._memory_read_at = now
+        value = self.redis.call(_maxmemory)
+        if value is FAILED or value is None:  # not reached (counted by the client), or it would not say
+            return
+        with self._lock:
+            self.redis_maxmemory = value
+        self._trim(keep)
 
     def _reject(self, key: bytes, reason: str) -> None:
         self._fault(reason)
@@ -316,6 +426,7 @@ class RedisSegmentStore(ChainLookup, Pins):
                 self._pending.pop(key, None)
                 entry = self._index.pop(key, None)
                 if entry is not None:
+                    self._known_bytes -= entry.info.size_bytes
                     self._by_end.pop(entry.end_hash.digest(), None)
                     dropped.append(key)
         if self.on_evict is not None:
@@ -339,20 +450,22 @@ class RedisSegmentStore(ChainLookup, Pins):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the known segments (Redis's own maxmemory is the budget)."""
-        with self._lock:
-            return sum(e.info.size_bytes for e in self._index.values())
+        """Bytes of the known segments, at most byte_budget (not what Redis holds: the module docstring)."""
+        return self._known_bytes
 
     def stats(self) -> dict:
         with self._lock:
-            return {"segments": len(self._index), "used_bytes": self.used_bytes, "queued": self._writer.num_queued,
-                    **self._counts, "marked": self.markers.num_set, "breaker_opened": self.redis.breaker.num_opened}
+            return {"segments": len(self._index), "used_bytes": self._known_bytes,
+                    "byte_budget": self.byte_budget or 0, "redis_maxmemory": self.redis_maxmemory or 0,
+                    "queued": self._writer.num_queued, **self._counts, "marked": self.markers.num_set,
+                    "breaker_opened": self.redis.breaker.num_opened}
 
     def check_integrity(self) -> None:
         with self._lock:
             assert all(k == e.info.key for k, e in self._index.items()), "index key differs from its record"
             assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
             assert set(self._pending) <= set(self._index), "a queued segment is not indexed"
+            assert self._known_bytes == sum(e.info.size_bytes for e in self._index.values()), "known bytes drifted"
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Finish the queued writes (up to timeout_s), stop the writer and close the connection. Idempotent."""
@@ -363,6 +476,28 @@ class RedisSegmentStore(ChainLookup, Pins):
         self._writer.close(timeout_s)
         self.markers.close(timeout_s)
         self.redis.close()
+
+
+def _maxmemory(client) -> int | None:
+    """Redis's maxmemory in bytes (0: no limit) by CONFIG GET, or from INFO memory where CONFIG is refused (managed
+    Redis services rename or forbid it); None when neither answers. A cluster's is its primaries' sum (0 when one
+    has no limit)."""
+    from redis import exceptions
+
+    cluster = hasattr(client, "get_primaries")
+    target = {"target_nodes": client.PRIMARIES} if cluster else {}
+    for read in (lambda: client.config_get("maxmemory", **target), lambda: client.info("memory", **target)):
+        try:
+            answer = read()
+        except exceptions.ResponseError:
+            continue
+        per_node = list(answer.values()) if cluster and "maxmemory" not in answer else [answer]
+        try:
+            limits = [int(node["maxmemory"]) for node in per_node]
+        except (KeyError, TypeError, ValueError):
+            continue
+        return 0 if not limits or 0 in limits else sum(limits)
+    return None
 
 
 def _covers(info: SegmentInfo, segment: Segment) -> bool:

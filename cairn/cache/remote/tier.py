@@ -73,8 +73,11 @@ class RemoteTier(DiskTier):
         return ops
 
     def _known(self, node: Node, parent_key: bytes | None) -> bool:
-        """The store already holds node's segment, with its snapshot when it has one (recorded on the node)."""
-        if super()._known(node, parent_key):
+        """The store already holds node's segment, with its snapshot when it has one (recorded on the node). A
+        reference on the node to a segment the store has forgotten since (a value found gone takes the segments
+        below it along: store.py) is not known: the tree drops it at the next forget, and this write is the one
+        that puts the path back whole."""
+        if super()._known(node, parent_key) and self.store.info(node.kv[self.name].key) is not None:
             return True
         key = segment_key(parent_key, node.tokens)
         info: SegmentInfo | None = self.store.info(key)
