@@ -11,6 +11,7 @@ after that.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 GIB = 1 << 30
@@ -59,6 +60,10 @@ class ModelOptions:
                            "(1, 2, 4, ... up to --max-num-seqs; mixed steps and prefill stay eager); refused on a "
                            "CPU, with a fast decode kernel not known to be graph-safe, or with MoE layers; reserves "
                            "one KV page and one state slot for padding rows; untested on GPU so far")
+
+    def __post_init__(self):
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"--device {self.device}: must be auto, cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,11 @@ class CacheOptions:
     def __post_init__(self):
         check_at_least(self, {"snapshot_interval": 0, "snapshot_min_gap": 0, "device_snapshot_gib": 0,
                               "host_cache_gib": 0, "disk_cache_gib": 0})
+        # the schemes cairn.cache.remote.client.split_url takes, checked here before anything slow (the remote
+        # tier parses its URL only when it first connects, on a thread of its own)
+        if self.remote_cache is not None and not re.match(r"rediss?(\+cluster)?://", self.remote_cache, re.I):
+            raise ConfigError(f"--remote-cache must be a redis://, rediss:// or redis+cluster:// URL, "
+                              f"got {self.remote_cache!r}")
 
     @property
     def host_cache_bytes(self) -> int:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cairn.cli import COMMANDS, build_parser, config_from_args
 from cairn.llm import LLM
@@ -291,3 +292,48 @@ def test_generate_answers_a_conversation_given_as_messages():
                 "WARNING")
     assert out.returncode == 0, out.stderr
     assert "first token" in out.stderr and "tok/s decode" in out.stderr
+
+
+def test_an_unknown_device_is_one_line_naming_the_flag():
+    """`--device tpu` used to reach torch.device() inside the engine and end in a traceback."""
+    assert_one_line_error(cairn("serve", "--device", "tpu"), "--device tpu", "cpu, cuda or cuda:N")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_one_line_naming_the_flag():
+    """`--device cuda` on a machine torch sees no CUDA device on used to end in torch's AssertionError traceback."""
+    assert_one_line_error(cairn("serve", "--log-level", "WARNING", "--device", "cuda"), "--device cuda",
+                          "no CUDA device")
+
+
+def test_a_remote_cache_url_of_another_scheme_is_one_line_before_the_model_loads():
+    """`--remote-cache http://...` used to be accepted: the server ran with a remote tier whose every call failed
+    (the URL is parsed only when the tier first connects)."""
+    out = cairn("serve", "--remote-cache", "http://127.0.0.1:6379/0")
+    assert_one_line_error(out, "--remote-cache must be a redis://, rediss:// or redis+cluster:// URL")
+    assert "memory budgets" not in out.stderr
+
+
+@pytest.mark.parametrize("url", ["redis://h:1/0", "rediss://h:1", "redis+cluster://h:1", "rediss+cluster://h:1",
+                                 "redis://h:1/0?cluster=true", "REDIS://h:1", "http://h:1", "h:1",
+                                 "unix:///tmp/r.sock", ""])
+def test_the_remote_cache_flag_accepts_the_urls_the_remote_tier_accepts(url):
+    from cairn.cache.remote.client import split_url
+    from cairn.config import CacheOptions, ConfigError
+
+    try:
+        split_url(url)
+        tier_accepts = True
+    except ValueError:
+        tier_accepts = False
+    try:
+        CacheOptions(remote_cache=url)
+        flag_accepts = True
+    except ConfigError:
+        flag_accepts = False
+    assert flag_accepts == tier_accepts, url
+
+
+def test_an_empty_served_model_name_is_one_line():
+    """`--served-model-name ''` used to be accepted and silently replaced by the engine's model name."""
+    assert_one_line_error(cairn("serve", "--served-model-name", ""), "--served-model-name must not be empty")

@@ -55,6 +55,8 @@ class ServerOptions:
                               "body_timeout_s": 0, "body_read_mib_per_s": 0, "max_connections": 0})
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("--served-model-name must not be empty")
 
     @property
     def origins(self) -> list[str]:
