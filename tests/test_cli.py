@@ -337,3 +337,10 @@ def test_the_remote_cache_flag_accepts_the_urls_the_remote_tier_accepts(url):
 def test_an_empty_served_model_name_is_one_line():
     """`--served-model-name ''` used to be accepted and silently replaced by the engine's model name."""
     assert_one_line_error(cairn("serve", "--served-model-name", ""), "--served-model-name must not be empty")
+
+
+@pytest.mark.parametrize("layout, needle", [("gemv", "--weight-layout gemv needs bf16 weights on a CPU"),
+                                             ("packed", "--weight-layout packed needs bf16 / fp16 weights")])
+def test_a_weight_layout_the_dtype_cannot_take_is_one_line(layout, needle):
+    """`--weight-layout gemv` (or packed) on the float32 demo model used to end in a ValueError traceback."""
+    assert_one_line_error(cairn("serve", "--log-level", "WARNING", "--weight-layout", layout, "--port", "0"), needle)
