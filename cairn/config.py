@@ -122,7 +122,9 @@ class CacheOptions:
     snapshot_policy: str = _f("cairn", "where snapshots go: cairn, or a baseline for comparison (none, last_chunk, "
                               "prompt_end_branch, user_messages)",
                               choices=("cairn", "none", "last_chunk", "prompt_end_branch", "user_messages"))
-    snapshot_min_gap: int = _f(0, "least distance between snapshots of the user_messages policy, in tokens")
+    snapshot_min_gap: int = _f(0, "least distance between snapshots, in tokens: of the user_messages policy's "
+                                 "message starts, or with cairn, of a grid snapshot from a message-start, prompt-end "
+                                 "or branch one (closer grid points are skipped)")
     host_cache_gib: float | None = _f(None, "host RAM for demoted snapshots and KV pages, in GiB; default: min(25% of "
                                       "available RAM, 8 GiB) (0.25 at most for the demo model), logged at start-up; "
                                       "0: no host tier")
