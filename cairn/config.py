@@ -42,7 +42,7 @@ class ModelOptions:
     dtype: str = _f("auto", "weights and activations: auto (the checkpoint's), bfloat16, float16 or float32",
                     choices=("auto", "bfloat16", "float16", "float32"))
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    demo_seed: int = _f(0, "seed of the demo model's random weights")
+    demo_seed: int = _f(0, "seed of the demo model's random weights (refused with --model)")
     quantization: str = _f("none", "weight-only quantization of the linear layers (CPU, dense models): none or "
                            "int8 (one scale per output channel; half the bytes a bf16 decode step reads)",
                            choices=("none", "int8"))
@@ -64,6 +64,8 @@ class ModelOptions:
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"--device {self.device}: must be auto, cpu, cuda or cuda:N")
+        if self.model is not None and self.demo_seed != 0:
+            raise ConfigError("--demo-seed seeds the demo model's random weights: drop it with --model")
 
 
 @dataclass(frozen=True)

@@ -344,3 +344,10 @@ def test_an_empty_served_model_name_is_one_line():
 def test_a_weight_layout_the_dtype_cannot_take_is_one_line(layout, needle):
     """`--weight-layout gemv` (or packed) on the float32 demo model used to end in a ValueError traceback."""
     assert_one_line_error(cairn("serve", "--log-level", "WARNING", "--weight-layout", layout, "--port", "0"), needle)
+
+
+def test_demo_seed_with_a_checkpoint_is_one_line(checkpoint):
+    """`--demo-seed` seeds only the demo model's random weights; beside `--model` it used to be accepted and do
+    nothing."""
+    out = cairn("serve", "--model", str(checkpoint), "--demo-seed", "3", "--port", "0")
+    assert_one_line_error(out, "--demo-seed", "--model")
