@@ -145,6 +145,13 @@ class CacheOptions:
     def __post_init__(self):
         check_at_least(self, {"snapshot_interval": 0, "snapshot_min_gap": 0, "device_snapshot_gib": 0,
                               "host_cache_gib": 0, "disk_cache_gib": 0})
+        if self.disk_cache is None:  # a disk tier's own flag without the tier would do nothing
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name, flag in (("disk_cache_gib", "--disk-cache-gib"), ("disk_compression", "--disk-compression"),
+                               ("disk_cache_create_parents", "--disk-cache-create-parents"),
+                               ("disk_write_through", "--no-disk-write-through")):
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(f"{flag} needs --disk-cache (without it there is no disk tier)")
         # the schemes cairn.cache.remote.client.split_url takes, checked here before anything slow (the remote
         # tier parses its URL only when it first connects, on a thread of its own)
         if self.remote_cache is not None and not re.match(r"rediss?(\+cluster)?://", self.remote_cache, re.I):

@@ -351,3 +351,33 @@ def test_demo_seed_with_a_checkpoint_is_one_line(checkpoint):
     nothing."""
     out = cairn("serve", "--model", str(checkpoint), "--demo-seed", "3", "--port", "0")
     assert_one_line_error(out, "--demo-seed", "--model")
+
+
+@pytest.mark.parametrize("field, value, flag", [("disk_cache_gib", 4.0, "--disk-cache-gib"),
+                                                 ("disk_compression", "zstd", "--disk-compression"),
+                                                 ("disk_cache_create_parents", True, "--disk-cache-create-parents"),
+                                                 ("disk_write_through", False, "--no-disk-write-through")])
+def test_a_disk_flag_without_a_disk_cache_is_refused(field, value, flag):
+    """A disk tier's flag without --disk-cache used to be accepted and do nothing (there is no disk tier)."""
+    from cairn.config import CacheOptions, ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{flag} needs --disk-cache"):
+        CacheOptions(**{field: value})
+    CacheOptions(disk_cache="/somewhere", **{field: value})  # with the tier it is fine
+
+
+def test_a_disk_flag_without_a_disk_cache_is_one_line():
+    assert_one_line_error(cairn("serve", "--disk-compression", "zstd"), "--disk-compression needs --disk-cache")
+
+
+@pytest.mark.parametrize("origins", ["http://a.example/", "a.example", "http://a.example,ftp:x"])
+def test_an_allowed_origin_no_browser_sends_is_refused(origins):
+    """A browser's Origin header is scheme://host[:port] with no path: `--allowed-origins http://a.example/` (a
+    trailing slash) or a bare host used to be accepted and never match, so every browser call was refused."""
+    from cairn.config import ConfigError
+    from cairn.server.options import ServerOptions
+
+    with pytest.raises(ConfigError, match="--allowed-origins"):
+        ServerOptions(allowed_origins=origins)
+    assert ServerOptions(allowed_origins="http://a.example, https://b.example:8443,*").origins == [
+        "http://a.example", "https://b.example:8443", "*"]
