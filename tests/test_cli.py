@@ -381,3 +381,11 @@ def test_an_allowed_origin_no_browser_sends_is_refused(origins):
         ServerOptions(allowed_origins=origins)
     assert ServerOptions(allowed_origins="http://a.example, https://b.example:8443,*").origins == [
         "http://a.example", "https://b.example:8443", "*"]
+
+
+@pytest.mark.parametrize("flag", ["--queue-cost-s", "--cooldown-s"])
+def test_a_negative_router_cost_or_cooldown_is_one_line(flag):
+    """`cairn router --queue-cost-s -1` (busier replicas preferred) or `--cooldown-s -1` (a failed replica never
+    taken out) used to be accepted."""
+    assert_one_line_error(cairn("router", "--replica", "http://127.0.0.1:9", "--port", "0", flag, "-1"),
+                          f"{flag} must be at least 0, got -1.0")
