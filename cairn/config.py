@@ -11,6 +11,7 @@ after that.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 GIB = 1 << 30
@@ -41,7 +42,7 @@ class ModelOptions:
     dtype: str = _f("auto", "weights and activations: auto (the checkpoint's), bfloat16, float16 or float32",
                     choices=("auto", "bfloat16", "float16", "float32"))
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    demo_seed: int = _f(0, "seed of the demo model's random weights")
+    demo_seed: int = _f(0, "seed of the demo model's random weights (refused with --model)")
     quantization: str = _f("none", "weight-only quantization of the linear layers (CPU, dense models): none or "
                            "int8 (one scale per output channel; half the bytes a bf16 decode step reads)",
                            choices=("none", "int8"))
@@ -59,6 +60,12 @@ class ModelOptions:
                            "(1, 2, 4, ... up to --max-num-seqs; mixed steps and prefill stay eager); refused on a "
                            "CPU, with a fast decode kernel not known to be graph-safe, or with MoE layers; reserves "
                            "one KV page and one state slot for padding rows; untested on GPU so far")
+
+    def __post_init__(self):
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"--device {self.device}: must be auto, cpu, cuda or cuda:N")
+        if self.model is not None and self.demo_seed != 0:
+            raise ConfigError("--demo-seed seeds the demo model's random weights: drop it with --model")
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,9 @@ class CacheOptions:
     snapshot_policy: str = _f("cairn", "where snapshots go: cairn, or a baseline for comparison (none, last_chunk, "
                               "prompt_end_branch, user_messages)",
                               choices=("cairn", "none", "last_chunk", "prompt_end_branch", "user_messages"))
-    snapshot_min_gap: int = _f(0, "least distance between snapshots of the user_messages policy, in tokens")
+    snapshot_min_gap: int = _f(0, "least distance between snapshots, in tokens: of the user_messages policy's "
+                                 "message starts, or with cairn, of a grid snapshot from a message-start, prompt-end "
+                                 "or branch one (closer grid points are skipped)")
     host_cache_gib: float | None = _f(None, "host RAM for demoted snapshots and KV pages, in GiB; default: min(25% of "
                                       "available RAM, 8 GiB) (0.25 at most for the demo model), logged at start-up; "
                                       "0: no host tier")
@@ -136,6 +145,18 @@ class CacheOptions:
     def __post_init__(self):
         check_at_least(self, {"snapshot_interval": 0, "snapshot_min_gap": 0, "device_snapshot_gib": 0,
                               "host_cache_gib": 0, "disk_cache_gib": 0})
+        if self.disk_cache is None:  # a disk tier's own flag without the tier would do nothing
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name, flag in (("disk_cache_gib", "--disk-cache-gib"), ("disk_compression", "--disk-compression"),
+                               ("disk_cache_create_parents", "--disk-cache-create-parents"),
+                               ("disk_write_through", "--no-disk-write-through")):
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(f"{flag} needs --disk-cache (without it there is no disk tier)")
+        # the schemes cairn.cache.remote.client.split_url takes, checked here before anything slow (the remote
+        # tier parses its URL only when it first connects, on a thread of its own)
+        if self.remote_cache is not None and not re.match(r"rediss?(\+cluster)?://", self.remote_cache, re.I):
+            raise ConfigError(f"--remote-cache must be a redis://, rediss:// or redis+cluster:// URL, "
+                              f"got {self.remote_cache!r}")
 
     @property
     def host_cache_bytes(self) -> int:

@@ -65,9 +65,17 @@ class StepFailed(RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device of `--device` (ModelOptions checked its form); ConfigError for a CUDA device torch
+    does not see here, rather than torch's own error from the first tensor put on it."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ConfigError(f"--device {name}: no CUDA device {'here' if count == 0 else 'of that index'} "
+                              f"(torch sees {count}; torch {torch.__version__})")
+    return device
 
 
 def prefill_block(requested: int | None, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int) -> int:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cairn.cli import COMMANDS, build_parser, config_from_args
 from cairn.llm import LLM
@@ -291,3 +292,100 @@ def test_generate_answers_a_conversation_given_as_messages():
                 "WARNING")
     assert out.returncode == 0, out.stderr
     assert "first token" in out.stderr and "tok/s decode" in out.stderr
+
+
+def test_an_unknown_device_is_one_line_naming_the_flag():
+    """`--device tpu` used to reach torch.device() inside the engine and end in a traceback."""
+    assert_one_line_error(cairn("serve", "--device", "tpu"), "--device tpu", "cpu, cuda or cuda:N")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_one_line_naming_the_flag():
+    """`--device cuda` on a machine torch sees no CUDA device on used to end in torch's AssertionError traceback."""
+    assert_one_line_error(cairn("serve", "--log-level", "WARNING", "--device", "cuda"), "--device cuda",
+                          "no CUDA device")
+
+
+def test_a_remote_cache_url_of_another_scheme_is_one_line_before_the_model_loads():
+    """`--remote-cache http://...` used to be accepted: the server ran with a remote tier whose every call failed
+    (the URL is parsed only when the tier first connects)."""
+    out = cairn("serve", "--remote-cache", "http://127.0.0.1:6379/0")
+    assert_one_line_error(out, "--remote-cache must be a redis://, rediss:// or redis+cluster:// URL")
+    assert "memory budgets" not in out.stderr
+
+
+@pytest.mark.parametrize("url", ["redis://h:1/0", "rediss://h:1", "redis+cluster://h:1", "rediss+cluster://h:1",
+                                 "redis://h:1/0?cluster=true", "REDIS://h:1", "http://h:1", "h:1",
+                                 "unix:///tmp/r.sock", ""])
+def test_the_remote_cache_flag_accepts_the_urls_the_remote_tier_accepts(url):
+    from cairn.cache.remote.client import split_url
+    from cairn.config import CacheOptions, ConfigError
+
+    try:
+        split_url(url)
+        tier_accepts = True
+    except ValueError:
+        tier_accepts = False
+    try:
+        CacheOptions(remote_cache=url)
+        flag_accepts = True
+    except ConfigError:
+        flag_accepts = False
+    assert flag_accepts == tier_accepts, url
+
+
+def test_an_empty_served_model_name_is_one_line():
+    """`--served-model-name ''` used to be accepted and silently replaced by the engine's model name."""
+    assert_one_line_error(cairn("serve", "--served-model-name", ""), "--served-model-name must not be empty")
+
+
+@pytest.mark.parametrize("layout, needle", [("gemv", "--weight-layout gemv needs bf16 weights on a CPU"),
+                                             ("packed", "--weight-layout packed needs bf16 / fp16 weights")])
+def test_a_weight_layout_the_dtype_cannot_take_is_one_line(layout, needle):
+    """`--weight-layout gemv` (or packed) on the float32 demo model used to end in a ValueError traceback."""
+    assert_one_line_error(cairn("serve", "--log-level", "WARNING", "--weight-layout", layout, "--port", "0"), needle)
+
+
+def test_demo_seed_with_a_checkpoint_is_one_line(checkpoint):
+    """`--demo-seed` seeds only the demo model's random weights; beside `--model` it used to be accepted and do
+    nothing."""
+    out = cairn("serve", "--model", str(checkpoint), "--demo-seed", "3", "--port", "0")
+    assert_one_line_error(out, "--demo-seed", "--model")
+
+
+@pytest.mark.parametrize("field, value, flag", [("disk_cache_gib", 4.0, "--disk-cache-gib"),
+                                                 ("disk_compression", "zstd", "--disk-compression"),
+                                                 ("disk_cache_create_parents", True, "--disk-cache-create-parents"),
+                                                 ("disk_write_through", False, "--no-disk-write-through")])
+def test_a_disk_flag_without_a_disk_cache_is_refused(field, value, flag):
+    """A disk tier's flag without --disk-cache used to be accepted and do nothing (there is no disk tier)."""
+    from cairn.config import CacheOptions, ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{flag} needs --disk-cache"):
+        CacheOptions(**{field: value})
+    CacheOptions(disk_cache="/somewhere", **{field: value})  # with the tier it is fine
+
+
+def test_a_disk_flag_without_a_disk_cache_is_one_line():
+    assert_one_line_error(cairn("serve", "--disk-compression", "zstd"), "--disk-compression needs --disk-cache")
+
+
+@pytest.mark.parametrize("origins", ["http://a.example/", "a.example", "http://a.example,ftp:x"])
+def test_an_allowed_origin_no_browser_sends_is_refused(origins):
+    """A browser's Origin header is scheme://host[:port] with no path: `--allowed-origins http://a.example/` (a
+    trailing slash) or a bare host used to be accepted and never match, so every browser call was refused."""
+    from cairn.config import ConfigError
+    from cairn.server.options import ServerOptions
+
+    with pytest.raises(ConfigError, match="--allowed-origins"):
+        ServerOptions(allowed_origins=origins)
+    assert ServerOptions(allowed_origins="http://a.example, https://b.example:8443,*").origins == [
+        "http://a.example", "https://b.example:8443", "*"]
+
+
+@pytest.mark.parametrize("flag", ["--queue-cost-s", "--cooldown-s"])
+def test_a_negative_router_cost_or_cooldown_is_one_line(flag):
+    """`cairn router --queue-cost-s -1` (busier replicas preferred) or `--cooldown-s -1` (a failed replica never
+    taken out) used to be accepted."""
+    assert_one_line_error(cairn("router", "--replica", "http://127.0.0.1:9", "--port", "0", flag, "-1"),
+                          f"{flag} must be at least 0, got -1.0")

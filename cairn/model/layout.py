@@ -283,18 +283,18 @@ def choose_layout(requested: str, dtype: torch.dtype, device: torch.device, cpu_
     machine or the fallback (None: /proc/cpuinfo, torch's extensions directory, onednn_has_bf16()).
     """
     if requested not in LAYOUTS:
-        raise ValueError(f"--weight-layout {requested}: unknown (choose from {', '.join(LAYOUTS)})")
+        raise ConfigError(f"--weight-layout {requested}: unknown (choose from {', '.join(LAYOUTS)})")
     if requested == "packed":
         supported = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
             (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
             or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()))
         if not supported:
-            raise ValueError(f"--weight-layout packed needs bf16 / fp16 weights on a CPU with oneDNN support "
-                             f"(here {dtype} on {device.type})")
+            raise ConfigError(f"--weight-layout packed needs bf16 / fp16 weights on a CPU with oneDNN support "
+                              f"(here {dtype} on {device.type})")
         return "packed", None, ""
     gemv_fits = device.type == "cpu" and dtype == torch.bfloat16
     if requested == "gemv" and not gemv_fits:
-        raise ValueError(f"--weight-layout gemv needs bf16 weights on a CPU (here {dtype} on {device.type})")
+        raise ConfigError(f"--weight-layout gemv needs bf16 weights on a CPU (here {dtype} on {device.type})")
     if requested == "plain" or not gemv_fits:
         return "plain", None, ""
     flags = cpu_gemv.cpu_flags() if cpu_flags is None else cpu_flags

@@ -39,5 +39,5 @@ class RouterOptions:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be in [0, 65536), got {self.port}")
         check_at_least(self, {"remembered_prefixes": 0, "max_request_bytes": 1, "body_timeout_s": 0,
-                              "header_timeout_s": 0, "max_connections": 0},
+                              "header_timeout_s": 0, "max_connections": 0, "queue_cost_s": 0, "cooldown_s": 0},
                        positive=("probe_timeout_s", "connect_timeout_s", "request_timeout_s", "health_interval_s"))

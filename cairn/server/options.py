@@ -6,6 +6,7 @@ for the engine option groups. This module is plain data: it imports neither Fast
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from cairn.config import ConfigError, check_at_least
@@ -55,6 +56,12 @@ class ServerOptions:
                               "body_timeout_s": 0, "body_read_mib_per_s": 0, "max_connections": 0})
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+        for origin in self.origins:  # what a browser sends as Origin: scheme://host[:port], no path
+            if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", origin):
+                raise ConfigError(f"--allowed-origins: {origin!r} is no origin a browser sends (scheme://host[:port], "
+                                  f"no path or trailing slash, or '*')")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("--served-model-name must not be empty")
 
     @property
     def origins(self) -> list[str]:
