@@ -31,6 +31,12 @@ from benchmarks.engine_throughput import prompt
 from cairn.bench.checkpoint import make_checkpoint
 
 
+def disk_options(disk: str | None) -> dict:
+    """The disk tier's fields: an 8 GiB budget written at eviction, not through (none without a directory: the
+    options refuse a disk flag without the tier)."""
+    return {} if disk is None else {"disk_cache": disk, "disk_cache_gib": 8.0, "disk_write_through": False}
+
+
 def engine(path: Path, disk: str | None, context: int, prefix_cache: bool = True):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
     from cairn.engine import Engine
@@ -39,7 +45,7 @@ def engine(path: Path, disk: str | None, context: int, prefix_cache: bool = True
                        MemoryOptions(page_size=16, kv_cache_gib=1.0, state_cache_gib=0.25),
                        SchedulerOptions(max_num_seqs=2, max_num_batched_tokens=2048, max_model_len=context + 256),
                        CacheOptions(prefix_cache=prefix_cache, snapshot_interval=512, device_snapshot_gib=1.0,
-                                    host_cache_gib=2.0, disk_cache=disk, disk_cache_gib=8.0, disk_write_through=False))
+                                    host_cache_gib=2.0, **disk_options(disk)))
     return Engine(cfg, show_progress=False)
 
 
