@@ -130,6 +130,36 @@ def test_redis_killed_between_the_lookup_and_the_load_resumes_cold(redis_server,
         equal_to_cold(cold, prompt, outputs[late], logprobs[late])
 
 
+def test_a_redis_out_of_reach_during_the_load_marks_nothing_bad_and_the_next_request_resumes_from_it(
+        redis_server, cold):
+    """Redis paused (nothing answers) between B's lookup and its load: the load fails, the request is admitted
+    cold and its resume counted "unavailable". The segments were not bad: once Redis answers again, the prompt
+    resumes from Redis (the first request is aborted after one step, so that B holds no deeper copy of its own).
+    Before, the failed load marked them bad ("corrupt"), and a lookup never hung them again."""
+    a, prompt = served_on_a(redis_server.url)
+    with a, replica(redis_server.url) as b:
+        remote(b).store.redis.breaker.cooldown_s = 0.0  # the call after the outage goes through at once
+        engine = b.engine
+        late = engine.add_request(prompt, G)
+        collect(engine, {})  # starts the lookup
+        lookups = engine.cache.remote.lookups[REMOTE]
+        while lookups.answer(prompt) is PENDING:
+            time.sleep(0.01)
+        assert lookups.answer(prompt)  # Redis held the chain
+        redis_server.pause()
+        try:
+            collect(engine, {})  # admission: the load waits for the client's timeout, fails, and starts cold
+        finally:
+            redis_server.resume()
+        assert engine.cache.resume_failures == {"unavailable": 1}
+        assert remote(b).counters["read_unavailable"] == 1 and "read_bad" not in remote(b).counters
+        engine.abort(late)
+        finish(engine, {})
+        again = run(b, prompt)
+        assert again.cache.resume_tier == REMOTE and again.cache.cached_tokens >= len(CONVERSATION) // 64 * 64
+        same_as_cold(cold, again, prompt)
+
+
 def test_a_redis_restarted_empty_under_a_running_replica_gets_the_whole_conversation_written_again(redis_server, cold):
     """Replica A wrote a conversation to Redis; Redis restarts empty while A runs. A's next turn resumes from its
     own device tier, and its write must not be the new end alone (its parents are gone: a chain nobody can

@@ -43,6 +43,7 @@ def test_the_known_segments_never_claim_more_bytes_than_redis_maxmemory():
     try:
         stats = store.stats()
         assert stats["redis_maxmemory"] == MAXMEMORY and stats["byte_budget"] == MAXMEMORY
+        assert store.effective_budget_bytes == MAXMEMORY  # cairn_cache_remote_budget_bytes
         assert 0 < store.used_bytes <= MAXMEMORY and stats["used_bytes"] == store.used_bytes
         assert len(forgotten) >= 6 and stats["forgotten"] == len(forgotten)  # least recently used first:
         assert forgotten == [big_segment(10 * i).key for i in range(len(forgotten))]  # the oldest

@@ -178,6 +178,8 @@ def test_a_full_disk_fails_no_request_and_keeps_storing_the_new_conversations(tm
     assert warm["usage"]["cairn"]["resume_position"] > first_turns[-1]["usage"]["prompt_tokens"], warm["usage"]
     assert metric(metrics, "cairn_cache_disk_faults_total").get("disk_full", 0) >= 1
     assert metric(metrics, "cairn_cache_disk_store_segments_total")["evictions"] >= 1
+    budget = re.search(r"^cairn_cache_disk_budget_bytes (\S+)$", metrics, re.M)  # lowered to what the disk holds
+    assert budget and 0 < float(budget.group(1)) < 24 << 20, metrics
     assert server.log().count("is full (No space left on device)") == 1 and "Traceback" not in server.log()
 
 

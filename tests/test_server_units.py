@@ -302,7 +302,7 @@ def test_every_cache_metric_keeps_the_name_and_label_it_had_with_string_keys():
                        dropped_by_reason={"evicted": 1}, tier_moves={"persisted": 1}, tier_drops={"kv_host_full": 1},
                        snapshots_per_tier={"disk": 1}, snapshot_used_bytes={"host": 1},
                        snapshot_budget_bytes={"host": 1}, num_tree_nodes=1, host_kv_used_bytes=1,
-                       disk=DiskStats(1, 1, {"bad": 1}, {"disk_evicted": 1}, {"write_failed": 1}, {"puts": 1}),
+                       disk=DiskStats(1, 1, {"bad": 1}, {"disk_evicted": 1}, {"write_failed": 1}, {"puts": 1}, 2),
                        resume_failures={"evicted": 1})
     families = {m.group(1): m.group(2) for m in re.finditer(r"^# TYPE (\S+) (\S+)$", _exposition(stats), re.M)}
     assert families == {
@@ -314,7 +314,8 @@ def test_every_cache_metric_keeps_the_name_and_label_it_had_with_string_keys():
         "cairn_cache_host_kv_used_bytes": "gauge", "cairn_cache_disk_used_bytes": "gauge",
         "cairn_cache_num_disk_segments": "gauge", "cairn_cache_disk_faults_total": "counter",
         "cairn_cache_disk_segments_forgotten_total": "counter", "cairn_cache_disk_operations_total": "counter",
-        "cairn_cache_disk_store_segments_total": "counter", "cairn_cache_resume_failures_total": "counter"}
+        "cairn_cache_disk_store_segments_total": "counter", "cairn_cache_resume_failures_total": "counter",
+        "cairn_cache_disk_budget_bytes": "gauge"}
     labels = set(re.findall(r"^cairn_cache_(\w+)\{(\w+)=", _exposition(stats), re.M))
     assert labels == {("snapshots_taken_by_total", "source"), ("snapshots_restored_from_total", "tier"),
                       ("snapshots_dropped_total", "reason"), ("tier_moves_total", "kind"),

@@ -73,7 +73,7 @@ class HybridPrefixCache(PrefixCache):
         self.taken_by_source: Counter[str] = Counter()
         self.restored_by_tier: Counter[str] = Counter()
         self.dropped_by_reason: Counter[str] = Counter()
-        self.resume_failures: Counter[str] = Counter()  # planned resumes abandoned: "corrupt", "evicted"
+        self.resume_failures: Counter[str] = Counter()  # planned resumes abandoned: "corrupt", "evicted", "unavailable"
         # put back on the device what a resume reads from a slower tier (TierSet.promote); the tests of faults
         # in a lower tier turn it off to keep a running request's path on that tier alone
         self.promote_resumed = True
@@ -116,7 +116,7 @@ class HybridPrefixCache(PrefixCache):
                 return None
             if outcome == "ok":
                 break
-            report.miss_reason = outcome  # "corrupt" or "evicted" (a segment's value gone from its store)
+            report.miss_reason = outcome  # "corrupt", "evicted" (a segment's value gone) or "unavailable"
             self.resume_failures[outcome] += 1
             self._forget_stale_disk_keys()
             match = self.tree.match(req.token_ids)
@@ -190,7 +190,8 @@ class HybridPrefixCache(PrefixCache):
     def _resume(self, req: CacheRequest, match: MatchResult, chosen: Plan, admission: Admission) -> str:
         """Load KV [0, p) into fresh or shared pages and the snapshot at p into req's slot, and record them in
         `admission`. "ok", "wait" (no pages now), "corrupt" (a segment failed verification or could not be read:
-        it is marked bad) or "evicted" (a segment's value was gone from its store: it is forgotten).
+        it is marked bad), "evicted" (a segment's value was gone from its store: it is forgotten) or "unavailable"
+        (its store did not answer: the tree's reference is dropped, the segment is not marked bad).
         On any outcome but "ok", or an exception, nothing is held for req."""
         p = chosen.position
         started = time.perf_counter()
@@ -258,12 +259,14 @@ class HybridPrefixCache(PrefixCache):
         return self._unreadable(tier, handle.copies[tier]) if logits is False else logits
 
     def _unreadable(self, tier: str, key: bytes) -> str:
-        """A segment of `tier` could not be read: mark it bad, or forget it when its value was gone; why."""
+        """A segment of `tier` could not be read: mark it bad ("corrupt"), or forget the tree's reference to it
+        when its value was gone ("evicted") or its store did not answer ("unavailable": not remembered as bad,
+        so a lookup hangs it again once the store answers); why."""
         why = self.tiers.by_name[tier].unreadable_why
-        if why == "evicted":
-            self.indexes[tier].mark_gone(key)
-        else:
+        if why == "corrupt":
             self.indexes[tier].mark_bad(key)
+        else:
+            self.indexes[tier].mark_gone(key)
         return why
 
     def _page_plan(self, match: MatchResult, p: int) -> tuple[list[int | None], list[tuple[int, tuple[Node, int]]]]:
@@ -474,7 +477,8 @@ class HybridPrefixCache(PrefixCache):
             return None
         tier = self.tiers.by_name[name]
         return DiskStats(tier.store.used_bytes, len(tier.store), dict(tier.store.faults), dict(index.forgotten),
-                         tier.operations(), tier.store.segment_counts() if name == DISK else {})
+                         tier.operations(), tier.store.segment_counts() if name == DISK else {},
+                         tier.store.effective_budget_bytes)
 
     # ---- probing (the router's question) ------------------------------------------------------------
 

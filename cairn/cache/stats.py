@@ -20,7 +20,8 @@ class DiskStats:
     # counter cairn_cache_disk_operations_total{kind}: the tier's segments_written, write_failed (the store
     # refused it), write_unreadable (the node's KV could not be read to write it), read_ok, read_bad (failed
     # verification or could not be read), read_missing (the store had let it go), read_vanished (the store found
-    # its value gone: evicted, expired, deleted), orphan_segments (indexed at start-up without their parent: never
+    # its value gone: evicted, expired, deleted), read_unavailable (the store did not answer: Redis down; the
+    # segment stays known), orphan_segments (indexed at start-up without their parent: never
     # resumable; the disk store's lock holder deletes them); the remote tier adds lookups and lookup_hits, and
     # segments_queued (written behind the requests: its segments_written counts those Redis accepted)
     operations: dict[str, int] = field(default_factory=dict)
@@ -29,6 +30,10 @@ class DiskStats:
     # removed (orphans), dropped (a bad or vanished file), scanned (found on disk at start-up or a rescan). The
     # gauge num_segments == scanned + puts - rewrites - evictions - removed - dropped. Empty for the remote tier.
     store_segments: dict[str, int] = field(default_factory=dict)
+    # gauge cairn_cache_disk_budget_bytes: the bytes the tier's evictions fit now: the disk budget, lowered while a
+    # full filesystem holds less (store.py's effective budget); the remote tier's byte bound on what it believes
+    # Redis holds (Redis's maxmemory, or max_bytes). None (not exported): the remote tier without a bound
+    budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -39,8 +44,9 @@ class CacheStats:
     restored_by_tier: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_restored_from_total{tier}
     dropped_by_reason: dict[str, int] = field(default_factory=dict)  # counter ..._snapshots_dropped_total{reason}
     # counter cairn_cache_resume_failures_total{reason}: planned resumes abandoned at admission (then planned again,
-    # shallower) because a segment could not be read: "corrupt" (failed verification, or an I/O error) or "evicted"
-    # (its value gone from its store: Redis evicted or expired it, its disk file was deleted)
+    # shallower) because a segment could not be read: "corrupt" (failed verification, or an I/O error), "evicted"
+    # (its value gone from its store: Redis evicted or expired it, its disk file was deleted) or "unavailable"
+    # (Redis did not answer)
     resume_failures: dict[str, int] = field(default_factory=dict)
     # counter cairn_cache_tier_moves_total{kind}: demotions ("snapshot device->host", "kv host->disk", ...) and
     # what resumes put back on the device ("snapshot disk->device", "kv disk->device", ...)

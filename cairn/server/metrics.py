@@ -123,11 +123,13 @@ CACHE_SERIES = (
     ("disk.forgotten", "disk_segments_forgotten", "reason", False),
     ("disk.operations", "disk_operations", "kind", False),
     ("disk.store_segments", "disk_store_segments", "event", False),
+    ("disk.budget_bytes", "disk_budget_bytes", None, True),
     ("remote.used_bytes", "remote_used_bytes", None, True),
     ("remote.num_segments", "num_remote_segments", None, True),
     ("remote.faults", "remote_faults", "reason", False),
     ("remote.forgotten", "remote_segments_forgotten", "reason", False),
     ("remote.operations", "remote_operations", "kind", False),
+    ("remote.budget_bytes", "remote_budget_bytes", None, True),
 )
 
 

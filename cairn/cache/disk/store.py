@@ -232,11 +232,17 @@ class DiskStore(Pins):
     def get(self, key: bytes, buffer: ReadBuffer | None = None) -> Segment | None:
         """The segment stored under key, with every checksum verified, or None (see class docstring).
         With `buffer`, its bytes are read into it and valid until that buffer's next read."""
+        got = self.read(key, buffer)
+        return got if isinstance(got, Segment) else None
+
+    def read(self, key: bytes, buffer: ReadBuffer | None = None) -> Segment | str:
+        """get's segment, or why there is none: "evicted" (not indexed, or its file gone) or "corrupt" (it failed
+        verification, is not a regular file, or could not be read)."""
         with self._lock:
             self._check_open()
             self._counts["gets"] += 1
         segment = self._read(key, functools.partial(read_segment_file, buffer=buffer))
-        if segment is not None:
+        if isinstance(segment, Segment):
             with self._lock:
                 self._counts["hits"] += 1
                 self._touch(key)
@@ -247,15 +253,16 @@ class DiskStore(Pins):
         (a miss, or a bad file: counted, dropped from the index). Used to index the store at start-up."""
         with self._lock:
             self._check_open()
-        return self._read(key, read_segment_tokens)
+        tokens = self._read(key, read_segment_tokens)
+        return None if isinstance(tokens, str) else tokens
 
     def _read(self, key: bytes, reader: Callable):
-        """reader(dir_fd, name, digest, limits) on key's file, or None: not indexed, or a bad or vanished
-        file, which is rejected (counted, unindexed; ours deleted when damaged, moved aside when not a
-        regular file)."""
+        """reader(dir_fd, name, digest, limits) on key's file, or why not: "evicted" (not indexed, or the file
+        vanished) or "corrupt" (a bad or unreadable file); either is rejected (counted, unindexed; ours deleted
+        when damaged, moved aside when not a regular file)."""
         with self._lock:
             if key not in self._index:
-                return None
+                return "evicted"
         name = segment_file_name(key)
         try:
             return reader(self._dir_fd, name, self.compat_digest, self.limits)
@@ -264,9 +271,10 @@ class DiskStore(Pins):
             self._reject(key, e.reason, e.message if corrupt else "", delete=corrupt, set_aside=not corrupt)
         except FileNotFoundError:
             self._reject(key, "missing", "", delete=False)
+            return "evicted"
         except OSError as e:
             self._reject(key, "read_failed", str(e), delete=False)
-        return None
+        return "corrupt"
 
     def _reject(self, key: bytes, reason: str, detail: str, delete: bool, set_aside: bool = False) -> None:
         """Count a bad or vanished file, drop it from the index, and delete it (or move it aside) when it

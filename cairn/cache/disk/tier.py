@@ -38,7 +38,8 @@ from cairn.cache.tree.nodes import DISK, DiskRef, Node, page_indices
 from cairn.memory.state_pool import StatePool
 
 log = logging.getLogger(__name__)
-VANISHED_FAULT = "missing"  # the fault both segment stores count for a value gone when read (deleted, evicted)
+# a store's reason for a read that found no segment -> the tier's counter of it
+READ_COUNTERS = {"evicted": "read_vanished", "corrupt": "read_bad", "unavailable": "read_unavailable"}
 
 
 def _path_to(node: Node) -> list[Node]:
@@ -120,7 +121,8 @@ class DiskTier:
         self.on_written: Callable[[bytes], None] | None = None  # told each segment key `persist` wrote (the index)
         self._restore_lock = threading.Lock()  # one restore at a time uses the buffer
         # why the last read that failed did: "evicted" (the store no longer had the value: evicted, expired, its
-        # file deleted) or "corrupt" (it failed verification, or could not be read); the cache's miss_reason
+        # file deleted), "corrupt" (it failed verification, or could not be read) or "unavailable" (the store
+        # did not answer: Redis down); the cache's miss_reason
         self.unreadable_why = "corrupt"
 
     # ---- the LowerTier protocol -------------------------------------------------------------------
@@ -281,28 +283,23 @@ class DiskTier:
     # ---- reading ----------------------------------------------------------------------------------
 
     def read(self, key: bytes, buffer: ReadBuffer | None = None) -> Segment | None:
-        """The verified segment, pinned while read; None (counted, `unreadable_why` set) when missing or bad. Its
-        bytes are read into `buffer` when given (valid until that buffer's next read). A value the store finds gone
-        is told apart from a bad one by the store's count of VANISHED_FAULT (reads run on the engine thread
-        alone, the only one that counts it)."""
+        """The verified segment, pinned while read; None (counted, `unreadable_why` set to the store's reason:
+        "evicted", "corrupt" or "unavailable") when missing, bad or out of reach. Its bytes are read into
+        `buffer` when given (valid until that buffer's next read)."""
         if not self.store.pin(key):  # the store let it go already (evicted, a failed write)
             self.counters["read_missing"] += 1
             self.unreadable_why = "evicted"
             return None
-        vanished = self.store.faults.get(VANISHED_FAULT, 0)
         try:
-            segment = self.store.get(key) if buffer is None else self.store.get(key, buffer)
+            got = self.store.read(key) if buffer is None else self.store.read(key, buffer)
         finally:
             self.store.unpin(key)
-        if segment is not None:
+        if not isinstance(got, str):
             self.counters["read_ok"] += 1
-        elif self.store.faults.get(VANISHED_FAULT, 0) > vanished:
-            self.counters["read_vanished"] += 1
-            self.unreadable_why = "evicted"
-        else:
-            self.counters["read_bad"] += 1
-            self.unreadable_why = "corrupt"
-        return segment
+            return got
+        self.counters[READ_COUNTERS[got]] += 1
+        self.unreadable_why = got
+        return None
 
     @staticmethod
     def kv_of(segment: Segment) -> tuple[torch.Tensor, torch.Tensor]:

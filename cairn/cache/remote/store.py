@@ -309,20 +309,27 @@ class RedisSegmentStore(ChainLookup, Pins):
 
     def get(self, key: bytes) -> Segment | None:
         """The verified segment stored under key, or None (see the module docstring)."""
+        got = self.read(key)
+        return got if isinstance(got, Segment) else None
+
+    def read(self, key: bytes) -> Segment | str:
+        """get's segment, or why there is none: "evicted" (not known here, or Redis no longer has the value),
+        "corrupt" (the value failed verification: deleted) or "unavailable" (Redis did not answer: the segment
+        stays known, and is read again once Redis answers)."""
         with self._lock:
             self._counts["gets"] += 1
             if key in self._pending:
                 self._counts["hits"] += 1
                 return self._pending[key]
             if key not in self._index:
-                return None
+                return "evicted"
         value = self.redis.call(lambda c: c.get(self.names.segment(key)))
         if value is FAILED:
-            return None
+            return "unavailable"
         if value is None:  # expired or evicted by Redis: a miss, and what chains below it is forgotten too
             self._fault("missing")
             self._drop(self._below(key))
-            return None
+            return "evicted"
         try:
             segment = decode_segment(value, self.compat_digest, self.limits)
             if segment.key != key:
@@ -330,7 +337,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         except SegmentError as e:
             self.redis.call(lambda c: c.delete(self.names.segment(key)))
             self._reject(key, e.reason)
-            return None
+            return "corrupt"
         with self._lock:
             self._counts["hits"] += 1
             if key in self._index:
@@ -398,6 +405,11 @@ class RedisSegmentStore(ChainLookup, Pins):
         the module docstring)."""
         bounds = [b for b in (self.max_bytes, self.redis_maxmemory or None) if b is not None]
         return min(bounds) if bounds else None
+
+    @property
+    def effective_budget_bytes(self) -> int | None:
+        """The bound evictions of the record fit (byte_budget), under the name DiskStore's reports use."""
+        return self.byte_budget
 
     def read_maxmemory(self, keep: set[bytes]) -> None:
         """Ask Redis its maxmemory if MEMORY_READ_INTERVAL_S have passed since the last attempt, and trim the record

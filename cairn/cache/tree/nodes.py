@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk", "remote")  # "disk": found
 # in the disk store (start-up, rescans); "remote": found in the Redis tier by a lookup at admission
 MISS_REASONS = ("no_snapshot", "evicted", "budget", "needs_logits")  # the tree's; admission adds "corrupt" (a
-# segment failed verification) and "evicted" for a segment whose value its store no longer had
+# segment failed verification), "evicted" for a segment whose value its store no longer had, and "unavailable"
+# for one whose store did not answer (Redis down)
 DEVICE, HOST, DISK, REMOTE = "device", "host", "disk", "remote"  # tier names: the one place they are spelled (the
 # factory names the tiers with them; DEVICE is the tier whose pages a request's page table lists)
 RELEASE_EVICTED = "evicted"  # on_snapshot_released reason: its last copy lost to retention (TierSet demotion)
