@@ -14,12 +14,11 @@ import time
 
 import pytest
 
-from cairn.cache.remote.lookups import PENDING
 from cairn.cache.tree.nodes import REMOTE
 from cairn.llm import LLM
-from tests.harness import G, run, same_as_cold
+from tests.harness import run, same_as_cold
 from tests.redis_server import redis_or_skip
-from tests.test_remote_faults import collect, equal_to_cold, finish
+from tests.test_remote_faults import equal_to_cold, finish, looked_up
 from tests.test_remote_tier import CONVERSATION, OPTS, remote, replica, served_on_a
 
 MAXMEMORY = 20 << 20  # the conversation's segments (~0.6 MiB each in Redis) fit, with the filler of a turn or two
@@ -86,12 +85,7 @@ def test_a_value_redis_evicted_before_the_load_is_reported_evicted_and_counted_n
     a, prompt = served_on_a(redis_server.url)
     with a, replica(redis_server.url) as b:
         engine, outputs, logprobs = b.engine, {}, {}
-        late = engine.add_request(prompt, G)
-        collect(engine, outputs, logprobs)  # starts the lookup
-        lookups = engine.cache.remote.lookups[REMOTE]
-        while lookups.answer(prompt) is PENDING:
-            time.sleep(0.01)
-        assert lookups.answer(prompt)
+        late = looked_up(engine, prompt, outputs, logprobs)
         r = redis_server.client()
         names = list(r.scan_iter(match=remote(a).store.names.segment(b"") + "*"))
         assert r.delete(*names) == len(names) >= 2  # what allkeys-lru does under pressure

@@ -43,6 +43,18 @@ def finish(engine, outputs: dict, logprobs: dict | None = None) -> None:
     engine.check_integrity()
 
 
+def looked_up(engine, prompt: list[int], outputs: dict, logprobs: dict | None = None) -> str:
+    """Add the request and step once, which starts its Redis lookup; return its id once the lookup has found
+    the chain (admission, at the next step, loads it)."""
+    request_id = engine.add_request(prompt, G)
+    collect(engine, outputs, logprobs)
+    lookups = engine.cache.remote.lookups[REMOTE]
+    while lookups.answer(prompt) is PENDING:
+        time.sleep(0.01)
+    assert lookups.answer(prompt)  # Redis held the chain
+    return request_id
+
+
 def equal_to_cold(cold: LLM, prompt: list[int], tokens: list[int], logprobs: list[float]) -> None:
     ref = cold.generate(prompt, G)[0]
     assert tokens == ref.token_ids
@@ -119,12 +131,7 @@ def test_redis_killed_between_the_lookup_and_the_load_resumes_cold(redis_server,
     a, prompt = served_on_a(redis_server.url)
     with a, replica(redis_server.url) as b:
         engine, outputs, logprobs = b.engine, {}, {}
-        late = engine.add_request(prompt, G)
-        collect(engine, outputs, logprobs)  # starts the lookup
-        lookups = engine.cache.remote.lookups[REMOTE]
-        while lookups.answer(prompt) is PENDING:
-            time.sleep(0.01)
-        assert lookups.answer(prompt)  # Redis held the chain
+        late = looked_up(engine, prompt, outputs, logprobs)
         redis_server.kill()
         finish(engine, outputs, logprobs)  # admission finds the chain, its load fails: cold, not an error
         equal_to_cold(cold, prompt, outputs[late], logprobs[late])
@@ -140,12 +147,7 @@ def test_a_redis_out_of_reach_during_the_load_marks_nothing_bad_and_the_next_req
     with a, replica(redis_server.url) as b:
         remote(b).store.redis.breaker.cooldown_s = 0.0  # the call after the outage goes through at once
         engine = b.engine
-        late = engine.add_request(prompt, G)
-        collect(engine, {})  # starts the lookup
-        lookups = engine.cache.remote.lookups[REMOTE]
-        while lookups.answer(prompt) is PENDING:
-            time.sleep(0.01)
-        assert lookups.answer(prompt)  # Redis held the chain
+        late = looked_up(engine, prompt, {})
         redis_server.pause()
         try:
             collect(engine, {})  # admission: the load waits for the client's timeout, fails, and starts cold
