@@ -143,8 +143,10 @@ class CacheOptions:
                                   "disk; none by default")
 
     def __post_init__(self):
+        # a disk budget of 0 would hold nothing, and the lock holder's start-up would delete every segment stored
+        # (`cairn cache purge` does that on purpose; no --disk-cache means no disk tier)
         check_at_least(self, {"snapshot_interval": 0, "snapshot_min_gap": 0, "device_snapshot_gib": 0,
-                              "host_cache_gib": 0, "disk_cache_gib": 0})
+                              "host_cache_gib": 0}, positive=("disk_cache_gib",))
         if self.disk_cache is None:  # a disk tier's own flag without the tier would do nothing
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             for name, flag in (("disk_cache_gib", "--disk-cache-gib"), ("disk_compression", "--disk-compression"),

@@ -366,6 +366,17 @@ def test_a_disk_flag_without_a_disk_cache_is_refused(field, value, flag):
     CacheOptions(disk_cache="/somewhere", **{field: value})  # with the tier it is fine
 
 
+def test_a_disk_budget_of_zero_is_refused_before_the_store_empties_the_cache():
+    """--disk-cache-gib 0 was accepted: the disk tier held nothing (every write refused) and the lock holder's
+    start-up evicted every segment already stored down to the budget, emptying a cache a restart meant to keep."""
+    from cairn.config import CacheOptions, ConfigError
+
+    with pytest.raises(ConfigError, match="^--disk-cache-gib must be above 0, got 0"):
+        CacheOptions(disk_cache="/somewhere", disk_cache_gib=0)
+    assert_one_line_error(cairn("serve", "--disk-cache", "/nonexistent/x", "--disk-cache-gib", "0"),
+                          "--disk-cache-gib must be above 0")
+
+
 def test_a_disk_flag_without_a_disk_cache_is_one_line():
     assert_one_line_error(cairn("serve", "--disk-compression", "zstd"), "--disk-compression needs --disk-cache")
 

@@ -19,7 +19,7 @@ from cairn.cache.remote import client as remote_client
 from cairn.cache.remote import store as remote_store
 from cairn.cache.remote.client import redacted
 from cairn.cache.remote.keys import prefix_keys
-from tests.test_remote_store import chain, make_store, put_all
+from tests.test_remote_store import NS, PAGE, RedisSegmentStore, chain, make_store, put_all
 
 
 def test_a_breaker_closes_when_redis_answers_again_and_says_so_once(redis_server, caplog):
@@ -195,3 +195,10 @@ def test_closing_finishes_even_when_the_client_refuses_to_close_and_a_second_clo
     assert "closing the Redis client failed" in caplog.text
     store.close()
     assert store.faults == {}
+
+
+def test_a_store_built_with_a_url_of_another_scheme_is_refused_when_built():
+    """The store's client parsed its URL only at the first call, on a thread of its own, so a RedisSegmentStore
+    built directly with an http:// URL ran with every call failing as a counted fault."""
+    with pytest.raises(ValueError, match="must be a redis://, rediss:// or redis\\+cluster:// URL"):
+        RedisSegmentStore("http://127.0.0.1:6379/0", NS, PAGE)

@@ -80,7 +80,7 @@ from cairn.cache.disk.segment import (
 )
 from cairn.cache.disk.store import SegmentInfo
 from cairn.cache.remote.chains import ChainLookup, KnownSegment
-from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis
+from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis, split_url
 from cairn.cache.remote.keys import (
     IndexEntry,
     KeyNames,
@@ -124,6 +124,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         self.writer_id = os.urandom(8).hex()  # names this store's markers (its own are not waited for)
         self._epoch: bytes | None = None  # the namespace's epoch key as last read (None: not read yet)
         self.faults: dict[str, int] = {}  # reason -> occurrences
+        split_url(url)  # ValueError now for a URL of another scheme, not silent faults on the first call
         self.redis = GuardedRedis(url, timeout_s, cooldown_s, self._fault, client)
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0, "forgotten": 0,
                         "lookups_waited": 0, "lookup_waits_expired": 0}
