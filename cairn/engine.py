@@ -149,6 +149,7 @@ class Engine:
         # the weights' digest before the layout re-lays them (an int8 model's too: quantize made them); the
         # kernels the layout chose are part of the cache's compatibility digest (layout.prefill_kernels)
         weights = self._weights_digest(config.cache) if cache is None else ""
+        self.platform = kernel_platform(self.device)  # the exact-resume namespace's, and its start-up line's
         lay_out = apply_layout if opts.quantization == "none" else lay_out_int8
         self.weight_layout = lay_out(self.model, opts.weight_layout, self.dtype, self.device)
         self.cache = cache if cache is not None else self._build_cache(config.cache, weights)
@@ -162,7 +163,7 @@ class Engine:
                      self.scheduler.attention_break_even)
         if self.prefill_block:
             log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends; stored states are "
-                     "shared only with the same platform (%s)", self.prefill_block, kernel_platform(self.device))
+                     "shared only with the same platform (%s)", self.prefill_block, self.platform)
         load_fused_cpu_ops(self.model.kernels, self.dtype, self.device)  # built before /health answers, not mid-request
         self.activity = ActivityLog(config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
@@ -184,7 +185,7 @@ class Engine:
         if not self.model_config.recurrent_layers:
             return NullCache()
         digest = compat_digest(weights, self.model_config, self.kv.k.dtype, self.kv.page_size, self.prefill_block,
-                               prefill_kernels(self.model), kernel_platform(self.device)) if weights else ""
+                               prefill_kernels(self.model), self.platform) if weights else ""
         return build_cache(opts, self.kv, self.states, self.model_config.vocab_size, digest, self.model_name,
                            self.prefill_block)
 
