@@ -186,3 +186,14 @@ def test_the_anthropic_clients_own_response_blocks_dumped_back_are_accepted():
         MessagesRequest.model_validate({**body, "messages": [
             body["messages"][0], {"role": "assistant", "content": [{**use, "toolset_name": "mcp"}]}]})
     assert from_validation_errors(e.value.errors(include_url=False)).param == "messages.1.content.0.toolset_name"
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", 1.5), ("temperature", -0.1), ("top_p", 1.2),
+                                              ("top_k", -1)])
+def test_sampling_fields_outside_the_messages_apis_ranges_are_refused_naming_them(field, value):
+    """Anthropic's temperature runs 0-1 (the chat API's 0-2): a 1.5 was passed on and sampled with, an answer
+    the Messages API does not give."""
+    with pytest.raises(ValidationError) as e:
+        MessagesRequest.model_validate({**BASE, field: value})
+    assert from_validation_errors(e.value.errors(include_url=False)).param == field
+    assert MessagesRequest.model_validate({**BASE, "temperature": 1.0, "top_p": 1.0, "top_k": 0}).to_chat()

@@ -20,7 +20,8 @@ cairn's prefix cache (the same figure as OpenAI's cached_tokens); cairn has no s
 thinking `budget_tokens` is enforced when the template opens the thinking block (Qwen3.5, the demo
 model): after that many thinking tokens `</think>` is forced and the answer follows (the chat path's
 `thinking_token_budget`); max_tokens still bounds thinking and answer together. The sampling fields
-older clients send (temperature, top_p, top_k) are honoured.
+older clients send (temperature, top_p, top_k) are honoured within this API's ranges (temperature and top_p
+0-1, top_k >= 0; outside them a 400 naming the field, as Anthropic answers).
 Errors have Anthropic's shape {"type": "error", "error": {"type", "message"}}.
 
 POST /v1/messages/count_tokens (`count_tokens`): the prompt tokens a Messages request with these fields
@@ -182,9 +183,9 @@ class MessagesRequest(PromptFields):
     max_tokens: int
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range (the chat API's is 0-2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
 
     @model_validator(mode="after")
