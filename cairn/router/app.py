@@ -1,15 +1,22 @@
 """The router's ASGI app: the API routes of a cairn replica, each request passed to the best replica.
 
-    POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's)
+    POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's), /v1/responses (OpenAI's Responses)
                                  send the request to the replica that resumes it fastest:
                                  a chat whose deepest known message prefix this router sent to replica R
                                  goes to R without a probe while R has at most PLACEMENT_SLACK more
                                  requests in flight than the least busy replica (affinity.py); any other
                                  request probes every available replica (POST /v1/cache/probe with the
-                                 same body, /v1/cache/probe/messages for a Messages body, concurrently,
+                                 same body, /v1/cache/probe/messages for a Messages body,
+                                 /v1/cache/probe/responses for a Responses body, concurrently,
                                  probe_timeout_s) and goes to the best ranked
                                  (replicas.py). Whole answers and SSE streams pass through byte for byte,
-                                 with an `x-cairn-replica` header naming the replica
+                                 with an `x-cairn-replica` header naming the replica. A Responses request
+                                 whose previous_response_id this router saw answered (the replica's
+                                 `x-cairn-response-id` header; REMEMBERED_RESPONSES of them, the oldest
+                                 forgotten first) goes to the replica that stores it, unprobed; one it did
+                                 not see is probed (only the replica storing it answers that probe)
+    GET, DELETE /v1/responses/ID a stored response: to the replica that answered it, when this router saw
+                                 it, else to the least busy available replica
     POST /v1/messages/count_tokens, /tokenize, /detokenize   to the least busy available replica (no probe:
                                  every replica of one model answers them alike)
     GET  /v1/models              every model the available replicas serve, each listed once (replicas of
@@ -44,7 +51,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -63,7 +70,8 @@ from cairn.server.responses import model_list
 
 log = logging.getLogger(__name__)
 PROBE_PATHS = {"/v1/chat/completions": "/v1/cache/probe", "/v1/completions": "/v1/cache/probe",
-               "/v1/messages": "/v1/cache/probe/messages"}  # a generation path -> the probe of its body
+               "/v1/messages": "/v1/cache/probe/messages",
+               "/v1/responses": "/v1/cache/probe/responses"}  # a generation path -> the probe of its body
 PASSED_THROUGH = ("/v1/messages/count_tokens", "/tokenize", "/detokenize")  # to any replica: no probe
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # their errors are in Anthropic's shape
 FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "anthropic-version",
@@ -73,6 +81,8 @@ RETRY_STATUSES = (502, 503, 504)
 PLACEMENT_SLACK = 1  # requests in flight a placed replica may have beyond the least busy one and still be used unprobed
 INLINE_PARSE_BYTES = 256 * 1024  # a larger body is parsed for its prefix keys off the event loop
 MAX_HELD_ANSWER_BYTES = 1 << 20  # the most of a replica's answer the router holds in memory (not relayed ones)
+RESPONSE_ID_HEADER = "x-cairn-response-id"  # a replica's answer to POST /v1/responses names the response
+REMEMBERED_RESPONSES = 1 << 16  # response ids whose replica the router remembers (the oldest forgotten first)
 
 
 class TooLong(Exception):
@@ -97,6 +107,7 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
         self.placements = Placements(options.remembered_prefixes)
         self.routed_by: Counter[str] = Counter()  # "placement", "probe", "none_available" -> requests
+        self.response_holders: OrderedDict[str, str] = OrderedDict()  # a Responses id -> the replica storing it
 
     def available(self) -> list[Replica]:
         return [r for r in self.replicas if r.available()]
@@ -228,6 +239,27 @@ class Router:
         return _Relayed(replica, _relay(first, chunks, streaming, replica, resp, path), resp.status_code,
                         _response_headers(resp, replica), background=BackgroundTask(resp.aclose))
 
+    # ---- stored responses (the Responses API) -----------------------------------------------------
+
+    def holder_first(self, response_id: str | None) -> list[Replica] | None:
+        """The available replica storing `response_id` (as far as this router saw), then the others by load;
+        None when it is not known or not available."""
+        url = self.response_holders.get(response_id) if response_id else None
+        holder = next((r for r in self.available() if r.url == url), None)
+        if holder is None:
+            return None
+        return [holder, *(r for r in self.ranker.by_load(self.available()) if r is not holder)]
+
+    def remember_response(self, response: Response) -> None:
+        """The id of a Responses answer and the replica that stores it (`_Relayed`)."""
+        response_id = response.headers.get(RESPONSE_ID_HEADER)
+        if response.status_code != 200 or not response_id or not isinstance(response, _Relayed):
+            return
+        self.response_holders[response_id] = response.replica.url
+        self.response_holders.move_to_end(response_id)
+        while len(self.response_holders) > REMEMBERED_RESPONSES:
+            self.response_holders.popitem(last=False)
+
     async def models_of(self, path: str, headers: dict) -> list[tuple[int, dict]]:
         """(status, body) of GET `path` (/v1/models or one model's) on each available replica (every replica
         when none is), concurrently; a replica that did not answer in probe_timeout_s with a JSON object is
@@ -290,6 +322,20 @@ async def _keys_of(body: bytes) -> list[bytes]:
         except ValueError:
             return []
         return prefix_keys(data) if isinstance(data, dict) else []
+
+    return await asyncio.to_thread(parse) if len(body) > INLINE_PARSE_BYTES else parse()
+
+
+async def _previous_response_id(body: bytes) -> str | None:
+    """A Responses body's previous_response_id (None when it has none or is not a JSON object); a large body
+    is parsed off the event loop."""
+    def parse() -> str | None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        found = data.get("previous_response_id") if isinstance(data, dict) else None
+        return found if isinstance(found, str) else None
 
     return await asyncio.to_thread(parse) if len(body) > INLINE_PARSE_BYTES else parse()
 
@@ -359,8 +405,23 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
     async def generation(request: Request) -> Response:
         path, body, headers = request.url.path, await request.body(), _request_headers(request)
         keys = await _keys_of(body) if path in ("/v1/chat/completions", "/v1/messages") else []
-        order = await router.ranked(path, body, headers, keys)
-        return await router.forward("POST", path, body, headers, order, keys)
+        order = router.holder_first(await _previous_response_id(body)) if path == "/v1/responses" else None
+        if order is not None:
+            router.routed_by["response_holder"] += 1
+        else:
+            order = await router.ranked(path, body, headers, keys)
+        response = await router.forward("POST", path, body, headers, order, keys)
+        router.remember_response(response)
+        return response
+
+    async def stored_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        order = router.holder_first(response_id) or router.ranker.by_load(router.available()) or \
+            sorted(router.replicas, key=lambda r: r.down_until)
+        response = await router.forward(request.method, request.url.path, b"", _request_headers(request), order)
+        if request.method == "DELETE" and response.status_code == 200:
+            router.response_holders.pop(response_id, None)
+        return response
 
     async def passthrough(request: Request) -> Response:
         order = router.ranker.by_load(router.available()) or sorted(router.replicas, key=lambda r: r.down_until)
@@ -380,7 +441,8 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
     async def health(_: Request) -> Response:
         ok = bool(router.available())
         return JSONResponse({"status": "ok" if ok else "no_replica", "replicas": [r.report() for r in router.replicas],
-                             "routed_by": dict(router.routed_by), "remembered_prefixes": len(router.placements)},
+                             "routed_by": dict(router.routed_by), "remembered_prefixes": len(router.placements),
+                             "remembered_responses": len(router.response_holders)},
                             200 if ok else 503)
 
     @asynccontextmanager
@@ -392,6 +454,7 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
 
     routes = [*(Route(path, generation, methods=["POST"]) for path in PROBE_PATHS),
               *(Route(path, passthrough, methods=["POST"]) for path in PASSED_THROUGH),
+              Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
               Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{name:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan)
