@@ -7,7 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from cairn.server.errors import APIError, from_validation_errors
-from cairn.server.responses_api import ResponsesRequest, ResponseStore, in_responses_names
+from cairn.server.responses_api import ResponsesRequest, in_responses_names
+from cairn.server.responses_output import ResponseStore
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
 

@@ -53,7 +53,7 @@ from cairn.server.offload import Offload
 from cairn.server.options import MIB, ServerOptions
 from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare
 from cairn.server.responses import model_list
-from cairn.server.responses_api import ResponseStore
+from cairn.server.responses_output import ResponseStore
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)

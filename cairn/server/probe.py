@@ -35,7 +35,8 @@ from cairn.server.anthropic import MessagesRequest
 from cairn.server.bridge import Submission
 from cairn.server.generate import ServingContext
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
-from cairn.server.responses_api import ResponsesRequest, ResponseStore, previous_not_found
+from cairn.server.responses_api import ResponsesRequest, previous_not_found
+from cairn.server.responses_output import ResponseStore
 
 PATH = "/v1/cache/probe"
 MESSAGES_PATH = PATH + "/messages"  # the probe of an Anthropic Messages body (its fields overlap a chat's)

@@ -19,8 +19,8 @@ output, prefix cache and snapshots. The conversion:
                       is generated: a reasoning item's summary is empty, its content the reasoning text)
     previous_response_id -> the stored conversation (its input and output items, not its instructions) first
 
-`store` (default true) keeps the response in `ResponseStore`, a bounded in-memory store (a count cap and a
-byte cap, least recently used evicted first), for GET / DELETE /v1/responses/{id} and previous_response_id.
+`store` (default true) keeps the response in `responses_output.ResponseStore`, a bounded in-memory store, for
+GET / DELETE /v1/responses/{id} and previous_response_id.
 
 What is refused, with a 400 naming the field: tools other than functions (web_search, file_search, mcp,
 custom, ...), input parts other than text (input_image, input_file, input_audio), items other than the four
@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -48,8 +47,6 @@ from cairn.server.generate import ServingContext, prepare_chat
 from cairn.server.protocol import ChatCompletionRequest
 from cairn.server.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 
-MAX_STORED_RESPONSES = 1024  # ResponseStore's count cap
-MAX_STORED_BYTES = 256 << 20  # ResponseStore's byte cap (the JSON size of what it holds)
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 PART_TYPES = ("input_text", "output_text")
 # fields of the Responses API cairn does not implement, each with its neutral value (see strict.refuse_unimplemented)
@@ -377,53 +374,3 @@ def prepare_responses(ctx: ServingContext, body: ResponsesRequest, request_id: s
         return prepare_chat(ctx, body.to_chat(prior), request_id)
     except APIError as e:
         raise in_responses_names(e) from None
-
-
-# ---- the store ----------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Stored:
-    response: dict[str, Any]  # the response object, as GET /v1/responses/{id} returns it
-    conversation: list[dict[str, Any]]  # every item up to its output, as input items (previous_response_id)
-    size: int  # bytes, as JSON
-
-
-class ResponseStore:
-    """Stored responses by id, at most `max_responses` of them holding at most `max_bytes` (as JSON): the least
-    recently stored or read is evicted first. On the event loop only (no lock)."""
-
-    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES):
-        self.max_responses, self.max_bytes = max_responses, max_bytes
-        self._held: OrderedDict[str, Stored] = OrderedDict()
-        self.num_bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Keep a response (False: it alone is larger than the byte cap, and is not kept)."""
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
-        if size > self.max_bytes:
-            return False
-        self.delete(response["id"])
-        self._held[response["id"]] = Stored(response, conversation, size)
-        self.num_bytes += size
-        while len(self._held) > self.max_responses or self.num_bytes > self.max_bytes:
-            self.num_bytes -= self._held.popitem(last=False)[1].size
-        return True
-
-    def get(self, response_id: str) -> Stored | None:
-        stored = self._held.get(response_id)
-        if stored is not None:
-            self._held.move_to_end(response_id)
-        return stored
-
-    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
-        stored = self.get(response_id)
-        return None if stored is None else stored.conversation
-
-    def delete(self, response_id: str) -> bool:
-        stored = self._held.pop(response_id, None)
-        if stored is not None:
-            self.num_bytes -= stored.size
-        return stored is not None

@@ -19,14 +19,19 @@ Streamed, each event is `event: <type>` and `data: <json>` with a rising sequenc
 
 A client that disconnects aborts the generation, as on the chat path. Every answer carries the response id
 in an `x-cairn-response-id` header (which `cairn router` remembers, to send its follow-ups to this replica).
+`ResponseStore` keeps stored responses (`store`, default true) in memory: at most MAX_STORED_RESPONSES of them
+holding at most MAX_STORED_BYTES (their JSON size), the least recently stored or read evicted first; each holds
+its whole conversation, so a follow-up of an evicted response's follow-up still has it all. A restart empties it.
 What this is not: the request's conversion (`responses_api`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,17 +46,65 @@ from cairn.server.generate import Generation, ServingContext, SSEResponse, new_r
 from cairn.server.parsers import THINK_END, THINK_START, ParsedToolCall
 from cairn.server.prepare import Prepared, prepare
 from cairn.server.responses import usage_of
-from cairn.server.responses_api import (
-    NeedsHistory,
-    ResponsesRequest,
-    ResponseStore,
-    in_responses_names,
-    previous_not_found,
-)
+from cairn.server.responses_api import NeedsHistory, ResponsesRequest, in_responses_names, previous_not_found
 from cairn.tokenizer import Tokenizer
 
 RESPONSE_ID_HEADER = "x-cairn-response-id"
+MAX_STORED_RESPONSES = 1024  # ResponseStore's count cap
+MAX_STORED_BYTES = 256 << 20  # ResponseStore's byte cap (the JSON size of what it holds)
 
+
+# ---- the store ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    response: dict[str, Any]  # the response object, as GET /v1/responses/{id} returns it
+    conversation: list[dict[str, Any]]  # every item up to its output, as input items (previous_response_id)
+    size: int  # bytes, as JSON
+
+
+class ResponseStore:
+    """Stored responses by id, at most `max_responses` of them holding at most `max_bytes` (as JSON): the least
+    recently stored or read is evicted first. On the event loop only (no lock)."""
+
+    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES):
+        self.max_responses, self.max_bytes = max_responses, max_bytes
+        self._held: OrderedDict[str, Stored] = OrderedDict()
+        self.num_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
+        """Keep a response (False: it alone is larger than the byte cap, and is not kept)."""
+        size = len(json.dumps(response)) + len(json.dumps(conversation))
+        if size > self.max_bytes:
+            return False
+        self.delete(response["id"])
+        self._held[response["id"]] = Stored(response, conversation, size)
+        self.num_bytes += size
+        while len(self._held) > self.max_responses or self.num_bytes > self.max_bytes:
+            self.num_bytes -= self._held.popitem(last=False)[1].size
+        return True
+
+    def get(self, response_id: str) -> Stored | None:
+        stored = self._held.get(response_id)
+        if stored is not None:
+            self._held.move_to_end(response_id)
+        return stored
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        stored = self.get(response_id)
+        return None if stored is None else stored.conversation
+
+    def delete(self, response_id: str) -> bool:
+        stored = self._held.pop(response_id, None)
+        if stored is not None:
+            self.num_bytes -= stored.size
+        return stored is not None
+
+
+# ---- the response -------------------------------------------------------------------------------
 
 class Draft:
     """One response being made: its id, the request's echoed fields and what the store keeps of it."""
