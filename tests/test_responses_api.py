@@ -9,7 +9,9 @@ makes the answer a call), and reasoning is opened by the template (reasoning.eff
 from __future__ import annotations
 
 import json
+import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -143,6 +145,28 @@ def test_streamed_events_reassemble_the_whole_answer(client, ask):
     deltas = "".join(e.delta for e in events if e.type.endswith(".delta"))
     assert deltas == "".join(text if kind != "function_call" else text.split(" ", 1)[1] for kind, text in items(whole))
     assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def aborted(base_url: str) -> float:
+    for line in httpx.get(base_url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith('cairn_requests_finished_total{finish_reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_leaving_a_stream_aborts_the_generation(server):
+    """The answer is held long by its format (a string of at least 1800 characters: no end of turn before)."""
+    long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1800}}, "required": ["s"]}
+    body = {"model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 1900, "reasoning": NO_THINKING,
+            "text": {"format": {"type": "json_schema", "name": "long", "schema": long}}}
+    before = aborted(server.base_url)
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as resp:
+        assert resp.status_code == 200 and resp.headers["x-cairn-response-id"].startswith("resp_"), resp.read()
+        next(resp.iter_lines())  # the stream has started; leave
+    deadline = time.monotonic() + 60
+    while aborted(server.base_url) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert aborted(server.base_url) == before + 1
 
 
 # ---- refusals -----------------------------------------------------------------------------------
