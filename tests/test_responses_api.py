@@ -88,6 +88,24 @@ def test_reasoning_is_its_own_item_when_the_template_thinks(client):
     assert [i.type for i in plain.output] == ["message"]
 
 
+def test_a_stateless_client_sends_its_reasoning_back_as_encrypted_content(client):
+    """store false and include reasoning.encrypted_content: the reasoning item carries its text (encoded), which
+    the next request's input sends back; it renders as the reasoning sent in the clear does."""
+    first = client.responses.create(input="Weather?", reasoning={"effort": "high"}, store=False,
+                                    include=["reasoning.encrypted_content"], **GREEDY)
+    (reasoning,) = first.output
+    assert reasoning.encrypted_content and reasoning.content[0].text not in reasoning.encrypted_content
+    call = [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    text = reasoning.content[0].text
+    turns = ([{"type": "reasoning", "summary": [], "encrypted_content": reasoning.encrypted_content}],
+             [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}], [])
+    tokens = [client.responses.create(input=[{"role": "user", "content": "Weather?"}, *turn, *call], tools=[WEATHER],
+                                      reasoning=NO_THINKING, store=False, **GREEDY).usage.input_tokens
+              for turn in turns]
+    assert tokens[0] == tokens[1] > tokens[2]  # (the reasoning of the turn in progress is rendered)
+
+
 def test_json_schema_text_format_validates(client):
     fmt = {"format": {"type": "json_schema", "name": "small", "schema": SMALL, "strict": True}}
     r = client.responses.create(input="Give me JSON", text=fmt, reasoning=NO_THINKING, model=MODEL, temperature=0,
@@ -175,7 +193,7 @@ def test_a_client_leaving_a_stream_aborts_the_generation(server):
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.input_image.image_url"]}, "include.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input.0.content.0.type"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),  # not a field of this API

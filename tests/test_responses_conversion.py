@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from cairn.server.errors import APIError, from_validation_errors
-from cairn.server.responses_api import ResponsesRequest, in_responses_names
+from cairn.server.responses_api import ResponsesRequest, decode_reasoning, encode_reasoning, in_responses_names
 from cairn.server.responses_output import ResponseStore
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
@@ -98,12 +98,12 @@ def _refused_param(body: dict) -> str:
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file", "file_id": "f"}]}]},
      "input.0.output.0.type"),
-    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "opaque"}]}, "input.0.encrypted_content"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "opaque"}]}, "input.0"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"top_logprobs": 3}, "top_logprobs"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include.1"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"reasoning": {"summary": "concise"}}, "reasoning.summary"),
@@ -119,10 +119,20 @@ def test_what_cairn_does_not_implement_is_refused_naming_the_field(extra, param)
     assert _refused_param({"model": "m", "input": "x", **extra}) == param
 
 
+def test_encrypted_reasoning_cairn_made_comes_back_as_the_reasoning():
+    encoded = encode_reasoning("thought ü")
+    assert decode_reasoning(encoded) == "thought ü" and "thought" not in encoded
+    body = ResponsesRequest.model_validate({"include": ["reasoning.encrypted_content"], "input": [
+        {"role": "user", "content": "q"}, {"type": "reasoning", "summary": [], "encrypted_content": encoded},
+        {"role": "assistant", "content": "a"}]})
+    assert body.to_chat().template_messages()[1] == {"role": "assistant", "content": "a",
+                                                     "reasoning_content": "thought ü"}
+
+
 def test_neutral_values_of_unimplemented_fields_are_accepted():
-    body = {"input": "x", "background": False, "include": [], "truncation": "disabled", "service_tier": "auto",
-            "top_logprobs": 0, "prompt_cache_key": "k", "safety_identifier": "s", "max_tool_calls": 3,
-            "text": {"verbosity": "medium"}, "store": False}
+    body = {"input": "x", "background": False, "include": [], "prompt_cache_retention": None, "conversation": None,
+            "truncation": "disabled", "service_tier": "auto", "top_logprobs": 0, "prompt_cache_key": "k",
+            "safety_identifier": "s", "max_tool_calls": 3, "text": {"verbosity": "medium"}, "store": False}
     assert ResponsesRequest.model_validate(body).to_chat().messages[0].content == "x"
 
 

@@ -24,13 +24,19 @@ GET / DELETE /v1/responses/{id} and previous_response_id.
 
 What is refused, with a 400 naming the field: tools other than functions (web_search, file_search, mcp,
 custom, ...), input parts other than text (input_image, input_file, input_audio), items other than the four
-above (item_reference, computer calls, ...), encrypted reasoning, and any field of the API cairn does not
-implement unless it carries its neutral value (background: false, include: [], truncation: "disabled", ...:
-RESPONSES_UNIMPLEMENTED). A field the API does not define is refused as on the chat path.
+above (item_reference, computer calls, ...), `include` values but "reasoning.encrypted_content", and any field
+of the API cairn does not implement unless it carries its neutral value (background: false, truncation:
+"disabled", ...: RESPONSES_UNIMPLEMENTED). A field the API does not define is refused as on the chat path.
+
+`include: ["reasoning.encrypted_content"]` (what a stateless client, store false, asks for to send its reasoning
+back) gives each reasoning item an `encrypted_content` that a later request's reasoning item may carry instead of
+its content: ENCODED_PREFIX and the reasoning text in base64. It is opaque to the client but NOT encrypted (cairn
+holds no key; the same text is in the item's content anyway); one cairn did not make is a 400.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import re
@@ -49,9 +55,11 @@ from cairn.server.strict import Strict, refuse_lone_surrogates, refuse_unimpleme
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 PART_TYPES = ("input_text", "output_text")
+ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` value cairn honours
+ENCODED_PREFIX = "cairn-reasoning:"  # an encrypted_content cairn made: this, then the reasoning text in base64
 # fields of the Responses API cairn does not implement, each with its neutral value (see strict.refuse_unimplemented)
 RESPONSES_UNIMPLEMENTED: dict[str, Any] = {
-    "background": False, "conversation": None, "include": [], "prompt": None, "prompt_cache_retention": None,
+    "background": False, "conversation": None, "prompt": None, "prompt_cache_retention": None,
     "service_tier": "auto", "top_logprobs": 0, "truncation": "disabled", "context_management": None,
     "moderation": None, "image": None, "access_programs": None, "background_options": None,
     "prompt_cache_options": None,
@@ -106,10 +114,34 @@ class ReasoningItem(Strict):
     content: list[ReasoningText] | None = None
     id: str | None = None
     status: str | None = None
-    encrypted_content: None = None  # cairn never hands out encrypted reasoning, so takes none back
+    encrypted_content: str | None = None  # one cairn made (include reasoning.encrypted_content): the text
+
+    @model_validator(mode="after")
+    def _readable(self) -> ReasoningItem:
+        if self.encrypted_content is not None:
+            decode_reasoning(self.encrypted_content)
+        return self
 
     def text(self) -> str:
-        return "".join(p.text for p in (self.content if self.content else self.summary))
+        if self.content:
+            return "".join(p.text for p in self.content)
+        if self.encrypted_content is not None:
+            return decode_reasoning(self.encrypted_content)
+        return "".join(p.text for p in self.summary)
+
+
+def encode_reasoning(text: str) -> str:
+    return ENCODED_PREFIX + base64.b64encode(text.encode()).decode()
+
+
+def decode_reasoning(encoded: str) -> str:
+    """The text of an encrypted_content cairn made (see the module docstring); ValueError for any other."""
+    try:
+        if encoded.startswith(ENCODED_PREFIX):
+            return base64.b64decode(encoded[len(ENCODED_PREFIX):], validate=True).decode()
+    except ValueError:
+        pass
+    raise ValueError("encrypted_content is not one this server made (cairn reads only its own)")
 
 
 def _item_type(item: Any) -> str:
@@ -173,6 +205,7 @@ class ResponsesRequest(Strict):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None  # echoed in the response and stored with it
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
     user: str | None = None
     safety_identifier: str | None = None  # stored nowhere
     prompt_cache_key: str | None = None  # accepted: cairn caches every prefix on its own
@@ -236,6 +269,9 @@ def refuse_unsupported_types(data: dict) -> None:
     for i, tool in enumerate(_list(data.get("tools"))):
         if isinstance(tool, dict) and tool.get("type") != "function":
             _unsupported(f"tools.{i}.type", tool.get("type"), "function tools only")
+    for i, value in enumerate(_list(data.get("include"))):
+        if value != ENCRYPTED_REASONING:
+            _unsupported(f"include.{i}", value, f"{ENCRYPTED_REASONING} only")
     choice = data.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") != "function":
         _unsupported("tool_choice.type", choice.get("type"), "none, auto, required or a function")

@@ -46,7 +46,14 @@ from cairn.server.generate import Generation, ServingContext, SSEResponse, new_r
 from cairn.server.parsers import THINK_END, THINK_START, ParsedToolCall
 from cairn.server.prepare import Prepared, prepare
 from cairn.server.responses import usage_of
-from cairn.server.responses_api import NeedsHistory, ResponsesRequest, in_responses_names, previous_not_found
+from cairn.server.responses_api import (
+    ENCRYPTED_REASONING,
+    NeedsHistory,
+    ResponsesRequest,
+    encode_reasoning,
+    in_responses_names,
+    previous_not_found,
+)
 from cairn.tokenizer import Tokenizer
 
 RESPONSE_ID_HEADER = "x-cairn-response-id"
@@ -112,6 +119,7 @@ class Draft:
     def __init__(self, ctx: ServingContext, body: ResponsesRequest, prior: list[dict[str, Any]]):
         self.ctx, self.body, self.prior = ctx, body, prior
         self.id, self.created_at = "resp_" + uuid.uuid4().hex, int(time.time())
+        self.encoded = ENCRYPTED_REASONING in (body.include or ())  # reasoning items carry encrypted_content
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict | None) -> dict[str, Any]:
         b = self.body
@@ -165,9 +173,10 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def reasoning_item(item_id: str, text: str, status: str, encoded: bool = False) -> dict[str, Any]:
+    """`encoded`: with the text as encrypted_content (include reasoning.encrypted_content; see `responses_api`)."""
     return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
-            "encrypted_content": None, "status": status}
+            "encrypted_content": encode_reasoning(text) if encoded else None, "status": status}
 
 
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -180,11 +189,11 @@ def call_item(call: ParsedToolCall, status: str) -> dict[str, Any]:
             "name": call.name, "arguments": call.arguments, "status": status}
 
 
-def output_items(message: ChatDelta, status: str) -> list[dict[str, Any]]:
+def output_items(message: ChatDelta, status: str, encoded: bool) -> list[dict[str, Any]]:
     """The whole answer's items; the last is `status` (incomplete when the answer was cut), the others completed."""
     items = []
     if message.reasoning:
-        items.append(reasoning_item(_item_id("rs"), message.reasoning, "completed"))
+        items.append(reasoning_item(_item_id("rs"), message.reasoning, "completed", encoded))
     if message.content or not (message.reasoning or message.calls):
         items.append(message_item(_item_id("msg"), message.content, "completed"))
     items += [call_item(c, "completed") for c in message.calls]
@@ -257,7 +266,8 @@ async def create(ctx: ServingContext, store: ResponseStore, chunks: list[bytes],
         return response
     (out,) = await gen.final_outputs(request)
     shaper.feed(out.text, final=True)
-    body = draft.response(status_of(shaper, out), output_items(shaper.message, status_of(shaper, out)),
+    status = status_of(shaper, out)
+    body = draft.response(status, output_items(shaper.message, status, draft.encoded),
                           usage(ctx.tokenizer, out, shaper.message.reasoning))
     return JSONResponse(draft.finish(store, body), headers=headers)
 
@@ -284,7 +294,8 @@ def _not_found(response_id: str) -> APIError:
 class _ItemStream:
     """Numbers the events, and opens, feeds and closes output items as the kind of text changes."""
 
-    def __init__(self):
+    def __init__(self, encoded: bool):
+        self.encoded = encoded  # reasoning items carry encrypted_content
         self.seq, self.items = 0, []  # the closed items
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.text = ""
@@ -315,7 +326,8 @@ class _ItemStream:
             events.append(self.event("response.function_call_arguments.done", **self._at(),
                                      arguments=item["arguments"]))
         else:
-            done = (reasoning_item if item["type"] == "reasoning" else message_item)(item["id"], self.text, status)
+            done = (reasoning_item(item["id"], self.text, status, self.encoded) if item["type"] == "reasoning"
+                    else message_item(item["id"], self.text, status))
             kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
             events.append(self.event(f"response.{kind}.done", **self._at(), content_index=0, text=self.text,
                                      **({"logprobs": []} if kind == "output_text" else {})))
@@ -353,7 +365,7 @@ class _ItemStream:
 
 
 async def _events(gen: Generation, shaper: ChatShaper, draft: Draft, store: ResponseStore) -> AsyncIterator[str]:
-    items = _ItemStream()
+    items = _ItemStream(draft.encoded)
     yield items.event("response.created", response=draft.response("in_progress", [], None))
     yield items.event("response.in_progress", response=draft.response("in_progress", [], None))
     try:
