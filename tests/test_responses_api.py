@@ -209,14 +209,21 @@ def test_a_field_cairn_does_not_honour_is_refused_naming_it(client, extra, param
 # ---- stored responses ---------------------------------------------------------------------------
 
 def test_previous_response_id_continues_the_conversation_from_the_cache(client):
-    first = client.responses.create(input="My name is Ada. " * 40, instructions="Be brief.", reasoning=NO_THINKING,
-                                    **GREEDY)
-    second = client.responses.create(input="What is my name?", previous_response_id=first.id, reasoning=NO_THINKING,
-                                     **GREEDY)
-    assert second.previous_response_id == first.id and second.instructions is None
-    assert second.usage.input_tokens > first.usage.input_tokens  # the first turn, then this one
-    assert second.usage.input_tokens_details.cached_tokens > 0  # resumed from the prefix cache
+    """The stored conversation comes first, without its instructions (OpenAI's semantics: a client sends them
+    again each turn); the prompt then resumes from the snapshots of the first turn."""
+    ask = dict(instructions="Be brief.", reasoning=NO_THINKING, **GREEDY)
+    first = client.responses.create(input="My name is Ada. " * 40, **ask)
+    second = client.responses.create(input="What is my name?", previous_response_id=first.id, **ask)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens  # the first turn, then this
+    assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2  # resumed from the cache
+    uninstructed = client.responses.create(input="What is my name?", previous_response_id=first.id,
+                                           reasoning=NO_THINKING, **GREEDY)
+    assert uninstructed.instructions is None and uninstructed.usage.input_tokens < second.usage.input_tokens
     assert client.responses.retrieve(second.id).output_text == second.output_text
+    with pytest.raises(openai.BadRequestError) as e:  # a stored response is returned whole, never streamed
+        client.responses.retrieve(second.id, include=["message.output_text.logprobs"])
+    assert e.value.body["param"] == "include[]"
     client.responses.delete(second.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)

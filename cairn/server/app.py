@@ -196,8 +196,8 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
         return await guarded(create_request(request), "input")
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str) -> Response:
-        return responses_output.retrieve(store, response_id)
+    async def retrieve(response_id: str, request: Request) -> Response:
+        return responses_output.retrieve(store, response_id, request.query_params)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> Response:

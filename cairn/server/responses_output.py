@@ -32,7 +32,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -272,7 +272,12 @@ async def create(ctx: ServingContext, store: ResponseStore, chunks: list[bytes],
     return JSONResponse(draft.finish(store, body), headers=headers)
 
 
-def retrieve(store: ResponseStore, response_id: str) -> Response:
+def retrieve(store: ResponseStore, response_id: str, query: Mapping[str, str]) -> Response:
+    """GET /v1/responses/{id}: the stored response whole (its query parameters, stream, include,
+    starting_after, are not implemented: a 400 naming the first sent)."""
+    for name in query:
+        raise APIError(400, f"the query parameter {name} is not supported by this server", param=name,
+                       code="unsupported_value")
     stored = store.get(response_id)
     if stored is None:
         raise _not_found(response_id)
