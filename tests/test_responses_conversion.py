@@ -3,6 +3,8 @@ responses keeps its bounds."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -148,11 +150,24 @@ def test_chat_errors_are_renamed_to_this_apis_fields():
 def test_the_store_evicts_the_least_recently_used_within_its_count_and_byte_caps():
     store = ResponseStore(max_responses=2, max_bytes=10_000)
     for name in ("a", "b"):
-        assert store.put({"id": name}, [{"text": name}])
+        assert store.put({"id": name}, None, [{"text": name}])
     assert store.get("a") is not None  # a is now the most recently used
-    store.put({"id": "c"}, [])
+    store.put({"id": "c"}, None, [])
     assert store.get("b") is None and store.get("a") is not None and len(store) == 2
-    assert not store.put({"id": "huge"}, [{"text": "x" * 20_000}])  # alone over the byte cap: not kept
-    store.put({"id": "d"}, [{"text": "y" * 9_960}])  # 9985 bytes: the others go
+    assert not store.put({"id": "huge"}, None, [{"text": "x" * 20_000}])  # alone over the byte cap: not kept
+    store.put({"id": "d"}, None, [{"text": "y" * 9_960}])  # 9985 bytes: the others go
     assert len(store) == 1 and store.get("d") is not None and store.num_bytes <= 10_000
     assert store.delete("d") and not store.delete("d") and store.num_bytes == 0
+
+
+def test_a_stored_follow_up_holds_the_whole_conversation_and_counts_its_bytes():
+    store = ResponseStore()
+    store.put({"id": "a"}, None, [{"text": "hi"}, {"text": "hello"}])
+    store.put({"id": "b"}, store.get("a"), [{"text": "more"}])
+    assert store.conversation("b") == [{"text": "hi"}, {"text": "hello"}, {"text": "more"}]
+    b = store.get("b")
+    assert b.size == len(json.dumps({"id": "b"})) + b.conversation_bytes
+    assert b.conversation_bytes == len(json.dumps([{"text": "hi"}, {"text": "hello"}])) + len(json.dumps([
+        {"text": "more"}]))
+    store.delete("a")
+    assert store.conversation("b")[0] == {"text": "hi"}  # a follow-up outlives the response it followed

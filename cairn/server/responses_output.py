@@ -67,7 +67,8 @@ MAX_STORED_BYTES = 256 << 20  # ResponseStore's byte cap (the JSON size of what 
 class Stored:
     response: dict[str, Any]  # the response object, as GET /v1/responses/{id} returns it
     conversation: list[dict[str, Any]]  # every item up to its output, as input items (previous_response_id)
-    size: int  # bytes, as JSON
+    conversation_bytes: int  # its size as JSON (counted a turn at a time: see put)
+    size: int  # bytes, as JSON, of the response and the conversation
 
 
 class ResponseStore:
@@ -82,13 +83,17 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._held)
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Keep a response (False: it alone is larger than the byte cap, and is not kept)."""
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
+    def put(self, response: dict[str, Any], prior: Stored | None, items: list[dict[str, Any]]) -> bool:
+        """Keep a response, whose conversation is `prior`'s (the response its previous_response_id named) and then
+        `items` (its input and output), False when it alone is larger than the byte cap (not kept). Only what is
+        new is serialized to count its bytes: a long conversation's turns each cost their own size."""
+        conversation_bytes = len(json.dumps(items)) + (prior.conversation_bytes if prior else 0)
+        size = len(json.dumps(response)) + conversation_bytes
         if size > self.max_bytes:
             return False
         self.delete(response["id"])
-        self._held[response["id"]] = Stored(response, conversation, size)
+        conversation = [*prior.conversation, *items] if prior else items
+        self._held[response["id"]] = Stored(response, conversation, conversation_bytes, size)
         self.num_bytes += size
         while len(self._held) > self.max_responses or self.num_bytes > self.max_bytes:
             self.num_bytes -= self._held.popitem(last=False)[1].size
@@ -116,7 +121,7 @@ class ResponseStore:
 class Draft:
     """One response being made: its id, the request's echoed fields and what the store keeps of it."""
 
-    def __init__(self, ctx: ServingContext, body: ResponsesRequest, prior: list[dict[str, Any]]):
+    def __init__(self, ctx: ServingContext, body: ResponsesRequest, prior: Stored | None):
         self.ctx, self.body, self.prior = ctx, body, prior
         self.id, self.created_at = "resp_" + uuid.uuid4().hex, int(time.time())
         self.encoded = ENCRYPTED_REASONING in (body.include or ())  # reasoning items carry encrypted_content
@@ -137,7 +142,7 @@ class Draft:
         """`response` (finished), kept in `store` when the request asked for it."""
         if self.body.store:
             inputs = [item.model_dump(by_alias=True, exclude_none=True) for item in self.body.items()]
-            store.put(response, [*self.prior, *inputs, *(_as_input(item) for item in response["output"])])
+            store.put(response, self.prior, [*inputs, *(_as_input(item) for item in response["output"])])
         return response
 
 
@@ -230,14 +235,14 @@ def status_of(shaper: ChatShaper, out: Completion) -> str:
 # ---- the endpoint -------------------------------------------------------------------------------
 
 async def prepare_response(ctx: ServingContext, chunks: list[bytes],
-                           store: ResponseStore) -> tuple[Prepared, list[dict[str, Any]]]:
-    """The body prepared as a chat, and the stored conversation its previous_response_id names ([] if none). A
+                           store: ResponseStore) -> tuple[Prepared, Stored | None]:
+    """The body prepared as a chat, and the stored response its previous_response_id names (None if none). A
     body prepared in a worker that needs one is prepared again, given it (the worker has no store)."""
     offload, request_id, seen = ctx.bridge.offload, new_request_id("resp"), {}
 
     def lookup(response_id: str) -> list[dict[str, Any]] | None:
-        seen[response_id] = store.conversation(response_id)
-        return seen[response_id]
+        seen[response_id] = store.get(response_id)
+        return None if seen[response_id] is None else seen[response_id].conversation
 
     try:
         try:
@@ -245,10 +250,11 @@ async def prepare_response(ctx: ServingContext, chunks: list[bytes],
         except NeedsHistory as e:
             if lookup(e.response_id) is None:
                 raise previous_not_found(e.response_id) from None
-            p = await prepare(ctx, offload, chunks, "responses", request_id, {e.response_id: seen[e.response_id]})
+            history = {e.response_id: seen[e.response_id].conversation}
+            p = await prepare(ctx, offload, chunks, "responses", request_id, history)
     except (ChatTemplateError, RequestTooLarge, APIError) as e:
         raise in_responses_names(from_exception(e, "input")) from None
-    return p, seen.get(p.body.previous_response_id) or []
+    return p, seen.get(p.body.previous_response_id)
 
 
 async def create(ctx: ServingContext, store: ResponseStore, chunks: list[bytes], request: Request,
