@@ -51,9 +51,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import httpx
 from starlette.applications import Starlette
@@ -69,6 +70,7 @@ from cairn.server.middleware import BodySizeLimit
 from cairn.server.responses import model_list
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 PROBE_PATHS = {"/v1/chat/completions": "/v1/cache/probe", "/v1/completions": "/v1/cache/probe",
                "/v1/messages": "/v1/cache/probe/messages",
                "/v1/responses": "/v1/cache/probe/responses"}  # a generation path -> the probe of its body
@@ -107,7 +109,8 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
         self.placements = Placements(options.remembered_prefixes)
         self.routed_by: Counter[str] = Counter()  # "placement", "probe", "none_available" -> requests
-        self.response_holders: OrderedDict[str, str] = OrderedDict()  # a Responses id -> the replica storing it
+        self.response_holders = Placements(REMEMBERED_RESPONSES)  # a Responses id -> the replica storing it
+        #   (kept when the replica is taken out: a replica back from a failure still stores what it stored)
 
     def available(self) -> list[Replica]:
         return [r for r in self.replicas if r.available()]
@@ -244,8 +247,8 @@ class Router:
     def holder_first(self, response_id: str | None) -> list[Replica] | None:
         """The available replica storing `response_id` (as far as this router saw), then the others by load;
         None when it is not known or not available."""
-        url = self.response_holders.get(response_id) if response_id else None
-        holder = next((r for r in self.available() if r.url == url), None)
+        found = self.response_holders.deepest([response_id.encode()]) if response_id else None
+        holder = next((r for r in self.available() if found is not None and r.url == found[1]), None)
         if holder is None:
             return None
         return [holder, *(r for r in self.ranker.by_load(self.available()) if r is not holder)]
@@ -255,10 +258,7 @@ class Router:
         response_id = response.headers.get(RESPONSE_ID_HEADER)
         if response.status_code != 200 or not response_id or not isinstance(response, _Relayed):
             return
-        self.response_holders[response_id] = response.replica.url
-        self.response_holders.move_to_end(response_id)
-        while len(self.response_holders) > REMEMBERED_RESPONSES:
-            self.response_holders.popitem(last=False)
+        self.response_holders.record([response_id.encode()], response.replica.url)
 
     async def models_of(self, path: str, headers: dict) -> list[tuple[int, dict]]:
         """(status, body) of GET `path` (/v1/models or one model's) on each available replica (every replica
@@ -313,31 +313,22 @@ def _union_by_id(lists: list[list]) -> list:
     return list(seen.values())
 
 
-async def _keys_of(body: bytes) -> list[bytes]:
-    """A chat body's prefix keys (affinity.py); [] when it is not a JSON object. A large body is parsed off the
-    event loop."""
-    def parse() -> list[bytes]:
+async def _read_body(body: bytes, read: Callable[[dict], T], default: T) -> T:
+    """`read` of a body that is a JSON object, else `default`: a chat body's prefix keys (affinity.py), a Responses
+    body's previous_response_id. A large body is parsed off the event loop."""
+    def parse() -> T:
         try:
             data = json.loads(body)
         except ValueError:
-            return []
-        return prefix_keys(data) if isinstance(data, dict) else []
+            return default
+        return read(data) if isinstance(data, dict) else default
 
     return await asyncio.to_thread(parse) if len(body) > INLINE_PARSE_BYTES else parse()
 
 
-async def _previous_response_id(body: bytes) -> str | None:
-    """A Responses body's previous_response_id (None when it has none or is not a JSON object); a large body
-    is parsed off the event loop."""
-    def parse() -> str | None:
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return None
-        found = data.get("previous_response_id") if isinstance(data, dict) else None
-        return found if isinstance(found, str) else None
-
-    return await asyncio.to_thread(parse) if len(body) > INLINE_PARSE_BYTES else parse()
+def _previous_response_id(data: dict) -> str | None:
+    found = data.get("previous_response_id")
+    return found if isinstance(found, str) else None
 
 
 async def _read_held(chunks: AsyncIterator[bytes], first: bytes = b"") -> bytes:
@@ -404,8 +395,10 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
 
     async def generation(request: Request) -> Response:
         path, body, headers = request.url.path, await request.body(), _request_headers(request)
-        keys = await _keys_of(body) if path in ("/v1/chat/completions", "/v1/messages") else []
-        order = router.holder_first(await _previous_response_id(body)) if path == "/v1/responses" else None
+        keys = await _read_body(body, prefix_keys, []) if path in ("/v1/chat/completions", "/v1/messages") else []
+        order = None
+        if path == "/v1/responses":
+            order = router.holder_first(await _read_body(body, _previous_response_id, None))
         if order is not None:
             router.routed_by["response_holder"] += 1
         else:
@@ -420,7 +413,7 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
             sorted(router.replicas, key=lambda r: r.down_until)
         response = await router.forward(request.method, request.url.path, b"", _request_headers(request), order)
         if request.method == "DELETE" and response.status_code == 200:
-            router.response_holders.pop(response_id, None)
+            router.response_holders.drop(response_id.encode())
         return response
 
     async def passthrough(request: Request) -> Response:
