@@ -199,6 +199,13 @@ def test_a_client_leaving_a_stream_aborts_the_generation(server):
     ({"frequency_penalty": 1.0}, "frequency_penalty"),  # not a field of this API
     ({"reasoning": {"effort": "low", "summary": "detailed"}}, "reasoning.summary"),
     ({"max_output_tokens": 100000}, "max_output_tokens"),
+    # the chat path's checks, naming this API's fields
+    ({"tools": [{**WEATHER, "parameters": {"type": "object", "properties": {"a": {"maximun": 3}}}}]},
+     "tools.0.parameters.properties.a.maximun"),  # (strict by default, as OpenAI's: enforced or refused)
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "minProperties": 1,
+                                                                        "maximun": 2}}}}, "text.format.schema.maximun"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": []}, "input"),
 ])
 def test_a_field_cairn_does_not_honour_is_refused_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
