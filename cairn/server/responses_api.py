@@ -8,7 +8,7 @@ output, prefix cache and snapshots. The conversion:
     instructions, then the leading system / developer messages   -> one system message
     message items (user, system, developer, assistant; content a string or input_text / output_text parts)
                                                                   -> chat messages (parts joined)
-    reasoning items (their reasoning_text, else their summary)   -> the next assistant message's reasoning_content
+    reasoning items (reasoning_text, else encrypted_content, else summary) -> the next assistant message's reasoning
     function_call items (call_id, name, arguments)               -> that assistant message's tool_calls
     function_call_output items (call_id, output)                 -> tool messages
     tools (type function; `strict` defaults to true, as OpenAI's) -> chat tools
