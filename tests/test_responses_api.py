@@ -187,6 +187,27 @@ def test_a_client_leaving_a_stream_aborts_the_generation(server):
     assert aborted(server.base_url) == before + 1
 
 
+def test_an_agent_clients_stateless_streamed_turn_is_taken_whole(http):
+    """The fields a coding agent sends on each turn (instructions, a developer message, tools it does not mark
+    strict, parallel_tool_calls false, store false with encrypted reasoning, a prompt_cache_key, a reasoning
+    summary of auto), streamed: accepted, and the stream ends with the whole response."""
+    body = {"model": MODEL, "instructions": "You are a coding agent.", "stream": True, "store": False,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "session-1", "parallel_tool_calls": False,
+            "reasoning": {"effort": "medium", "summary": "auto"}, "tool_choice": "auto", "max_output_tokens": 8,
+            "tools": [{"type": "function", "name": "shell", "description": "Run a command", "strict": False,
+                       "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {
+                           "type": "string"}}}, "required": ["command"]}}],
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "cwd: /"}]},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List files"}]}]}
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete" and final["store"] is False
+    assert final["output"][0]["type"] == "reasoning" and final["output"][0]["encrypted_content"]
+    assert final["usage"]["output_tokens"] == 8
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("extra", "param"), [
