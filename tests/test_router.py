@@ -217,6 +217,32 @@ def test_the_messages_probe_tokenizes_a_messages_body_as_count_tokens_does(clust
     assert bad.status_code == 400
 
 
+def test_a_responses_conversation_goes_back_to_the_replica_that_stores_it(cluster):
+    """A response's follow-up (previous_response_id) and its GET / DELETE reach the replica storing it: through
+    the router's memory of who answered it, or, for one stored where this router did not see it, through the
+    probe (which only that replica answers)."""
+    a, b, router = cluster
+    ask = {"model": "cairn-demo", "max_output_tokens": 4, "temperature": 0, "reasoning": {"effort": "none"}}
+    first = httpx.post(router.base_url + "/v1/responses", json={"input": text(80, 21), **ask}, timeout=120)
+    assert first.status_code == 200, first.text
+    holder, first_id = first.headers["x-cairn-replica"], first.json()["id"]
+    routed = httpx.get(router.base_url + "/health").json()["routed_by"].get("response_holder", 0)
+    for _ in range(2):
+        again = httpx.post(router.base_url + "/v1/responses", timeout=120,
+                           json={"input": "and then?", "previous_response_id": first_id, **ask})
+        assert again.status_code == 200 and again.headers["x-cairn-replica"] == holder, again.text
+        assert again.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert httpx.get(router.base_url + "/health").json()["routed_by"]["response_holder"] == routed + 2  # unprobed
+    got = httpx.get(router.base_url + f"/v1/responses/{first_id}", timeout=60)
+    assert got.status_code == 200 and got.json()["id"] == first_id and got.headers["x-cairn-replica"] == holder
+    unseen = httpx.post(b.base_url + "/v1/responses", json={"input": text(80, 22), **ask}, timeout=120).json()["id"]
+    follow = httpx.post(router.base_url + "/v1/responses", timeout=120,
+                        json={"input": "and then?", "previous_response_id": unseen, **ask})
+    assert follow.status_code == 200 and follow.headers["x-cairn-replica"] == b.base_url, follow.text
+    assert httpx.delete(router.base_url + f"/v1/responses/{first_id}", timeout=60).status_code == 200
+    assert httpx.get(router.base_url + f"/v1/responses/{first_id}", timeout=60).status_code == 404
+
+
 def test_the_router_says_where_it_listens_and_writes_no_line_per_health_poll(cluster):
     """Its one start-up line names the replicas and the address, as `cairn serve`'s does; the /health polls (every
     0.2 s here) and the requests it forwards write no httpx line at the default level."""

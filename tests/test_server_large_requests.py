@@ -28,6 +28,9 @@ COMPLETION = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 4, "te
 ANTHROPIC = {"model": MODEL, "max_tokens": 4, "temperature": 0, "system": "be brief",
              "messages": [{"role": "user", "content": "héllo there"}]}
 
+RESPONSES = {"model": MODEL, "max_output_tokens": 4, "temperature": 0, "instructions": "be brief",
+             "input": "héllo there", "reasoning": {"effort": "none"}}
+
 
 served = served_fixture("--log-level", "INFO", client_timeout_s=120)
 
@@ -117,6 +120,28 @@ def test_large_anthropic_body_gets_the_same_error_as_a_small_one(http, body):
     large = post(http, "/v1/messages", padded(body))
     assert small.status_code == 400 and small.json()["type"] == "error"  # Anthropic's error shape
     assert (large.status_code, large.json()) == (small.status_code, small.json())
+
+
+def _said(r: httpx.Response) -> list:
+    """A Responses answer's output items, without their ids."""
+    assert r.status_code == 200, r.text
+    return [{k: v for k, v in item.items() if k != "id"} for item in r.json()["output"]]
+
+
+def test_large_responses_body_continues_a_stored_response_as_a_small_one_does(http):
+    """A worker has no store: a large body with previous_response_id is prepared again given the stored
+    conversation; a large body is stored with its input, which a follow-up then renders."""
+    first = post(http, "/v1/responses", json.dumps(RESPONSES).encode()).json()["id"]
+    follow = {**RESPONSES, "input": "and then?", "previous_response_id": first}
+    small, large = (post(http, "/v1/responses", content) for content in (json.dumps(follow).encode(), padded(follow)))
+    assert _said(large) == _said(small)
+    assert large.json()["usage"]["input_tokens"] == small.json()["usage"]["input_tokens"]
+    assert large.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    after = [post(http, "/v1/responses", json.dumps({**RESPONSES, "input": "more", "previous_response_id": r.json()[
+        "id"]}).encode()).json()["usage"]["input_tokens"] for r in (small, large)]
+    assert after[0] == after[1]
+    missing = post(http, "/v1/responses", padded({**follow, "previous_response_id": "resp_gone"}))
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "previous_response_id"
 
 
 def test_large_body_that_is_not_json_is_400_invalid_json(http):

@@ -17,6 +17,9 @@ known key (a new conversation, or a router restarted) the router probes.
 What this does not know: requests that reached the replicas without this router, and what a replica evicted
 or lost in a restart (then every replica is as cold, or reads the same Redis: sending the request to R loses
 nothing). What it is not: the choice itself (app.py) or the ranking of probes (replicas.py). Torch-free.
+
+The router also keeps a Placements of Responses API ids (each the one key of a stored response), to send a
+follow-up (previous_response_id) to the replica that stores the response it names.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class Placements:
             if url is not None:
                 return depth, url
         return None
+
+    def drop(self, key: bytes) -> None:
+        self._where.pop(key, None)
 
     def forget(self, url: str) -> None:
         """Drop every placement on a replica (it failed: whatever it held may be gone)."""

@@ -1,15 +1,22 @@
 """The router's ASGI app: the API routes of a cairn replica, each request passed to the best replica.
 
-    POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's)
+    POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's), /v1/responses (OpenAI's Responses)
                                  send the request to the replica that resumes it fastest:
                                  a chat whose deepest known message prefix this router sent to replica R
                                  goes to R without a probe while R has at most PLACEMENT_SLACK more
                                  requests in flight than the least busy replica (affinity.py); any other
                                  request probes every available replica (POST /v1/cache/probe with the
-                                 same body, /v1/cache/probe/messages for a Messages body, concurrently,
+                                 same body, /v1/cache/probe/messages for a Messages body,
+                                 /v1/cache/probe/responses for a Responses body, concurrently,
                                  probe_timeout_s) and goes to the best ranked
                                  (replicas.py). Whole answers and SSE streams pass through byte for byte,
-                                 with an `x-cairn-replica` header naming the replica
+                                 with an `x-cairn-replica` header naming the replica. A Responses request
+                                 whose previous_response_id this router saw answered (the replica's
+                                 `x-cairn-response-id` header; REMEMBERED_RESPONSES of them, the oldest
+                                 forgotten first) goes to the replica that stores it, unprobed; one it did
+                                 not see is probed (only the replica storing it answers that probe)
+    GET, DELETE /v1/responses/ID a stored response: to the replica that answered it, when this router saw
+                                 it, else to the least busy available replica
     POST /v1/messages/count_tokens, /tokenize, /detokenize   to the least busy available replica (no probe:
                                  every replica of one model answers them alike)
     GET  /v1/models              every model the available replicas serve, each listed once (replicas of
@@ -45,8 +52,9 @@ import contextlib
 import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import httpx
 from starlette.applications import Starlette
@@ -62,8 +70,10 @@ from cairn.server.middleware import BodySizeLimit
 from cairn.server.responses import model_list
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 PROBE_PATHS = {"/v1/chat/completions": "/v1/cache/probe", "/v1/completions": "/v1/cache/probe",
-               "/v1/messages": "/v1/cache/probe/messages"}  # a generation path -> the probe of its body
+               "/v1/messages": "/v1/cache/probe/messages",
+               "/v1/responses": "/v1/cache/probe/responses"}  # a generation path -> the probe of its body
 PASSED_THROUGH = ("/v1/messages/count_tokens", "/tokenize", "/detokenize")  # to any replica: no probe
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # their errors are in Anthropic's shape
 FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "anthropic-version",
@@ -73,6 +83,8 @@ RETRY_STATUSES = (502, 503, 504)
 PLACEMENT_SLACK = 1  # requests in flight a placed replica may have beyond the least busy one and still be used unprobed
 INLINE_PARSE_BYTES = 256 * 1024  # a larger body is parsed for its prefix keys off the event loop
 MAX_HELD_ANSWER_BYTES = 1 << 20  # the most of a replica's answer the router holds in memory (not relayed ones)
+RESPONSE_ID_HEADER = "x-cairn-response-id"  # a replica's answer to POST /v1/responses names the response
+REMEMBERED_RESPONSES = 1 << 16  # response ids whose replica the router remembers (the oldest forgotten first)
 
 
 class TooLong(Exception):
@@ -97,6 +109,8 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
         self.placements = Placements(options.remembered_prefixes)
         self.routed_by: Counter[str] = Counter()  # "placement", "probe", "none_available" -> requests
+        self.response_holders = Placements(REMEMBERED_RESPONSES)  # a Responses id -> the replica storing it
+        #   (kept when the replica is taken out: a replica back from a failure still stores what it stored)
 
     def available(self) -> list[Replica]:
         return [r for r in self.replicas if r.available()]
@@ -228,6 +242,24 @@ class Router:
         return _Relayed(replica, _relay(first, chunks, streaming, replica, resp, path), resp.status_code,
                         _response_headers(resp, replica), background=BackgroundTask(resp.aclose))
 
+    # ---- stored responses (the Responses API) -----------------------------------------------------
+
+    def holder_first(self, response_id: str | None) -> list[Replica] | None:
+        """The available replica storing `response_id` (as far as this router saw), then the others by load;
+        None when it is not known or not available."""
+        found = self.response_holders.deepest([response_id.encode()]) if response_id else None
+        holder = next((r for r in self.available() if found is not None and r.url == found[1]), None)
+        if holder is None:
+            return None
+        return [holder, *(r for r in self.ranker.by_load(self.available()) if r is not holder)]
+
+    def remember_response(self, response: Response) -> None:
+        """The id of a Responses answer and the replica that stores it (`_Relayed`)."""
+        response_id = response.headers.get(RESPONSE_ID_HEADER)
+        if response.status_code != 200 or not response_id or not isinstance(response, _Relayed):
+            return
+        self.response_holders.record([response_id.encode()], response.replica.url)
+
     async def models_of(self, path: str, headers: dict) -> list[tuple[int, dict]]:
         """(status, body) of GET `path` (/v1/models or one model's) on each available replica (every replica
         when none is), concurrently; a replica that did not answer in probe_timeout_s with a JSON object is
@@ -281,17 +313,22 @@ def _union_by_id(lists: list[list]) -> list:
     return list(seen.values())
 
 
-async def _keys_of(body: bytes) -> list[bytes]:
-    """A chat body's prefix keys (affinity.py); [] when it is not a JSON object. A large body is parsed off the
-    event loop."""
-    def parse() -> list[bytes]:
+async def _read_body(body: bytes, read: Callable[[dict], T], default: T) -> T:
+    """`read` of a body that is a JSON object, else `default`: a chat body's prefix keys (affinity.py), a Responses
+    body's previous_response_id. A large body is parsed off the event loop."""
+    def parse() -> T:
         try:
             data = json.loads(body)
         except ValueError:
-            return []
-        return prefix_keys(data) if isinstance(data, dict) else []
+            return default
+        return read(data) if isinstance(data, dict) else default
 
     return await asyncio.to_thread(parse) if len(body) > INLINE_PARSE_BYTES else parse()
+
+
+def _previous_response_id(data: dict) -> str | None:
+    found = data.get("previous_response_id")
+    return found if isinstance(found, str) else None
 
 
 async def _read_held(chunks: AsyncIterator[bytes], first: bytes = b"") -> bytes:
@@ -358,9 +395,26 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
 
     async def generation(request: Request) -> Response:
         path, body, headers = request.url.path, await request.body(), _request_headers(request)
-        keys = await _keys_of(body) if path in ("/v1/chat/completions", "/v1/messages") else []
-        order = await router.ranked(path, body, headers, keys)
-        return await router.forward("POST", path, body, headers, order, keys)
+        keys = await _read_body(body, prefix_keys, []) if path in ("/v1/chat/completions", "/v1/messages") else []
+        order = None
+        if path == "/v1/responses":
+            order = router.holder_first(await _read_body(body, _previous_response_id, None))
+        if order is not None:
+            router.routed_by["response_holder"] += 1
+        else:
+            order = await router.ranked(path, body, headers, keys)
+        response = await router.forward("POST", path, body, headers, order, keys)
+        router.remember_response(response)
+        return response
+
+    async def stored_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        order = router.holder_first(response_id) or router.ranker.by_load(router.available()) or \
+            sorted(router.replicas, key=lambda r: r.down_until)
+        response = await router.forward(request.method, request.url.path, b"", _request_headers(request), order)
+        if request.method == "DELETE" and response.status_code == 200:
+            router.response_holders.drop(response_id.encode())
+        return response
 
     async def passthrough(request: Request) -> Response:
         order = router.ranker.by_load(router.available()) or sorted(router.replicas, key=lambda r: r.down_until)
@@ -380,7 +434,8 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
     async def health(_: Request) -> Response:
         ok = bool(router.available())
         return JSONResponse({"status": "ok" if ok else "no_replica", "replicas": [r.report() for r in router.replicas],
-                             "routed_by": dict(router.routed_by), "remembered_prefixes": len(router.placements)},
+                             "routed_by": dict(router.routed_by), "remembered_prefixes": len(router.placements),
+                             "remembered_responses": len(router.response_holders)},
                             200 if ok else 503)
 
     @asynccontextmanager
@@ -392,6 +447,7 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
 
     routes = [*(Route(path, generation, methods=["POST"]) for path in PROBE_PATHS),
               *(Route(path, passthrough, methods=["POST"]) for path in PASSED_THROUGH),
+              Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
               Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{name:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -4,12 +4,15 @@
     POST /v1/completions        text or token-id prompt, whole or streamed (SSE)
     POST /v1/messages           Anthropic Messages API, whole or streamed (see `anthropic`)
     POST /v1/messages/count_tokens  the prompt tokens of such a request (see `anthropic`)
+    POST /v1/responses          OpenAI's Responses API, whole or streamed (see `responses_api`, `responses_output`);
+                                GET / DELETE /v1/responses/{id}: a stored response
     POST /tokenize, /detokenize text or chat messages to token ids and back (see `tokenize`)
     GET  /v1/models             the served model; GET /v1/models/{name} one model or 404
     GET  /health                200 while the engine can make progress, else 503 (never needs the API key)
     GET  /metrics               Prometheus text (this app's own registry; see `metrics`)
     POST /v1/cache/probe        where a request would resume here, and the queue (see `probe`; for `cairn router`);
-                                /v1/cache/probe/messages: the same for an Anthropic Messages body
+                                /v1/cache/probe/messages, /v1/cache/probe/responses: the same for an
+                                Anthropic Messages body, a Responses body
 
 With --api-key every route but /health (and /metrics with --metrics-public) needs `Authorization:
 Bearer <key>` or `x-api-key: <key>`; --allowed-origins turns CORS on; a client's X-Request-Id is
@@ -40,7 +43,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from cairn.engine import Engine
-from cairn.server import anthropic, generate, probe, tokenize
+from cairn.server import anthropic, generate, probe, responses_output, tokenize
 from cairn.server.bridge import EngineBridge
 from cairn.server.errors import APIError, from_exception, from_validation_errors
 from cairn.server.generate import ServingContext
@@ -50,11 +53,13 @@ from cairn.server.offload import Offload
 from cairn.server.options import MIB, ServerOptions
 from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare
 from cairn.server.responses import model_list
+from cairn.server.responses_output import ResponseStore
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
-             "/detokenize", "/v1/models", "/health", "/metrics", probe.PATH, probe.MESSAGES_PATH)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+             "/v1/responses", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics", probe.PATH,
+             probe.MESSAGES_PATH, probe.RESPONSES_PATH)
 ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread before saying so
 STATS_TIMEOUT_S = 5.0  # how long /metrics waits for the engine thread between two steps
 
@@ -180,6 +185,25 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
         return await guarded(tokenize.respond(ctx, offload, await body_chunks(request), "detokenize"), "tokens")
 
 
+def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore) -> None:
+    """POST /v1/responses, GET and DELETE /v1/responses/{id} (see `responses_output`)."""
+    async def create_request(request: Request) -> Response:
+        start_s = time.monotonic()
+        return await responses_output.create(ctx, store, await body_chunks(request), request, start_s)
+
+    @app.post("/v1/responses")
+    async def create(request: Request) -> Response:
+        return await guarded(create_request(request), "input")
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request) -> Response:
+        return responses_output.retrieve(store, response_id, request.query_params)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> Response:
+        return responses_output.delete(store, response_id)
+
+
 def add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
     created_s = int(time.time())
 
@@ -233,8 +257,10 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
     add_generation_routes(app, ctx)
+    store = ResponseStore()
+    add_responses_routes(app, ctx, store)
     add_info_routes(app, ctx)
-    probe.add_probe_route(app, ctx, read_body, guarded)
+    probe.add_probe_route(app, ctx, read_body, guarded, store)
     add_middlewares(app, options, metrics)
     return app
 
@@ -249,7 +275,7 @@ def add_middlewares(app: FastAPI, options: ServerOptions, metrics: ServerMetrics
         app.add_middleware(APIKeyAuth, api_key=options.api_key, public_paths=public)
     app.add_middleware(RequestId)
     if options.origins:
-        app.add_middleware(CORSMiddleware, allow_origins=options.origins, allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=options.origins, allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "X-Api-Key", "Content-Type", "X-Request-Id"],
                            expose_headers=["X-Request-Id"])
     app.add_middleware(RequestCounter, counter=metrics.requests, endpoints=ENDPOINTS)

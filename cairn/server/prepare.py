@@ -39,24 +39,27 @@ from cairn.server.errors import ServerShuttingDown
 from cairn.server.generate import ServingContext, prepare_chat, prepare_completion
 from cairn.server.offload import Offload
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.responses_api import Lookup, ResponsesRequest, prepare_responses
 from cairn.server.workers import WorkersClosed
 
 M = TypeVar("M", bound=BaseModel)
 UNPACK_IDS = 1 << 14  # token ids turned into Python ints at a time, back from a worker (about a millisecond)
-TEXT_FIELDS = {"chat": {"messages": []}, "completion": {"prompt": ""}, "messages": {"messages": [], "system": None}}
+TEXT_FIELDS = {"chat": {"messages": []}, "completion": {"prompt": ""}, "messages": {"messages": [], "system": None},
+               "responses": {"input": []}}
 #   what a body prepared in a worker has in place of its text (the fields are read no more once prepared)
 
 
 @dataclass(frozen=True)
 class Prepared:
-    body: ChatCompletionRequest | CompletionRequest | MessagesRequest  # validated; from a worker without its
-    #   text (TEXT_FIELDS emptied: the submission holds their tokens)
+    body: ChatCompletionRequest | CompletionRequest | MessagesRequest | ResponsesRequest  # validated; from a worker
+    #   without its text (TEXT_FIELDS emptied: the submission holds their tokens), but a Responses body to store
     submission: Submission
     plan: ChatPlan | None = None  # a chat's output plan
     packed_ids: array | None = None  # in transit from a worker: the token ids (submission.tokenized has none
     #   yet), as machine integers that unpickle in one copy, unlike a list of Python ints
 
 
+History = Lookup | dict[str, list] | None  # see prepare_here
 JSON_ERRORS = (ValueError, RecursionError)  # what json.loads raises for a body that is not JSON
 #   (json.JSONDecodeError), not UTF-8 (UnicodeDecodeError) or nested deeper than the parser recurses
 
@@ -83,23 +86,29 @@ def invalid_json(e: ValueError | RecursionError) -> RequestValidationError:
                                     "msg": "JSON decode error", "ctx": {"error": detail}}])
 
 
-def prepare_here(ctx: ServingContext, body: bytes, kind: str, request_id: str) -> Prepared:
-    """Parse, validate and check a `kind` request ("chat", "completion" or "messages": Anthropic's,
-    prepared as the equivalent chat); its prompt is tokenized later."""
+def prepare_here(ctx: ServingContext, body: bytes, kind: str, request_id: str, history: History = None) -> Prepared:
+    """Parse, validate and check a `kind` request ("chat", "completion", "messages": Anthropic's, or "responses":
+    OpenAI's Responses API, both prepared as the equivalent chat); its prompt is tokenized later. `history`: where
+    a Responses request's previous_response_id is looked up (see `responses_api.prepare_responses`)."""
     if kind == "completion":
         completion = parse_body(CompletionRequest, body)
         return Prepared(completion, prepare_completion(ctx, completion, request_id))
     if kind == "messages":
         anthropic_body = parse_body(MessagesRequest, body)
         return Prepared(anthropic_body, *prepare_messages(ctx, anthropic_body, request_id))
+    if kind == "responses":
+        responses_body = parse_body(ResponsesRequest, body)
+        lookup = history.get if isinstance(history, dict) else history
+        return Prepared(responses_body, *prepare_responses(ctx, responses_body, request_id, lookup))
     chat = parse_body(ChatCompletionRequest, body)
     return Prepared(chat, *prepare_chat(ctx, chat, request_id))
 
 
-def prepare_in_worker(ctx: ServingContext, body: bytes, kind: str, request_id: str) -> Prepared:
-    """prepare_here, then render and tokenize the prompt; returns the body without its text. Runs in a
-    request worker process (ctx without bridge or metrics)."""
-    prepared = prepare_here(ctx, body, kind, request_id)
+def prepare_in_worker(ctx: ServingContext, body: bytes, kind: str, request_id: str,
+                      history: dict[str, list] | None = None) -> Prepared:
+    """prepare_here, then render and tokenize the prompt; returns the body without its text (a Responses body to
+    store keeps its input). Runs in a request worker process (ctx without bridge or metrics)."""
+    prepared = prepare_here(ctx, body, kind, request_id, history)
     sub = prepared.submission
     try:
         tokenized = tokenize_prompt(ctx.tokenizer, sub.prompt, sub.messages, sub.template_kwargs, ctx.max_model_len,
@@ -109,15 +118,20 @@ def prepare_in_worker(ctx: ServingContext, body: bytes, kind: str, request_id: s
     packed_ids = array("q", tokenized.token_ids)
     sub = replace(sub, prompt=None, messages=None, template_kwargs=None, message_starts=None,
                   tokenized=replace(tokenized, token_ids=[]))
-    return Prepared(prepared.body.model_copy(update=TEXT_FIELDS[kind]), sub, prepared.plan, packed_ids)
+    kept = isinstance(prepared.body, ResponsesRequest) and prepared.body.store
+    return Prepared(prepared.body if kept else prepared.body.model_copy(update=TEXT_FIELDS[kind]), sub,
+                    prepared.plan, packed_ids)
 
 
-async def prepare(ctx: ServingContext, offload: Offload, chunks: list[bytes], kind: str, request_id: str) -> Prepared:
-    """A request body as it arrived: in a worker process when it is large, else here."""
+async def prepare(ctx: ServingContext, offload: Offload, chunks: list[bytes], kind: str, request_id: str,
+                  history: History = None) -> Prepared:
+    """A request body as it arrived: in a worker process when it is large, else here. `history` (a Responses
+    request's stored conversations): a lookup here, a dict (or None) given to a worker."""
     if not offload.is_large(chunks):
-        return prepare_here(ctx, b"".join(chunks), kind, request_id)
+        return prepare_here(ctx, b"".join(chunks), kind, request_id, history)
     try:
-        prepared = await offload.run(prepare_in_worker, chunks, kind, request_id)
+        prepared = await offload.run(prepare_in_worker, chunks, kind, request_id,
+                                     history if isinstance(history, dict) else None)
     except WorkersClosed:
         raise ServerShuttingDown("The server is shutting down and takes no new requests.") from None
     tokenized = replace(prepared.submission.tokenized, token_ids=await unpack_ids(prepared.packed_ids))

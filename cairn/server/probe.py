@@ -1,7 +1,9 @@
 """POST /v1/cache/probe: where this replica would resume a request, and how busy it is (for `cairn router`).
 
 Body: the very body of a /v1/chat/completions (with "messages") or /v1/completions request; on
-`/v1/cache/probe/messages` (MESSAGES_PATH), that of an Anthropic /v1/messages request. Nothing is
+`/v1/cache/probe/messages` (MESSAGES_PATH), that of an Anthropic /v1/messages request; on
+`/v1/cache/probe/responses` (RESPONSES_PATH), that of a /v1/responses request (its previous_response_id looked
+up in this replica's store: a 404 on a replica that does not hold it). Nothing is
 generated, locked, loaded or queued: the prompt is rendered and tokenized as the real request would be
 (off the event loop), the remote tier (with --remote-cache) is asked what it holds of the prompt (off the
 engine thread: that answer is then counted in the plan), and the cache's planner answers on the engine
@@ -33,17 +35,21 @@ from cairn.server.anthropic import MessagesRequest
 from cairn.server.bridge import Submission
 from cairn.server.generate import ServingContext
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.responses_api import ResponsesRequest, previous_not_found
+from cairn.server.responses_output import ResponseStore
 
 PATH = "/v1/cache/probe"
 MESSAGES_PATH = PATH + "/messages"  # the probe of an Anthropic Messages body (its fields overlap a chat's)
+RESPONSES_PATH = PATH + "/responses"  # the probe of a Responses API body
 
 
 class ProbeRequest(RootModel[ChatCompletionRequest | CompletionRequest]):
     """A chat or a completion request (each model forbids the other's fields, so the body picks one)."""
 
 
-def add_probe_route(app: FastAPI, ctx: ServingContext, read_body, guarded) -> None:
-    """`read_body` and `guarded` are app.py's (parse off the loop, errors in the OpenAI shape)."""
+def add_probe_route(app: FastAPI, ctx: ServingContext, read_body, guarded, store: ResponseStore) -> None:
+    """`read_body` and `guarded` are app.py's (parse off the loop, errors in the OpenAI shape); `store`: the
+    stored Responses conversations."""
     offload = ctx.bridge.offload
 
     @app.post(PATH)
@@ -57,6 +63,19 @@ def add_probe_route(app: FastAPI, ctx: ServingContext, read_body, guarded) -> No
     @app.post(MESSAGES_PATH)
     async def probe_messages_route(request: Request) -> Response:
         return await guarded(probe_messages(request), "messages")
+
+    async def probe_responses(request: Request) -> Response:
+        body = await read_body(request, ResponsesRequest, offload)
+        prior = []
+        if body.previous_response_id is not None:
+            prior = store.conversation(body.previous_response_id)
+            if prior is None:
+                raise previous_not_found(body.previous_response_id)
+        return await probe(ctx, body.to_chat(prior))
+
+    @app.post(RESPONSES_PATH)
+    async def probe_responses_route(request: Request) -> Response:
+        return await guarded(probe_responses(request), "input")
 
 
 async def probe(ctx: ServingContext, body: ChatCompletionRequest | CompletionRequest) -> Response:

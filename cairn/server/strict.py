@@ -31,12 +31,14 @@ UNIMPLEMENTED_FIELDS: dict[str, Any] = {
 }
 
 
-def refuse_unimplemented(data: Any, where: str = "") -> Any:
-    """Drop known-but-unimplemented fields that carry their neutral value; refuse any other value."""
+def refuse_unimplemented(data: Any, where: str = "", fields: dict[str, Any] | None = None) -> Any:
+    """Drop known-but-unimplemented fields (`fields`, by default UNIMPLEMENTED_FIELDS) that carry their neutral
+    value; refuse any other value."""
     if not isinstance(data, dict):
         return data
-    for name in [k for k in data if k in UNIMPLEMENTED_FIELDS]:
-        if _is_neutral(data[name], UNIMPLEMENTED_FIELDS[name]):
+    fields = UNIMPLEMENTED_FIELDS if fields is None else fields
+    for name in [k for k in data if k in fields]:
+        if _is_neutral(data[name], fields[name]):
             del data[name]
             continue
         raise APIError(400, f"{where}{name}={json.dumps(data[name])[:80]} is not supported by this server",
