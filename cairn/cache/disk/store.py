@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cairn.cache.disk.decode import read_header
 from cairn.cache.disk.entries import DirectoryEntries, IndexEntry
 from cairn.cache.disk.faults import FaultLog
 from cairn.cache.disk.lock import NamespaceLock
@@ -52,7 +53,6 @@ from cairn.cache.disk.segment import (
     SegmentHeader,
     SegmentLimits,
     encode_segment_parts,
-    read_header,
 )
 from cairn.cache.disk.space import FilesystemRoom, format_size
 

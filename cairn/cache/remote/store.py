@@ -63,13 +63,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from cairn.cache.disk.decode import decode_segment
 from cairn.cache.disk.pins import Pins
 from cairn.cache.disk.segment import (
     DEFAULT_LIMITS,
     Segment,
     SegmentError,
     SegmentLimits,
-    decode_segment,
     encode_segment,
 )
 from cairn.cache.disk.store import SegmentInfo
