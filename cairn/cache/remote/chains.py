@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from itertools import pairwise
 
 from cairn.cache.disk.segment import _tokens_to_bytes
-from cairn.cache.disk.store import SegmentInfo
+from cairn.cache.disk.store_index import SegmentInfo
 from cairn.cache.remote.client import FAILED
 from cairn.cache.remote.keys import IndexEntry, canonical_hasher, chain_keys, entry_at, prefix_keys
 from cairn.cache.remote.record import KnownSegment

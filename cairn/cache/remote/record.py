@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from cairn.cache.disk.segment import Segment, _tokens_to_bytes
-from cairn.cache.disk.store import SegmentInfo
+from cairn.cache.disk.store_index import SegmentInfo
 from cairn.cache.remote.keys import canonical_hasher
 
 

@@ -72,7 +72,7 @@ from cairn.cache.disk.segment import (
     SegmentLimits,
     encode_segment,
 )
-from cairn.cache.disk.store import SegmentInfo
+from cairn.cache.disk.store_index import SegmentInfo
 from cairn.cache.remote.chains import ChainLookup
 from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis, maxmemory, split_url
 from cairn.cache.remote.epoch import Epoch
