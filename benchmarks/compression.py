@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from cairn.cache.disk.segment import Segment, decode_segment, encode_segment, segment_key
+from cairn.cache.disk.decode import decode_segment
+from cairn.cache.disk.segment import Segment, encode_segment, segment_key
 
 DIGEST = "00" * 32
 

@@ -64,9 +64,23 @@ def test_a_damaged_file_read_into_the_buffer_is_refused_and_the_next_restore_is_
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
     path.write_bytes(data)
-    assert tier.load_snapshot(keys[1], pool, 1) is False
-    assert tier.load_snapshot(keys[0], pool, 1) is not False
+    assert tier.load_snapshot(keys[1], pool, 1) == "corrupt"
+    assert torch.equal(tier.load_snapshot(keys[0], pool, 1), torch.zeros(4))
     assert same_state(slot_copy(pool, 1), good)
+
+
+def test_a_failed_restore_returns_why_with_no_state_left_on_the_tier(tmp_path):
+    """The reason travels with the result: "evicted" for a key the store does not hold, "corrupt" for a segment
+    without the snapshot its record promised; the tier keeps no "last reason" for the cache to read."""
+    pool = state_pool(num_layers=2, num_slots=2)
+    tier = disk_tier(tmp_path, ReadBuffer())
+    without = Segment(segment_key(None, (8,)), None, 0, (8,), b"kv", {})
+    assert tier.store.put(without)
+    assert tier.load_snapshot(segment_key(None, (6,)), pool, 1) == "evicted"
+    assert tier.load_snapshot(without.key, pool, 1) == "corrupt"
+    assert tier.read(segment_key(None, (6,))) == "evicted"
+    assert not hasattr(tier, "unreadable_why")
+    assert tier.counters["read_missing"] == 2 and tier.counters["read_ok"] == 1
 
 
 def test_restore_without_a_buffer_gives_the_same_state(tmp_path):
@@ -104,7 +118,7 @@ def test_snapshot_tensors_at_offsets_unaligned_to_their_dtype_read_back_exactly(
     segment = snapshot_segment(pool, 0, (3, 1), torch.zeros(4))
     assert [t["offset"] % 4 for t in segment.snapshot_meta["tensors"]] == [0, 2, 2, 0]
     assert tier.store.put(segment)
-    assert tier.load_snapshot(segment.key, pool, 1) is not False
+    assert torch.equal(tier.load_snapshot(segment.key, pool, 1), torch.zeros(4))
     assert same_state(slot_copy(pool, 1), state)
 
 

@@ -280,7 +280,7 @@ def test_a_path_whose_first_segment_redis_lost_mid_request_is_not_copied_to_disk
         assert demoted == 0 and tried >= 1 and operations(llm, "remote")["write_unreadable"] == tried
         assert operations(llm, "remote")["read_vanished"] == 1 and operations(llm, "remote")["read_missing"] >= 1
         assert cache.stats().remote.faults == {"missing": 1}  # no unknown_parent: nothing was sent below the loss
-        assert cache.stats().remote.forgotten == {"disk_evicted": 3}  # the lost segment and the two chained below
+        assert cache.stats().remote.forgotten == {"remote_evicted": 3}  # the lost segment and the two chained below
         assert operations(llm, "remote")["segments_written"] == operations(llm, "remote")["segments_queued"] >= 3
         first = cache.tree.match(CONVERSATION).path[0]
         assert set(first.kv) == {DISK} and first.snapshot is None  # the snapshot at 64 went with the segment

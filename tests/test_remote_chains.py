@@ -22,7 +22,7 @@ import pytest
 
 from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.segment import Segment
-from cairn.cache.remote.keys import chain_keys, prefix_keys
+from cairn.cache.remote.keys import chain_keys, index_entries, prefix_keys
 from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.tree.nodes import REMOTE
 from cairn.llm import LLM
@@ -98,7 +98,8 @@ def test_a_writer_that_announced_and_never_wrote_is_waited_for_at_most_wait_s(re
     tokens = list(range(2000, 2064))
     first, second = segments(tokens, [0, 32, 64])
     assert writer.put(first) and writer.flush()
-    entries = writer._entries(second, (0, 32, 64), writer._chain_of(second)[1])
+    bounds, start_hash, end_hash = writer._index.chain_of(second)
+    entries = index_entries(second, bounds, start_hash, end_hash, PAGE)
     assert writer.markers.announce(entries) and writer.markers.flush(5.0)  # then it died: nothing is written
     found = reader.lookup(tokens, range(PAGE, len(tokens) + 1, PAGE))
     assert [(i.start_position, i.num_tokens) for i in found] == [(0, 32)]

@@ -14,6 +14,7 @@ import pytest
 from cairn.cache.tree.nodes import REMOTE
 from cairn.errors import RequestTooLarge
 from cairn.llm import LLM
+from cairn.server.metrics import cache_families
 from tests.harness import G, run, same_as_cold
 from tests.redis_server import cluster_or_skip
 
@@ -155,9 +156,28 @@ def test_the_known_segments_and_the_nodes_only_in_redis_stay_within_the_cap(redi
             cache._forget_stale_disk_keys()  # what the next admission, release or probe does first
             assert len(store) <= 4 and len(keys_only_in_redis(b)) <= 4
             cache.check_integrity()
-        assert store.stats()["forgotten"] >= 4 and cache.stats().remote.forgotten.get("disk_evicted", 0) >= 4
+        assert store.stats()["forgotten"] >= 4 and cache.stats().remote.forgotten.get("remote_evicted", 0) >= 4
         out = run(b, prompts[0] + [7])  # forgotten here, still in Redis: found again
         assert out.cache.resume_tier == REMOTE and out.cache.cached_tokens >= 128
+
+
+def test_the_remote_forgotten_metric_counts_under_the_remote_tiers_reasons_not_the_disks(redis_server, cold):
+    """cairn_cache_remote_segments_forgotten_total{reason} says "remote_unreadable" for a segment found corrupt in
+    Redis (the disk tier's metric keeps "disk_unreadable" / "disk_evicted"): each index counts under its tier."""
+    a, prompt = served_on_a(redis_server.url)
+    r = redis_server.client()
+    for name in r.scan_iter(match=remote(a).store.names.segment(b"") + "*"):
+        raw = bytearray(r.get(name))
+        raw[len(raw) // 2] ^= 0xFF
+        r.set(name, bytes(raw))
+    with a, replica(redis_server.url) as b:
+        out = run(b, prompt)
+        assert out.cache.miss_reason == "corrupt"
+        same_as_cold(cold, out, prompt)
+        (family,) = [f for f in cache_families(b.engine.cache.stats())
+                     if f.name == "cairn_cache_remote_segments_forgotten"]
+        reasons = {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+        assert reasons.get("remote_unreadable", 0) >= 1 and set(reasons) <= {"remote_unreadable", "remote_evicted"}
 
 
 def test_a_conversation_continued_on_another_replica_resumes_from_a_redis_cluster_as_cold(cold):

@@ -12,17 +12,9 @@ import pytest
 import xxhash
 
 from cairn.cache.disk import segment as fmt
+from cairn.cache.disk.decode import decode_segment, read_header
 from cairn.cache.disk.named_bytes import layout_meta
-from cairn.cache.disk.segment import (
-    HEADER_BYTES,
-    Segment,
-    SegmentError,
-    SegmentLimits,
-    decode_segment,
-    encode_segment,
-    read_header,
-    segment_key,
-)
+from cairn.cache.disk.segment import HEADER_BYTES, Segment, SegmentError, SegmentLimits, encode_segment, segment_key
 
 DIGEST = "c0ffee" * 8
 OTHER_DIGEST = "beef" * 16

@@ -41,6 +41,7 @@ from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
 from cairn.cache.remote.finder import RemoteFinder
 from cairn.cache.stats import CacheStats, DiskStats
+from cairn.cache.tiers.base import Unreadable
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
 from cairn.cache.tree.nodes import DISK, HOST, REMOTE, LockHandle, MatchResult, Node, SnapshotEntry, page_indices
 from cairn.cache.tree.tiered import TieredRadixTree
@@ -245,24 +246,23 @@ class HybridPrefixCache(PrefixCache):
 
     def _load(self, req: CacheRequest, table: list[int], copies: list, handle: TieredSnapshot, tier: str):
         """Copy the pages listed in `copies` and the snapshot into req's pages and slot; returns the
-        snapshot's logits (or None), or why a segment could not be read ("corrupt": marked bad; "evicted")."""
+        snapshot's logits (or None), or why a segment could not be read (after `_unreadable` dealt with it)."""
         segments: dict = {}
         for index, (node, i) in copies:
             if node.pages is not None:
                 self.kv.copy_page(node.pages[i], table[index])
                 continue
             holder, page = self.tiers.page_copy(node, i, segments)
-            if page is None:
-                return self._unreadable(holder.name, node.kv[holder.name].key)
+            if isinstance(page, str):
+                return self._unreadable(holder.name, node.kv[holder.name].key, page)
             self.kv.k[:, table[index]], self.kv.v[:, table[index]] = page
         logits = self.tiers.restore_snapshot(handle, tier, self.states, req.state_slot)
-        return self._unreadable(tier, handle.copies[tier]) if logits is False else logits
+        return self._unreadable(tier, handle.copies[tier], logits) if isinstance(logits, str) else logits
 
-    def _unreadable(self, tier: str, key: bytes) -> str:
-        """A segment of `tier` could not be read: mark it bad ("corrupt"), or forget the tree's reference to it
-        when its value was gone ("evicted") or its store did not answer ("unavailable": not remembered as bad,
-        so a lookup hangs it again once the store answers); why."""
-        why = self.tiers.by_name[tier].unreadable_why
+    def _unreadable(self, tier: str, key: bytes, why: Unreadable) -> Unreadable:
+        """A segment of `tier` could not be read, for `why`: mark it bad ("corrupt"), or forget the tree's
+        reference to it when its value was gone ("evicted") or its store did not answer ("unavailable": not
+        remembered as bad, so a lookup hangs it again once the store answers); returns why."""
         if why == "corrupt":
             self.indexes[tier].mark_bad(key)
         else:

@@ -25,7 +25,7 @@ class DiskStats:
     # resumable; the disk store's lock holder deletes them); the remote tier adds lookups and lookup_hits, and
     # segments_queued (written behind the requests: its segments_written counts those Redis accepted)
     operations: dict[str, int] = field(default_factory=dict)
-    # counter cairn_cache_disk_store_segments_total{event} (the disk store's, store.py's COUNTS): puts (files
+    # counter cairn_cache_disk_store_segments_total{event} (the disk store's, store_index.py's COUNTS): puts (files
     # written), rewrites (of those, a stored key's file replaced to add a snapshot), evictions (the budget),
     # removed (orphans), dropped (a bad or vanished file), scanned (found on disk at start-up or a rescan). The
     # gauge num_segments == scanned + puts - rewrites - evictions - removed - dropped. Empty for the remote tier.

@@ -8,7 +8,7 @@ is counted in `faults`; `reject(name, ...)` (the scan's, and the store's when a 
 when it is a damaged file of ours, moves a non-regular entry into quarantine/, and remembers it (inode and
 mtime), so that a read-only store, which may do neither, skips it at every rescan until it changes.
 
-What this is not: the index, its budget or its locks (store.py), the file primitives (namespace.py).
+What this is not: the index, its budget or its locks (store.py, store_index.py), the file primitives (namespace.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""DiskIndex: the radix tree's record of the disk store's segments, kept in step with the store.
+"""DiskIndex: the radix tree's record of a segment tier's segments (the disk's, or Redis's), kept in step with
+its store.
 
     index()        hang every stored segment whose prefix chain is complete on the tree (start-up, and
                    after a rescan): nodes whose KV is on disk, snapshots whose copy is on disk
@@ -17,7 +18,10 @@
                    misses, at most every `rescan_interval_s`, so segments the writer adds later are
                    resumable here too
 
-Every segment forgotten is counted by reason in `forgotten` (exported as a metric). What this is not:
+Every segment forgotten is counted by reason in `forgotten` (exported as the tier's metric,
+cairn_cache_{disk,remote}_segments_forgotten_total{reason}): "<tier>_evicted" (the store let the segment go:
+its budget, a bad file it found itself, a value found gone) or "<tier>_unreadable" (the cache could not read
+a segment it planned to resume from), <tier> the tier's name ("disk_evicted", "remote_evicted"). What this is not:
 the store (store.py), the segment format, or the tier moves (tiers/tier_set.py); it moves no bytes.
 """
 
@@ -35,8 +39,6 @@ from cairn.cache.tree.tiered import TieredRadixTree
 
 log = logging.getLogger(__name__)
 
-EVICTED = "disk_evicted"  # the store let the segment go (budget, or a bad file it found itself)
-UNREADABLE = "disk_unreadable"  # the cache could not read a segment it planned to resume from
 MAX_UNREADABLE = 4096  # keys remembered as unreadable (then forgotten all at once)
 RESCAN_INTERVAL_S = 2.0  # a read-only store rescans its directory at most this often, on a miss
 
@@ -49,6 +51,8 @@ class DiskIndex:
         self._snapshot_bytes, self._make_handle = snapshot_bytes, make_handle
         self.rescan_interval_s = rescan_interval_s
         self.forgotten: Counter[str] = Counter()  # segments whose references were dropped, by reason
+        self._evicted_reason = f"{disk.name}_evicted"  # the store let the segment go (budget, a bad file it found)
+        self._unreadable_reason = f"{disk.name}_unreadable"  # the cache could not read a segment it planned on
         self._gone: dict[bytes, str] = {}  # key -> reason: references to drop at the next forget()
         self._unreadable: set[bytes] = set()  # keys marked bad: a lookup never hangs them again
         self._rewritten: set[bytes] = set()  # keys marked bad that a request has written again since
@@ -118,14 +122,14 @@ class DiskIndex:
 
     def _evicted(self, key: bytes) -> None:
         with self._gone_lock:
-            self._gone.setdefault(key, EVICTED)
+            self._gone.setdefault(key, self._evicted_reason)
 
     def _written(self, key: bytes) -> None:
         if key in self._unreadable:
             self._rewritten.add(key)
 
     def mark_bad(self, key: bytes) -> None:
-        self._gone[key] = UNREADABLE
+        self._gone[key] = self._unreadable_reason
         if len(self._unreadable) >= MAX_UNREADABLE:
             self._unreadable.clear()
         self._unreadable.add(key)  # a lookup does not hang it again (its index entries may outlive it)

@@ -30,19 +30,8 @@ import stat
 from contextlib import suppress
 from typing import NamedTuple
 
-from cairn.cache.disk.segment import (
-    END_BYTES,
-    HEADER_BYTES,
-    Segment,
-    SegmentError,
-    SegmentLimits,
-    check_end_marker,
-    decode_segment,
-    decode_tokens,
-    digest_bytes,
-    read_header,
-    tokens_section_bytes,
-)
+from cairn.cache.disk.decode import check_end_marker, decode_segment, decode_tokens, read_header, tokens_section_bytes
+from cairn.cache.disk.segment import END_BYTES, HEADER_BYTES, Segment, SegmentError, SegmentLimits, digest_bytes
 
 logger = logging.getLogger(__name__)
 

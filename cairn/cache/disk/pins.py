@@ -1,16 +1,18 @@
 """Pins: the read pins a segment store holds while a segment is being read, shared by the disk store
 and the Redis store. A pinned key is never evicted; pin() of a key the store does not index takes no pin.
 
-The class using it provides `_lock` (a lock around its index), `_index` (its key -> entry mapping)
-and `_pins` (key -> pin count > 0).
+The class using it provides `_lock` (a lock around its index), `_index` (its record of segments: `key in
+_index` says whether one is indexed) and `_pins` (key -> pin count > 0).
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 
 class Pins:
     _lock: object
-    _index: dict
+    _index: Container[bytes]
     _pins: dict[bytes, int]
 
     def pin(self, key: bytes) -> bool:

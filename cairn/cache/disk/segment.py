@@ -1,10 +1,11 @@
-"""The disk tier's segment file format: keys, encode, and strict decode.
+"""The disk tier's segment file format: its layout, keys, and encode (the strict decode is decode.py's).
 
 A segment is one node of the radix tree of token sequences, as bytes: its tokens, the KV pages of
 those tokens, and optionally the recurrent-state snapshot and logits at its end. Its key chains its
 parent's key with its tokens, so equal prefixes get equal keys across requests, restarts and servers.
 
-This module is NOT the store (`store.py` names, writes, indexes and evicts files) and knows
+This module is NOT the store (`store.py` names, writes, indexes and evicts files), nor the reading back of a
+file (decode.py: every check a file must pass before it is loaded), and knows
 nothing of tensors: KV, snapshot and logits are bytes whose shapes and dtypes travel in small JSON
 dicts chosen by the caller. The snapshot's dict is the one checked: it names the tensors the section
 holds back to back, with dtype, shape and offset (named_bytes.py), whatever the model's state spec.
@@ -53,7 +54,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from cairn.cache.disk.named_bytes import LayoutError, read_layout
+from cairn.cache.disk.named_bytes import read_layout
 
 # 2: sha256 section checksums (1 used blake2b); 3: the snapshot section is a list of named tensors (2 held a
 # fixed conv / recurrent pair); 4: XXH3-128 checksums (3 used sha256[:16], which cost more than reading the
@@ -71,18 +72,18 @@ FLAG_HAS_LOGITS = 1 << 2
 FLAG_KV_COMPRESSED = 1 << 3
 FLAG_SNAPSHOT_COMPRESSED = 1 << 4
 FLAG_LOGITS_COMPRESSED = 1 << 5
-_KNOWN_FLAGS = (1 << 6) - 1
+KNOWN_FLAGS = (1 << 6) - 1
 
 SECTION_TOKENS, SECTION_KV, SECTION_SNAPSHOT, SECTION_LOGITS, SECTION_META = 1, 2, 3, 4, 5
 CODECS = {None: 0, "zstd": 1, "lz4": 2}
 
-_HEADER = struct.Struct("<8sHBBI64s32s32sQIQ")  # everything before the header checksum
-_SECTION = struct.Struct("<IQQ")
-_END = struct.Struct("<8sQ16s")
+HEADER_STRUCT = struct.Struct("<8sHBBI64s32s32sQIQ")  # everything before the header checksum
+SECTION_STRUCT = struct.Struct("<IQQ")
+END_STRUCT = struct.Struct("<8sQ16s")
 _CHECKSUM_BYTES = 16
-HEADER_BYTES = _HEADER.size + _CHECKSUM_BYTES  # 180
-SECTION_HEADER_BYTES = _SECTION.size + _CHECKSUM_BYTES  # 36
-END_BYTES = _END.size  # 32
+HEADER_BYTES = HEADER_STRUCT.size + _CHECKSUM_BYTES  # 180
+SECTION_HEADER_BYTES = SECTION_STRUCT.size + _CHECKSUM_BYTES  # 36
+END_BYTES = END_STRUCT.size  # 32
 
 REASONS = frozenset({"truncated", "checksum", "version", "magic", "foreign_model", "oversized", "malformed", "empty"})
 
@@ -147,7 +148,7 @@ class SegmentHeader:
     file_bytes: int  # size of the whole file
 
 
-def _checksum(*parts) -> bytes:
+def checksum(*parts) -> bytes:
     """XXH3-128 of the parts, in order (16 bytes): catches damage as surely as a truncated SHA-256 would, at
     memory speed, which matters for the megabyte sections verified on every restore."""
     h = xxhash.xxh3_128()
@@ -167,7 +168,7 @@ def _tokens_to_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def _tokens_from_bytes(data) -> tuple[int, ...]:
+def tokens_from_bytes(data) -> tuple[int, ...]:
     arr = array("I")
     arr.frombytes(data)
     if sys.byteorder == "big":
@@ -225,7 +226,7 @@ def _compress(codec: int, data) -> bytes:
     return mod.compress(data, store_size=False)
 
 
-def _decompress(codec: int, data, raw_bytes: int) -> bytes:
+def decompress(codec: int, data, raw_bytes: int) -> bytes:
     """Decompress into exactly raw_bytes (already bounded by the caller), never more."""
     mod = _codec_module(codec)
     if mod is None:
@@ -321,16 +322,16 @@ def encode_segment_parts(segment: Segment, compat_digest: str, compression: str 
             packed = _compress(codec, raw)
             if len(packed) < raw.nbytes:
                 stored, flags = packed, flags | compress_flag
-        head = _SECTION.pack(section_id, len(stored), raw.nbytes)
-        section_sums.append(_checksum(head, stored))
+        head = SECTION_STRUCT.pack(section_id, len(stored), raw.nbytes)
+        section_sums.append(checksum(head, stored))
         body += [head + section_sums[-1], stored]
     file_bytes = HEADER_BYTES + sum(len(part) for part in body) + END_BYTES
     if file_bytes > limits.max_file_bytes:
         raise SegmentError("oversized", f"file of {file_bytes} bytes > max_file_bytes {limits.max_file_bytes}")
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, codec, len(digest), flags, digest, segment.key,
+    head = HEADER_STRUCT.pack(MAGIC, FORMAT_VERSION, codec, len(digest), flags, digest, segment.key,
                         segment.parent_key or bytes(KEY_BYTES), segment.start_position, len(segment.tokens), file_bytes)
-    header_sum = _checksum(head)
-    end = _END.pack(END_MAGIC, file_bytes, _checksum(header_sum, *section_sums))
+    header_sum = checksum(head)
+    end = END_STRUCT.pack(END_MAGIC, file_bytes, checksum(header_sum, *section_sums))
     return [head + header_sum, *body, end]
 
 
@@ -338,170 +339,3 @@ def encode_segment(segment: Segment, compat_digest: str, compression: str | None
                    limits: SegmentLimits = DEFAULT_LIMITS) -> bytes:
     """The whole segment file as one bytes object (see encode_segment_parts)."""
     return b"".join(encode_segment_parts(segment, compat_digest, compression, limits))
-
-
-# ---------------------------------------------------------------------------------------------- decode
-
-
-def read_header(data, compat_digest: str, file_bytes: int, limits: SegmentLimits = DEFAULT_LIMITS) -> SegmentHeader:
-    """Validate the first HEADER_BYTES of a file whose actual size is file_bytes.
-
-    Checks, in order: empty, oversized size, magic, truncated header, version, header checksum,
-    field consistency (malformed), compatibility digest (foreign_model), token count, and that the
-    declared size equals the actual one (smaller: truncated, larger: malformed). Reads nothing else.
-    """
-    if file_bytes == 0:
-        raise SegmentError("empty", "zero-length file")
-    if file_bytes > limits.max_file_bytes:
-        raise SegmentError("oversized", f"file of {file_bytes} bytes > max_file_bytes {limits.max_file_bytes}")
-    data = bytes(data[:HEADER_BYTES])
-    if not MAGIC.startswith(data[: len(MAGIC)]):
-        raise SegmentError("magic", "not a cairn segment file")
-    if len(data) < HEADER_BYTES or file_bytes < HEADER_BYTES:
-        raise SegmentError("truncated", f"file of {file_bytes} bytes ends inside the header")
-    fields = _HEADER.unpack_from(data)
-    _, version, codec, digest_len, flags, digest, key, parent, start, num_tokens, declared_bytes = fields
-    if version != FORMAT_VERSION:
-        raise SegmentError("version", f"format version {version}, this build reads {FORMAT_VERSION}")
-    if _checksum(data[: _HEADER.size]) != data[_HEADER.size :]:
-        raise SegmentError("checksum", "header checksum mismatch")
-    _check_header_fields(codec, digest_len, flags, digest, parent)
-    if digest[:digest_len] != digest_bytes(compat_digest):
-        raise SegmentError("foreign_model", f"written for model {digest[:digest_len].hex()[:16]}..")
-    if num_tokens == 0 or declared_bytes < HEADER_BYTES + END_BYTES:
-        raise SegmentError("malformed", "empty token range or impossible file size")
-    if num_tokens > limits.max_tokens:
-        raise SegmentError("oversized", f"{num_tokens} tokens > max_tokens {limits.max_tokens}")
-    if file_bytes < declared_bytes:
-        raise SegmentError("truncated", f"file has {file_bytes} of its {declared_bytes} bytes")
-    if file_bytes > declared_bytes:
-        raise SegmentError("malformed", f"file has {file_bytes - declared_bytes} trailing bytes")
-    return SegmentHeader(key=key, parent_key=parent if flags & FLAG_HAS_PARENT else None, start_position=start,
-                         num_tokens=num_tokens, has_snapshot=bool(flags & FLAG_HAS_SNAPSHOT),
-                         has_logits=bool(flags & FLAG_HAS_LOGITS), flags=flags, codec=codec, file_bytes=declared_bytes)
-
-
-def _check_header_fields(codec: int, digest_len: int, flags: int, digest: bytes, parent: bytes) -> None:
-    compressed = FLAG_KV_COMPRESSED | FLAG_SNAPSHOT_COMPRESSED | FLAG_LOGITS_COMPRESSED
-    if (codec not in CODECS.values() or flags & ~_KNOWN_FLAGS or (flags & compressed and codec == 0)
-            or not 1 <= digest_len <= MAX_DIGEST_BYTES or any(digest[digest_len:])
-            or (not flags & FLAG_HAS_PARENT and any(parent))):
-        raise SegmentError("malformed", "inconsistent header fields")
-
-
-def check_end_marker(data, header: SegmentHeader) -> bytes:
-    """Validate the last END_BYTES of the file; returns the sections digest it records."""
-    if len(data) != END_BYTES:
-        raise SegmentError("truncated", "no end marker")
-    magic, file_bytes, sections_digest = _END.unpack(bytes(data))
-    if magic != END_MAGIC or file_bytes != header.file_bytes:
-        raise SegmentError("malformed", "end marker does not match the header")
-    return sections_digest
-
-
-def _expected_sections(header: SegmentHeader) -> list[tuple[int, int]]:
-    expected = [(SECTION_TOKENS, 0), (SECTION_KV, FLAG_KV_COMPRESSED)]
-    if header.has_snapshot:
-        expected.append((SECTION_SNAPSHOT, FLAG_SNAPSHOT_COMPRESSED))
-    if header.has_logits:
-        expected.append((SECTION_LOGITS, FLAG_LOGITS_COMPRESSED))
-    return expected + [(SECTION_META, 0)]
-
-
-def _read_sections(view: memoryview, header: SegmentHeader, limits: SegmentLimits) -> tuple[dict, list[bytes]]:
-    """{section id: raw payload} and the section checksums, each section bounded and verified."""
-    payloads, sums = {}, []
-    offset, end = HEADER_BYTES, header.file_bytes - END_BYTES
-    for section_id, compress_flag in _expected_sections(header):
-        if end - offset < SECTION_HEADER_BYTES:
-            raise SegmentError("malformed", f"section {section_id} header runs past the end marker")
-        got_id, stored_bytes, raw_bytes = _SECTION.unpack_from(view, offset)
-        body = offset + SECTION_HEADER_BYTES
-        if got_id != section_id or stored_bytes > end - body:
-            raise SegmentError("malformed", f"section {section_id}: unexpected id {got_id} or length {stored_bytes}")
-        if raw_bytes > limits.max_section_bytes:
-            raise SegmentError("oversized", f"section {section_id} of {raw_bytes} bytes > max_section_bytes")
-        stored = view[body : body + stored_bytes]
-        sums.append(bytes(view[offset + _SECTION.size : body]))
-        if _checksum(view[offset : offset + _SECTION.size], stored) != sums[-1]:
-            raise SegmentError("checksum", f"section {section_id} checksum mismatch")
-        if header.flags & compress_flag:
-            payloads[section_id] = _decompress(header.codec, stored, raw_bytes)
-        elif stored_bytes != raw_bytes:
-            raise SegmentError("malformed", f"section {section_id}: stored and raw sizes differ")
-        else:
-            # a view, not a copy: KV and snapshot sections are megabytes (valid while the caller's buffer is)
-            payloads[section_id] = stored if section_id in (SECTION_KV, SECTION_SNAPSHOT, SECTION_LOGITS) \
-                else bytes(stored)
-        offset = body + stored_bytes
-    if offset != end:
-        raise SegmentError("malformed", "bytes between the last section and the end marker")
-    return payloads, sums
-
-
-def _parse_meta(data: bytes, limits: SegmentLimits) -> dict:
-    if len(data) > limits.max_meta_bytes:
-        raise SegmentError("oversized", f"meta JSON of {len(data)} bytes > max_meta_bytes")
-    try:
-        meta = json.loads(data)
-    except (ValueError, RecursionError):
-        raise SegmentError("malformed", "meta section is not JSON") from None
-    if not isinstance(meta, dict) or set(meta) != {"kv", "snapshot", "logits"}:
-        raise SegmentError("malformed", "meta section lacks kv/snapshot/logits")
-    if not all(isinstance(m, dict) for m in meta.values()):
-        raise SegmentError("malformed", "meta entries must be objects")
-    return meta
-
-
-def decode_segment(data, compat_digest: str, limits: SegmentLimits = DEFAULT_LIMITS) -> Segment:
-    """Parse and fully verify a segment file's bytes; raises SegmentError, never returns wrong data.
-
-    Verifies the header, every section checksum, the end marker's sections digest (which binds the
-    sections to this header), the compatibility digest, that key == segment_key(parent, tokens), and that
-    the snapshot's tensor layout covers its section exactly. The payloads of a writable `data` (a buffer
-    the file was read into) are views of it, not copies: they are valid while that buffer is.
-    """
-    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-    header = read_header(view[:HEADER_BYTES], compat_digest, view.nbytes, limits)
-    sections_digest = check_end_marker(view[header.file_bytes - END_BYTES :], header)
-    payloads, sums = _read_sections(view, header, limits)
-    if _checksum(bytes(view[_HEADER.size : HEADER_BYTES]), *sums) != sections_digest:
-        raise SegmentError("checksum", "sections digest in the end marker mismatch")
-    if len(payloads[SECTION_TOKENS]) != 4 * header.num_tokens:
-        raise SegmentError("malformed", "token section length differs from the token count")
-    tokens = _tokens_from_bytes(payloads[SECTION_TOKENS])
-    if segment_key(header.parent_key, tokens) != header.key:
-        raise SegmentError("malformed", "key is not the hash of parent key and tokens")
-    meta = _parse_meta(payloads[SECTION_META], limits)
-    if SECTION_SNAPSHOT in payloads:
-        try:
-            read_layout(meta["snapshot"], len(payloads[SECTION_SNAPSHOT]))
-        except LayoutError as e:
-            raise SegmentError("malformed", f"snapshot section: {e}") from None
-    return Segment(key=header.key, parent_key=header.parent_key, start_position=header.start_position,
-                   tokens=tokens, kv_bytes=payloads[SECTION_KV], kv_meta=meta["kv"],
-                   snapshot_bytes=payloads.get(SECTION_SNAPSHOT), snapshot_meta=meta["snapshot"],
-                   logits_bytes=payloads.get(SECTION_LOGITS), logits_meta=meta["logits"])
-
-
-def tokens_section_bytes(header: SegmentHeader) -> int:
-    """Bytes of the tokens section (its header and payload), which comes first after the file header."""
-    return SECTION_HEADER_BYTES + 4 * header.num_tokens
-
-
-def decode_tokens(section, header: SegmentHeader) -> tuple[int, ...]:
-    """The tokens of a segment from its first section alone (checksum and key verified): enough to index
-    the segment at start-up without reading its KV. Raises SegmentError."""
-    view = memoryview(section).cast("B") if not isinstance(section, memoryview) else section
-    if view.nbytes < tokens_section_bytes(header):
-        raise SegmentError("truncated", "tokens section cut short")
-    got_id, stored_bytes, raw_bytes = _SECTION.unpack_from(view, 0)
-    if got_id != SECTION_TOKENS or stored_bytes != raw_bytes or stored_bytes != 4 * header.num_tokens:
-        raise SegmentError("malformed", "tokens section header disagrees with the file header")
-    payload = view[SECTION_HEADER_BYTES : SECTION_HEADER_BYTES + stored_bytes]
-    if _checksum(view[: _SECTION.size], payload) != bytes(view[_SECTION.size : SECTION_HEADER_BYTES]):
-        raise SegmentError("checksum", "tokens section checksum mismatch")
-    tokens = _tokens_from_bytes(bytes(payload))
-    if segment_key(header.parent_key, tokens) != header.key:
-        raise SegmentError("malformed", "key is not the hash of parent key and tokens")
-    return tokens

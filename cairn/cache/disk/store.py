@@ -6,8 +6,9 @@ a counted miss, and counts every refusal in `faults` (faults.py: each logged wit
 each reason at most once a minute). The on-disk layout, safe file primitives live in namespace.py, which
 process writes the namespace (its lock, read-only stores, the take-over) in lock.py, how much of the budget
 a filling filesystem holds (the effective budget) in space.py, which directory entries a scan indexes and
-what becomes of a bad file (deleted, set aside, remembered) in entries.py, the `cairn cache ls|verify|purge` helpers
-(`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in offline.py.
+what becomes of a bad file (deleted, set aside, remembered) in entries.py, the index's bookkeeping (recency,
+bytes, the counts of segments entering and leaving it) in store_index.py, the `cairn cache ls|verify|purge`
+helpers (`list_namespaces`, `verify_store`, `purge_namespace`, re-exported here) in offline.py.
 
 This module is NOT the file format (segment.py), the tensor conversion, nor the tier policy (what
 to demote or prefetch, when to read): it stores and returns bytes.
@@ -23,11 +24,10 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from cairn.cache.disk.entries import DirectoryEntries, IndexEntry
+from cairn.cache.disk.decode import read_header
+from cairn.cache.disk.entries import DirectoryEntries
 from cairn.cache.disk.faults import FaultLog
 from cairn.cache.disk.lock import NamespaceLock
 from cairn.cache.disk.namespace import (
@@ -52,46 +52,15 @@ from cairn.cache.disk.segment import (
     SegmentHeader,
     SegmentLimits,
     encode_segment_parts,
-    read_header,
 )
 from cairn.cache.disk.space import FilesystemRoom, format_size
+from cairn.cache.disk.store_index import SegmentInfo, StoreIndex
 
-__all__ = ["DiskStore", "SegmentInfo", "DiskStoreError", "StoreLockedError", "NamespaceSummary", "VerifyResult",
+__all__ = ["DiskStore", "DiskStoreError", "StoreLockedError", "NamespaceSummary", "VerifyResult",
            "list_namespaces", "verify_store", "purge_namespace", "format_size"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SegmentInfo:
-    """What the index knows about a stored segment, without reading its file."""
-
-    key: bytes  # 32-byte segment key
-    parent_key: bytes | None  # None for a child of the root
-    start_position: int  # absolute position of the first token
-    num_tokens: int  # tokens in the segment
-    has_snapshot: bool  # holds a recurrent-state snapshot at start_position + num_tokens
-    has_logits: bool  # holds the logits at start_position + num_tokens - 1
-    size_bytes: int  # file size, counted against the budget
-    last_used: float  # wall-clock seconds of the last get/put in this process (file mtime at scan)
-
-
-# ---------------------------------------------------------------------------------------------- store
-
-
 FULL_DISK_RETRIES = 2  # writes again after evicting to fit what a full filesystem holds (bounded: others may fill it)
-
-# The store's counts (stats()), since it opened. The segments it indexes are always
-#   segments == scanned + puts - rewrites - evictions - removed - dropped   (check_integrity asserts it)
-COUNTS = (
-    "puts",       # segment files written (a put of a key whose file already holds it all writes nothing)
-    "rewrites",   # of those, files that replaced an indexed key's file (a snapshot or logits added)
-    "evictions",  # indexed segments deleted to fit the budget (least recently used first)
-    "removed",    # indexed segments deleted as unreachable (remove_unreachable: orphans found at start-up)
-    "dropped",    # indexed segments dropped because their file was found bad, or gone (another process)
-    "scanned",    # segments a scan indexed that were not indexed before (start-up, a rescan)
-    "gets", "hits",  # get() calls, and those that returned a segment
-)
 
 
 class DiskStore(Pins):
@@ -131,10 +100,8 @@ class DiskStore(Pins):
         self.root, self.compat_digest, self.budget_bytes = os.fspath(root), compat_digest, budget_bytes
         self.compression, self.limits, self.on_evict = compression, limits, on_evict
         self._faults = FaultLog(f"disk cache {compat_digest[:16]}", logger)  # counts and logs every refusal
-        self._index: OrderedDict[bytes, IndexEntry] = OrderedDict()  # least recently used first
+        self._index = StoreIndex()  # the indexed segments, their bytes and counts (store_index.py)
         self._pins: dict[bytes, int] = {}  # key -> pin count (> 0)
-        self._used_bytes = 0  # sum of indexed sizes, plus the size of a put in flight
-        self._counts = dict.fromkeys(COUNTS, 0)  # see COUNTS
         self._lock = threading.RLock()  # guards everything above
         self._put_lock = threading.Lock()  # serialises puts and scans (the only writers of files)
         self._dir_fd = open_namespace(self.root, compat_digest, create=True, create_parents=create_parents)
@@ -151,7 +118,7 @@ class DiskStore(Pins):
             self.close()
             raise
         if not self.readonly:
-            self._room.warn_if_short(self._used_bytes)
+            self._room.warn_if_short(self._index.used_bytes)
 
     def take_over(self) -> bool:
         """Take the lock that another process held when this store opened, if that process is gone (lock.py):
@@ -202,16 +169,7 @@ class DiskStore(Pins):
                 if entry is not None:
                     found[entry.header.key] = entry
             with self._lock:
-                rank = {key: i for i, key in enumerate(self._index)}
-                for key, entry in found.items():
-                    if key in self._index:
-                        entry.last_used = self._index[key].last_used
-                order = sorted(found.values(), key=lambda e: (e.last_used, rank.get(e.header.key, -1), e.header.key))
-                vanished = [key for key in self._index if key not in found]  # another process removed them
-                self._counts["scanned"] += sum(key not in self._index for key in found)
-                self._counts["dropped"] += len(vanished)
-                self._index = OrderedDict((e.header.key, e) for e in order)
-                self._used_bytes = sum(e.size_bytes for e in order)
+                vanished = self._index.rebuild(found)  # another process removed them
                 evicted = [] if self.readonly else self._fit_budget()
         self._notify(vanished + evicted)
 
@@ -221,7 +179,7 @@ class DiskStore(Pins):
         self._lock; returns the evicted keys."""
         victims = self._plan_eviction(0, None) or []
         if victims:
-            freed_bytes = sum(self._index[key].size_bytes for key in victims)
+            freed_bytes = sum(self._index.get(key).size_bytes for key in victims)
             logger.info("disk cache %s: evicted %d segment(s), %s, to fit the budget of %s",
                         self.compat_digest[:16], len(victims), format_size(freed_bytes),
                         format_size(self._room.effective_bytes))
@@ -240,12 +198,12 @@ class DiskStore(Pins):
         verification, is not a regular file, or could not be read)."""
         with self._lock:
             self._check_open()
-            self._counts["gets"] += 1
+            self._index.counts["gets"] += 1
         segment = self._read(key, functools.partial(read_segment_file, buffer=buffer))
         if isinstance(segment, Segment):
             with self._lock:
-                self._counts["hits"] += 1
-                self._touch(key)
+                self._index.counts["hits"] += 1
+                self._index.touch(key, time.time())
         return segment
 
     def get_tokens(self, key: bytes) -> tuple[int, ...] | None:
@@ -282,27 +240,13 @@ class DiskStore(Pins):
         name = segment_file_name(key)
         self._faults.report(reason, name, detail)
         with self._lock:
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self._used_bytes -= entry.size_bytes
-                self._counts["dropped"] += 1
+            dropped = self._index.drop(key)
         self._entries.reject(name, delete, set_aside)
-        self._notify([key] if entry is not None else [])
-
-    def _touch(self, key: bytes) -> None:
-        if key in self._index:
-            self._index[key].last_used = time.time()
-            self._index.move_to_end(key)
+        self._notify([key] if dropped else [])
 
     def info(self, key: bytes) -> SegmentInfo | None:
         with self._lock:
-            entry = self._index.get(key)
-        if entry is None:
-            return None
-        h = entry.header
-        return SegmentInfo(key=h.key, parent_key=h.parent_key, start_position=h.start_position,
-                           num_tokens=h.num_tokens, has_snapshot=h.has_snapshot, has_logits=h.has_logits,
-                           size_bytes=entry.size_bytes, last_used=entry.last_used)
+            return self._index.info(key)
 
     def keys(self) -> list[bytes]:
         """Indexed keys, least recently used first."""
@@ -314,18 +258,18 @@ class DiskStore(Pins):
 
     @property
     def used_bytes(self) -> int:
-        return self._used_bytes
+        return self._index.used_bytes
 
     def segment_counts(self) -> dict[str, int]:
         """The COUNTS of segments entering and leaving the index (all but gets and hits), for /metrics."""
         with self._lock:
-            return {name: n for name, n in self._counts.items() if name not in ("gets", "hits")}
+            return {name: n for name, n in self._index.counts.items() if name not in ("gets", "hits")}
 
     def stats(self) -> dict:
         """segments (indexed now), used_bytes, budget_bytes, readonly, and the COUNTS."""
         with self._lock:
-            return {"segments": len(self._index), "used_bytes": self._used_bytes, "budget_bytes": self.budget_bytes,
-                    **self._counts, "readonly": self.readonly}
+            return {"segments": len(self._index), "used_bytes": self._index.used_bytes,
+                    "budget_bytes": self.budget_bytes, **self._index.counts, "readonly": self.readonly}
 
     # pin / unpin: see pins.py
 
@@ -352,7 +296,7 @@ class DiskStore(Pins):
                 return False, []
             entry = self._index.get(segment.key)
             if entry is not None and _covers(entry.header, segment):
-                self._touch(segment.key)
+                self._index.touch(segment.key, time.time())
                 return True, []
         try:
             parts = encode_segment_parts(segment, self.compat_digest, self.compression, self.limits)
@@ -370,7 +314,7 @@ class DiskStore(Pins):
                 self._commit(segment, parts[0], size_bytes, reservation[1])
                 return True, evicted
             with self._lock:
-                self._used_bytes -= reservation[1]
+                self._index.reserve(-reservation[1])
             if attempt == FULL_DISK_RETRIES or not self._made_room(error, segment.key, size_bytes):
                 self._faults.report(getattr(error, "reason", "write_failed"), name,
                                     "" if isinstance(error, UnusableEntry) else str(error))
@@ -392,11 +336,11 @@ class DiskStore(Pins):
         evicted for it, when the failure is another, or when even evicting every unpinned segment would not
         make room: the write fails as any other."""
         with self._lock:
-            fits = self._room.found_full(error, self._used_bytes, size_bytes)
+            fits = self._room.found_full(error, self._index.used_bytes, size_bytes)
             if fits is None:
                 return False
             self._faults.count("disk_full")
-            kept = sum(e.size_bytes for k, e in self._index.items() if k in self._pins or k == key)
+            kept = self._index.bytes_of(lambda k: k in self._pins or k == key)
         return kept + size_bytes <= fits
 
     def _reserve(self, key: bytes, size_bytes: int) -> tuple[list[bytes], int] | None:
@@ -405,13 +349,14 @@ class DiskStore(Pins):
         Returns (evicted keys, bytes added to used_bytes), or None (counted) when it cannot fit.
         """
         with self._lock:
-            old = self._index[key].size_bytes if key in self._index else 0
+            old = self._index.get(key).size_bytes if key in self._index else 0
             if size_bytes > self.budget_bytes:
                 self._faults.report("too_large", segment_file_name(key),
                                     f"{size_bytes} bytes > budget {self.budget_bytes}")
                 return None
-            if self._room.short and self._used_bytes + size_bytes - old > self._room.effective_bytes:
-                self._room.remeasure(self._used_bytes, size_bytes)
+            used = self._index.used_bytes
+            if self._room.short and used + size_bytes - old > self._room.effective_bytes:
+                self._room.remeasure(used, size_bytes)
             full = self._room.short
             # On a full disk the old file takes its room until the new one is renamed over it.
             victims = self._plan_eviction(size_bytes if full else size_bytes - old, exclude=key)
@@ -420,39 +365,25 @@ class DiskStore(Pins):
                 self._faults.report("budget_full", segment_file_name(key),
                                     f"pinned segments leave too little room{room}")
                 return None
-            self._used_bytes += size_bytes - old
+            self._index.reserve(size_bytes - old)
             return self._evict(victims), size_bytes - old
 
     def _commit(self, segment: Segment, header_bytes: bytes, size_bytes: int, reserved: int) -> None:
         header = read_header(header_bytes, self.compat_digest, size_bytes, self.limits)
         with self._lock:
-            old = self._index.pop(segment.key, None)
-            self._used_bytes += (size_bytes - old.size_bytes if old else size_bytes) - reserved
-            self._index[segment.key] = IndexEntry(header, size_bytes, time.time())
-            self._counts["puts"] += 1
-            self._counts["rewrites"] += old is not None
+            self._index.commit(header, size_bytes, reserved, time.time())
 
     def _plan_eviction(self, need_bytes: int, exclude: bytes | None) -> list[bytes] | None:
-        """Least-recently-used unpinned keys (never `exclude`) whose removal makes room for need_bytes.
-
-        [] when it already fits; None when even evicting every unpinned key would not be enough.
-        """
-        excess = self._used_bytes + need_bytes - self._room.effective_bytes
-        victims = []
-        for key, entry in self._index.items():
-            if excess <= 0:
-                break
-            if key != exclude and key not in self._pins:
-                victims.append(key)
-                excess -= entry.size_bytes
-        return victims if excess <= 0 else None
+        """Least-recently-used unpinned keys (never `exclude`) whose removal makes room for need_bytes within the
+        effective budget ([] when it fits; None when it cannot)."""
+        return self._index.plan_eviction(need_bytes, self._room.effective_bytes,
+                                         lambda key: key == exclude or key in self._pins)
 
     def _evict(self, victims: list[bytes], count: str = "evictions") -> list[bytes]:
         """Drop victims from the index and delete their files, counted under `count` (caller holds self._lock)."""
         for key in victims:
-            self._used_bytes -= self._index.pop(key).size_bytes
+            self._index.remove(key, count)
             unlink_ours(self._dir_fd, segment_file_name(key))
-            self._counts[count] += 1
         return victims
 
     def remove_unreachable(self, keys: list[bytes]) -> int:
@@ -465,7 +396,7 @@ class DiskStore(Pins):
         with self._lock:
             for key in keys:
                 if key in self._index and key not in self._pins:
-                    freed += self._index[key].size_bytes
+                    freed += self._index.get(key).size_bytes
                     self._evict([key], "removed")
         return freed
 
@@ -479,14 +410,10 @@ class DiskStore(Pins):
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call it after each step)."""
         with self._lock:
-            assert self._used_bytes == sum(e.size_bytes for e in self._index.values()), "used_bytes drifted"
-            assert self.readonly or self._used_bytes <= self.budget_bytes, "over budget"
+            self._index.check_integrity()
+            assert self.readonly or self._index.used_bytes <= self.budget_bytes, "over budget"
             assert self._room.effective_bytes <= self.budget_bytes, "an effective budget above the budget"
             assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
-            assert all(k == e.header.key for k, e in self._index.items()), "index key differs from its header"
-            c = self._counts
-            assert len(self._index) == (c["scanned"] + c["puts"] - c["rewrites"] - c["evictions"] - c["removed"]
-                                        - c["dropped"]), f"the counts do not add up to the {len(self._index)} indexed"
 
     def close(self) -> None:
         """Release the lock (another process may then manage the namespace) and the directory. Idempotent."""

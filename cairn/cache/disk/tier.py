@@ -33,7 +33,7 @@ from cairn.cache.disk.named_bytes import layout_meta, read_layout
 from cairn.cache.disk.namespace import ReadBuffer
 from cairn.cache.disk.segment import ROOT_KEY, Segment, _tokens_to_bytes, segment_key
 from cairn.cache.disk.store import DiskStore
-from cairn.cache.tiers.base import KV, Source, State
+from cairn.cache.tiers.base import KV, Source, State, Unreadable
 from cairn.cache.tree.nodes import DISK, DiskRef, Node, page_indices
 from cairn.memory.state_pool import StatePool
 
@@ -120,10 +120,6 @@ class DiskTier:
         self._restore_buffer = restore_buffer
         self.on_written: Callable[[bytes], None] | None = None  # told each segment key `persist` wrote (the index)
         self._restore_lock = threading.Lock()  # one restore at a time uses the buffer
-        # why the last read that failed did: "evicted" (the store no longer had the value: evicted, expired, its
-        # file deleted), "corrupt" (it failed verification, or could not be read) or "unavailable" (the store
-        # did not answer: Redis down); the cache's miss_reason
-        self.unreadable_why = "corrupt"
 
     # ---- the LowerTier protocol -------------------------------------------------------------------
 
@@ -143,22 +139,23 @@ class DiskTier:
         self.persist(_path_to(node), source)
         return node.kv.get(self.name)
 
-    def load_snapshot(self, key: bytes, dst: StatePool, slot: int) -> torch.Tensor | None | bool:
+    def load_snapshot(self, key: bytes, dst: StatePool, slot: int) -> torch.Tensor | None | Unreadable:
         """Read the segment (into the restore buffer when there is one), verify it and copy its snapshot
-        into dst[slot]; its logits are a copy of their own. False when the segment is missing or bad."""
+        into dst[slot]; its logits are a copy of their own. Why not when the segment is missing or bad (a whole
+        segment without the snapshot its record promised is "corrupt")."""
         with self._restore_lock:
             segment = self.read(key, self._restore_buffer)
-            snap = None if segment is None else self.snapshot_of(segment)
+            if isinstance(segment, str):
+                return segment
+            snap = self.snapshot_of(segment)
             if snap is None:
-                if segment is not None:  # a whole segment without the snapshot its record promised
-                    self.unreadable_why = "corrupt"
-                return False
+                return "corrupt"
             dst.write_slot(slot, snap.tensors)
             return None if snap.logits is None else snap.logits.to(dst.device, copy=True)
 
     def read_snapshot(self, key: bytes) -> State | None:
         segment = self.read(key)
-        snap = None if segment is None else self.snapshot_of(segment)
+        snap = None if isinstance(segment, str) else self.snapshot_of(segment)
         return None if snap is None else (snap.tensors, snap.logits)
 
     def free_snapshot(self, key: bytes) -> None:
@@ -166,21 +163,22 @@ class DiskTier:
 
     def read_kv(self, node: Node) -> KV | None:
         segment = self.read(node.kv[self.name].key)
-        if segment is None:
+        if isinstance(segment, str):
             return None
         k, v = self.kv_of(segment)
         first = self._page_offset(node, 0)
         count = len(page_indices(node.start, node.end, self.page_size))
         return k[:, first:first + count], v[:, first:first + count]
 
-    def read_page(self, node: Node, i: int, cache: dict) -> KV | None:
-        """node's i-th page; `cache` keeps each segment read once per load (None: unreadable)."""
+    def read_page(self, node: Node, i: int, cache: dict) -> KV | Unreadable:
+        """node's i-th page, or why its segment is unreadable; `cache` keeps each segment read once per load (its
+        (k, v), or why not)."""
         key = node.kv[self.name].key
         if key not in cache:
             segment = self.read(key)
-            cache[key] = None if segment is None else self.kv_of(segment)
-        if cache[key] is None:
-            return None
+            cache[key] = segment if isinstance(segment, str) else self.kv_of(segment)
+        if isinstance(cache[key], str):
+            return cache[key]
         k, v = cache[key]
         j = self._page_offset(node, i)
         return k[:, j], v[:, j]
@@ -282,14 +280,13 @@ class DiskTier:
 
     # ---- reading ----------------------------------------------------------------------------------
 
-    def read(self, key: bytes, buffer: ReadBuffer | None = None) -> Segment | None:
-        """The verified segment, pinned while read; None (counted, `unreadable_why` set to the store's reason:
-        "evicted", "corrupt" or "unavailable") when missing, bad or out of reach. Its bytes are read into
-        `buffer` when given (valid until that buffer's next read)."""
+    def read(self, key: bytes, buffer: ReadBuffer | None = None) -> Segment | Unreadable:
+        """The verified segment, pinned while read; else (counted) the store's reason: "evicted", "corrupt" or
+        "unavailable" when missing, bad or out of reach. Its bytes are read into `buffer` when given (valid until
+        that buffer's next read)."""
         if not self.store.pin(key):  # the store let it go already (evicted, a failed write)
             self.counters["read_missing"] += 1
-            self.unreadable_why = "evicted"
-            return None
+            return "evicted"
         try:
             got = self.store.read(key) if buffer is None else self.store.read(key, buffer)
         finally:
@@ -298,8 +295,7 @@ class DiskTier:
             self.counters["read_ok"] += 1
             return got
         self.counters[READ_COUNTERS[got]] += 1
-        self.unreadable_why = got
-        return None
+        return got
 
     @staticmethod
     def kv_of(segment: Segment) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,34 +8,24 @@
                      store's wait_s has passed (counted: lookups_waited, lookup_waits_expired)
     counted(name)    one of the store's counts
 
-It uses the store's state (redis, names, markers, wait_s, _lock, _counts, _index, _register, _trim,
-_fault, epoch_probe, saw_epoch, read_maxmemory), set up by RedisSegmentStore.__init__; it is not used alone. What
-this is not: the writes, or the reading of a segment's bytes (store.py).
+It uses the store's state (redis, names, markers, epoch, wait_s, _lock, _counts, _index (record.py's
+KnownSegments), _trim, _fault, saw_epoch, read_maxmemory), set up by RedisSegmentStore.__init__; it is not used
+alone. What this is not: the writes, or the reading of a segment's bytes (store.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
 
 from cairn.cache.disk.segment import _tokens_to_bytes
-from cairn.cache.disk.store import SegmentInfo
+from cairn.cache.disk.store_index import SegmentInfo
 from cairn.cache.remote.client import FAILED
 from cairn.cache.remote.keys import IndexEntry, canonical_hasher, chain_keys, entry_at, prefix_keys
+from cairn.cache.remote.record import KnownSegment
 
 WAIT_POLL_S = 0.02  # how often a waiting lookup probes again
-
-
-@dataclasses.dataclass
-class KnownSegment:
-    """What the store knows of one segment (its index's record)."""
-
-    info: SegmentInfo  # what this process knows of the segment
-    bounds: tuple[int, ...]  # its chain: 0, each segment's start, its end
-    tokens: tuple[int, ...]  # its own tokens, verified against its key
-    end_hash: object  # canonical_hasher() after the whole path [0, end)
 
 
 class ChainLookup:
@@ -47,7 +37,7 @@ class ChainLookup:
         if not keys:  # an empty prompt (the server looks it up before the engine refuses it): Redis is not asked
             return []
         order = sorted(keys, reverse=True)
-        epoch = self.epoch_probe()  # read (only) first: a Redis that lost its segments is noticed before the chain
+        epoch = self.epoch.probe()  # read (only) first: a Redis that lost its segments is noticed before the chain
         probes = epoch + [("get", name(keys[p])) for name in (self.names.entry, self.names.marker) for p in order]
         deadline, waited, infos = time.monotonic() + self.wait_s, False, []
         while True:
@@ -127,9 +117,9 @@ class ChainLookup:
             with self._lock:
                 known = self._index.get(chain[i])
                 if known is None or (info.has_snapshot and not known.info.has_snapshot):
-                    self._register(KnownSegment(info, bounds[:i + 2], tuple(tokens[start:stop]), h.copy()))
+                    self._index.add(KnownSegment(info, bounds[:i + 2], tuple(tokens[start:stop]), h.copy()))
                     self._counts["found"] += 1
-                infos.append(self._index[chain[i]].info)
+                infos.append(self._index.get(chain[i]).info)
             parent = h.digest()
         return infos
 

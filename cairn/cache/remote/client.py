@@ -1,4 +1,5 @@
-"""Connecting to Redis, and the circuit breaker that keeps a down or slow Redis off the request path.
+"""Connecting to Redis, the circuit breaker that keeps a down or slow Redis off the request path, and asking a
+server (or a cluster's primaries) its maxmemory (`maxmemory`).
 
 URL forms (`--remote-cache`):
 
@@ -199,3 +200,25 @@ class GuardedRedis:
                 self.client.close()
         except Exception:
             log.debug("closing the Redis client failed", exc_info=True)
+
+
+def maxmemory(client) -> int | None:
+    """Redis's maxmemory in bytes (0: no limit) by CONFIG GET, or from INFO memory where CONFIG is refused (managed
+    Redis services rename or forbid it); None when neither answers. A cluster's is its primaries' sum (0 when one
+    has no limit)."""
+    from redis import exceptions
+
+    cluster = hasattr(client, "get_primaries")
+    target = {"target_nodes": client.PRIMARIES} if cluster else {}
+    for read in (lambda: client.config_get("maxmemory", **target), lambda: client.info("memory", **target)):
+        try:
+            answer = read()
+        except exceptions.ResponseError:
+            continue
+        per_node = list(answer.values()) if cluster and "maxmemory" not in answer else [answer]
+        try:
+            limits = [int(node["maxmemory"]) for node in per_node]
+        except (KeyError, TypeError, ValueError):
+            continue
+        return 0 if not limits or 0 in limits else sum(limits)
+    return None

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from cairn.cache.disk.segment import KEY_BYTES, ROOT_KEY, _tokens_to_bytes, segment_key
+from cairn.cache.disk.segment import KEY_BYTES, ROOT_KEY, Segment, _tokens_to_bytes, segment_key
 
 ENTRY_VERSION = 1
 MAX_ENTRY_BYTES = 1 << 20  # an entry larger than this is refused as malformed
@@ -76,6 +76,25 @@ class IndexEntry:
         return json.dumps({"v": ENTRY_VERSION, "key": self.key.hex(), "bounds": list(self.bounds),
                            "tail": list(self.tail), "snap": self.has_snapshot, "logits": self.has_logits,
                            "size": self.size_bytes}, separators=(",", ":")).encode()
+
+
+def index_entries(segment: Segment, bounds: tuple[int, ...], start_hash, end_hash, page_size: int
+                  ) -> tuple[tuple[bytes, IndexEntry], ...]:
+    """(canonical key of the entry's position, entry without its size) for each index entry of a segment that ends
+    a chain cut at `bounds`: at its end, and at the page-aligned position below it when that is inside the
+    segment, with the tokens from there to the end (the module docstring). start_hash, end_hash: canonical_hasher()
+    after the path before the segment and after the whole path (neither is changed)."""
+    entry = IndexEntry(segment.key, bounds, (), segment.snapshot_bytes is not None,
+                       segment.logits_bytes is not None, 0)
+    out = [(end_hash.digest(), entry)]
+    aligned = segment.end_position // page_size * page_size
+    if segment.start_position < aligned < segment.end_position:
+        cut = aligned - segment.start_position
+        h = start_hash.copy()
+        h.update(_tokens_to_bytes(segment.tokens[:cut]))
+        out.append((h.digest(), IndexEntry(segment.key, bounds, segment.tokens[cut:], entry.has_snapshot,
+                                           entry.has_logits, 0)))
+    return tuple(out)
 
 
 def decode_entry(data: bytes) -> IndexEntry:

@@ -19,9 +19,9 @@
                      believes Redis holds for it, at most `byte_budget`, NOT what Redis holds (its INFO
                      memory says that, for every replica and key together)
 
-The record of known segments is bounded twice, the least recently used forgotten first (on_evict is told;
-Redis keeps them, a later lookup finds them again; counted in stats()["forgotten"]): by count (max_segments)
-and by bytes (`byte_budget`: Redis's maxmemory, read with CONFIG GET, or from INFO memory where a managed
+The record of known segments (record.py) is bounded twice, the least recently used forgotten first (on_evict
+is told; Redis keeps them, a later lookup finds them again; counted in stats()["forgotten"]): by count
+(max_segments) and by bytes (`byte_budget`: Redis's maxmemory, read with CONFIG GET, or from INFO memory where a managed
 Redis refuses CONFIG, again every MEMORY_READ_INTERVAL_S; or the max_bytes given, the smaller of the two).
 Redis cannot hold more than its maxmemory, so a record that claims more claims segments Redis has evicted,
 which this replica would then neither write again nor know to be gone. It is a loose bound (other replicas'
@@ -45,14 +45,10 @@ evicts whole old conversations rather than the roots of live ones. A value found
 and may be gone too), telling on_evict: the next request over that path, which recomputes it, writes it
 whole from there, as after a `redis_reset` below, for one chain.
 
-A replica writes only the segments of a path it does not know to be in Redis, so a Redis restarted empty (or
-flushed) under a running replica would be sent only the new ends of its conversations, chains whose parents
-are gone, which nobody can resume. So every write and lookup pipeline also reads the namespace's epoch key
-(keys.py; set to a random value by the first replica to find it absent): when it differs from the one this
-store saw last, Redis lost what was written before, and every segment known here is forgotten (on_evict is
-told, counted as the fault `redis_reset`, one log line): the next request over each path writes it whole. Unless
-a recently used segment known here is still in Redis: then Redis evicted the epoch key alone (counted as the
-fault `epoch_evicted`; saw_epoch).
+A replica writes only the segments of a path it does not know to be in Redis, so every write and lookup
+pipeline also reads the namespace's epoch key, and when Redis lost what was written before (restarted empty,
+flushed: epoch.py tells that from an epoch key evicted alone), every segment known here is forgotten (on_evict
+is told, counted as the fault `redis_reset`, one log line): the next request over each path writes it whole.
 
 The lookup side (lookup, and registering what it found) is chains.py's ChainLookup, mixed in here.
 What this is not: the tier's choice of what to write or when to look up (tier.py), the segment format.
@@ -65,35 +61,30 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
+from cairn.cache.disk.decode import decode_segment
 from cairn.cache.disk.pins import Pins
 from cairn.cache.disk.segment import (
     DEFAULT_LIMITS,
     Segment,
     SegmentError,
     SegmentLimits,
-    _tokens_to_bytes,
-    decode_segment,
     encode_segment,
 )
-from cairn.cache.disk.store import SegmentInfo
-from cairn.cache.remote.chains import ChainLookup, KnownSegment
-from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis, split_url
-from cairn.cache.remote.keys import (
-    IndexEntry,
-    KeyNames,
-    canonical_hasher,
-)
+from cairn.cache.disk.store_index import SegmentInfo
+from cairn.cache.remote.chains import ChainLookup
+from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis, maxmemory, split_url
+from cairn.cache.remote.epoch import Epoch
+from cairn.cache.remote.keys import IndexEntry, KeyNames, index_entries
 from cairn.cache.remote.markers import Markers
+from cairn.cache.remote.record import KnownSegment, KnownSegments
 from cairn.cache.remote.writer import WriteBehind
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)
 DEFAULT_MAX_SEGMENTS = 1 << 16  # segments known here (written or looked up); the least recently used go first
 DEFAULT_WAIT_S = 3.0  # the longest a lookup waits for a deeper chain another replica's marker announces
-EPOCH_WITNESSES = 4  # recent segments whose presence shows an epoch key gone was evicted, not flushed (saw_epoch)
 MEMORY_READ_INTERVAL_S = 60.0  # Redis's maxmemory is read again this often (CONFIG SET changes it at run time)
 
 
@@ -122,15 +113,13 @@ class RedisSegmentStore(ChainLookup, Pins):
         self._memory_read_at: float | None = None  # time.monotonic() of the last attempt to read it
         self.wait_s = wait_s  # see DEFAULT_WAIT_S; 0: never wait for another replica's write
         self.writer_id = os.urandom(8).hex()  # names this store's markers (its own are not waited for)
-        self._epoch: bytes | None = None  # the namespace's epoch key as last read (None: not read yet)
         self.faults: dict[str, int] = {}  # reason -> occurrences
         split_url(url)  # ValueError now for a URL of another scheme, not silent faults on the first call
         self.redis = GuardedRedis(url, timeout_s, cooldown_s, self._fault, client)
+        self.epoch = Epoch(self.redis, self.names, self._fault)  # tells when Redis lost what was written before
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "written": 0, "lookups": 0, "found": 0, "forgotten": 0,
                         "lookups_waited": 0, "lookup_waits_expired": 0}
-        self._index: OrderedDict[bytes, KnownSegment] = OrderedDict()  # least recently used first
-        self._known_bytes = 0  # sum of the size_bytes in _index
-        self._by_end: dict[bytes, bytes] = {}  # canonical key of a segment's end -> its key
+        self._index = KnownSegments()  # the segments known here (written or looked up), least recently used first
         self._pending: dict[bytes, Segment] = {}  # queued, not yet written
         self._pins: dict[bytes, int] = {}
         self._lock = threading.RLock()
@@ -150,17 +139,17 @@ class RedisSegmentStore(ChainLookup, Pins):
             assert not self._closed, "the engine closes the cache once, at shutdown, and calls it no more"
             known = self._index.get(segment.key)
             if known is not None and _covers(known.info, segment):
-                self._index.move_to_end(segment.key)
+                self._index.touch(segment.key)
                 return True
-            chain = self._chain_of(segment)
+            chain = self._index.chain_of(segment)
             if chain is None:
                 self._fault("unknown_parent")
                 return False
-            bounds, end_hash = chain
-            entries = self._entries(segment, bounds, end_hash)
-            parents = self._ancestors(segment.parent_key)
+            bounds, start_hash, end_hash = chain
+            entries = index_entries(segment, bounds, start_hash, end_hash, self.page_size)
+            parents = self._index.ancestors(segment.parent_key)
             for key in reversed(parents):  # used now, as in Redis once written (the module docstring)
-                self._index.move_to_end(key)
+                self._index.touch(key)
         if self.redis.breaker.is_open:
             self._fault("breaker_open")
             return False
@@ -169,7 +158,7 @@ class RedisSegmentStore(ChainLookup, Pins):
                            _raw_bytes(segment), time.time())
         with self._lock:  # before the writer can finish (or fail) it: its end then finds it here
             self._pending[segment.key] = segment
-            self._register(KnownSegment(info, bounds, segment.tokens, end_hash))
+            self._index.add(KnownSegment(info, bounds, segment.tokens, end_hash))
         # announced before the write is queued: the writer deletes the markers after flushing their thread,
         # so one set after that would outlive the write (readers would wait for nothing); refused when full:
         # readers then do not wait, nothing else is lost
@@ -178,7 +167,7 @@ class RedisSegmentStore(ChainLookup, Pins):
             self._fault("queue_full")
             with self._lock:
                 self._pending.pop(segment.key, None)
-                self._unregister(segment.key, known)
+                self._index.restore(segment.key, known)
             if announced:
                 self.markers.withdraw(entries)
             return False
@@ -186,43 +175,6 @@ class RedisSegmentStore(ChainLookup, Pins):
             self._counts["puts"] += 1
         self._trim(keep={segment.key})
         return True
-
-    def _chain_of(self, segment: Segment) -> tuple[tuple[int, ...], object] | None:
-        """(bounds, canonical hash after the segment's end), from its parent's record (None: unknown)."""
-        if segment.parent_key is None:
-            bounds, h = (0,), canonical_hasher()
-        else:
-            parent = self._index.get(self._by_end.get(segment.parent_key, b""))
-            if parent is None or parent.info.start_position + parent.info.num_tokens != segment.start_position:
-                return None
-            bounds, h = parent.bounds, parent.end_hash.copy()
-        h.update(_tokens_to_bytes(segment.tokens))
-        return bounds + (segment.end_position,), h
-
-    def _ancestors(self, parent_key: bytes | None) -> tuple[bytes, ...]:
-        """Keys of the known segments a segment whose parent key is `parent_key` chains below, nearest first (up
-        to the first not known here). Caller holds self._lock."""
-        keys, end = [], parent_key
-        while end is not None and (entry := self._index.get(self._by_end.get(end, b""))) is not None:
-            keys.append(entry.info.key)
-            end = entry.info.parent_key
-        return tuple(keys)
-
-    def _entries(self, segment: Segment, bounds: tuple[int, ...], end_hash) -> tuple[tuple[bytes, IndexEntry], ...]:
-        """The index entries to write: at the end, and at the page-aligned position below it when that is
-        inside this segment (with the tokens from there to the end)."""
-        entry = IndexEntry(segment.key, bounds, (), segment.snapshot_bytes is not None,
-                           segment.logits_bytes is not None, 0)
-        out = [(end_hash.digest(), entry)]
-        aligned = segment.end_position // self.page_size * self.page_size
-        if segment.start_position < aligned < segment.end_position:
-            cut = aligned - segment.start_position
-            parent = self._index.get(self._by_end.get(segment.parent_key or b"", b""))
-            h = parent.end_hash.copy() if parent is not None else canonical_hasher()
-            h.update(_tokens_to_bytes(segment.tokens[:cut]))
-            out.append((h.digest(), IndexEntry(segment.key, bounds, segment.tokens[cut:], entry.has_snapshot,
-                                               entry.has_logits, 0)))
-        return tuple(out)
 
     def _write_failed(self, job: _Write) -> None:
         self._fault("write_failed")
@@ -245,7 +197,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         if job.segment.snapshot_bytes is not None:  # its markers are deleted with it, so set before it
             self.markers.flush(self.redis.timeout_s)
             unmark = self.markers.unmark(job.entries)
-        epoch = self.epoch_probe(write=True)
+        epoch = self.epoch.probe(write=True)
         touch = [("touch", self.names.segment(key)) for key in job.parents]  # before the sets: see the docstring
         result = self.redis.pipelined(epoch + touch + [("set", name, data) for name, data in sets] + unmark,
                                       self.ttl_s)
@@ -255,41 +207,22 @@ class RedisSegmentStore(ChainLookup, Pins):
         with self._lock:
             self._pending.pop(job.segment.key, None)
             self._counts["written"] += 1
-            entry = self._index.get(job.segment.key)
-            if entry is not None:
-                self._known_bytes += len(value) - entry.info.size_bytes
-                entry.info = dataclasses.replace(entry.info, size_bytes=len(value))
+            self._index.resize(job.segment.key, len(value))
         self.saw_epoch(result[len(epoch) - 1], job.segment.key)  # after the write: one whose parents Redis lost is
         # forgotten too
         self._trim(keep={job.segment.key})  # its size is now the stored one (with compression's framing)
         self.read_maxmemory(keep={job.segment.key})
 
-    def epoch_probe(self, write: bool = False) -> list[tuple]:
-        """The commands, first in a pipeline, that read the namespace's epoch key (a write's pipeline sets it
-        first to a new random value where Redis has none; a lookup only reads, so that a Redis refusing writes
-        at its maxmemory still answers it); the pipeline's result at len(...) - 1 is its value, for saw_epoch."""
-        name = self.names.epoch()
-        return [("setnx", name, os.urandom(8).hex().encode()), ("get", name)] if write else [("get", name)]
-
     def saw_epoch(self, value: bytes | None, written: bytes | None = None) -> None:
-        """The epoch key read by a pipeline: if it changed (or is gone) since the last one read here, Redis lost
-        what was written before (restarted empty, flushed): forget every segment known here (module docstring).
-        Unless one of the most recently used segments known here is still in Redis: then Redis evicted the epoch
-        key, not everything (allkeys-lru ranks keys by the second they were last used: under a write rate that fills
-        maxmemory within seconds, the epoch key, read by every pipeline, is no safer than any other key), counted as
-        the fault "epoch_evicted". `written`: the segment the calling pipeline wrote, which proves nothing. (Another
-        replica may have written that same segment again since a flush: then the segments lost here are found
-        gone when read, and forgotten with what chains below them, chain by chain.)"""
-        with self._lock:
-            before, self._epoch = self._epoch, value
-            if before is None or value == before:
-                return
-            recent = [k for k in reversed(self._index) if k not in self._pending and k != written]
-        if recent and self._any_held(recent[:EPOCH_WITNESSES]):
-            self._fault("epoch_evicted")
+        """The epoch key read by a pipeline: when it shows Redis lost what was written before (epoch.py), forget
+        every segment known here but a pinned one (its load finds it missing). `written`: the segment the calling
+        pipeline wrote, which proves nothing. (Another replica may have written that same segment again since a
+        flush: then the segments lost here are found gone when read, and forgotten with what chains below them,
+        chain by chain.)"""
+        if not self.epoch.saw(value, lambda n: self._witnesses(n, written)):
             return
         with self._lock:
-            keys = [k for k in self._index if k not in self._pins]  # a pinned one's load finds it missing
+            keys = [k for k in self._index if k not in self._pins]
             self._memory_read_at = None  # a Redis restarted may have another maxmemory
         self._fault("redis_reset")
         log.warning("remote cache %s lost what was written before (its epoch key changed: restarted empty or "
@@ -297,10 +230,11 @@ class RedisSegmentStore(ChainLookup, Pins):
                     self.redis.breaker.name, len(keys))
         self._drop(keys)
 
-    def _any_held(self, keys: list[bytes]) -> bool:
-        """One of these segments is in Redis (False when Redis does not answer: forgetting is the safe side)."""
-        result = self.redis.pipelined([("exists", self.names.segment(key)) for key in keys])
-        return result is not FAILED and any(result)
+    def _witnesses(self, n: int, written: bytes | None) -> list[bytes]:
+        """The n most recently used known segments that may show Redis still holds what was written (not one
+        queued, nor `written`)."""
+        with self._lock:
+            return self._index.most_recent(n, lambda k: k in self._pending or k == written)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued write is done; False if some are still queued after timeout_s."""
@@ -329,7 +263,9 @@ class RedisSegmentStore(ChainLookup, Pins):
             return "unavailable"
         if value is None:  # expired or evicted by Redis: a miss, and what chains below it is forgotten too
             self._fault("missing")
-            self._drop(self._below(key))
+            with self._lock:
+                below = self._index.below(key)
+            self._drop(below)
             return "evicted"
         try:
             segment = decode_segment(value, self.compat_digest, self.limits)
@@ -341,44 +277,14 @@ class RedisSegmentStore(ChainLookup, Pins):
             return "corrupt"
         with self._lock:
             self._counts["hits"] += 1
-            if key in self._index:
-                self._index.move_to_end(key)
+            self._index.touch(key)
         return segment
-
-    def _below(self, key: bytes) -> list[bytes]:
-        """key and the keys of every known segment chained below it (the module docstring: a vanished value)."""
-        with self._lock:
-            if key not in self._index:
-                return []
-            ends, keys = {self._index[key].end_hash.digest()}, [key]
-            for entry in sorted(self._index.values(), key=lambda e: e.info.start_position):  # parents first
-                if entry.info.parent_key in ends:
-                    ends.add(entry.end_hash.digest())
-                    keys.append(entry.info.key)
-            return keys
 
     def get_tokens(self, key: bytes) -> tuple[int, ...] | None:
         """The tokens of a known segment (verified against its key when it was written or looked up)."""
         with self._lock:
             entry = self._index.get(key)
             return None if entry is None else entry.tokens
-
-    def _register(self, entry: KnownSegment) -> None:
-        """Index entry (caller holds self._lock)."""
-        previous = self._index.get(entry.info.key)
-        self._known_bytes += entry.info.size_bytes - (previous.info.size_bytes if previous is not None else 0)
-        self._index[entry.info.key] = entry
-        self._index.move_to_end(entry.info.key)
-        self._by_end[entry.end_hash.digest()] = entry.info.key
-
-    def _unregister(self, key: bytes, previous: KnownSegment | None) -> None:
-        """Undo _register of a segment never queued: back to what was known of it (caller holds self._lock)."""
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._known_bytes -= entry.info.size_bytes
-            self._by_end.pop(entry.end_hash.digest(), None)
-        if previous is not None:
-            self._register(previous)
 
     def _trim(self, keep: set[bytes]) -> None:
         """Forget the least recently used known segments beyond max_segments or byte_budget (never one queued
@@ -387,16 +293,8 @@ class RedisSegmentStore(ChainLookup, Pins):
         nodes whose only copy is in Redis grow without bound, nor claim more than Redis can hold. Counted in
         stats()["forgotten"]."""
         with self._lock:
-            budget = self.byte_budget
-            excess = len(self._index) - self.max_segments
-            excess_bytes = 0 if budget is None else self._known_bytes - budget
-            keys = []
-            for key, entry in self._index.items():  # least recently used first
-                if excess <= 0 and excess_bytes <= 0:
-                    break
-                if key not in self._pending and key not in self._pins and key not in keep:
-                    keys.append(key)
-                    excess, excess_bytes = excess - 1, excess_bytes - entry.info.size_bytes
+            keys = self._index.least_recent(self.max_segments, self.byte_budget,
+                                            lambda k: k in self._pending or k in self._pins or k in keep)
             self._counts["forgotten"] += len(keys)
         self._drop(keys)
 
@@ -420,7 +318,7 @@ class RedisSegmentStore(ChainLookup, Pins):
             if self._memory_read_at is not None and now - self._memory_read_at < MEMORY_READ_INTERVAL_S:
                 return
             self._memory_read_at = now
-        value = self.redis.call(_maxmemory)
+        value = self.redis.call(maxmemory)
         if value is FAILED or value is None:  # not reached (counted by the client), or it would not say
             return
         with self._lock:
@@ -437,10 +335,7 @@ class RedisSegmentStore(ChainLookup, Pins):
         with self._lock:
             for key in keys:
                 self._pending.pop(key, None)
-                entry = self._index.pop(key, None)
-                if entry is not None:
-                    self._known_bytes -= entry.info.size_bytes
-                    self._by_end.pop(entry.end_hash.digest(), None)
+                if self._index.remove(key):
                     dropped.append(key)
         if self.on_evict is not None:
             for key in dropped:
@@ -464,21 +359,20 @@ class RedisSegmentStore(ChainLookup, Pins):
     @property
     def used_bytes(self) -> int:
         """Bytes of the known segments, at most byte_budget (not what Redis holds: the module docstring)."""
-        return self._known_bytes
+        return self._index.num_bytes
 
     def stats(self) -> dict:
         with self._lock:
-            return {"segments": len(self._index), "used_bytes": self._known_bytes,
+            return {"segments": len(self._index), "used_bytes": self._index.num_bytes,
                     "byte_budget": self.byte_budget or 0, "redis_maxmemory": self.redis_maxmemory or 0,
                     "queued": self._writer.num_queued, **self._counts, "marked": self.markers.num_set,
                     "breaker_opened": self.redis.breaker.num_opened}
 
     def check_integrity(self) -> None:
         with self._lock:
-            assert all(k == e.info.key for k, e in self._index.items()), "index key differs from its record"
+            self._index.check_integrity()
             assert all(n > 0 for n in self._pins.values()), "non-positive pin count"
             assert set(self._pending) <= set(self._index), "a queued segment is not indexed"
-            assert self._known_bytes == sum(e.info.size_bytes for e in self._index.values()), "known bytes drifted"
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Finish the queued writes (up to timeout_s), stop the writer and close the connection. Idempotent."""
@@ -489,28 +383,6 @@ class RedisSegmentStore(ChainLookup, Pins):
         self._writer.close(timeout_s)
         self.markers.close(timeout_s)
         self.redis.close()
-
-
-def _maxmemory(client) -> int | None:
-    """Redis's maxmemory in bytes (0: no limit) by CONFIG GET, or from INFO memory where CONFIG is refused (managed
-    Redis services rename or forbid it); None when neither answers. A cluster's is its primaries' sum (0 when one
-    has no limit)."""
-    from redis import exceptions
-
-    cluster = hasattr(client, "get_primaries")
-    target = {"target_nodes": client.PRIMARIES} if cluster else {}
-    for read in (lambda: client.config_get("maxmemory", **target), lambda: client.info("memory", **target)):
-        try:
-            answer = read()
-        except exceptions.ResponseError:
-            continue
-        per_node = list(answer.values()) if cluster and "maxmemory" not in answer else [answer]
-        try:
-            limits = [int(node["maxmemory"]) for node in per_node]
-        except (KeyError, TypeError, ValueError):
-            continue
-        return 0 if not limits or 0 in limits else sum(limits)
-    return None
 
 
 def _covers(info: SegmentInfo, segment: Segment) -> bool:

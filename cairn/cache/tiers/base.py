@@ -20,7 +20,7 @@ Copies are synchronous (a store has finished when it returns). What this is not:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -30,6 +30,10 @@ from cairn.memory.state_pool import StatePool
 
 State = tuple[dict[str, torch.Tensor], torch.Tensor | None]  # (named state tensors as read_slot names them, logits)
 KV = tuple[torch.Tensor, torch.Tensor]  # (k, v) of pages: [layers, pages, page_size, kv_heads, head_dim] each
+# why a stored copy could not be read (a segment tier's; a page tier's copies are always readable): "corrupt" (it
+# failed verification, or could not be read), "evicted" (its store no longer had the value: evicted, expired, its
+# file deleted) or "unavailable" (its store did not answer: Redis down). The cache's miss_reason.
+Unreadable = Literal["corrupt", "evicted", "unavailable"]
 
 
 class Source(Protocol):
@@ -48,8 +52,9 @@ class Tier(Protocol):
 
     def fits(self, with_logits: bool) -> bool: ...  # one more snapshot fits without evicting here
 
-    def load_snapshot(self, copy: Any, dst: StatePool, slot: int) -> torch.Tensor | None | bool: ...
-    # copies the state into dst[slot]; returns its logits (or None), False when the copy is unreadable
+    def load_snapshot(self, copy: Any, dst: StatePool, slot: int) -> torch.Tensor | None | Unreadable: ...
+    # copies the state into dst[slot]; returns its logits (or None), or why the copy is unreadable (then dst[slot]
+    # is unspecified)
 
     def read_snapshot(self, copy: Any) -> State | None: ...
 
@@ -69,7 +74,8 @@ class LowerTier(Tier, Protocol):
 
     def store_kv(self, node: Node, source: Source) -> Any | None: ...  # a copy of node's KV (None: failed)
 
-    def read_page(self, node: Node, i: int, cache: dict) -> KV | None: ...  # node's i-th page; cache: per load
+    def read_page(self, node: Node, i: int, cache: dict) -> KV | Unreadable: ...
+    # node's i-th page, or why its copy is unreadable; cache: kept by the caller for one load (a tier's own use)
 
 
 class PageTier(Tier, Protocol):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cairn.cache.tiers.base import KV, LowerTier, PageTier, Source, State, Tier
+from cairn.cache.tiers.base import KV, LowerTier, PageTier, Source, State, Tier, Unreadable
 from cairn.cache.tiers.pools import DeviceTier
 from cairn.cache.tree.nodes import DEVICE, RELEASE_EVICTED, Node, page_indices
 from cairn.cache.tree.tiered import KVVictims, SnapshotVictims, TieredRadixTree
@@ -158,9 +158,10 @@ class TierSet:
             handle.copies[DEVICE] = copy
             self.moved[f"snapshot {tier}->{DEVICE}"] += 1
 
-    def restore_snapshot(self, handle: TieredSnapshot, tier: str, states: StatePool, slot: int):
-        """Copy the snapshot's `tier` copy into states[slot]; returns its logits (or None), or False when
-        that copy turned out unreadable (the caller marks the segment bad)."""
+    def restore_snapshot(self, handle: TieredSnapshot, tier: str, states: StatePool,
+                         slot: int) -> torch.Tensor | None | Unreadable:
+        """Copy the snapshot's `tier` copy into states[slot]; returns its logits (or None), or why that copy
+        turned out unreadable (the caller marks the segment bad, or forgets it)."""
         return self.by_name[tier].load_snapshot(handle.copies[tier], states, slot)
 
     # ---- KV ---------------------------------------------------------------------------------------
@@ -221,8 +222,9 @@ class TierSet:
         """The tier a resume copies node's pages from: its fastest copy below the device."""
         return next(t for t in self.holding(node.kv) if t.name != DEVICE)
 
-    def page_copy(self, node: Node, i: int, cache: dict) -> tuple[LowerTier, KV | None]:
-        """(the tier, (k, v) of node's i-th page) from page_source(node); None: unreadable."""
+    def page_copy(self, node: Node, i: int, cache: dict) -> tuple[LowerTier, KV | Unreadable]:
+        """(the tier, (k, v) of node's i-th page) from page_source(node), or (the tier, why its copy is
+        unreadable)."""
         tier = self.page_source(node)
         return tier, tier.read_page(node, i, cache)
 
