@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from cairn.server.errors import APIError, from_validation_errors
-from cairn.server.responses_api import ResponsesRequest, decode_reasoning, encode_reasoning, in_responses_names
+from cairn.server.responses_api import ResponsesRequest, in_responses_names
+from cairn.server.responses_items import decode_reasoning, encode_reasoning
 from cairn.server.responses_output import ResponseStore
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
@@ -171,3 +172,36 @@ def test_a_stored_follow_up_holds_the_whole_conversation_and_counts_its_bytes():
         {"text": "more"}]))
     store.delete("a")
     assert store.conversation("b")[0] == {"text": "hi"}  # a follow-up outlives the response it followed
+
+
+NAMESPACE = {"type": "namespace", "name": "agents", "description": "Sub-agents.",
+             "tools": [{"type": "function", "name": "spawn", "description": "Start one.", "strict": False,
+                        "parameters": {"type": "object", "properties": {"task": {"type": "string"}}}}]}
+
+
+def test_a_namespace_tools_functions_are_chat_tools_named_namespace_dot_name():
+    """The Codex CLI sends its sub-agent tools as a namespace (refused as an unsupported tool type before): each
+    function is the chat tool `<namespace>.<name>`, described after the namespace, and a function_call item of
+    the namespace is that chat tool's call."""
+    body = ResponsesRequest.model_validate({"model": "m", "tools": [WEATHER, NAMESPACE], "input": [
+        {"role": "user", "content": "go"},
+        {"type": "function_call", "call_id": "c1", "namespace": "agents", "name": "spawn", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "started"}]})
+    chat = body.to_chat()
+    assert [t.function.name for t in chat.tools] == ["get_weather", "agents.spawn"]
+    assert chat.tools[1].function.description == "Sub-agents.\n\nStart one."
+    assert chat.messages[1].tool_calls[0].function.name == "agents.spawn"
+    assert body.call_name("agents.spawn") == ("agents", "spawn")
+    assert body.call_name("get_weather") == (None, "get_weather")
+    assert body.call_name("other.spawn") == (None, "other.spawn")
+
+
+@pytest.mark.parametrize(("tools", "param"), [
+    ([NAMESPACE, {**NAMESPACE, "name": "other"}, {**WEATHER, "name": "agents.spawn"}], "tools.2.name"),
+    ([{**NAMESPACE, "tools": [*NAMESPACE["tools"], NAMESPACE["tools"][0]]}], "tools.0.tools.1.name"),
+    ([{**NAMESPACE, "tools": [{"type": "custom", "name": "patch"}]}], "tools.0.tools.0.type"),
+])
+def test_a_namespace_tool_clashing_or_holding_what_cairn_does_not_take_is_refused_naming_it(tools, param):
+    with pytest.raises(APIError) as e:
+        ResponsesRequest.model_validate({"model": "m", "input": "x", "tools": tools})
+    assert e.value.status == 400 and e.value.param == param

@@ -35,14 +35,15 @@ class Tool(Strict):
     function: FunctionDef
 
 
-def refuse_duplicate_names(names: list[str], param: str) -> None:
+def refuse_duplicate_names(names: list[str], param: str | list[str]) -> None:
     """A 400 naming the second of two tools that share a name (`param`: the path of a tool's name, `{}`
-    standing for its index): a call names its function, so which of the two it meant would be a guess."""
+    standing for its index, or each name's path): a call names its function, so which of the two it meant
+    would be a guess."""
     seen: set[str] = set()
     for j, name in enumerate(names):
         if name in seen:
-            raise APIError(400, f"two tools are named {name!r}: tool names must be unique", param=param.format(j),
-                           code="invalid_value")
+            raise APIError(400, f"two tools are named {name!r}: tool names must be unique", code="invalid_value",
+                           param=param[j] if isinstance(param, list) else param.format(j))
         seen.add(name)
 
 

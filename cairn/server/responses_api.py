@@ -3,15 +3,13 @@ Codex CLI, the Agents SDK) can point at cairn. The answer's shapes are in `respo
 
 A request is turned into the equivalent chat request and runs the chat path (`prepare` and
 `generate.prepare_chat`; a large body in a request worker process): the same template, parsers, structured
-output, prefix cache and snapshots. The conversion:
+output, prefix cache and snapshots. The conversion (the input items' is `responses_items`):
 
-    instructions, then the leading system / developer messages   -> one system message
-    message items (user, system, developer, assistant; content a string or input_text / output_text parts)
-                                                                  -> chat messages (parts joined)
-    reasoning items (reasoning_text, else encrypted_content, else summary) -> the next assistant message's reasoning
-    function_call items (call_id, name, arguments)               -> that assistant message's tool_calls
-    function_call_output items (call_id, output)                 -> tool messages
+    input (a string: one user message; or items) and instructions -> chat messages (responses_items.chat_messages)
     tools (type function; `strict` defaults to true, as OpenAI's) -> chat tools
+    namespace tools (function tools grouped under a name, as the Codex CLI sends its sub-agent tools) -> a chat tool
+                      `<namespace>.<name>` per function, its description after the namespace's; a call of one comes
+                      back as a function_call item with `namespace` (and a tool_choice names it `<namespace>.<name>`)
     tool_choice, parallel_tool_calls, temperature, top_p, user, metadata -> the same chat fields
     max_output_tokens -> max_completion_tokens;  text.format -> response_format
     reasoning.effort: "none" -> enable_thinking false, any other effort -> enable_thinking true (the
@@ -22,28 +20,28 @@ output, prefix cache and snapshots. The conversion:
 `store` (default true) keeps the response in `responses_output.ResponseStore`, a bounded in-memory store, for
 GET / DELETE /v1/responses/{id} and previous_response_id.
 
-What is refused, with a 400 naming the field: tools other than functions (web_search, file_search, mcp,
-custom, ...), input parts other than text (input_image, input_file, input_audio), items other than the four
-above (item_reference, computer calls, ...), `include` values but "reasoning.encrypted_content", and any field
-of the API cairn does not implement unless it carries its neutral value (background: false, truncation:
-"disabled", ...: RESPONSES_UNIMPLEMENTED). A field the API does not define is refused as on the chat path.
+What is refused, with a 400 naming the field: tools other than functions and namespaces of functions
+(web_search, file_search, mcp, custom, ...), input parts other than text (input_image, input_file,
+input_audio), items other than messages, function calls, their outputs and reasoning (item_reference,
+computer calls, ...), `include` values but "reasoning.encrypted_content", and any field of the API cairn does
+not implement unless it carries its neutral value (background: false, truncation: "disabled", ...:
+RESPONSES_UNIMPLEMENTED). A field the API does not define is refused as on the chat path; `client_metadata`
+(the Codex CLI's session tags, not in OpenAI's reference) is accepted and stored nowhere.
 
 `include: ["reasoning.encrypted_content"]` (what a stateless client, store false, asks for to send its reasoning
 back) gives each reasoning item an `encrypted_content` that a later request's reasoning item may carry instead of
-its content: ENCODED_PREFIX and the reasoning text in base64. It is opaque to the client but NOT encrypted (cairn
-holds no key; the same text is in the item's content anyway); one cairn did not make is a 400.
+its content (see `responses_items`); one cairn did not make is a 400.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatPlan
@@ -51,12 +49,20 @@ from cairn.server.chat_schema import FunctionName, refuse_duplicate_names
 from cairn.server.errors import APIError, from_validation_errors
 from cairn.server.generate import ServingContext, prepare_chat
 from cairn.server.protocol import ChatCompletionRequest
+from cairn.server.responses_items import (
+    ITEM_TYPES,
+    ITEMS,
+    NAMESPACE_SEP,
+    PART_TYPES,
+    InputItem,
+    MessageItem,
+    chat_messages,
+    item_type,
+)
 from cairn.server.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-PART_TYPES = ("input_text", "output_text")
+TOOL_TYPES = ("function", "namespace")
 ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` value cairn honours
-ENCODED_PREFIX = "cairn-reasoning:"  # an encrypted_content cairn made: this, then the reasoning text in base64
 # fields of the Responses API cairn does not implement, each with its neutral value (see strict.refuse_unimplemented)
 RESPONSES_UNIMPLEMENTED: dict[str, Any] = {
     "background": False, "conversation": None, "prompt": None, "prompt_cache_retention": None,
@@ -68,97 +74,35 @@ RESPONSES_UNIMPLEMENTED: dict[str, Any] = {
 
 # ---- the request --------------------------------------------------------------------------------
 
-class TextPart(Strict):
-    type: Literal["input_text", "output_text"]
-    text: str
-    annotations: list[Any] | None = None  # (an output_text the client sends back)
-    logprobs: list[Any] | None = None
-
-
-class MessageItem(Strict):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[TextPart]
-    id: str | None = None
-    status: str | None = None
-    phase: str | None = None  # commentary / final_answer: how a client shows it; changes nothing here
-
-
-class FunctionCallItem(Strict):
-    type: Literal["function_call"]
-    call_id: str
-    name: FunctionName
-    arguments: str  # a JSON object
-    id: str | None = None
-    status: str | None = None
-    namespace: None = None
-    caller: dict[str, Any] | None = None
-
-
-class FunctionCallOutputItem(Strict):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[TextPart]
-    id: str | None = None
-    status: str | None = None
-
-
-class ReasoningText(Strict):
-    type: Literal["reasoning_text", "summary_text"]
-    text: str
-
-
-class ReasoningItem(Strict):
-    type: Literal["reasoning"]
-    summary: list[ReasoningText] = []
-    content: list[ReasoningText] | None = None
-    id: str | None = None
-    status: str | None = None
-    encrypted_content: str | None = None  # one cairn made (include reasoning.encrypted_content): the text
-
-    @model_validator(mode="after")
-    def _readable(self) -> ReasoningItem:
-        if self.encrypted_content is not None:
-            decode_reasoning(self.encrypted_content)
-        return self
-
-    def text(self) -> str:
-        if self.content:
-            return "".join(p.text for p in self.content)
-        if self.encrypted_content is not None:
-            return decode_reasoning(self.encrypted_content)
-        return "".join(p.text for p in self.summary)
-
-
-def encode_reasoning(text: str) -> str:
-    return ENCODED_PREFIX + base64.b64encode(text.encode()).decode()
-
-
-def decode_reasoning(encoded: str) -> str:
-    """The text of an encrypted_content cairn made (see the module docstring); ValueError for any other."""
-    try:
-        if encoded.startswith(ENCODED_PREFIX):
-            return base64.b64decode(encoded[len(ENCODED_PREFIX):], validate=True).decode()
-    except ValueError:
-        pass
-    raise ValueError("encrypted_content is not one this server made (cairn reads only its own)")
-
-
-def _item_type(item: Any) -> str:
-    return item.get("type", "message") if isinstance(item, dict) else "message"
-
-
-InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-                      | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
-
-
 class FunctionTool(Strict):
     type: Literal["function"]
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool = True  # OpenAI's default: the calls follow `parameters` (constrained decoding)
+
+
+class NamespaceTool(Strict):
+    """Function tools grouped under a name: each is the chat tool `<namespace>.<name>` (NAMESPACE_SEP), its
+    description after the namespace's; a call of one comes back as a function_call with `namespace`."""
+
+    type: Literal["namespace"]
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\s<>.]+$")]
+    description: str
+    tools: list[FunctionTool] = Field(min_length=1)
+
+    def chat_tools(self) -> list[FunctionTool]:
+        return [t.model_copy(update={"name": f"{self.name}{NAMESPACE_SEP}{t.name}",
+                                     "description": "\n\n".join(filter(None, (self.description, t.description)))})
+                for t in self.tools]
+
+
+def _tool_type(tool: Any) -> str:
+    return tool.get("type", "") if isinstance(tool, dict) else ""
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")],
+                 Discriminator(_tool_type)]
 
 
 class FunctionChoice(Strict):
@@ -193,7 +137,7 @@ class ResponsesRequest(Strict):
     model: str | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = None
@@ -208,6 +152,7 @@ class ResponsesRequest(Strict):
     include: list[Literal["reasoning.encrypted_content"]] | None = None
     user: str | None = None
     safety_identifier: str | None = None  # stored nowhere
+    client_metadata: dict[str, str] | None = None  # the client's own tags (the Codex CLI's session ids): stored nowhere
     prompt_cache_key: str | None = None  # accepted: cairn caches every prefix on its own
     store: bool = True
     previous_response_id: str | None = None
@@ -228,8 +173,21 @@ class ResponsesRequest(Strict):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
                            code="invalid_value")
-        refuse_duplicate_names([t.name for t in self.tools or ()], "tools.{}.name")
+        paths = [f"tools.{i}.name" if isinstance(t, FunctionTool) else f"tools.{i}.tools.{j}.name"
+                 for i, t in enumerate(self.tools or ()) for j in range(len(getattr(t, "tools", [t])))]
+        refuse_duplicate_names([t.name for t in self.chat_tools()], paths)
         return self
+
+    def chat_tools(self) -> list[FunctionTool]:
+        """The function tools as the chat sees them: a namespace's flattened to `<namespace>.<name>`."""
+        return [f for t in self.tools or () for f in (t.chat_tools() if isinstance(t, NamespaceTool) else [t])]
+
+    def call_name(self, name: str) -> tuple[str | None, str]:
+        """(namespace, name) of a call of the chat tool `name` (namespace None for a plain function tool)."""
+        namespace, sep, rest = name.partition(NAMESPACE_SEP)  # (a plain tool of this name would be a duplicate)
+        if sep and any(isinstance(t, NamespaceTool) and t.name == namespace for t in self.tools or ()):
+            return namespace, rest
+        return None, name
 
     def items(self) -> list[InputItem]:
         if isinstance(self.input, str):
@@ -238,7 +196,7 @@ class ResponsesRequest(Strict):
 
     def to_chat(self, prior: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
         """The equivalent chat request; `prior`: the stored conversation previous_response_id names."""
-        items = [_ITEMS.validate_python(item) for item in prior] + self.items()
+        items = [ITEMS.validate_python(item) for item in prior] + self.items()
         chat: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.instructions, items),
                                 "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "user": self.user, "metadata": self.metadata,
@@ -246,7 +204,7 @@ class ResponsesRequest(Strict):
         if self.tools:
             chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                                "parameters": t.parameters, "strict": t.strict}}
-                             for t in self.tools]
+                             for t in self.chat_tools()]
         if self.tool_choice is not None:
             chat["tool_choice"] = (self.tool_choice if isinstance(self.tool_choice, str) else
                                    {"type": "function", "function": {"name": self.tool_choice.name}})
@@ -260,15 +218,17 @@ class ResponsesRequest(Strict):
             raise from_validation_errors(e.errors(include_url=False)) from None
 
 
-_ITEMS: TypeAdapter[InputItem] = TypeAdapter(InputItem)  # a stored item (a dict) as its model
 
 
 def refuse_unsupported_types(data: dict) -> None:
     """A 400 naming the field for a tool, tool_choice, input item or content part of a type the API defines
     and cairn does not implement (said so, rather than as a failed match of every type cairn takes)."""
     for i, tool in enumerate(_list(data.get("tools"))):
-        if isinstance(tool, dict) and tool.get("type") != "function":
-            _unsupported(f"tools.{i}.type", tool.get("type"), "function tools only")
+        if isinstance(tool, dict) and tool.get("type") not in TOOL_TYPES:
+            _unsupported(f"tools.{i}.type", tool.get("type"), "function and namespace tools only")
+        for j, inner in enumerate(_list(tool.get("tools")) if isinstance(tool, dict) else ()):
+            if isinstance(inner, dict) and inner.get("type") != "function":
+                _unsupported(f"tools.{i}.tools.{j}.type", inner.get("type"), "function tools only")
     for i, value in enumerate(_list(data.get("include"))):
         if value != ENCRYPTED_REASONING:
             _unsupported(f"include.{i}", value, f"{ENCRYPTED_REASONING} only")
@@ -276,7 +236,7 @@ def refuse_unsupported_types(data: dict) -> None:
     if isinstance(choice, dict) and choice.get("type") != "function":
         _unsupported("tool_choice.type", choice.get("type"), "none, auto, required or a function")
     for i, item in enumerate(_list(data.get("input"))):
-        kind = _item_type(item)
+        kind = item_type(item)
         if kind not in ITEM_TYPES:
             _unsupported(f"input.{i}.type", kind, ", ".join(ITEM_TYPES) + " items")
         content = item.get("content") if kind == "message" else item.get("output")
@@ -303,56 +263,6 @@ def _response_format(f: TextFormat) -> dict[str, Any]:
                        code="missing_field")
     return {"type": "json_schema", "json_schema": {"name": f.name, "description": f.description,
                                                    "schema": f.schema_, "strict": f.strict}}
-
-
-def _text(content: str | list[TextPart], sep: str) -> str:
-    return content if isinstance(content, str) else sep.join(p.text for p in content)
-
-
-def chat_messages(instructions: str | None, items: list[InputItem]) -> list[dict[str, Any]]:
-    """The chat messages of a conversation: the instructions and the leading system / developer messages as one
-    system message, then the items (see the module docstring)."""
-    system = [instructions] if instructions else []
-    while items and isinstance(items[0], MessageItem) and items[0].role in ("system", "developer"):
-        system.append(_text(items.pop(0).content, "\n"))
-    messages = [{"role": "system", "content": "\n\n".join(system)}] if system else []
-    reasoning: str | None = None  # a reasoning item's text, for the assistant message that follows it
-    for item in items:
-        if isinstance(item, ReasoningItem):
-            reasoning = (reasoning or "") + item.text()
-            continue
-        if isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            if reasoning is None and messages and messages[-1]["role"] == "assistant":
-                messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append(_assistant("", reasoning, [call]))
-        elif isinstance(item, MessageItem) and item.role == "assistant":
-            messages.append(_assistant(_text(item.content, ""), reasoning))
-        else:
-            if reasoning is not None:  # reasoning that no answer followed: an assistant turn of its own
-                messages.append(_assistant("", reasoning))
-            messages.append(_other(item))
-        reasoning = None
-    if reasoning is not None:
-        messages.append(_assistant("", reasoning))
-    return messages
-
-
-def _assistant(content: str, reasoning: str | None, calls: list | None = None) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        message["reasoning_content"] = reasoning
-    if calls:
-        message["tool_calls"] = calls
-    return message
-
-
-def _other(item: MessageItem | FunctionCallOutputItem) -> dict[str, Any]:
-    if isinstance(item, FunctionCallOutputItem):
-        return {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, "\n")}
-    return {"role": item.role, "content": _text(item.content, "\n")}
 
 
 # ---- preparing it as a chat ---------------------------------------------------------------------

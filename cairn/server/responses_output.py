@@ -48,12 +48,14 @@ from cairn.server.prepare import Prepared, prepare
 from cairn.server.responses import usage_of
 from cairn.server.responses_api import (
     ENCRYPTED_REASONING,
+    NamespaceTool,
     NeedsHistory,
     ResponsesRequest,
-    encode_reasoning,
+    Tool,
     in_responses_names,
     previous_not_found,
 )
+from cairn.server.responses_items import encode_reasoning
 from cairn.tokenizer import Tokenizer
 
 RESPONSE_ID_HEADER = "x-cairn-response-id"
@@ -146,7 +148,9 @@ class Draft:
         return response
 
 
-def _tool(t) -> dict[str, Any]:
+def _tool(t: Tool) -> dict[str, Any]:
+    if isinstance(t, NamespaceTool):
+        return {"type": "namespace", "name": t.name, "description": t.description, "tools": [_tool(f) for f in t.tools]}
     return {"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
             "strict": t.strict}
 
@@ -189,19 +193,22 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def call_item(call: ParsedToolCall, status: str) -> dict[str, Any]:
-    return {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "call_id": call.id,
-            "name": call.name, "arguments": call.arguments, "status": status}
+def call_item(call: ParsedToolCall, status: str, body: ResponsesRequest) -> dict[str, Any]:
+    """A function_call item; a namespace tool's call (the chat tool `<namespace>.<name>`) carries `namespace`."""
+    namespace, name = body.call_name(call.name)
+    item = {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "call_id": call.id,
+            "name": name, "arguments": call.arguments, "status": status}
+    return {**item, "namespace": namespace} if namespace else item
 
 
-def output_items(message: ChatDelta, status: str, encoded: bool) -> list[dict[str, Any]]:
+def output_items(message: ChatDelta, status: str, draft: Draft) -> list[dict[str, Any]]:
     """The whole answer's items; the last is `status` (incomplete when the answer was cut), the others completed."""
     items = []
     if message.reasoning:
-        items.append(reasoning_item(_item_id("rs"), message.reasoning, "completed", encoded))
+        items.append(reasoning_item(_item_id("rs"), message.reasoning, "completed", draft.encoded))
     if message.content or not (message.reasoning or message.calls):
         items.append(message_item(_item_id("msg"), message.content, "completed"))
-    items += [call_item(c, "completed") for c in message.calls]
+    items += [call_item(c, "completed", draft.body) for c in message.calls]
     items[-1]["status"] = status
     return items
 
@@ -273,7 +280,7 @@ async def create(ctx: ServingContext, store: ResponseStore, chunks: list[bytes],
     (out,) = await gen.final_outputs(request)
     shaper.feed(out.text, final=True)
     status = status_of(shaper, out)
-    body = draft.response(status, output_items(shaper.message, status, draft.encoded),
+    body = draft.response(status, output_items(shaper.message, status, draft),
                           usage(ctx.tokenizer, out, shaper.message.reasoning))
     return JSONResponse(draft.finish(store, body), headers=headers)
 
@@ -305,8 +312,8 @@ def _not_found(response_id: str) -> APIError:
 class _ItemStream:
     """Numbers the events, and opens, feeds and closes output items as the kind of text changes."""
 
-    def __init__(self, encoded: bool):
-        self.encoded = encoded  # reasoning items carry encrypted_content
+    def __init__(self, draft: Draft):
+        self.draft, self.encoded = draft, draft.encoded  # (encoded: reasoning items carry encrypted_content)
         self.seq, self.items = 0, []  # the closed items
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.text = ""
@@ -369,14 +376,14 @@ class _ItemStream:
             events.append(self.event("response.output_text.delta", **self._at(), content_index=0, delta=d.content,
                                      logprobs=[]))
         for c in d.calls:
-            events += self._switch({**call_item(c, "in_progress"), "arguments": ""}, None)
+            events += self._switch({**call_item(c, "in_progress", self.draft.body), "arguments": ""}, None)
             self.open["arguments"] = c.arguments
             events.append(self.event("response.function_call_arguments.delta", **self._at(), delta=c.arguments))
         return events
 
 
 async def _events(gen: Generation, shaper: ChatShaper, draft: Draft, store: ResponseStore) -> AsyncIterator[str]:
-    items = _ItemStream(draft.encoded)
+    items = _ItemStream(draft)
     yield items.event("response.created", response=draft.response("in_progress", [], None))
     yield items.event("response.in_progress", response=draft.response("in_progress", [], None))
     try:
