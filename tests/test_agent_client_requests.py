@@ -1,10 +1,15 @@
-"""What real agent clients sent, replayed against a real `cairn serve`: the Codex CLI's requests to /v1/responses.
+"""What real agent clients sent, replayed against a real `cairn serve`: the Codex CLI's requests to /v1/responses
+and Claude Code's to /v1/messages.
 
-The fixtures in tests/fixtures/agent_requests/ are the bodies codex-cli 0.171.0 (`codex exec`, a custom model
-provider with `wire_api = "responses"` and `web_search = "disabled"`) sent to cairn's demo server, in one
-session of two turns: every field and item as sent, long texts cut to 240 characters, ids and paths replaced.
-Each is replayed streamed, as the client sent it, with `max_output_tokens` added (the demo model's answers are
-random text that would otherwise run to the context's end).
+The fixtures in tests/fixtures/agent_requests/ are the bodies the clients sent to cairn's demo server: every
+field, message and tool as sent, long texts cut to 240 characters, ids and paths replaced.
+- codex_*: codex-cli 0.171.0 (`codex exec`, then `codex exec resume --last`: one session of two turns), a custom
+  model provider with `wire_api = "responses"` and `web_search = "disabled"`.
+- claude_code_*: Claude Code 2.1.197 (`claude -p`, ANTHROPIC_BASE_URL at the server): its default turn (24 tools,
+  a system message after the user's; whole, 77k of the demo's byte tokens, over its 65,536-token context) and
+  one with `--tools Bash,Read --system-prompt ...` (answered whole by the demo server).
+Each is replayed streamed, as the client sent it, with the output limit lowered (the demo model's answers are
+random text that would otherwise run long).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "agent_requests"
 OUTPUT_TOKENS = 8
 FORCED_OUTPUT_TOKENS = 256
 
-served = served_fixture("--max-model-len", "16384", "--max-num-seqs", "2", "--log-level", "WARNING")
+served = served_fixture("--max-model-len", "32768", "--max-num-seqs", "2", "--log-level", "WARNING")
 
 
 def sent(name: str) -> dict:
@@ -82,3 +87,26 @@ def test_a_call_of_a_namespace_tool_comes_back_with_its_namespace_and_goes_back_
     follow_up["input"] = [*follow_up["input"], {k: v for k, v in call.items() if k != "status"},
                           {"type": "function_call_output", "call_id": call["call_id"], "output": "agent started"}]
     assert finished(streamed(http, follow_up))["usage"]["input_tokens"] > response["usage"]["input_tokens"]
+
+
+def anthropic_events(http, body: dict) -> list[dict]:
+    with http.stream("POST", "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line]
+    kinds, events = lines[0::2], [json.loads(line.removeprefix("data: ")) for line in lines[1::2]]
+    assert kinds == [f"event: {e['type']}" for e in events]
+    return events
+
+
+@pytest.mark.parametrize("name", ["claude_code_default_turn.json", "claude_code_bash_read_turn.json"])
+def test_claude_codes_turns_are_answered_as_a_complete_stream(http, name):
+    """Its output_config effort "high", its context_management (clear_thinking, keep all) and a system message
+    among the messages were 400s before."""
+    body = {**sent(name), "max_tokens": OUTPUT_TOKENS}
+    assert body["output_config"] == {"effort": "high"} and body["context_management"]["edits"]
+    events = anthropic_events(http, body)
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    starts = [e["index"] for e in events if e["type"] == "content_block_start"]
+    assert starts == [e["index"] for e in events if e["type"] == "content_block_stop"] == list(range(len(starts)))
+    (delta,) = [e for e in events if e["type"] == "message_delta"]
+    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == OUTPUT_TOKENS

@@ -156,7 +156,6 @@ def test_output_config_format_becomes_the_chats_json_schema_response_format():
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"output_config": {"effort": "high"}}, "output_config.effort"),
     ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "stop_sequences": ["}"]},
      "stop_sequences"),
     ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "tools": [
@@ -197,3 +196,52 @@ def test_sampling_fields_outside_the_messages_apis_ranges_are_refused_naming_the
         MessagesRequest.model_validate({**BASE, field: value})
     assert from_validation_errors(e.value.errors(include_url=False)).param == field
     assert MessagesRequest.model_validate({**BASE, "temperature": 1.0, "top_p": 1.0, "top_k": 0}).to_chat()
+
+
+def test_output_config_effort_high_anthropics_default_is_accepted_and_another_level_refused_naming_it():
+    """Claude Code sends effort "high" (the API's default) on every request: it was a 400."""
+    assert MessagesRequest.model_validate({**BASE, "output_config": {"effort": "high"}}).to_chat()
+    with pytest.raises(ValidationError) as e:
+        MessagesRequest.model_validate({**BASE, "output_config": {"effort": "low"}})
+    assert from_validation_errors(e.value.errors(include_url=False)).param == "output_config.effort"
+
+
+def _thinking_turns(context_management: dict | None) -> list[str | None]:
+    turns = [{"role": "user", "content": "q1"},
+             {"role": "assistant", "content": [{"type": "thinking", "thinking": "t1", "signature": ""},
+                                               {"type": "text", "text": "a1"}]},
+             {"role": "user", "content": "q2"},
+             {"role": "assistant", "content": [{"type": "thinking", "thinking": "t2", "signature": ""},
+                                               {"type": "text", "text": "a2"}]},
+             {"role": "user", "content": "q3"}]
+    body = {**BASE, "messages": turns} | ({"context_management": context_management} if context_management else {})
+    chat = MessagesRequest.model_validate(body).to_chat()
+    return [m.reasoning_content for m in chat.messages if m.role == "assistant"]
+
+
+def test_clear_thinking_drops_the_thinking_of_all_but_the_last_kept_assistant_turns():
+    """Claude Code sends context_management clear_thinking_20251015 with keep "all" (an unknown field before)."""
+    edit = {"type": "clear_thinking_20251015"}
+    assert _thinking_turns(None) == ["t1", "t2"]
+    assert _thinking_turns({"edits": [{**edit, "keep": "all"}]}) == ["t1", "t2"]
+    assert _thinking_turns({"edits": [{**edit, "keep": {"type": "all"}}]}) == ["t1", "t2"]
+    assert _thinking_turns({"edits": [edit]}) == [None, "t2"]  # Anthropic's default keep: one turn
+    assert _thinking_turns({"edits": [{**edit, "keep": {"type": "thinking_turns", "value": 2}}]}) == ["t1", "t2"]
+
+
+def test_a_context_edit_cairn_does_not_carry_out_is_refused_naming_its_type():
+    edits = [{"type": "clear_thinking_20251015", "keep": "all"}, {"type": "clear_tool_uses_20250919"}]
+    assert _refused_param({**BASE, "context_management": {"edits": edits}}) == "context_management.edits.1.type"
+
+
+def test_a_system_message_among_the_messages_is_a_system_message_where_it_stands():
+    """Claude Code sends one after the user's first message (its agent list): a 400 on the role before."""
+    body = {**BASE, "system": "top", "messages": [
+        {"role": "user", "content": "q"}, {"role": "system", "content": [{"type": "text", "text": "agents: a, b"}]}]}
+    chat = MessagesRequest.model_validate(body).to_chat()
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "top"), ("user", "q"),
+                                                           ("system", "agents: a, b")]
+    with pytest.raises(APIError) as e:
+        MessagesRequest.model_validate({**BASE, "messages": [
+            {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}).to_chat()
+    assert e.value.param == "messages"

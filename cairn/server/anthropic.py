@@ -13,7 +13,8 @@ parsers, prefix cache and snapshots. The answer comes back as content blocks (`t
 
 `output_config.format` (structured output, what the client's messages.parse sends) is the chat's
 response_format json_schema: the text block is JSON valid for its schema (after the thinking block,
-if any); `output_config.effort` is accepted only null.
+if any); `output_config.effort` is accepted null or "high" (Anthropic's default; cairn has no other level).
+`context_management` edits: `clear_thinking_20251015` is carried out, others refused (see `anthropic_context`).
 usage: `input_tokens` counts the prompt tokens computed, `cache_read_input_tokens` those resumed from
 cairn's prefix cache (the same figure as OpenAI's cached_tokens); cairn has no separate cache write
 (`cache_creation_input_tokens` is 0), `cache_control` marks are accepted and change nothing. The
@@ -44,6 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cairn.outputs import Completion
+from cairn.server.anthropic_context import ContextManagement
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.chat_schema import FunctionName, refuse_duplicate_names
@@ -99,7 +101,7 @@ Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Fi
 
 
 class Message(Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: a mid-conversation system message (Claude Code's)
     content: str | list[Block]
 
 
@@ -150,11 +152,7 @@ class OutputFormat(Strict):
 
 class OutputConfig(Strict):
     format: OutputFormat | None = None  # structured output: the chat's response_format json_schema
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unimplemented(cls, data: Any) -> Any:
-        return refuse_unimplemented(data, "output_config.")  # effort
+    effort: Literal["high"] | None = None  # Anthropic's default (what Claude Code sends); no other level is honoured
 
 
 class Metadata(Strict):
@@ -172,6 +170,7 @@ class PromptFields(Strict):
     thinking: ThinkingConfig | None = None
     cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None  # clear_thinking honoured (see anthropic_context)
 
     @model_validator(mode="before")
     @classmethod
@@ -211,6 +210,8 @@ class MessagesRequest(PromptFields):
             messages.append({"role": "system", "content": system})
         for m in self.messages:
             messages += _chat_messages(m)
+        if self.context_management is not None:
+            self.context_management.apply(messages)
         chat: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
                                 "stop": self.stop_sequences, "temperature": self.temperature, "top_p": self.top_p,
                                 "top_k": self.top_k}
@@ -295,6 +296,10 @@ def _chat_messages(m: Message) -> list[dict[str, Any]]:
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     texts = [b.text for b in m.content if isinstance(b, TextBlock)]
+    if m.role == "system":  # rendered where it stands, as the chat template renders a system message there
+        if len(texts) != len(m.content):
+            raise APIError(400, "a system message may hold text blocks only", param="messages", code="invalid_value")
+        return [{"role": "system", "content": "\n".join(texts)}]
     if m.role == "assistant":
         out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
         thinking = [b.thinking for b in m.content if isinstance(b, ThinkingBlock)]

@@ -27,7 +27,6 @@ UNIMPLEMENTED_FIELDS: dict[str, Any] = {
     "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
     "functions": None, "function_call": None, "reasoning_effort": None, "prompt_logprobs": None,
     "logprobs_mode": None, "audio": None, "modalities": ["text"], "prediction": None, "web_search_options": None,
-    "effort": None,  # Anthropic's output_config.effort
 }
 
 
