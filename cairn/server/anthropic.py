@@ -31,7 +31,6 @@ would send ({"input_tokens": N}), rendered and tokenized as that request would b
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
@@ -49,7 +48,7 @@ from cairn.server.anthropic_context import ContextManagement
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.chat_schema import FunctionName, refuse_duplicate_names
-from cairn.server.errors import APIError, from_exception, from_validation_errors
+from cairn.server.errors import APIError, from_exception, from_validation_errors, renamed
 from cairn.server.generate import Generation, ServingContext, SSEResponse, prepare_chat, start_generation
 from cairn.server.protocol import ChatCompletionRequest
 from cairn.server.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
@@ -266,12 +265,7 @@ CHAT_PATHS = ((re.compile(r"\btools\.(\d+)\.function\.parameters\b"), r"tools.\1
 
 def in_anthropic_names(e: APIError) -> APIError:
     """`e`, raised by the equivalent chat request's checks, naming the fields this request sent."""
-    def rename(text: str) -> str:
-        for pattern, name in CHAT_PATHS:
-            text = pattern.sub(name, text)
-        return text
-
-    return dataclasses.replace(e, message=rename(e.message), param=e.param and rename(e.param))
+    return renamed(e, CHAT_PATHS)
 
 
 def prepare_messages(ctx: ServingContext, body: MessagesRequest | CountTokensRequest,

@@ -123,6 +123,17 @@ def naming_max_tokens(error: APIError, field: str) -> APIError:
     return dataclasses.replace(error, param=field, message=re.sub(r"\bmax_tokens\b", field, error.message))
 
 
+def renamed(error: APIError, paths: tuple[tuple[re.Pattern, str], ...]) -> APIError:
+    """`error`, raised by an equivalent chat request's checks, naming the fields another API's request sent:
+    each (pattern, name) of `paths` substituted in its message and param, in order."""
+    def rename(text: str) -> str:
+        for pattern, name in paths:
+            text = pattern.sub(name, text)
+        return text
+
+    return dataclasses.replace(error, message=rename(error.message), param=error.param and rename(error.param))
+
+
 def from_validation_errors(errors: list[dict]) -> APIError:
     """The response for FastAPI's RequestValidationError (malformed JSON, wrong or missing fields), naming
     the error that says most (see `_telling`)."""

@@ -35,7 +35,6 @@ its content (see `responses_items`); one cairn did not make is a 400.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -46,7 +45,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatPlan
 from cairn.server.chat_schema import FunctionName, refuse_duplicate_names
-from cairn.server.errors import APIError, from_validation_errors
+from cairn.server.errors import APIError, from_validation_errors, renamed
 from cairn.server.generate import ServingContext, prepare_chat
 from cairn.server.protocol import ChatCompletionRequest
 from cairn.server.responses_items import (
@@ -290,12 +289,7 @@ CHAT_PATHS = ((re.compile(r"\btools\.(\d+)\.function\.(\w+)"), r"tools.\1.\2"),
 
 def in_responses_names(e: APIError) -> APIError:
     """`e`, raised by the equivalent chat request's checks, naming the fields this request sent."""
-    def rename(text: str) -> str:
-        for pattern, name in CHAT_PATHS:
-            text = pattern.sub(name, text)
-        return text
-
-    return dataclasses.replace(e, message=rename(e.message), param=e.param and rename(e.param))
+    return renamed(e, CHAT_PATHS)
 
 
 def previous_not_found(response_id: str) -> APIError:
