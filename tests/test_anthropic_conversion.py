@@ -242,6 +242,12 @@ def test_a_system_message_among_the_messages_is_a_system_message_where_it_stands
     assert [(m.role, m.content) for m in chat.messages] == [("system", "top"), ("user", "q"),
                                                            ("system", "agents: a, b")]
     with pytest.raises(APIError) as e:
-        MessagesRequest.model_validate({**BASE, "messages": [
-            {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}).to_chat()
+        MessagesRequest.model_validate({**BASE, "messages": [{"role": "user", "content": "q"}, {
+            "role": "system", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}).to_chat()
     assert e.value.param == "messages"
+
+
+def test_a_first_message_of_role_system_is_refused_naming_it():
+    """A system message stands between turns; a system prompt goes in `system` (a lone system message was a 400
+    on its role before system messages were taken, and stays one)."""
+    assert _refused_param({**BASE, "messages": [{"role": "system", "content": "x"}]}) == "messages.0.role"

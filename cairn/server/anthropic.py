@@ -176,6 +176,13 @@ class PromptFields(Strict):
     def _unimplemented(cls, data: Any) -> Any:
         return refuse_unimplemented(refuse_lone_surrogates(data))
 
+    @model_validator(mode="after")
+    def _system_between_turns(self) -> PromptFields:
+        if self.messages[0].role == "system":  # a system message stands between turns; the first goes in `system`
+            raise APIError(400, "the first message cannot be a system message (a system prompt goes in `system`)",
+                           param="messages.0.role", code="invalid_value")
+        return self
+
 
 class MessagesRequest(PromptFields):
     max_tokens: int
