@@ -172,14 +172,23 @@ class ResponsesRequest(Strict):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
                            code="invalid_value")
-        paths = [f"tools.{i}.name" if isinstance(t, FunctionTool) else f"tools.{i}.tools.{j}.name"
-                 for i, t in enumerate(self.tools or ()) for j in range(len(getattr(t, "tools", [t])))]
-        refuse_duplicate_names([t.name for t in self.chat_tools()], paths)
+        named = self._named_chat_tools()
+        refuse_duplicate_names([t.name for _, t in named], [path for path, _ in named])
         return self
 
     def chat_tools(self) -> list[FunctionTool]:
         """The function tools as the chat sees them: a namespace's flattened to `<namespace>.<name>`."""
-        return [f for t in self.tools or () for f in (t.chat_tools() if isinstance(t, NamespaceTool) else [t])]
+        return [t for _, t in self._named_chat_tools()]
+
+    def _named_chat_tools(self) -> list[tuple[str, FunctionTool]]:
+        """chat_tools, each with the path of its name in this request (tools.I.name, tools.I.tools.J.name)."""
+        named = []
+        for i, tool in enumerate(self.tools or ()):
+            if isinstance(tool, NamespaceTool):
+                named += [(f"tools.{i}.tools.{j}.name", t) for j, t in enumerate(tool.chat_tools())]
+            else:
+                named.append((f"tools.{i}.name", tool))
+        return named
 
     def call_name(self, name: str) -> tuple[str | None, str]:
         """(namespace, name) of a call of the chat tool `name` (namespace None for a plain function tool)."""
