@@ -83,9 +83,9 @@ def read_bandwidth_gbs(buf: torch.Tensor, repeats: int = 3) -> float:
 def stream_read_gbs(buf: torch.Tensor, repeats: int = 3) -> float | None:
     """GB/s of cairn's own streaming read of `buf` (cpu_gemv's loop of vector loads), best of `repeats`;
     None where the kernel does not load. Reported beside `sum`, which reads slower on some machines."""
-    from cairn.ops import cpu_gemv
+    from cairn.ops import cpu_gemv, cpu_isa
 
-    kernel = cpu_gemv.load(cpu_gemv.cpu_flags())
+    kernel = cpu_gemv.load(cpu_isa.cpu_flags())
     if isinstance(kernel, str):
         return None
     return buf.numel() * buf.element_size() / best_seconds(lambda: kernel.stream_read(buf), repeats) / 1e9
@@ -118,9 +118,9 @@ def force_gemv_isa(model, isa: str) -> bool:
     """Put the gemv layout's linears on the kernel's `isa` path (with that path's rows, F.linear above):
     the AVX512-BF16 dot products beside the AMX tiles `auto` picks. False where the path does not load."""
     from cairn.model.layout import GemvLinear
-    from cairn.ops import cpu_gemv
+    from cairn.ops import cpu_gemv, cpu_isa
 
-    kernel = cpu_gemv.load(cpu_gemv.cpu_flags(), isa)
+    kernel = cpu_gemv.load(cpu_isa.cpu_flags(), isa)
     if isinstance(kernel, str):
         return False
     for module in model.modules():
@@ -134,9 +134,9 @@ def row_major_gemv(model) -> bool:
     AVX2 path, the row-major dot-product kernel at every row count, the layout before the packed weights.
     False where the kernel does not load."""
     from cairn.model import layout
-    from cairn.ops import cpu_gemv
+    from cairn.ops import cpu_gemv, cpu_isa
 
-    kernel = cpu_gemv.load(cpu_gemv.cpu_flags())
+    kernel = cpu_gemv.load(cpu_isa.cpu_flags())
     if isinstance(kernel, str):
         return False
     layout._replace(model, lambda w, shared: layout.GemvLinear(w, kernel, pack=False))
@@ -145,7 +145,7 @@ def row_major_gemv(model) -> bool:
 
 def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) -> dict:
     from cairn.model.layout import decode_weight_bytes
-    from cairn.ops import attention, cpu_gdn
+    from cairn.ops import attention, gdn
 
     engines = {}
     for name, options in variants(layouts).items():
@@ -155,7 +155,7 @@ def build_engines(path: Path, dtype: str, layouts: list[str], max_batch: int) ->
             print(f"  {dtype} {name}: skipped ({e})")
             continue
         if name == "gemv-unfused":  # the Gated DeltaNet decode on the reference kernels, not the fused op
-            engine.model.kernels = dataclasses.replace(engine.model.kernels, gdn_decode_op=cpu_gdn.reference_op_for)
+            engine.model.kernels = dataclasses.replace(engine.model.kernels, gdn_decode_op=gdn.no_decode_op)
         if name == "gemv-sdpa":  # decode attention on the reference (SDPA over gathered pages), not cairn's op
             engine.model.kernels = dataclasses.replace(engine.model.kernels,
                                                        paged_decode_attention=attention.paged_decode_attention)

@@ -74,7 +74,7 @@ def compiled(weight: torch.Tensor, x: torch.Tensor, mode: str | None) -> tuple[o
 def make_variants(names: list[str], weight: torch.Tensor, x: torch.Tensor) -> tuple[dict, dict]:
     """name -> a callable of x, and name -> its set-up seconds (compiling, building, packing)."""
     from cairn.model.layout import PackedLinear
-    from cairn.ops import cpu_gemv
+    from cairn.ops import cpu_gemv, cpu_isa
 
     fns, setup = {}, {}
     for name in names:
@@ -84,7 +84,7 @@ def make_variants(names: list[str], weight: torch.Tensor, x: torch.Tensor) -> tu
         elif name == "packed":
             fns[name] = PackedLinear(weight)
         elif name in ("gemv", "gemv-avx2"):
-            kernel = cpu_gemv.load(cpu_gemv.cpu_flags(), "avx2" if name == "gemv-avx2" else None)
+            kernel = cpu_gemv.load(cpu_isa.cpu_flags(), "avx2" if name == "gemv-avx2" else None)
             if isinstance(kernel, str):
                 print(f"  {name}: skipped ({kernel})")
                 continue

@@ -31,7 +31,7 @@ import time
 import torch
 
 from benchmarks.gemv_bench import SHAPES_0_8B
-from cairn.ops import cpu_gemv
+from cairn.ops import cpu_gemv, cpu_isa
 
 
 def step_order() -> list[tuple[int, int]]:
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="alternating steps per kernel (the median is reported)")
     args = ap.parse_args()
     base = baseline_kernel(args.baseline, args.baseline_isa)
-    kernels = {"baseline": base, "this": cpu_gemv.load(cpu_gemv.cpu_flags())}
+    kernels = {"baseline": base, "this": cpu_gemv.load(cpu_isa.cpu_flags())}
     if isinstance(kernels["this"], str):
         raise SystemExit(f"this checkout's kernel does not load: {kernels['this']}")
     print(f"baseline: {args.baseline or 'this checkout'} on {base.isa}; this: {kernels['this'].isa}"

@@ -16,7 +16,7 @@ import torch
 
 from cairn.cache.disk.segment import FORMAT_VERSION
 from cairn.model.config import ModelConfig
-from cairn.ops.cpu_gemv import cpu_flags
+from cairn.ops.cpu_isa import cpu_flags
 
 # the /proc/cpuinfo flags that choose oneDNN's (and cairn's C++ ops') instruction paths for a matrix product:
 # two machines differing in one of them can sum a bf16 product in another order
@@ -34,10 +34,12 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def kernel_platform(device: torch.device) -> str:
+def kernel_platform(device: torch.device, cpu_path: str = "none") -> str:
     """What chooses the instructions a product runs on this machine: torch's version and, on a CPU, its dispatch
-    level, the matrix-relevant CPU flags and oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA); on a GPU its name and compute
-    capability with CUDA's version. Not the thread count: a bf16 prefill gave the same bits at 1 to 8 threads."""
+    level, the matrix-relevant CPU flags, oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA) and the instruction path of cairn's
+    compiled ops (`cpu_path`, cairn/ops/cpu_isa.py: a machine forced onto a lower path sums in that path's order);
+    on a GPU its name and compute capability with CUDA's version. Not the thread count: a bf16 prefill gave the
+    same bits at 1 to 8 threads."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return (f"torch {torch.__version__} cuda {torch.version.cuda} {torch.cuda.get_device_name(device)} "
@@ -45,7 +47,8 @@ def kernel_platform(device: torch.device) -> str:
     flags = cpu_flags()
     isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
     return " ".join([f"torch {torch.__version__} {device.type} {torch.backends.cpu.get_cpu_capability()}",
-                     *(f for f in _KERNEL_FLAGS if f in flags), *([f"isa<={isa_cap}"] if isa_cap else [])])
+                     *(f for f in _KERNEL_FLAGS if f in flags), f"cairn-cpu-path {cpu_path}",
+                     *([f"isa<={isa_cap}"] if isa_cap else [])])
 
 
 def compat_digest(weights: str, cfg: ModelConfig, dtype: torch.dtype, page_size: int, prefill_block: int = 0,

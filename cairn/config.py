@@ -2,7 +2,8 @@
 
 Every field carries its help text in `metadata["help"]`; `cairn.cli` turns each field into a flag
 (`kv_cache_gib` -> `--kv-cache-gib`). Nothing below the CLI parses arguments or reads the
-environment: these objects are built once and passed down. Derived values are properties. Memory
+environment (`environment_defaults` is for the entry points alone: the command line and `LLM`): these
+objects are built once and passed down. Derived values are properties. Memory
 budgets left at None are the machine's and the model's to decide: the engine resolves them once at
 start-up (`cairn.sizing.resolve_sizes`, which logs the result); the `*_bytes` properties are read only
 after that.
@@ -11,15 +12,25 @@ after that.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
 GIB = 1 << 30
+CPU_ISAS = ("auto", "none", "avx2", "avx512_bf16", "amx_bf16")  # --cpu-isa: auto or a path of cairn/ops/cpu_isa.py
 
 
 class ConfigError(ValueError):
     """An option's value cairn cannot run with (`--port 70000`, `--max-num-seqs 0`, a KV budget that holds
     no page). The message names the flag; the command line prints it as one line, with no traceback."""
+
+
+def environment_defaults() -> dict[str, str]:
+    """Engine options the environment sets, for the entry points (the command line's defaults, `LLM(...)`'s):
+    CAIRN_CPU_ISA -> cpu_isa, the instruction path of the compiled CPU ops, so that a whole process (a test run
+    included) can be put on one path."""
+    value = os.environ.get("CAIRN_CPU_ISA")
+    return {"cpu_isa": value} if value else {}
 
 
 def _f(default, help: str, **kw):
@@ -49,10 +60,14 @@ class ModelOptions:
     weight_layout: str = _f("auto", "layout of the linear weights: auto (gemv for bf16 where the kernel builds on a "
                             "CPU with AMX-BF16 or AVX512-BF16, or with AVX2 + FMA where oneDNN has no bf16 matmul; "
                             "else plain; logged at start-up), plain, packed (oneDNN's blocked layout for AMX / "
-                            "AVX512-BF16), or gemv (cairn's bf16 gemv kernel for decode batches of up to 16 rows on "
-                            "AMX, 2 on AVX512-BF16, F.linear above; on AVX2 up to 16 rows and a prefill 16 rows at "
-                            "a time; built on first use)",
+                            "AVX512-BF16), or gemv (cairn's bf16 gemv kernel for decode batches of up to 16 rows, "
+                            "F.linear above; on AVX2 a prefill too, 16 rows at a time; built on first use)",
                             choices=("auto", "plain", "packed", "gemv"))
+    cpu_isa: str = _f("auto", "instruction path of cairn's compiled CPU ops (the gemv kernel and the fused bf16 decode "
+                      "ops): auto (the best this CPU has), amx_bf16, avx512_bf16, avx2 (each refused above what the "
+                      "CPU has), or none (no compiled op: the PyTorch reference kernels); the CAIRN_CPU_ISA "
+                      "environment variable sets it too; logged at start-up",
+                      choices=CPU_ISAS)
     fast_kernels: bool = _f(False, "on CUDA, use the field's kernels where installed: flash-linear-attention "
                             "(gated delta rule), causal-conv1d (conv), FlashInfer (paged attention); untested on "
                             "GPU so far; the reference kernels otherwise")
@@ -62,6 +77,9 @@ class ModelOptions:
                            "one KV page and one state slot for padding rows; untested on GPU so far")
 
     def __post_init__(self):
+        if self.cpu_isa not in CPU_ISAS:
+            raise ConfigError(f"--cpu-isa / CAIRN_CPU_ISA {self.cpu_isa!r}: unknown (choose from "
+                              f"{', '.join(CPU_ISAS)})")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"--device {self.device}: must be auto, cpu, cuda or cuda:N")
         if self.model is not None and self.demo_seed != 0:

@@ -41,7 +41,7 @@ from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
 from cairn.model.layout import apply_layout, lay_out_int8, prefill_kernels, quantize
 from cairn.model.loader import load_checkpoint
-from cairn.ops import cuda_graphs, load_fused_cpu_ops, select_kernels
+from cairn.ops import cpu_gemv, cpu_isa, cuda_graphs, load_fused_cpu_ops, select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
 from cairn.outputs import Detokenizer, RequestOutput
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
@@ -135,8 +135,10 @@ class Engine:
         #   all with skip_special_tokens (see _hidden_ids)
         self.dtype = self.model.embed.weight.dtype
         quantize(self.model, self.model_config, opts.quantization, self.device)  # before the cache digests it
-        if opts.fast_kernels:
-            self.model.kernels = select_kernels(self.device, fast=True)
+        self.cpu_path = self._cpu_path(opts.cpu_isa)
+        # cairn's compiled CPU ops serve bf16 alone: other dtypes run the references whatever the path
+        ops_path = self.cpu_path if self.dtype == torch.bfloat16 else "none"
+        self.model.kernels = select_kernels(self.device, opts.fast_kernels, ops_path)
         self.config = config = resolve_sizes(config, self.device, is_demo=opts.model is None)
         backend = self._graph_backend(graph_backend)
         self.kv, self.states = self._allocate_pools(self.model_config, reserved_slots=int(backend is not None))
@@ -149,9 +151,11 @@ class Engine:
         # the weights' digest before the layout re-lays them (an int8 model's too: quantize made them); the
         # kernels the layout chose are part of the cache's compatibility digest (layout.prefill_kernels)
         weights = self._weights_digest(config.cache) if cache is None else ""
-        self.platform = kernel_platform(self.device)  # the exact-resume namespace's, and its start-up line's
+        # the exact-resume namespace's, and its start-up line's
+        self.platform = kernel_platform(self.device, self.cpu_path)
         lay_out = apply_layout if opts.quantization == "none" else lay_out_int8
-        self.weight_layout = lay_out(self.model, opts.weight_layout, self.dtype, self.device)
+        self.weight_layout = lay_out(self.model, opts.weight_layout, self.dtype, self.device, cpu_path=self.cpu_path,
+                                     path_forced=opts.cpu_isa != "auto")
         self.cache = cache if cache is not None else self._build_cache(config.cache, weights)
         self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache, max_num_seqs,
                                    sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
@@ -172,6 +176,23 @@ class Engine:
         self._ids = itertools.count()
 
     # ---- set-up -----------------------------------------------------------------------------------
+
+    def _cpu_path(self, requested: str) -> str:
+        """The instruction path of cairn's compiled CPU ops (cairn/ops/cpu_isa.py) for `requested` (--cpu-isa), said
+        in one line: none off a CPU. Where the ops cannot be built here (no compiler, no ninja, a failed build: the
+        gemv kernel's build tells, and a bf16 model builds it anyway), none too, said in that one line, so that no
+        other op tries to build."""
+        if self.device.type != "cpu":
+            return "none"
+        flags = cpu_isa.cpu_flags()
+        path = cpu_isa.choose(requested, flags)
+        if path != "none" and self.dtype == torch.bfloat16:
+            built = cpu_gemv.load(flags, isa=None if requested == "auto" else path)
+            if isinstance(built, str) and built.startswith("building"):
+                log.warning("CPU path: none, the PyTorch reference kernels (%s)", built)
+                return "none"
+        log.info("%s", cpu_isa.described(path, requested, flags))
+        return path
 
     def _weights_digest(self, opts: CacheOptions) -> str:
         """The weights' content digest when a disk or remote cache will need it ("" otherwise: it reads them all)."""

@@ -13,7 +13,7 @@ import dataclasses
 import types
 import typing
 
-from cairn.config import EngineConfig
+from cairn.config import EngineConfig, environment_defaults
 
 
 def _field_type(f: dataclasses.Field, owner: type):
@@ -63,6 +63,8 @@ def engine_group_classes() -> dict[str, type]:
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude: frozenset = frozenset(),
                     defaults: dict | None = None) -> None:
+    """The engine's flags; `--cpu-isa` defaults to the CAIRN_CPU_ISA environment variable where it is set."""
+    defaults = {**environment_defaults(), **(defaults or {})}
     for name, cls in engine_group_classes().items():
         add_dataclass_args(parser, cls, f"{name} options", exclude, defaults)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cairn.config import EngineConfig, config_with_overrides
+from cairn.config import EngineConfig, config_with_overrides, environment_defaults
 from cairn.engine import Engine
 from cairn.outputs import Completion, accumulate
 from cairn.sampling import SamplingParams
@@ -19,10 +19,13 @@ class LLM:
     """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
     `model=None` is the built-in demo model. Keyword arguments override fields of the option groups
-    of EngineConfig (e.g. `kv_cache_gib=2`, `page_size=32`, `max_num_seqs=8`).
+    of EngineConfig (e.g. `kv_cache_gib=2`, `page_size=32`, `max_num_seqs=8`). Without a `config`, the
+    environment sets what it sets on the command line (CAIRN_CPU_ISA: `cpu_isa`) unless a keyword does.
     """
 
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides):
+        if config is None:  # the environment's defaults, as on the command line (CAIRN_CPU_ISA)
+            overrides = {**environment_defaults(), **overrides}
         self.engine = Engine(config_with_overrides(config or EngineConfig(), model=model, **overrides))
         self.tokenizer = self.engine.tokenizer
 

@@ -96,10 +96,11 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list:
 
 
 def bf16_decode_against_reference(path, fused: dict, reference: dict, exact: bool,
-                                  prompt_lens: tuple[int, ...] = (9, 14)) -> None:
+                                  prompt_lens: tuple[int, ...] = (9, 14), cpu_isa: str = "auto") -> None:
     """`greedy` bf16 decoding on the checkpoint at `path`, for a fused CPU op.
 
-    `fused`: Kernels field -> the value a bf16 engine must have there by default; their calls are counted, so the
+    `fused`: Kernels field -> the value a bf16 engine on `cpu_isa` (the instruction path, cairn/ops/cpu_isa.py)
+    must have there by default; their calls are counted, so the
     decode goes through them (a family may call only some: Nemotron-H's attention has no q / k norms). A prompt
     decoded in the batch and alone gives the same tokens and log-probabilities, bit for bit. An engine with the
     fields set to `reference` (field -> value) gives the same (`exact`), or else the same first three tokens with
@@ -108,7 +109,8 @@ def bf16_decode_against_reference(path, fused: dict, reference: dict, exact: boo
 
     gen = [torch.Generator().manual_seed(n) for n in prompt_lens]
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n, g in zip(prompt_lens, gen, strict=True)]
-    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
+              cpu_isa=cpu_isa)
     llm, calls = LLM(**kw), {name: 0 for name in fused}
 
     def counted(name, fn):
@@ -118,7 +120,7 @@ def bf16_decode_against_reference(path, fused: dict, reference: dict, exact: boo
         return call
 
     for name, value in fused.items():
-        assert getattr(llm.engine.model.kernels, name) is value, name
+        assert getattr(llm.engine.model.kernels, name) == value, name
     llm.engine.model.kernels = dataclasses.replace(llm.engine.model.kernels,
                                                    **{n: counted(n, v) for n, v in fused.items()})
     batched = greedy(llm, prompts)
@@ -137,11 +139,14 @@ def bf16_decode_against_reference(path, fused: dict, reference: dict, exact: boo
 
 def failed_build(module, monkeypatch, tmp_path, what: str) -> str:
     """A build of `module`'s op with no compiler (CXX names a missing file): its one-line reason, which must say
-    "building the <what> failed"; `module.load()` then returns it, as on a machine that cannot build the op."""
+    "building the <what> failed"; `module.load()` then returns it, as on a machine that cannot build the op (the
+    module's `_library` too, where it has one)."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     reason = module.load(str(tmp_path))
     assert isinstance(reason, str) and reason.startswith(f"building the {what} failed")
     monkeypatch.setattr(module, "load", lambda: reason)
+    if hasattr(module, "_library"):
+        monkeypatch.setattr(module, "_library", lambda build_dir: reason)
     return reason
 
 

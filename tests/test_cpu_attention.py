@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from cairn import ops
-from cairn.ops import attention, cpu_attention, cpu_gemv
+from cairn.ops import attention, cpu_attention
+from tests.cpu_paths import COMPILED, FLAGS
 from tests.harness import bf16_decode_against_reference, failed_build, one_warning_line
+
+per_path = pytest.mark.parametrize("path", COMPILED)
 
 SCALE = 0.0625
 
@@ -60,7 +63,8 @@ def exact(q, k_pool, v_pool, tables, lens, scale=SCALE) -> torch.Tensor:
     ((300,), 8, 3, 3, 24),            # no grouping; 24 values: the last run of 16 is a run of 8
     ((90, 33), 16, 6, 2, 20),         # a head size the vector body does not take: the scalar body
 ])
-def test_op_is_within_bf16_rounding_of_the_exact_attention(lens, page_size, heads, kv_heads, head_dim):
+@per_path
+def test_op_is_within_bf16_rounding_of_the_exact_attention(lens, page_size, heads, kv_heads, head_dim, path):
     library()
     max_pages = -(-max(lens) // page_size)
     k_pool, v_pool = pools(len(lens) * max_pages + 3, page_size, kv_heads, head_dim)
@@ -68,7 +72,7 @@ def test_op_is_within_bf16_rounding_of_the_exact_attention(lens, page_size, head
     q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(2)).bfloat16()
     lens = torch.tensor(lens)
     want = exact(q, k_pool, v_pool, tables, lens)
-    got = cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE)
+    got = cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE, path)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     error = (got.double() - want).abs()
     assert (error <= want.abs() * 2 ** -8 + 1e-4).all()  # the output's own rounding: half a bf16 ulp
@@ -76,14 +80,16 @@ def test_op_is_within_bf16_rounding_of_the_exact_attention(lens, page_size, head
     assert error.max() <= reference_error.max() * 1.25 + 1e-6
 
 
-def test_vector_body_is_avx2_where_the_cpu_has_it_and_the_head_size_fits():
+@per_path
+def test_vector_body_is_avx2_on_every_compiled_path_where_the_head_size_fits(path):
     library()
-    vector = "avx2" if {"avx2", "fma"} <= cpu_gemv.cpu_flags() else "generic"
-    assert cpu_attention.vector_body(256) == cpu_attention.vector_body(24) == vector
-    assert cpu_attention.vector_body(20) == "generic"
+    vector = "avx2" if {"avx2", "fma"} <= FLAGS else "generic"
+    assert cpu_attention.vector_body(256, path) == cpu_attention.vector_body(24, path) == vector
+    assert cpu_attention.vector_body(20, path) == cpu_attention.vector_body(256, "none") == "generic"
 
 
-def test_a_sequence_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count():
+@per_path
+def test_a_sequence_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(path):
     library()
     lens = torch.tensor([600, 17, 256, 1, 300])
     k_pool, v_pool = pools(5 * 38, 16, 2, 256)
@@ -94,16 +100,18 @@ def test_a_sequence_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count
         runs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            runs.append(cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE))
+            runs.append(cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE, path))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(run.view(torch.int16), runs[0].view(torch.int16)) for run in runs)
     for b in range(5):
-        alone = cpu_attention.paged_decode_attention(q[b:b + 1], k_pool, v_pool, tables[b:b + 1], lens[b:b + 1], SCALE)
+        alone = cpu_attention.paged_decode_attention(q[b:b + 1], k_pool, v_pool, tables[b:b + 1], lens[b:b + 1], SCALE,
+                                                     path)
         assert torch.equal(alone.view(torch.int16), runs[0][b:b + 1].view(torch.int16))
 
 
-def test_pages_are_read_where_the_table_says():
+@per_path
+def test_pages_are_read_where_the_table_says(path):
     """The same keys and values on consecutive pages and scattered over a pool give the same bits."""
     library()
     k_pool, v_pool = pools(12, 8, 2, 64)
@@ -113,8 +121,8 @@ def test_pages_are_read_where_the_table_says():
     k_far[far], v_far[far] = k_pool, v_pool
     q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
     lens = torch.tensor([93])
-    assert torch.equal(cpu_attention.paged_decode_attention(q, k_pool, v_pool, near[None], lens, SCALE),
-                       cpu_attention.paged_decode_attention(q, k_far, v_far, far[None], lens, SCALE))
+    assert torch.equal(cpu_attention.paged_decode_attention(q, k_pool, v_pool, near[None], lens, SCALE, path),
+                       cpu_attention.paged_decode_attention(q, k_far, v_far, far[None], lens, SCALE, path))
 
 
 def test_op_refuses_a_context_its_table_does_not_cover():
@@ -125,39 +133,44 @@ def test_op_refuses_a_context_its_table_does_not_cover():
     q, tables = torch.zeros(1, 2, 16, dtype=torch.bfloat16), torch.tensor([[0, 1]])
     for bad in (17, 0):
         with pytest.raises(RuntimeError, match="context length"):
-            op.paged_decode(q, k_pool, v_pool, tables, torch.tensor([bad]), SCALE)
+            op.paged_decode(q, k_pool, v_pool, tables, torch.tensor([bad]), SCALE, 2)
     for page in (4, -1):
         with pytest.raises(RuntimeError, match=f"page id {page} outside the pool"):
-            op.paged_decode(q, k_pool, v_pool, torch.tensor([[0, page]]), torch.tensor([9]), SCALE)
-    assert op.paged_decode(q, k_pool, v_pool, torch.tensor([[0, 4]]), torch.tensor([8]), SCALE).shape == q.shape
+            op.paged_decode(q, k_pool, v_pool, torch.tensor([[0, page]]), torch.tensor([9]), SCALE, 2)
+    assert op.paged_decode(q, k_pool, v_pool, torch.tensor([[0, 4]]), torch.tensor([8]), SCALE, 2).shape == q.shape
 
 
-def test_other_dtypes_and_pool_views_keep_the_reference(monkeypatch):
+@per_path
+def test_other_dtypes_and_pool_views_keep_the_reference(monkeypatch, path):
     monkeypatch.setattr(cpu_attention, "_loaded", lambda: pytest.fail("the op was asked for a tensor it does not take"))
     k_pool, v_pool = pools(4, 8, 2, 16)
     tables, lens = torch.tensor([[2, 0]]), torch.tensor([11])
     for dtype in (torch.float32, torch.float16):
         q, k, v = (t.to(dtype) for t in (torch.randn(1, 4, 16), k_pool, v_pool))
-        assert torch.equal(cpu_attention.paged_decode_attention(q, k, v, tables, lens, SCALE),
+        assert torch.equal(cpu_attention.paged_decode_attention(q, k, v, tables, lens, SCALE, path),
                            attention.paged_decode_attention(q, k, v, tables, lens, SCALE))
     q = torch.randn(1, 4, 16).bfloat16()
     k_view, v_view = k_pool[:, :, :1], v_pool[:, :, :1]  # not contiguous
-    assert torch.equal(cpu_attention.paged_decode_attention(q, k_view, v_view, tables, lens, SCALE),
+    assert torch.equal(cpu_attention.paged_decode_attention(q, k_view, v_view, tables, lens, SCALE, path),
                        attention.paged_decode_attention(q, k_view, v_view, tables, lens, SCALE))
 
 
 def test_op_falls_back_to_the_reference_in_one_line_when_it_does_not_build(caplog, monkeypatch, tmp_path):
+    path = "avx2"
     failed_build(cpu_attention, monkeypatch, tmp_path, "paged decode attention op")
     with one_warning_line(caplog, cpu_attention):
         k_pool, v_pool = pools(4, 8, 2, 16)
         q, tables, lens = torch.randn(1, 4, 16).bfloat16(), torch.tensor([[1, 3]]), torch.tensor([12])
         for _ in range(2):
-            assert torch.equal(cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE),
+            assert torch.equal(cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE, path),
                                attention.paged_decode_attention(q, k_pool, v_pool, tables, lens, SCALE))
 
 
-def test_engine_decodes_bf16_through_the_op_batch_independently_and_near_the_reference(checkpoints):
+@per_path
+def test_engine_decodes_bf16_through_the_op_batch_independently_and_near_the_reference(checkpoints, path):
     library()
     field = "paged_decode_attention"
-    bf16_decode_against_reference(checkpoints["qwen3_5"][0], {field: ops.fused_paged_decode_attention},
-                                  {field: attention.paged_decode_attention}, exact=False, prompt_lens=(9, 30))
+    bf16_decode_against_reference(checkpoints["qwen3_5"][0],
+                                  {field: ops.CpuOp(cpu_attention.paged_decode_attention, path)},
+                                  {field: attention.paged_decode_attention}, exact=False, prompt_lens=(9, 30),
+                                  cpu_isa=path)

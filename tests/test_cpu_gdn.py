@@ -18,18 +18,25 @@ import torch.nn.functional as F
 from cairn import ops
 from cairn.layers.norm import GatedRMSNorm
 from cairn.llm import LLM
-from cairn.ops import cpu_gdn, cpu_gemv
+from cairn.ops import cpu_gdn, cpu_isa, gdn
 from cairn.ops.conv import causal_conv1d_update
 from cairn.ops.gdn import recurrent_gated_delta_rule
 from cairn.sampling import SamplingParams
+from tests.cpu_paths import COMPILED, FLAGS
 from tests.harness import bf16_decode_against_reference, failed_build, greedy, one_warning_line
 
+# the op's bodies by the widest each path allows (cpu_isa.body): the paths this CPU runs, and the scalar body
+BODIES = sorted({cpu_isa.body(p) for p in COMPILED} | {0}) if COMPILED else []
+per_body = pytest.mark.parametrize("body", BODIES)
+per_path = pytest.mark.parametrize("path", COMPILED)
 
-def op():
+
+def op(body: int = 2):
+    """The op on its widest body up to `body` (2 AVX-512, 1 AVX2, 0 scalar)."""
     got = cpu_gdn.load()
     if not callable(got):
         pytest.skip(f"the fused GDN op does not build here: {got}")
-    return got
+    return lambda *args: got(*args, body)
 
 
 def inputs(batch, k_heads, v_heads, dk, dv, kernel, seed):
@@ -59,18 +66,20 @@ def reference(t, eps=1e-6):
     return norm(o, t["z"].reshape(batch, v_heads, dv)).reshape(batch, -1), conv, rec
 
 
-def fused(t, conv, rec, eps=1e-6):
-    return op()(t["mixed"], t["z"], t["b"], t["a"], conv, rec, t["weight"], t["A_log"], t["dt_bias"], t["norm"],
-                t["k_heads"], eps)
+def fused(t, conv, rec, eps=1e-6, body=2):
+    return op(body)(t["mixed"], t["z"], t["b"], t["a"], conv, rec, t["weight"], t["A_log"], t["dt_bias"], t["norm"],
+                    t["k_heads"], eps)
 
 
+@per_body
 @pytest.mark.parametrize("batch, k_heads, v_heads, dk, dv, kernel", [
     (1, 2, 4, 16, 32, 4), (3, 1, 1, 8, 8, 4), (2, 2, 2, 24, 40, 2), (4, 2, 6, 32, 16, 3)])
-def test_fused_decode_matches_the_reference_kernels_within_bf16_rounding(batch, k_heads, v_heads, dk, dv, kernel):
+def test_fused_decode_matches_the_reference_kernels_within_bf16_rounding(batch, k_heads, v_heads, dk, dv, kernel,
+                                                                         body):
     t = inputs(batch, k_heads, v_heads, dk, dv, kernel, seed=batch * 100 + dv)
     ref, ref_conv, ref_rec = reference(t)
     conv, rec = t["conv"].clone(), t["rec"].clone()
-    got = fused(t, conv, rec)
+    got = fused(t, conv, rec, body=body)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
     assert torch.equal(conv, ref_conv)  # the conv state is a shift: exact
     assert torch.allclose(rec, ref_rec, rtol=1e-5, atol=1e-6)  # fp32 state, sums in another order
@@ -78,22 +87,24 @@ def test_fused_decode_matches_the_reference_kernels_within_bf16_rounding(batch, 
     assert ((got.float() - ref.float()).abs() <= 2.0 ** -7 * ref.float().abs() + 1e-2).all()
 
 
-def test_fused_decode_updates_scattered_slots_of_a_pool_view():
+@per_body
+def test_fused_decode_updates_scattered_slots_of_a_pool_view(body):
     """Rows of the pool taken with a stride (a slice of every other slot): the op writes where they lie."""
     t = inputs(2, 2, 4, 16, 16, 4, seed=7)
     pool_conv = torch.zeros(4, *t["conv"].shape[1:], dtype=torch.bfloat16)
     pool_rec = torch.zeros(4, *t["rec"].shape[1:])
     pool_conv[::2], pool_rec[::2] = t["conv"], t["rec"]
     ref, ref_conv, ref_rec = reference(t)
-    got = fused(t, pool_conv[::2], pool_rec[::2])
-    assert torch.equal(got, fused(t, t["conv"].clone(), t["rec"].clone()))
+    got = fused(t, pool_conv[::2], pool_rec[::2], body=body)
+    assert torch.equal(got, fused(t, t["conv"].clone(), t["rec"].clone(), body=body))
     assert torch.equal(pool_conv[::2], ref_conv) and torch.allclose(pool_rec[::2], ref_rec, rtol=1e-5, atol=1e-6)
     assert not pool_conv[1::2].any() and not pool_rec[1::2].any()
 
 
+@per_body
 @pytest.mark.parametrize("batch, k_heads, v_heads, dk, dv",
                          [(1, 16, 16, 128, 128), (3, 2, 4, 16, 32), (2, 1, 3, 12, 20)])
-def test_four_tap_conv_gives_the_same_bits_in_its_vector_form_as_lane_by_lane(batch, k_heads, v_heads, dk, dv):
+def test_four_tap_conv_gives_the_same_bits_in_its_vector_form_as_lane_by_lane(batch, k_heads, v_heads, dk, dv, body):
     """A 4-tap conv whose state rows are contiguous takes 8 channels at a time in vector registers (AVX2); a state
     view with another channel stride takes the scalar form. Both give the same outputs and states, bit for bit,
     special values included (channel counts that leave a partial block of 8 run it in the scalar form)."""
@@ -106,41 +117,51 @@ def test_four_tap_conv_gives_the_same_bits_in_its_vector_form_as_lane_by_lane(ba
     assert strided.stride(1) == 4
     rec_a, rec_b = t["rec"].clone(), t["rec"].clone()
     contiguous = t["conv"].clone()
-    got = fused(t, contiguous, rec_a)
+    got = fused(t, contiguous, rec_a, body=body)
     bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}  # NaN's bits compare equal, NaN does not
 
     def same_bits(a, b):
         return torch.equal(a.contiguous().view(bits[a.dtype]), b.contiguous().view(bits[b.dtype]))
 
-    assert got.isnan().any() and same_bits(got, fused(t, strided, rec_b))
+    assert got.isnan().any() and same_bits(got, fused(t, strided, rec_b, body=body))
     assert same_bits(contiguous, strided) and same_bits(rec_a, rec_b)
 
 
-def test_fused_decode_rows_do_not_depend_on_the_batch():
+@per_body
+def test_fused_decode_rows_do_not_depend_on_the_batch(body):
     t = inputs(3, 2, 4, 16, 16, 4, seed=11)
-    whole = fused(t, t["conv"].clone(), t["rec"].clone())
+    whole = fused(t, t["conv"].clone(), t["rec"].clone(), body=body)
     for i in range(3):
         one = {name: (v[i:i + 1] if isinstance(v, torch.Tensor) and name not in ("weight", "A_log", "dt_bias", "norm")
                       else v) for name, v in t.items()}
-        assert torch.equal(fused(one, one["conv"].clone(), one["rec"].clone()), whole[i:i + 1])
+        assert torch.equal(fused(one, one["conv"].clone(), one["rec"].clone(), body=body), whole[i:i + 1])
 
 
-def test_engine_decodes_bf16_with_the_fused_op_like_the_reference_kernels(checkpoints):
+@per_path
+def test_engine_decodes_bf16_with_the_fused_op_like_the_reference_kernels(checkpoints, path):
     op()
-    bf16_decode_against_reference(checkpoints["qwen3_next"][0], {"gdn_decode_op": ops.fused_gdn_decode_op},
-                                  {"gdn_decode_op": cpu_gdn.reference_op_for}, exact=False)
+    bf16_decode_against_reference(checkpoints["qwen3_next"][0], {"gdn_decode_op": ops.CpuOp(cpu_gdn.op_for, path)},
+                                  {"gdn_decode_op": gdn.no_decode_op}, exact=False, cpu_isa=path)
 
 
-def test_fused_op_is_only_offered_for_bf16_on_cpu():
+@per_path
+def test_fused_op_is_only_offered_for_bf16_on_cpu(path):
     bf, fp = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
-    assert cpu_gdn.op_for(fp, bf) is None and cpu_gdn.op_for(bf, fp) is None
+    assert cpu_gdn.op_for(fp, bf, path) is None and cpu_gdn.op_for(bf, fp, path) is None
     if callable(cpu_gdn.load()):
-        assert cpu_gdn.op_for(bf, bf) is cpu_gdn.load()
+        assert cpu_gdn.op_for(bf, bf, path) is cpu_gdn.op_for(bf, path) is not None
 
 
-def test_reference_op_for_keeps_bf16_decode_on_the_reference_kernels(checkpoints):
-    """The Kernels field value that decode_bench's `-unfused` layouts and the test above use to compare with
-    the reference: with it every bf16 decode token runs the reference recurrent step, with the default none."""
+def test_the_path_none_runs_the_reference_kernels_in_bf16(checkpoints):
+    """`--cpu-isa none` (or a CPU without AVX2, or not x86): no compiled op, the reference's gdn_decode_op."""
+    llm = LLM(model=str(checkpoints["qwen3_next"][0]), dtype="bfloat16", device="cpu", kv_cache_gib=0.01,
+              state_cache_gib=0.01, cpu_isa="none")
+    assert llm.engine.cpu_path == "none" and llm.engine.model.kernels is ops.REFERENCE
+
+
+def test_no_decode_op_keeps_bf16_decode_on_the_reference_kernels(checkpoints):
+    """The Kernels field value of the reference (and of decode_bench's `-unfused` layouts and the test above): with
+    it every bf16 decode token runs the reference recurrent step, with a CPU path's fused op none."""
     op()
     path, _ = checkpoints["qwen3_next"]
     calls = []
@@ -159,8 +180,8 @@ def test_reference_op_for_keeps_bf16_decode_on_the_reference_kernels(checkpoints
         return len(calls)
 
     gdn_layers = sum(t == "linear_attention" for t in _layer_types(path))
-    assert decode_steps(cpu_gdn.reference_op_for) == 3 * gdn_layers  # 4 tokens: the first comes from prefill
-    assert decode_steps(ops.fused_gdn_decode_op) == 0
+    assert decode_steps(gdn.no_decode_op) == 3 * gdn_layers  # 4 tokens: the first comes from prefill
+    assert decode_steps(ops.CpuOp(cpu_gdn.op_for, COMPILED[-1])) == 0
 
 
 def _layer_types(path) -> list[str]:
@@ -174,31 +195,34 @@ def test_fused_op_falls_back_to_the_reference_in_one_line_when_it_does_not_build
     failed_build(cpu_gdn, monkeypatch, tmp_path, "fused GDN decode op")
     with one_warning_line(caplog, cpu_gdn):
         bf = torch.zeros(2, dtype=torch.bfloat16)
-        assert cpu_gdn.op_for(bf) is None and cpu_gdn.op_for(bf) is None
+        assert cpu_gdn.op_for(bf, "avx2") is None and cpu_gdn.op_for(bf, "avx2") is None
 
 
-def widest_body(flags: set[str]) -> str:
-    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+def widest_body(path: str, flags: set[str]) -> str:
+    if cpu_isa.body(path) >= 2 and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
         return "avx512"
-    return "avx2" if {"avx2", "fma"} <= flags else "generic"
+    return "avx2" if cpu_isa.body(path) >= 1 and {"avx2", "fma"} <= flags else "generic"
 
 
-def test_op_runs_the_widest_body_this_cpu_has():
-    """The op is compiled for AVX-512, AVX2 + FMA and baseline x86-64; the CPU picks the widest it has, so the
-    tests above ran that body (AVX2 on a CPU without AVX-512) and the build kept the others compiling."""
+@per_path
+def test_op_runs_the_widest_body_its_path_allows(path):
+    """The op is compiled for AVX-512, AVX2 + FMA and baseline x86-64; a path runs the widest it allows on this CPU
+    (cpu_isa.body: AVX-512 on the avx512_bf16 and amx_bf16 paths, AVX2 on the avx2 path), so the tests above ran
+    each body this CPU has, forced lower where it has more."""
     op()
-    assert cpu_gdn.vector_body() == widest_body(cpu_gemv.cpu_flags())
+    assert cpu_gdn.vector_body(path) == widest_body(path, FLAGS)
 
 
-def test_decode_rows_beside_prefill_rows_in_one_step_decode_like_alone(checkpoints):
+@per_path
+def test_decode_rows_beside_prefill_rows_in_one_step_decode_like_alone(checkpoints, path):
     """A step with decode rows (the fused op) and prefill rows (the reference kernels, gated separately): a
     short prompt decodes while a long one is still prefilling in chunks of the step budget, and both
     generate what each generates alone (tokens; log-probabilities within bf16 noise)."""
     op()
-    path, _ = checkpoints["qwen3_next"]
+    checkpoint, _ = checkpoints["qwen3_next"]
     short, long = [5, 6, 7], torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    kw = dict(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
-              max_num_batched_tokens=8)
+    kw = dict(model=str(checkpoint), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
+              max_num_batched_tokens=8, cpu_isa=path)
     llm = LLM(**kw)
     steps = []
     model = llm.engine.model

@@ -17,13 +17,12 @@ from cairn.llm import LLM
 from cairn.model import layout
 from cairn.model.layout import GemvLinear, decode_weight_bytes
 from cairn.model.loader import load_checkpoint
-from cairn.ops import cpu_gemv
+from cairn.ops import cpu_gemv, cpu_isa
 from cairn.sampling import SamplingParams
+from tests.cpu_paths import BEST, COMPILED, FLAGS, ICELAKE, OLD_X86, SAPPHIRE_RAPIDS, ZEN3, ZEN4
 from tests.harness import prefill
 
-FLAGS = cpu_gemv.cpu_flags()
-ISAS = {"amx_bf16": ["amx_bf16", "avx512_bf16", "avx2"], "avx512_bf16": ["avx512_bf16", "avx2"], "avx2": ["avx2"],
-        None: []}[cpu_gemv.isa_for(FLAGS)]
+ISAS = COMPILED[::-1]  # every compiled path this CPU runs, its best first
 needs_kernel = pytest.mark.skipif(not ISAS, reason="the CPU has neither AVX512-BF16 nor AVX2 + FMA")
 
 
@@ -225,7 +224,7 @@ def test_gemv_layout_on_the_avx2_path_keeps_a_tied_lm_head_on_the_embedding(chec
     plain, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
     model, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
     assert model.lm_head.weight is model.embed.weight
-    layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"})
+    layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags=ZEN3)
     head = model.lm_head
     assert isinstance(head, GemvLinear) and not head.packs and head.weight is model.embed.weight
     assert all(m.packs for m in model.modules() if isinstance(m, GemvLinear) and m is not head)
@@ -249,7 +248,7 @@ def test_gemv_layout_on_the_avx2_path_keeps_a_weight_its_module_reads_itself(che
     plain, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
     layout._replace(plain, lambda w, shared: GemvLinear(w, kern, pack=False))
     model, _ = load_checkpoint(path, "bfloat16", "cpu", show_progress=False)
-    layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"})
+    layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags=ZEN3)
     routers = [m.router for m in model.modules() if hasattr(m, "READS_LINEAR_WEIGHTS")]
     assert routers and all(isinstance(r, GemvLinear) and not r.packs and r.weight.dtype == torch.bfloat16
                            for r in routers)
@@ -272,7 +271,7 @@ def test_gemv_layout_shares_the_disk_cache_namespace_only_without_exact_resumpti
         for name in ("plain", "gemv"):
             root = tmp_path / f"{name}-{block}"
             with LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
-                     disk_cache=str(root), weight_layout=name, prefill_block=block) as llm:
+                     disk_cache=str(root), weight_layout=name, prefill_block=block, cpu_isa="avx2") as llm:
                 assert llm.engine.weight_layout == name and bool(llm.engine.prefill_block) == (block is None)
             names[name] = sorted(p.name for p in root.iterdir())
         assert len(names["plain"]) == len(names["gemv"]) == 1
@@ -282,18 +281,18 @@ def test_gemv_layout_shares_the_disk_cache_namespace_only_without_exact_resumpti
 def test_gemv_falls_back_to_plain_in_one_line_on_a_cpu_without_the_instructions(caplog):
     model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False)).bfloat16()
     with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
-        got = layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags={"sse2"})
+        got = layout.apply_layout(model, "gemv", torch.bfloat16, torch.device("cpu"), cpu_flags=OLD_X86)
     assert got == "plain" and type(model[0]) is torch.nn.Linear
     lines = [r for r in caplog.records if r.name == "cairn.model.layout"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert "gemv kernel not used: the CPU lacks" in lines[0].getMessage()
-    assert layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags={"sse2"})[0] == "plain"
+    assert layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags=OLD_X86)[0] == "plain"
 
 
 def test_auto_keeps_plain_on_an_avx2_cpu_whose_onednn_has_bf16():
     """An AVX-512 CPU without AVX512-BF16: F.linear has oneDNN's bf16 there, and the kernel's AVX2 path was
     not measured against it, so auto keeps plain and says why."""
-    got, kernel_, why = layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"},
+    got, kernel_, why = layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags=ICELAKE,
                                              onednn_bf16=True)
     assert (got, kernel_) == ("plain", None) and "F.linear has oneDNN's bf16" in why
 
@@ -302,11 +301,11 @@ def test_auto_keeps_plain_on_an_avx2_cpu_whose_onednn_has_bf16():
 def test_auto_takes_the_avx2_gemv_for_every_decode_row_where_onednn_has_no_bf16(caplog):
     """An AVX2-only CPU: F.linear's bf16 is ATen's fallback GEMM there, slower than the kernel at every
     decode batch, so auto takes the kernel's AVX2 path up to MAX_ROWS rows and logs it."""
-    got, kernel_, why = layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags={"avx2", "fma"},
+    got, kernel_, why = layout.choose_layout("auto", torch.bfloat16, torch.device("cpu"), cpu_flags=ZEN3,
                                              onednn_bf16=False)
     assert got == "gemv" and kernel_.isa == "avx2" and why == ""
     assert kernel_.direct_rows == cpu_gemv.MAX_ROWS
-    if cpu_gemv.isa_for(FLAGS) == "avx2" and not layout.onednn_has_bf16():  # this machine is one
+    if BEST == "avx2" and not layout.onednn_has_bf16():  # this machine is one
         model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False)).bfloat16()
         with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
             assert layout.apply_layout(model, "auto", torch.bfloat16, torch.device("cpu")) == "gemv"
@@ -345,17 +344,16 @@ def test_build_command_names_the_path_this_cpu_gets_or_why_none(capsys):
 
 
 @needs_kernel
-def test_gemv_decodes_a_sequence_alike_alone_and_in_a_batch_of_five(checkpoints):
-    """Where auto hands the kernel every decode batch up to 16 rows (AMX tiles; the AVX2 path on a CPU whose
-    oneDNN has no bf16) there is no F.linear at 3 rows and up, and the kernel's outputs do not depend on the
-    other rows: five greedy sequences decoded together get the tokens and log-probabilities each gets alone,
-    bit for bit."""
-    path, _ = checkpoints["qwen3_next"]
-    llm = LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+@pytest.mark.parametrize("path", COMPILED)
+def test_gemv_decodes_a_sequence_alike_alone_and_in_a_batch_of_five(checkpoints, path):
+    """On every path the kernel takes every decode batch up to 16 rows (no F.linear, whose one-row product sums in
+    another order than its several-row one), and its outputs do not depend on the other rows: five greedy
+    sequences decoded together get the tokens and log-probabilities each gets alone, bit for bit."""
+    model, _ = checkpoints["qwen3_next"]
+    llm = LLM(model=str(model), dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01,
+              cpu_isa=path, weight_layout="gemv")
     linears = [m for m in llm.engine.model.modules() if isinstance(m, GemvLinear)]
-    if llm.engine.weight_layout != "gemv" or linears[0].direct_rows < 5:
-        pytest.skip("auto does not hand this CPU's kernel five rows")
-    assert all(m.kernel.isa in ("amx_bf16", "avx2") for m in linears)
+    assert linears and all(m.kernel.isa == path and m.direct_rows == cpu_gemv.MAX_ROWS for m in linears)
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (5, 9, 12, 14, 17)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -375,12 +373,11 @@ def test_amx_refused_by_the_os_falls_back_to_the_avx512_bf16_path(monkeypatch):
         return "the CPU lacks amx_bf16" if isa == "amx_bf16" else cpu_gemv.GemvKernel(None, isa)
 
     monkeypatch.setattr(cpu_gemv, "_build", fake_build)
-    flags = {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"}
-    got = cpu_gemv.load(flags)
-    assert isinstance(got, cpu_gemv.GemvKernel) and got.isa == "avx512_bf16" and got.direct_rows == 2
+    got = cpu_gemv.load(SAPPHIRE_RAPIDS, machine="x86_64")
+    assert isinstance(got, cpu_gemv.GemvKernel) and got.isa == "avx512_bf16" and got.direct_rows == cpu_gemv.MAX_ROWS
     assert built == ["amx_bf16", "avx512_bf16"]
-    assert cpu_gemv.load(flags, "amx_bf16") == "the CPU lacks amx_bf16"
-    assert cpu_gemv.load({"avx512_bf16", "avx512bw"}, "amx_bf16") == "the CPU lacks amx_bf16"
+    assert cpu_gemv.load(SAPPHIRE_RAPIDS, "amx_bf16", machine="x86_64") == "the CPU lacks amx_bf16"
+    assert cpu_gemv.load(ZEN4, "amx_bf16", machine="x86_64") == "the CPU lacks amx_bf16"
 
 
 def test_build_command_on_a_machine_without_proc_cpuinfo_says_the_cpu_lacks_the_instructions(monkeypatch, capsys):
@@ -389,22 +386,21 @@ def test_build_command_on_a_machine_without_proc_cpuinfo_says_the_cpu_lacks_the_
     def no_cpuinfo(path, *args, **kwargs):
         raise FileNotFoundError(path)
 
-    monkeypatch.setattr(cpu_gemv, "open", no_cpuinfo, raising=False)
-    assert cpu_gemv.cpu_flags() == set()
+    monkeypatch.setattr(cpu_isa, "open", no_cpuinfo, raising=False)
+    assert cpu_isa.cpu_flags() == set()
     assert cpu_gemv.main(["--build"]) == 0
     assert capsys.readouterr().out.strip() == "cairn gemv kernel: none (the CPU lacks AVX2 + FMA)"
 
 
-PATH_ABOVE = {"avx2": ("avx512_bf16", {"avx512_bf16", "avx512bw", "avx2", "fma"}),
-              "avx512_bf16": ("amx_bf16", {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw", "avx2", "fma"})}
+PATH_ABOVE = {"avx2": ("avx512_bf16", ZEN4), "avx512_bf16": ("amx_bf16", SAPPHIRE_RAPIDS)}
 
 
 @needs_kernel
-@pytest.mark.skipif(cpu_gemv.isa_for(FLAGS) not in PATH_ABOVE, reason="no path above this CPU's best")
+@pytest.mark.skipif(BEST not in PATH_ABOVE, reason="no path above this CPU's best")
 def test_flags_promising_a_path_the_built_library_finds_missing_are_refused():
     """Flags that promise the path above this CPU's best (a hypervisor passing flags the CPU does not
     run): the library builds, its own check finds the instructions missing, and the path is refused in one
     line rather than run."""
     kernel(ISAS[0])  # built (or found built) for this CPU
-    above, flags = PATH_ABOVE[cpu_gemv.isa_for(FLAGS)]
+    above, flags = PATH_ABOVE[BEST]
     assert cpu_gemv.load(flags, above) == f"the CPU lacks {above}"

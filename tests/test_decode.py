@@ -19,6 +19,7 @@ from cairn.model.loader import load_checkpoint
 from cairn.ops import cpu_attention, cpu_gdn, cpu_gemv, cpu_norm, cpu_silu
 from cairn.ops.gdn import l2norm, recurrent_gated_delta_rule
 from cairn.sampling import SamplingParams
+from tests.cpu_paths import BEST, FLAGS, ICELAKE, OLD_X86, ZEN3, ZEN4
 from tests.harness import prefill
 
 # The tiny random checkpoints are sensitive to weight rounding: bf16 weights alone move their logits by
@@ -134,26 +135,28 @@ def test_auto_layout_is_chosen_per_machine_and_logged(caplog):
     cpu = torch.device("cpu")
     assert layout.choose_layout("auto", torch.float32, cpu)[0] == "plain"
     # bf16: cairn's gemv kernel where the CPU has AVX512-BF16 and it builds, plain elsewhere
-    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"avx512_bf16", "avx512bw"})[0] in (
-        "gemv", "plain")
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags=ZEN4)[0] in ("gemv", "plain")
     # AVX2 + FMA only: gemv where F.linear's bf16 has no oneDNN (ATen's fallback GEMM), plain where it has
-    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"avx2", "fma"}, onednn_bf16=True)[0] == "plain"
-    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"avx2", "fma"}, onednn_bf16=False)[0] in (
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags=ICELAKE, onednn_bf16=True)[0] == "plain"
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags=ZEN3, onednn_bf16=False)[0] in (
         "gemv", "plain")
-    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags={"sse2"})[0] == "plain"
+    # ... and where that path is asked for (--cpu-isa avx2), as on such a CPU, whatever oneDNN has
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags=ICELAKE, onednn_bf16=True, cpu_path="avx2",
+                                path_forced=True)[0] in ("gemv", "plain")
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags=OLD_X86)[0] == "plain"
+    assert layout.choose_layout("auto", torch.bfloat16, cpu, cpu_flags=ZEN4, cpu_path="none")[0] == "plain"
     assert layout.choose_layout("auto", torch.bfloat16, torch.device("cuda"))[0] == "plain"
     with pytest.raises(ValueError, match="packed needs"):
         layout.choose_layout("packed", torch.float32, cpu)
     with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
         LLM(dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
     assert any("weight layout: plain" in r.getMessage() for r in caplog.records)
-    if "avx512_bf16" in cpu_gemv.cpu_flags() or (cpu_gemv.isa_for(cpu_gemv.cpu_flags()) == "avx2"
-                                                 and not layout.onednn_has_bf16()):
+    if BEST in ("avx512_bf16", "amx_bf16") or (BEST == "avx2" and not layout.onednn_has_bf16()):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="cairn.model.layout"):
             llm = LLM(dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
         assert llm.engine.weight_layout == "gemv"
-        isa = cpu_gemv.load(cpu_gemv.cpu_flags()).isa  # amx_bf16 where the CPU and the OS grant AMX
+        isa = cpu_gemv.load(FLAGS).isa  # amx_bf16 where the CPU and the OS grant AMX
         said = "gemv at every row count" if isa == "avx2" else "gemv up to"  # the AVX2 path takes any rows
         assert any("weight layout: gemv" in r.getMessage() and f"{isa} {said}" in r.getMessage()
                    for r in caplog.records)
@@ -200,5 +203,6 @@ def test_a_bf16_cpu_engine_loads_its_fused_ops_at_start_not_on_the_first_request
         loaded.cache_clear()
     LLM(dtype="float32", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
     assert [loaded.cache_info().currsize for loaded in loaders] == [0, 0, 0, 0]
-    LLM(dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
-    assert [loaded.cache_info().currsize for loaded in loaders] == [1, 1, 1, 1]
+    llm = LLM(dtype="bfloat16", device="cpu", kv_cache_gib=0.01, state_cache_gib=0.01)
+    loaded_ops = int(llm.engine.cpu_path != "none")  # a machine (or a run) on the path none builds and loads none
+    assert [loaded.cache_info().currsize for loaded in loaders] == [loaded_ops] * 4

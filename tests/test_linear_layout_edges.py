@@ -19,9 +19,8 @@ from cairn.model.layout import GemvLinear, PackedLinear, QuantizationError, choo
 from cairn.ops import cpu_gemv
 from cairn.ops.attention import consecutive_run
 from cairn.ops.conv import causal_conv1d
+from tests.cpu_paths import FLAGS
 from tests.server_process import REPO_ROOT
-
-FLAGS = cpu_gemv.cpu_flags()
 
 
 def gemv_kernel() -> cpu_gemv.GemvKernel:
@@ -37,7 +36,7 @@ def bf16(*shape: int, seed: int) -> torch.Tensor:
 
 def test_gemv_layout_above_its_direct_rows_is_f_linear():
     w = torch.nn.Parameter(bf16(37, 64, seed=1), requires_grad=False)
-    layer = GemvLinear(w, cpu_gemv.GemvKernel(None, "avx512_bf16"))  # 2 rows, F.linear above: never called here
+    layer = GemvLinear(w, cpu_gemv.GemvKernel(None, "avx512_bf16"))  # 16 rows, F.linear above: never called here
     assert not layer.kernel.slices_prefill
     x = bf16(2, layer.direct_rows + 3, 64, seed=2)  # a prefill: more rows than the kernel serves
     assert torch.equal(layer(x), F.linear(x, w))

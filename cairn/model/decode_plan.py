@@ -20,7 +20,8 @@ A plan binds only what the module path would run the same way: a norm whose Kern
 or whose op does not load, leaves its layer called whole; a GDN layer whose fused op is not taken, or an FFN other
 than SwiGLU with the fused activation, stays a call of its module; a layer of another form (no mixer or no FFN, a
 residual multiplier) is called whole. The model takes the plan only for a pure decode batch of at most `max_rows`
-sequences (its linears' direct rows: 16 on the AVX2 gemv, 4 in int8) and rebuilds it when its Kernels change;
+sequences (its linears' direct rows: 16 on the gemv kernel's paths, 4 in int8 off the AVX2 path) and rebuilds it
+when its Kernels change;
 `HybridModel.plan_decode = False` keeps every step on the modules (benchmarks/decode_profile.py's breakdown, which
 instruments them). A build logs one line: how many layers it binds, for up to how many rows.
 """
@@ -115,7 +116,8 @@ class Binder:
         bound, any other mixer called as DecoderLayer calls it."""
         mixer, kernels = layer.mixer, self.kernels
         params, eps = mixer.fused_params() if isinstance(mixer, GatedDeltaNet) else ((), 0.0)
-        fused = cpu_gdn.op_for(*params) if params and kernels.gdn_decode_op is ops.fused_gdn_decode_op else None
+        op = kernels.gdn_decode_op
+        fused = cpu_gdn.op_for(*params, op.path) if params and isinstance(op, ops.CpuOp) else None
         if fused is not None:
             in_proj, out_proj, fused_decode = (self.linear(mixer.in_proj), self.linear(mixer.out_proj),
                                                mixer.fused_decode)
@@ -130,7 +132,7 @@ class Binder:
         """h -> the FFN's output rows: SwiGLU's linears and activation bound, any other FFN called as
         DecoderLayer calls it."""
         mlp, kernels = layer.mlp, self.kernels
-        silu = cpu_silu.bound_silu_mul() if kernels.silu_mul is ops.fused_silu_mul else None
+        silu = cpu_silu.bound_silu_mul(kernels.silu_mul.path) if isinstance(kernels.silu_mul, ops.CpuOp) else None
         if type(mlp) is SwiGLU and silu is not None:
             gate_up, down = self.linear(mlp.gate_up), self.linear(mlp.down)
             return lambda h: down(silu(gate_up(h)))

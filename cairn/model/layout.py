@@ -12,7 +12,7 @@ provided the matmul kernel streams the weights at that speed. The layouts:
   every batch size (prefill included).
 - gemv: the weight as loaded, multiplied by cairn's own bf16 gemv kernel (cairn/ops/cpu_gemv.py: AMX
   tiles where the CPU has AMX-BF16, else AVX512-BF16 or AVX2 + FMA dot products) up to the kernel's
-  `direct_rows` (16 on AMX and AVX2, 2 on AVX512-BF16), by F.linear above (prefill keeps
+  `direct_rows` (16 on every path), by F.linear above (prefill keeps
   the matmul and the same weight tensor: no second copy), but on the AVX2 path, where F.linear's bf16 is
   ATen's slow fallback GEMM, by the kernel 16 rows at a time. On that path the weights are re-laid at
   start-up into the kernel's packed 16-row blocks (`cpu_gemv.pack`), which replace the loaded parameters
@@ -55,7 +55,7 @@ from torch import nn
 
 from cairn.config import ConfigError
 from cairn.model.config import ModelConfig
-from cairn.ops import cpu_gemv
+from cairn.ops import cpu_gemv, cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +90,13 @@ class GemvLinear(nn.Module):
     """y = x W^T: cairn's gemv kernel up to `kernel.direct_rows` rows (decode), F.linear above (on the AVX2
     path, the kernel MAX_ROWS rows at a time: `GemvKernel.slices_prefill`); no bias.
 
-    Up to that many rows the kernel streams the weight once for all of them; above, a GEMM. Measured on
-    a quiet 2-core Xeon (BENCHMARKS.md): the AVX512-BF16 path is 1.32x F.linear's decode at 1 row and
-    1.07x at 2, but 0.90x at 4 and 0.75x at 8, where its dot products cost more than the weight read
-    (`GemvKernel.direct_rows`: 2); the AMX path reads a step's weights at 89-100% of `sum` at 1 to 16
-    rows (1.5-1.9x F.linear), so it takes all 16 (cpu_gemv.MAX_ROWS), and a token's outputs are then bit
-    for bit the same alone or in a decode batch of up to 16. Those two paths take W as loaded: `weight` is
-    the very parameter (a tied lm_head stays tied to the embedding).
+    Up to that many rows the kernel streams the weight once for all of them; above, a GEMM. Every path takes
+    16 (cpu_gemv.MAX_ROWS), so a token's outputs are bit for bit the same alone or in a decode batch of up to
+    16, which F.linear's oneDNN does not give (its one-row product sums in another order than its two-row one).
+    Measured (BENCHMARKS.md): the AMX path reads a step's weights at 89-100% of `sum` at 1 to 16 rows (1.5-1.9x
+    F.linear); on a Zen 4 the AVX512-BF16 path beats F.linear at every row count from 1 to 16 (1.9x at 1,
+    1.2x at 16). Those two paths take W as loaded: `weight` is the very parameter (a tied lm_head stays tied
+    to the embedding).
 
     On the AVX2 path (`kernel.packs`), chosen where F.linear's bf16 is ATen's fallback GEMM, every row runs
     the kernel: decode batches of any size and a prefill, MAX_ROWS rows at a time. There the weight is re-laid
@@ -272,15 +272,18 @@ def onednn_has_bf16() -> bool:
 
 
 def choose_layout(requested: str, dtype: torch.dtype, device: torch.device, cpu_flags: set[str] | None = None,
-                  build_dir: str | None = None,
-                  onednn_bf16: bool | None = None) -> tuple[str, cpu_gemv.GemvKernel | None, str]:
+                  build_dir: str | None = None, onednn_bf16: bool | None = None, cpu_path: str | None = None,
+                  path_forced: bool = False) -> tuple[str, cpu_gemv.GemvKernel | None, str]:
     """(layout, the gemv kernel when chosen, why gemv was not chosen: "" when it was or was not a candidate).
 
     `auto` -> gemv for bf16 where the kernel loads, on an AMX-BF16 or AVX512-BF16 CPU or on an AVX2 + FMA
     one whose oneDNN has no bf16 matmul; else plain (module docstring); packed only when asked, on a CPU
     whose oneDNN has it. A gemv that cannot load (no compiler, a CPU without the instructions) falls back
-    to plain, asked for or not. `cpu_flags` / `build_dir` / `onednn_bf16` are for tests that force a
-    machine or the fallback (None: /proc/cpuinfo, torch's extensions directory, onednn_has_bf16()).
+    to plain, asked for or not. `cpu_path`: the instruction path (cpu_isa.PATHS; None: the best `cpu_flags`
+    allow), the gemv's path; `none` keeps plain. `path_forced`: the path was asked for (--cpu-isa): a forced
+    avx2 then takes the AVX2 gemv as on a CPU whose oneDNN has no bf16, so the path runs what it runs there.
+    `cpu_flags` / `build_dir` / `onednn_bf16` are for tests that force a machine or the fallback (None:
+    /proc/cpuinfo, torch's extensions directory, onednn_has_bf16()).
     """
     if requested not in LAYOUTS:
         raise ConfigError(f"--weight-layout {requested}: unknown (choose from {', '.join(LAYOUTS)})")
@@ -297,27 +300,33 @@ def choose_layout(requested: str, dtype: torch.dtype, device: torch.device, cpu_
         raise ConfigError(f"--weight-layout gemv needs bf16 weights on a CPU (here {dtype} on {device.type})")
     if requested == "plain" or not gemv_fits:
         return "plain", None, ""
-    flags = cpu_gemv.cpu_flags() if cpu_flags is None else cpu_flags
+    flags = cpu_isa.cpu_flags() if cpu_flags is None else cpu_flags
+    path = cpu_path or cpu_isa.best_path(flags)
+    if path == "none":  # asked for, or a CPU without AVX2 + FMA or not x86: no compiled op
+        return "plain", None, "the CPU path is none (no compiled op)" if cpu_path else cpu_gemv.load(flags)
     onednn = onednn_has_bf16() if onednn_bf16 is None else onednn_bf16
-    if requested == "auto" and cpu_gemv.isa_for(flags) == "avx2" and onednn:
+    if requested == "auto" and path == "avx2" and onednn and not path_forced:
         return "plain", None, ("the CPU lacks avx512_bf16 and F.linear has oneDNN's bf16 (the kernel's AVX2 path "
-                               "only when asked: --weight-layout gemv)")
-    kernel = cpu_gemv.load(flags, build_dir=build_dir)
+                               "only when asked: --weight-layout gemv or --cpu-isa avx2)")
+    # a path found, not asked for, lets the kernel step down from AMX where the OS does not grant its tiles
+    kernel = cpu_gemv.load(flags, isa=path if path_forced else None, build_dir=build_dir)
     if isinstance(kernel, str):
         return "plain", None, kernel
     return "gemv", kernel, ""
 
 
 def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device,
-                 cpu_flags: set[str] | None = None, build_dir: str | None = None) -> str:
+                 cpu_flags: set[str] | None = None, build_dir: str | None = None, cpu_path: str | None = None,
+                 path_forced: bool = False) -> str:
     """Lay the remaining plain linears out as chosen; returns the choice and logs it in one line."""
-    layout, kernel, not_gemv = choose_layout(requested, dtype, device, cpu_flags, build_dir)
+    layout, kernel, not_gemv = choose_layout(requested, dtype, device, cpu_flags, build_dir, cpu_path=cpu_path,
+                                             path_forced=path_forced)
     n = 0
     if layout == "packed":
         n = _replace(model, lambda w, shared: PackedLinear(w))
     elif layout == "gemv":
         n = _replace(model, lambda w, shared: GemvLinear(w, kernel, pack=not shared))
-    flags = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in cpu_gemv.cpu_flags())
+    flags = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in cpu_isa.cpu_flags())
     done = {"packed": f", {n} linear layers packed",
             "gemv": _gemv_done(model, n, kernel) if kernel else ""}.get(layout, "")
     why = f"; gemv kernel not used: {not_gemv}" if not_gemv else ""
@@ -328,12 +337,14 @@ def apply_layout(model: nn.Module, requested: str, dtype: torch.dtype, device: t
 
 
 def lay_out_int8(model: nn.Module, requested: str, dtype: torch.dtype, device: torch.device,
-                 cpu_flags: set[str] | None = None, build_dir: str | None = None) -> str:
+                 cpu_flags: set[str] | None = None, build_dir: str | None = None, cpu_path: str | None = None,
+                 path_forced: bool = False) -> str:
     """The layout of a model `quantize` made int8: where `choose_layout` takes the AVX2 gemv path (bf16, a CPU
     without AVX512-BF16 whose F.linear has no oneDNN bf16, or `--weight-layout gemv` asked), its linears move
     to the kernel's int8 form (`Int8Linear.lay_out`); elsewhere they stay on ATen's int8 kernel. Returns "int8"
     and logs the choice in one line."""
-    layout, kernel, not_gemv = choose_layout(requested, dtype, device, cpu_flags, build_dir)
+    layout, kernel, not_gemv = choose_layout(requested, dtype, device, cpu_flags, build_dir, cpu_path=cpu_path,
+                                             path_forced=path_forced)
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     if kernel is not None and kernel.packs:
         for m in linears:

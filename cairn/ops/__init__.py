@@ -1,10 +1,12 @@
 """Kernels behind one interface, chosen once at start-up.
 
-`select_kernels(device, fast)` returns a `Kernels` whose fields are the pure-PyTorch references in
-this package, or, when asked for (`--fast-kernels`, off by default) on CUDA, a fast implementation
-with the same signature where one is installed (cairn/ops/cuda.py: flash-linear-attention,
-causal-conv1d, FlashInfer). Fast kernels are imported lazily and only then; nothing on a CPU machine
-imports triton, flash-linear-attention, causal-conv1d or flashinfer.
+`select_kernels(device, fast, cpu_path)` returns a `Kernels` whose fields are the pure-PyTorch references in
+this package (`REFERENCE`), on a CPU with cairn's compiled ops for instruction path `cpu_path`
+(cairn/ops/cpu_isa.py; bf16 only: each op keeps the reference for other dtypes; `none`: no compiled op), or,
+when asked for (`--fast-kernels`, off by default) on CUDA, a fast implementation with the same signature where
+one is installed (cairn/ops/cuda.py: flash-linear-attention, causal-conv1d, FlashInfer). Fast kernels are
+imported lazily and only then; nothing on a CPU machine imports triton, flash-linear-attention, causal-conv1d
+or flashinfer, and nothing on a machine whose path is `none` (ARM, no compiler, or asked) builds a C++ op.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cairn.ops import attention, conv, gdn, mamba2
+from cairn.ops import activation, attention, conv, gdn, mamba2, norm
 
 log = logging.getLogger(__name__)
 
@@ -26,39 +28,35 @@ log = logging.getLogger(__name__)
 @functools.cache
 def _cpu_op(name: str):
     """Module cairn.ops.<name>, imported on first use: importing the package does not import the ops' modules,
-    so that `python -m cairn.ops.cpu_gdn --build` runs it once, as __main__ only. Cached: an import statement
-    in a function costs about a microsecond a call, and these run ~100 times a decode step."""
+    so that `python -m cairn.ops.cpu_gdn --build` runs it once, as __main__ only."""
     return importlib.import_module(f"cairn.ops.{name}")
 
 
-def fused_gdn_decode_op(*tensors: torch.Tensor):
-    """cpu_gdn.op_for, imported on first use (`_cpu_op`)."""
-    return _cpu_op("cpu_gdn").op_for(*tensors)
+@dataclass(frozen=True)
+class CpuOp:
+    """A Kernels field that runs one of cairn's compiled CPU ops on instruction path `path` (cpu_isa.PATHS): called
+    with the reference's arguments, it calls `fn(*args, path)` (cpu_gdn.op_for, cpu_silu.silu_mul,
+    cpu_attention.paged_decode_attention), which takes the op for bf16 on CPU and the reference otherwise. Equal
+    CpuOps are the same op on the same path."""
+
+    fn: Callable
+    path: str
+
+    def __call__(self, *args):
+        return self.fn(*args, self.path)
 
 
 def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                        zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cpu_norm.add_rms_norm (bf16 on CPU: one C++ op, the reference's bits; else the reference), imported
-    on first use like fused_gdn_decode_op."""
+    on first use. The op has no instruction paths of its own: every path but none runs it."""
     return _cpu_op("cpu_norm").add_rms_norm(x, delta, weight, eps, zero_centred)
 
 
 def fused_norm_rotary_write(*args):
-    """cpu_norm.norm_rotary_write (bf16 on CPU: one C++ op, the reference's bits; else the reference),
-    imported on first use like fused_gdn_decode_op."""
+    """cpu_norm.norm_rotary_write (bf16 on CPU: one C++ op, the reference's bits; else the reference), imported
+    on first use like fused_add_rms_norm."""
     return _cpu_op("cpu_norm").norm_rotary_write(*args)
-
-
-def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """cpu_silu.silu_mul (bf16 on CPU: one C++ op, ATen's bits; else the reference), imported on first use like
-    fused_gdn_decode_op."""
-    return _cpu_op("cpu_silu").silu_mul(gate_up)
-
-
-def fused_paged_decode_attention(*args) -> torch.Tensor:
-    """cpu_attention.paged_decode_attention (bf16 on CPU: one C++ op reading the pages in place; else the
-    reference), imported on first use like fused_gdn_decode_op."""
-    return _cpu_op("cpu_attention").paged_decode_attention(*args)
 
 
 @dataclass(frozen=True)
@@ -71,28 +69,52 @@ class Kernels:
     causal_conv1d: Callable = conv.causal_conv1d
     causal_conv1d_update: Callable = conv.causal_conv1d_update
     paged_prefill_attention: Callable = attention.paged_prefill_attention
-    # one query token per sequence over its paged context (cairn/ops/attention.py: paged_decode_attention); bf16 on
-    # CPU through one C++ op that reads keys and values in place (cpu_attention.py: not the reference's bits)
-    paged_decode_attention: Callable = fused_paged_decode_attention
+    # one query token per sequence over its paged context (cairn/ops/attention.py: paged_decode_attention); on a CPU
+    # path, bf16 through one C++ op that reads keys and values in place (cpu_attention.py: not the reference's bits)
+    paged_decode_attention: Callable = attention.paged_decode_attention
     mamba_conv1d: Callable = mamba2.mamba_conv1d
     mamba_conv1d_update: Callable = mamba2.mamba_conv1d_update
     ssd_chunk_scan: Callable = mamba2.ssd_chunk_scan
     ssd_recurrent_step: Callable = mamba2.ssd_recurrent_step
-    # x -> the fused Gated DeltaNet decode op for that batch, or None for the kernels above (bf16 on CPU:
-    # cairn's C++ op, cairn/ops/cpu_gdn.py; cpu_gdn.reference_op_for keeps the reference everywhere)
-    gdn_decode_op: Callable = fused_gdn_decode_op
+    # x -> the fused Gated DeltaNet decode op for that batch, or None for the kernels above (on a CPU path, bf16:
+    # cairn's C++ op, cairn/ops/cpu_gdn.py; the reference's value, None always, keeps the kernels above)
+    gdn_decode_op: Callable = gdn.no_decode_op
     # (x, delta | None, weight, eps, zero_centred) -> (x + delta, rms_norm(x + delta)): the residual add and the
-    # norm after it (cairn/ops/norm.py); bf16 on CPU through one C++ op with the same bits (cpu_norm.py)
-    add_rms_norm: Callable = fused_add_rms_norm
-    # the gated attention's q / k norms, rotary and KV write (cairn/ops/attention.py: norm_rotary_write); bf16 on
-    # CPU through one C++ op with the same bits (cpu_norm_rotary.py)
-    norm_rotary_write: Callable = fused_norm_rotary_write
-    # gate_up [..., 2 * inner] -> silu(gate) * up, SwiGLU's activation (cairn/ops/activation.py); bf16 on CPU through
-    # one C++ op with ATen's bits (cpu_silu.py)
-    silu_mul: Callable = fused_silu_mul
+    # norm after it (cairn/ops/norm.py); on a CPU path, bf16 through one C++ op with the same bits (cpu_norm.py)
+    add_rms_norm: Callable = norm.add_rms_norm
+    # the gated attention's q / k norms, rotary and KV write (cairn/ops/attention.py: norm_rotary_write); on a CPU
+    # path, bf16 through one C++ op with the same bits (cpu_norm_rotary.py)
+    norm_rotary_write: Callable = attention.norm_rotary_write
+    # gate_up [..., 2 * inner] -> silu(gate) * up, SwiGLU's activation (cairn/ops/activation.py); on a CPU path, bf16
+    # through one C++ op with ATen's bits (cpu_silu.py)
+    silu_mul: Callable = activation.silu_mul
 
 
 REFERENCE = Kernels(name="reference")
+
+
+def cpu_kernels(path: str) -> Kernels:
+    """The reference kernels with cairn's compiled CPU ops on instruction path `path` (cpu_isa.PATHS) in the fields
+    they serve; `none`: the references alone. Each op keeps the reference for other dtypes and devices."""
+    if path == "none":
+        return REFERENCE
+    cpu_attention, cpu_gdn, cpu_silu = (_cpu_op(name) for name in ("cpu_attention", "cpu_gdn", "cpu_silu"))
+    return dataclasses.replace(
+        REFERENCE, name=f"reference+cpu[{path}]", paged_decode_attention=CpuOp(cpu_attention.paged_decode_attention,
+                                                                           path),
+        gdn_decode_op=CpuOp(cpu_gdn.op_for, path), add_rms_norm=fused_add_rms_norm,
+        norm_rotary_write=fused_norm_rotary_write, silu_mul=CpuOp(cpu_silu.silu_mul, path))
+
+
+def is_cpu_op(fn: Callable) -> bool:
+    """Whether a Kernels field value is one of cairn's compiled CPU ops (cpu_kernels), not a reference or a CUDA one."""
+    return isinstance(fn, CpuOp) or fn is fused_add_rms_norm or fn is fused_norm_rotary_write
+
+
+def cpu_path_of(kernels: Kernels) -> str | None:
+    """The instruction path of the compiled CPU ops `kernels` runs (None: no compiled op)."""
+    ops = (kernels.gdn_decode_op, kernels.silu_mul, kernels.paged_decode_attention)
+    return next((op.path for op in ops if isinstance(op, CpuOp)), None)
 
 
 def load_fused_cpu_ops(kernels: Kernels, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -103,22 +125,26 @@ def load_fused_cpu_ops(kernels: Kernels, dtype: torch.dtype, device: torch.devic
         return
     from cairn.ops import cpu_attention, cpu_gdn, cpu_norm, cpu_silu
 
-    if kernels.gdn_decode_op is fused_gdn_decode_op:
-        cpu_gdn.load_once()
+    path = cpu_path_of(kernels)
+    if isinstance(kernels.gdn_decode_op, CpuOp):
+        cpu_gdn.load_once(path)
     if kernels.add_rms_norm is fused_add_rms_norm or kernels.norm_rotary_write is fused_norm_rotary_write:
         cpu_norm.load_once()
-    if kernels.silu_mul is fused_silu_mul:
-        cpu_silu.load_once()
-    if kernels.paged_decode_attention is fused_paged_decode_attention:
+    if isinstance(kernels.silu_mul, CpuOp):
+        cpu_silu.load_once(path)
+    if isinstance(kernels.paged_decode_attention, CpuOp):
         cpu_attention.load_once()
 
 
-def select_kernels(device: torch.device | str, fast: bool = False) -> Kernels:
-    """The reference kernels, or with `fast` on CUDA the field's kernels that import (cairn.ops.cuda),
-    the reference standing in for any that do not. Chosen once at start-up and logged."""
-    if not fast or torch.device(device).type != "cuda":
+def select_kernels(device: torch.device | str, fast: bool = False, cpu_path: str = "none") -> Kernels:
+    """On a CPU, the reference kernels with the compiled ops of `cpu_path` (cpu_kernels); on CUDA the reference,
+    or with `fast` the field's kernels that import (cairn.ops.cuda), the reference standing in for any that do
+    not. Chosen once at start-up and logged."""
+    if torch.device(device).type == "cpu":
         if fast:
             log.info("fast kernels are CUDA-only: using the pure-PyTorch reference kernels on %s", device)
+        return cpu_kernels(cpu_path)
+    if not fast or torch.device(device).type != "cuda":
         return REFERENCE
     from cairn.ops import cuda
 

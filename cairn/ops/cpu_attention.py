@@ -33,13 +33,13 @@ import logging
 
 import torch
 
-from cairn.ops import attention
+from cairn.ops import attention, cpu_isa
 from cairn.ops.cpu_build import build_command, build_inline, built_or_why
 from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_attention7"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_attention8"  # torch caches builds by name: a new source gets a new name
 PART_TOKENS = 256  # positions per task; fixed, so the order of sums never depends on the threads
 
 _SOURCE = r"""
@@ -218,19 +218,21 @@ void combine(const Call& c, int64_t b, int64_t qh, at::BFloat16* out) {
   for (int64_t d = 0; d < D; ++d) out[(b * c.heads + qh) * D + d] = c10::BFloat16(sum[d] / total);
 }
 
-bool avx2_body(int64_t dim) {
-  return dim % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+// Whether heads of `dim` run the AVX2 body, up to `max_body` (0: generic only; 1 or more: AVX2 where the CPU has it)
+bool avx2_body(int64_t dim, int64_t max_body) {
+  return max_body >= 1 && dim % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 }  // namespace
 
-// The body paged_decode runs on this CPU for heads of `dim`: "avx2" (with FMA) or "generic".
-std::string vector_body(int64_t dim) { return avx2_body(dim) ? "avx2" : "generic"; }
+// The body paged_decode runs on this CPU for heads of `dim`, up to max_body: "avx2" (with FMA) or "generic".
+std::string vector_body(int64_t dim, int64_t max_body) { return avx2_body(dim, max_body) ? "avx2" : "generic"; }
 
 // q [B, H, D] bf16; k_pool, v_pool [pages, page_size, KVH, D] bf16 contiguous; page_tables [B, max_pages] and
 // context_lens [B] int64 (each >= 1, and its pages in the table) -> [B, H, D] bf16.
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                           const torch::Tensor& page_tables, const torch::Tensor& context_lens, double scale) {
+                           const torch::Tensor& page_tables, const torch::Tensor& context_lens, double scale,
+                           int64_t max_body) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "paged_decode: shapes");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
               v_pool.scalar_type() == at::kBFloat16, "paged_decode: bf16 q and pools");
@@ -259,7 +261,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool, 
   const Call c{q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
                tables, lens, ml.data_ptr<float>(), acc.data_ptr<float>(),
                page_tables.size(1), k_pool.size(1), KVH, H, D, H / KVH, parts, float(scale)};
-  const auto part = avx2_body(D) ? part_avx2 : part_generic;
+  const auto part = avx2_body(D, max_body) ? part_avx2 : part_generic;
   at::parallel_for(0, B * KVH * parts, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / (KVH * parts), h = i / parts % KVH, t0 = i % parts * PART;
@@ -280,10 +282,11 @@ def load(build_dir: str | None = None):
                         ("-ffp-contract=off",))
 
 
-def vector_body(head_dim: int) -> str | None:
-    """The body the op runs on this CPU for heads of head_dim ("avx2" or "generic"); None where it does not build."""
+def vector_body(head_dim: int, path: str) -> str | None:
+    """The body the op runs on this CPU for heads of head_dim on instruction path `path` (cpu_isa.PATHS): "avx2" or
+    "generic"; None where it does not build."""
     library = load()
-    return None if isinstance(library, str) else library.vector_body(head_dim)
+    return None if isinstance(library, str) else library.vector_body(head_dim, cpu_isa.body(path))
 
 
 @functools.cache  # loaded (or refused) once per process, and said so in one line
@@ -303,15 +306,16 @@ def load_once() -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """attention.paged_decode_attention's contract, through the C++ op for bf16 on CPU (the reference otherwise,
-    or when the op does not build)."""
+                           context_lens: torch.Tensor, scale: float, path: str) -> torch.Tensor:
+    """attention.paged_decode_attention's contract, through the C++ op on instruction path `path` (cpu_isa.PATHS)
+    for bf16 on CPU (the reference otherwise, or when the op does not build). `Kernels.paged_decode_attention` is a
+    CpuOp that passes the path."""
     on_cpu_bf16 = all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (q, k_pool, v_pool))
     library = _loaded() if on_cpu_bf16 and k_pool.is_contiguous() and v_pool.is_contiguous() else None
     if library is None:
         return attention.paged_decode_attention(q, k_pool, v_pool, page_tables, context_lens, scale)
     return library.paged_decode(q.contiguous(), k_pool, v_pool, page_tables.long().contiguous(),
-                                context_lens.long().contiguous(), float(scale))
+                                context_lens.long().contiguous(), float(scale), cpu_isa.body(path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,12 +35,13 @@ import logging
 
 import torch
 
+from cairn.ops import cpu_isa
 from cairn.ops.cpu_build import build_command, build_inline, built_or_why
 from cairn.ops.cpu_vec import VEC_SOURCE
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_gdn7"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_gdn8"  # torch caches builds by name: a new source gets a new name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -280,12 +281,13 @@ __attribute__((flatten)) void head_generic(const HeadArgs& p, int64_t s, int64_t
   head_body<Body::generic>(p, s, h, buf);
 }
 
-// The body this CPU runs: AVX-512 (with BW, DQ and VL), else AVX2 + FMA, else the baseline x86-64.
-Body body_for_cpu() {
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vl"))
+// The body this CPU runs, up to `max_body` (2 AVX-512, 1 AVX2, 0 the baseline x86-64: the path's cap, cpu_isa.body):
+// AVX-512 (with BW, DQ and VL), else AVX2 + FMA, else the baseline x86-64.
+Body body_for_cpu(int64_t max_body) {
+  if (max_body >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
     return Body::avx512;
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Body::avx2 : Body::generic;
+  return max_body >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Body::avx2 : Body::generic;
 }
 
 }  // namespace
@@ -293,11 +295,12 @@ Body body_for_cpu() {
 // mixed [B, C] bf16 (q k v channels), z [B, Hv * Dv], b / a [B, Hv]; conv_state [B, C, K-1] bf16 and
 // rec_state [B, Hv, Dk, Dv] fp32, both updated in place (views into the state pool are fine: strides
 // are honoured for the batch and channel dimensions); conv_weight [C, K], A_log / dt_bias [Hv],
-// norm_weight [Dv] bf16. Returns the gated, normed output [B, Hv * Dv] bf16 (out_proj's input).
+// norm_weight [Dv] bf16; max_body the widest body to run (body_for_cpu). Returns the gated, normed output
+// [B, Hv * Dv] bf16 (out_proj's input).
 torch::Tensor gdn_decode(const torch::Tensor& mixed, const torch::Tensor& z, const torch::Tensor& b,
                          const torch::Tensor& a, torch::Tensor conv_state, torch::Tensor rec_state,
                          const torch::Tensor& conv_weight, const torch::Tensor& A_log, const torch::Tensor& dt_bias,
-                         const torch::Tensor& norm_weight, int64_t k_heads, double norm_eps) {
+                         const torch::Tensor& norm_weight, int64_t k_heads, double norm_eps, int64_t max_body) {
   const std::initializer_list<const torch::Tensor*> halves = {&mixed, &z, &b, &a, &conv_state, &conv_weight,
                                                               &A_log, &dt_bias, &norm_weight};
   for (const torch::Tensor* t : halves)
@@ -331,7 +334,7 @@ torch::Tensor gdn_decode(const torch::Tensor& mixed, const torch::Tensor& z, con
   const float q_scale = 1.0f / std::sqrt(float(Dk)), eps = float(norm_eps);
   const HeadArgs args{co, C, key_dim, Dk, Dv, Hv, groups, q_scale, eps, bp, b.stride(0), ap, a.stride(0), alog, dtb,
                       nw, zp, z.stride(0), rs, rec_state.stride(0), op};
-  const Body body = body_for_cpu();
+  const Body body = body_for_cpu(max_body);
   const HeadFn head = body == Body::avx512 ? head_avx512 : body == Body::avx2 ? head_avx2 : head_generic;
   const ConvFn conv = body == Body::avx512 ? conv_avx512 : body == Body::avx2 ? conv_avx2 : conv_generic;
   // One parallel region: a task is one sequence's key head, its q / k channels' and its value heads' conv
@@ -353,9 +356,9 @@ torch::Tensor gdn_decode(const torch::Tensor& mixed, const torch::Tensor& z, con
   return out;
 }
 
-// Which body gdn_decode runs on this CPU: "avx512", "avx2" or "generic".
-std::string vector_body() {
-  const Body body = body_for_cpu();
+// Which body gdn_decode runs on this CPU up to `max_body`: "avx512", "avx2" or "generic".
+std::string vector_body(int64_t max_body) {
+  const Body body = body_for_cpu(max_body);
   return body == Body::avx512 ? "avx512" : body == Body::avx2 ? "avx2" : "generic";
 }
 """
@@ -374,40 +377,40 @@ def load(build_dir: str | None = None):
     return library if isinstance(library, str) else library.gdn_decode
 
 
-def vector_body() -> str | None:
-    """The body the op runs on this CPU ("avx512", "avx2" or "generic"); None where it does not build."""
+def vector_body(path: str) -> str | None:
+    """The body the op runs on this CPU on instruction path `path` (cpu_isa.PATHS): "avx512", "avx2" or "generic";
+    None where it does not build."""
     library = _library(None)
-    return None if isinstance(library, str) else library.vector_body()
+    return None if isinstance(library, str) else library.vector_body(cpu_isa.body(path))
 
 
-@functools.cache  # loaded (or refused) once per process, and said so in one line
-def _loaded():
+@functools.cache  # loaded (or refused) once per process and path, and said so in one line
+def _loaded(path: str):
     op = load()
-    if callable(op):
-        log.info("Gated DeltaNet decode: cairn's fused CPU op (conv update, gating, delta rule, gated norm)")
-        return op
-    log.warning("Gated DeltaNet decode: the reference kernels (%s)", op)
-    return None
+    if not callable(op):
+        log.warning("Gated DeltaNet decode: the reference kernels (%s)", op)
+        return None
+    log.info("Gated DeltaNet decode: cairn's fused CPU op (conv update, gating, delta rule, gated norm; %s body)",
+             vector_body(path))
+    max_body = cpu_isa.body(path)
+    return lambda *args: op(*args, max_body)
 
 
-def load_once() -> bool:
+def load_once(path: str) -> bool:
     """Load (build, or find in torch's cache) and check the op now, once per process; whether bf16 on CPU will
-    run it (else the reference, said so in one line)."""
-    return _loaded() is not None
+    run it on `path` (else the reference, said so in one line)."""
+    return _loaded(path) is not None
 
 
-def op_for(*tensors: torch.Tensor):
-    """The fused op for a decode batch (its in_proj output and the layer's conv weight, A_log, dt_bias
-    and norm weight), or None (the reference path): taken when all are bf16 on CPU and the op builds
-    (`Kernels.gdn_decode_op`; the first call builds or loads it)."""
+def op_for(*tensors_and_path):
+    """The fused op for a decode batch on instruction path `path`, the last argument (cpu_isa.PATHS), given its
+    in_proj output and the layer's conv weight, A_log, dt_bias and norm weight; or None (the reference path):
+    taken when all are bf16 on CPU and the op builds (`Kernels.gdn_decode_op`, a CpuOp that passes the path; the
+    first call builds or loads it). The op takes gdn_decode's arguments without max_body (the path gives it)."""
+    *tensors, path = tensors_and_path
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
         return None
-    return _loaded()
-
-
-def reference_op_for(*tensors: torch.Tensor) -> None:
-    """Never the fused op: a Kernels field value that keeps every decode on the reference kernels."""
-    return None
+    return _loaded(path)
 
 
 def main(argv: list[str] | None = None) -> int:

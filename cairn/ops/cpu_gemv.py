@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cairn.ops import cpu_isa
 from cairn.ops.cpu_build import build_command, build_inline
 from cairn.ops.cpu_gemv_amx import AMX_SOURCE
 from cairn.ops.cpu_gemv_avx2 import AVX2_SOURCE
@@ -283,7 +284,6 @@ torch::Tensor gemv_int8_packed(const torch::Tensor& x, const torch::Tensor& pack
 """
 
 
-RANK = {"avx2": 0, "avx512_bf16": 1, "amx_bf16": 2}  # each path needs what the ones below it need
 
 
 @dataclass(frozen=True)
@@ -295,11 +295,13 @@ class GemvKernel:
 
     @property
     def direct_rows(self) -> int:
-        """Rows of x up to which the kernel beats F.linear, measured (BENCHMARKS.md): AMX's tiles take 16
-        rows for the price of one; the AVX512-BF16 dot products lose to oneDNN's F.linear above 2 rows; the
-        AVX2 path runs where F.linear's bf16 is ATen's fallback GEMM (no oneDNN bf16 on CPUs without
-        AVX-512), which it beats at every row count up to 16."""
-        return 2 if self.isa == "avx512_bf16" else MAX_ROWS
+        """Rows of x the kernel takes directly, on every path: MAX_ROWS. Each output is a fixed-order sum over its
+        own row, so a token's outputs are the same bits alone and in a decode batch of up to 16 (above, a prefill:
+        F.linear, or the kernel MAX_ROWS rows at a time on the AVX2 path). Measured (BENCHMARKS.md, gemv_bench.py):
+        AMX's tiles take 16 rows for the price of one; on a Zen 4 the AVX512-BF16 dot products beat oneDNN's
+        F.linear at every row count from 1 to 16 (20.8 against 11.0 GB/s at 1 row, 9.7 against 8.2 at 16); the
+        AVX2 path runs where F.linear's bf16 is ATen's fallback GEMM, which it beats at every row count."""
+        return MAX_ROWS
 
     @property
     def slices_prefill(self) -> bool:
@@ -363,45 +365,34 @@ def _whole_blocks(weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(w, (0, 0, 0, short)) if short else w
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags as /proc/cpuinfo names them (empty where there is no /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def isa_for(cpu_flags: set[str]) -> str | None:
-    """The instruction path these /proc/cpuinfo flags allow: amx_bf16, avx512_bf16, avx2, or None."""
-    if {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"} <= cpu_flags:
-        return "amx_bf16"
-    if {"avx512_bf16", "avx512bw"} <= cpu_flags:
-        return "avx512_bf16"
-    if {"avx2", "fma"} <= cpu_flags:
-        return "avx2"
-    return None
-
-
-def load(cpu_flags: set[str], isa: str | None = None, build_dir: str | None = None) -> GemvKernel | str:
+def load(cpu_flags: set[str], isa: str | None = None, build_dir: str | None = None,
+         machine: str | None = None) -> GemvKernel | str:
     """The kernel for this CPU (built on first use, then cached), or a one-line reason why not.
 
-    `isa` forces a path (the benchmark compares them; None: the best the flags allow). `build_dir`:
-    where to build (None: torch's extensions directory; tests pass a fresh one to see a build fail).
-    Never raises: a CPU without the instructions, no compiler or a failed build all give the reason,
-    which the caller logs once.
+    `isa` forces a path (cpu_isa.PATHS; None: the best the flags allow); `machine` is platform.machine()'s
+    answer (None: this one's; the tests fake another). `build_dir`: where to build (None: torch's extensions
+    directory; tests pass a fresh one to see a build fail). Never raises: a CPU without the instructions (or not
+    an x86 one: nothing is built there), no compiler or a failed build all give the reason, which the caller
+    logs once.
     """
-    best = isa_for(cpu_flags)
+    best = cpu_isa.best_path(cpu_flags, machine)
     wanted = isa or best
-    if best is None or RANK[wanted] > RANK[best]:
-        return f"the CPU lacks {wanted or 'AVX2 + FMA'}"
+    if wanted == "none" or _rank(wanted) > _rank(best):
+        if not cpu_isa.is_x86(machine):
+            return "not an x86 CPU (the kernel is x86 C++)"
+        return "the path none runs no compiled op" if isa == "none" else f"the CPU lacks {_needs(wanted)}"
     kernel = _build(build_dir, wanted)
     if isinstance(kernel, str) and isa is None and wanted == "amx_bf16" and kernel.startswith("the CPU lacks"):
         return _build(build_dir, "avx512_bf16")  # the OS did not grant AMX's tile state: the dot products
     return kernel
+
+
+def _rank(path: str) -> int:
+    return cpu_isa.PATHS.index(path)
+
+
+def _needs(path: str) -> str:
+    return "AVX2 + FMA" if path == "none" else path
 
 
 @functools.cache  # one build (or one failure) per directory and path, per process
@@ -409,8 +400,8 @@ def _build(build_dir: str | None, isa: str) -> GemvKernel | str:
     library = build_inline(NAME, _SOURCE, FUNCTIONS, "the kernel", build_dir)
     if isinstance(library, str):  # F.linear it is
         return library
-    best = library.best_isa()  # what the CPU (and for AMX, the OS) really grants, beside what the flags said
-    if not best or RANK[isa] > RANK[best]:
+    best = library.best_isa() or "none"  # what the CPU (and for AMX, the OS) really grants, beside the flags
+    if _rank(isa) > _rank(best):
         return f"the CPU lacks {isa}"
     return GemvKernel(library, isa)
 
@@ -419,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m cairn.ops.cpu_gemv --build` (cpu_build.build_command): the path the kernel got on this CPU, or
     why none."""
     def built() -> str:
-        kernel = load(cpu_flags())
+        kernel = load(cpu_isa.cpu_flags())
         return kernel.isa if isinstance(kernel, GemvKernel) else f"none ({kernel})"
 
     return build_command(argv, "cpu_gemv", "gemv kernel", built)

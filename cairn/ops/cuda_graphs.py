@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from cairn.ops import REFERENCE, Kernels, attention
+from cairn.ops import REFERENCE, Kernels, attention, is_cpu_op
 
 # The Kernels fields a decode step calls. Each must be graph-safe: no host sync, no host-dependent control
 # flow, no allocation that outlives the step. The reference kernels are (the checking stand-in runs them);
@@ -37,9 +37,12 @@ def device_refusal(device: torch.device) -> str | None:
 
 
 def refusal(kernels: Kernels, ffn_types: tuple[str, ...]) -> str | None:
-    """Why the graph path cannot run this model with these kernels (one line), or None when it can."""
+    """Why the graph path cannot run this model with these kernels (one line), or None when it can. cairn's compiled
+    CPU ops stand where the reference does (is_cpu_op): they run on a CPU only, where the graph path is the checking
+    stand-in's, and a CUDA device never gets them."""
     for field in DECODE_FIELDS:
-        if getattr(kernels, field) is not getattr(REFERENCE, field):
+        value = getattr(kernels, field)
+        if value is not getattr(REFERENCE, field) and not is_cpu_op(value):
             return (f"--cuda-graphs: the decode kernel {field} of {kernels.name} is not known to be graph-safe "
                     "(only the reference kernels are, so far); drop --fast-kernels or --cuda-graphs")
     if "moe" in ffn_types:

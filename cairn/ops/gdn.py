@@ -146,3 +146,9 @@ def recurrent_gated_delta_rule(
         torch.addcmul(read[:, 1:], kq[r], delta, out=out[r])
         flat[r].mul_(decay[r]).baddbmm_(k_col[r], delta)
     return out.view(batch, heads, dv).to(out_dtype), state
+
+
+def no_decode_op(*tensors: torch.Tensor) -> None:
+    """The reference's `Kernels.gdn_decode_op`: never a fused decode op, so every decode step runs the kernels
+    above (a CPU path's value is cpu_gdn.op_for, through a CpuOp)."""
+    return None
