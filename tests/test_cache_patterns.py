@@ -10,7 +10,8 @@ logits), every request end, every branch point. Pages of 8 tokens, so resume poi
 
 CI time: every pattern runs in bfloat16 for every family, and a representative subset in float16
 (HALF_MATRIX): 44 half-precision runs, about 35 s on a quiet 2-core Xeon (the whole family x pattern x
-dtype matrix is 64 runs, past the ~60 s this file may take with its fp32 half). The layouts left out
+dtype matrix is 64 runs, past the ~60 s this file may take with its fp32 half); every bf16 pattern again on the
+demo model on each CPU path below this machine's best (tests/cpu_paths.py). The layouts left out
 here (Granite's dense one, Falcon-H1's tied one) differ in the feed-forward block, biases and the mixer
 norm, not in how a resumed computation is cut; test_model_vs_transformers.py runs their contracts.
 """
@@ -22,6 +23,7 @@ import torch
 
 from cairn.llm import LLM
 from cairn.sampling import SamplingParams
+from tests.cpu_paths import PATHS
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, max_num_batched_tokens=96, max_num_seqs=4)
@@ -277,6 +279,32 @@ def test_half_precision_resume_gives_the_cold_logits_bit_for_bit(pattern, dtype,
     warm_rows = torch.stack(sampled_logits)
     sampled_logits.clear()
     ref = run(cold_half[dtype], prompt)
+    assert out.cache.resume_position > 0 and out.cache.resume_position % 64 == 0
+    assert out.token_ids == ref.token_ids
+    assert torch.equal(warm_rows, torch.stack(sampled_logits))
+
+
+@pytest.fixture(scope="module")
+def cold_on_path():
+    """A cold bf16 demo engine per CPU path, made on first use."""
+    made: dict[str, LLM] = {}
+    return lambda path: made.setdefault(path, LLM(None, **OPTS, dtype="bfloat16", prefix_cache=False, cpu_isa=path))
+
+
+@pytest.mark.parametrize("path", PATHS[:-1])  # the best path ran above (auto); each lower one forced here
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda v: v.__name__)
+def test_bf16_resume_gives_the_cold_logits_bit_for_bit_on_every_lower_cpu_path(pattern, path, cold_on_path,
+                                                                               sampled_logits):
+    """The demo model (every fused op: GDN, norms, silu, attention, the gemv kernel) on each CPU path below this
+    machine's best, down to none (the references): warm == cold holds on every path the server offers."""
+    warm = LLM(None, **OPTS, dtype="bfloat16", device_snapshot_gib=0.1, snapshot_interval=64, cpu_isa=path)
+    assert warm.engine.cpu_path == path
+    prompt = pattern(warm)
+    sampled_logits.clear()
+    out = run(warm, prompt)
+    warm_rows = torch.stack(sampled_logits)
+    sampled_logits.clear()
+    ref = run(cold_on_path(path), prompt)
     assert out.cache.resume_position > 0 and out.cache.resume_position % 64 == 0
     assert out.token_ids == ref.token_ids
     assert torch.equal(warm_rows, torch.stack(sampled_logits))

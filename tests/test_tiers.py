@@ -22,6 +22,7 @@ from cairn.cache.tree.nodes import Node
 from cairn.llm import LLM
 from cairn.model.families import config_from_hf
 from cairn.outputs import accumulate
+from tests.cpu_paths import PATHS
 from tests.harness import G, run, same_as_cold, same_state, slot_copy, state_pool
 
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
@@ -327,10 +328,11 @@ def test_write_through_over_segments_deleted_while_a_request_runs_still_finishes
         same_as_cold(cold, again, prompt)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype, path", [("bfloat16", path) for path in PATHS] + [("float16", "auto")])
 @pytest.mark.parametrize("tier", ["device", "host", "disk", "disk after a restart"])
-def test_half_precision_resume_from_each_tier_is_bit_for_bit_cold(tmp_path, tier, dtype, sampled_logits):
-    half = dict(dtype=dtype, prefill_block=64)
+def test_half_precision_resume_from_each_tier_is_bit_for_bit_cold(tmp_path, tier, dtype, path, sampled_logits):
+    """On every CPU path this machine runs (bf16: the compiled ops and the gemv kernel, or the references)."""
+    half = dict(dtype=dtype, prefill_block=64, cpu_isa=path)
     restart = tier == "disk after a restart"
     llm = tiered(tmp_path, device_slots=40, disk_write_through=restart, **half)
     run(llm, CONVERSATION)
