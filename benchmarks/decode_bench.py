@@ -7,7 +7,8 @@ the same without the fused Gated DeltaNet decode op, gemv-sdpa: the same with de
 dot products where `gemv` takes AMX tiles, gemv-rowmajor: every weight as loaded, which on the AVX2 path
 is the row-major dot-product kernel `gemv` ran before its packed weights, int8: weight-only int8 on the layout
 `auto` gives it, i.e. the int8 form of cairn's AVX2 kernel where the gemv layout takes that path, int8-aten: int8
-on ATen's `_weight_int8pack_mm` everywhere), the weight bytes one decode step
+on ATen's `_weight_int8pack_mm` everywhere; path-amx_bf16, path-avx512_bf16, path-avx2, path-none: the default
+layout on that CPU instruction path, `--cpu-isa`, one row per path this CPU runs), the weight bytes one decode step
 reads, the weight-read bandwidth that achieves (bytes x steps/s), the machine's memory bandwidth
 measured in the same run (a plain `sum` over a large fp32 tensor, best of its runs), their ratio,
 the same against cairn's own streaming read of that tensor (a loop of vector loads in the gemv
@@ -111,6 +112,7 @@ def variants(layouts: list[str]) -> dict[str, dict]:
              "gemv-avx512": {"weight_layout": "gemv"}, "gemv-rowmajor": {"weight_layout": "plain"},
              "gemv-sdpa": {"weight_layout": "gemv"},
              "int8": {"quantization": "int8"}, "int8-aten": {"quantization": "int8", "weight_layout": "plain"}}
+    table |= {f"path-{path}": {"cpu_isa": path} for path in ("amx_bf16", "avx512_bf16", "avx2", "none")}
     return {name: table[name] for name in layouts}
 
 
