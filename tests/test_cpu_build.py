@@ -1,20 +1,24 @@
-"""cairn/ops/cpu_build.py, the build mechanism every CPU op shares: each build directory and torch
-installation gets an extension name of its own (no rebuild ping-pong), and a build left unfinished by a
-killed process never blocks the next load."""
+"""cairn/ops/cpu_build.py, the build mechanism every CPU op shares: each source, build directory and torch
+installation gets an extension name of its own (no rebuild ping-pong), each op names every csrc/ file it
+compiles, and a build left unfinished by a killed process never blocks the next load."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cairn.ops import cpu_build, cpu_gemv
-from cairn.ops.cpu_build import build_inline, extension_name
+from cairn.ops import cpu_build, cpu_gemv, cpu_norm
+from cairn.ops.cpu_build import CSRC, build_inline, extension_name
 from tests.cpu_paths import COMPILED
 
 needs_kernel = pytest.mark.skipif(not COMPILED, reason="the CPU runs no compiled path (no AVX2 + FMA, or not x86)")
+OPS = (cpu_norm,)  # the modules whose op compiles from csrc/ (their CPP)
 
 
 @needs_kernel
@@ -75,3 +79,41 @@ def test_a_build_left_unfinished_by_a_killed_process_does_not_block_the_next_one
         assert "removed the lock of a build that did not finish" in done.stderr
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_a_build_is_named_by_the_bytes_of_its_sources_and_flags(tmp_path):
+    """Editing the .cpp, or a header it includes, or a flag names a new build, which torch compiles into a directory
+    of its own; the same files and flags, wherever they lie, name the same build (a checkout and an installation
+    sharing a virtual environment share it)."""
+    cpp = cpu_norm.CPP
+    for f in (cpp.source, *cpp.headers):
+        shutil.copy(CSRC / f, tmp_path / f)
+    copy = dataclasses.replace(cpp, directory=tmp_path)
+    assert copy.extension_name(None) == cpp.extension_name(None)
+    names = {copy.extension_name(None)}
+    for f in (cpp.source, *cpp.headers):
+        text = (tmp_path / f).read_text()
+        (tmp_path / f).write_text(text + "// an edit\n")
+        names.add(copy.extension_name(None))
+        (tmp_path / f).write_text(text)
+    assert copy.extension_name(None) == cpp.extension_name(None)
+    names.add(dataclasses.replace(copy, extra_cflags=()).extension_name(None))
+    assert len(names) == 3 + len(cpp.headers)  # as it is, each file edited, the flags changed
+    assert all(n.startswith(f"{cpp.name}_s") and n.isidentifier() for n in names)
+
+
+def included(directory: Path, file: str) -> set[str]:
+    """The files of `directory` that `file` includes ("..."), directly or through one another."""
+    found = set(re.findall(r'^#include "([^"]+)"', (directory / file).read_text(), re.M))
+    return found.union(*(included(directory, f) for f in found))
+
+
+def test_each_op_names_the_headers_its_cpp_includes_and_csrc_holds_only_theirs():
+    """Each op's CppSource lists exactly the csrc/ headers its .cpp includes (each is copied beside the .cpp into
+    the build directory and hashed into the build's name), and every file of csrc/ belongs to an op."""
+    used = set()
+    for module in OPS:
+        cpp = module.CPP
+        assert set(cpp.headers) == included(CSRC, cpp.source), module.__name__
+        used |= {cpp.source, *cpp.headers}
+    assert {p.name for p in CSRC.iterdir()} == used

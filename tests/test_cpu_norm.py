@@ -4,7 +4,7 @@ The op must give the reference's bits: the residual sum and the normed rows, zer
 scales, widths that are and are not multiples of a CPU vector, one row (decode) and many (prefill),
 rows that are a strided view (attention's q heads). In the engine, bf16 greedy decoding with the op
 gives the same tokens and log-probabilities as with the reference (the attention layers' q / k norms, rotary
-and KV writes too: cpu_norm_rotary.py), bit for bit, batched or alone. Its
+and KV writes too: csrc/norm_rotary.h), bit for bit, batched or alone. Its
 dispatch: fp32 stays on the reference, and an op that does not build, or whose sums are not ATen's
 here, leaves the reference in one log line.
 """

@@ -1,4 +1,4 @@
-"""The attention inputs' op (cairn/ops/cpu_norm_rotary.py) against the reference (attention.norm_rotary_write).
+"""The attention inputs' op (cairn/ops/csrc/norm_rotary.h) against the reference (attention.norm_rotary_write).
 
 q / k RMSNorm, partial rotary and the KV page writes in one C++ op must give the reference's bits: the
 returned q and every byte of both pools (the tokens' slots written, every other slot untouched), for one

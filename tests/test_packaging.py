@@ -1,8 +1,9 @@
-"""Packaging: every third-party package cairn imports is declared in pyproject.toml."""
+"""Packaging: every third-party package cairn imports is declared in pyproject.toml, and the CPU ops' C++ ships."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import importlib.metadata
 import re
 import sys
@@ -42,3 +43,12 @@ def test_every_imported_package_is_declared():
     assert not distributions(imported_top_levels(package)) - runtime
     assert not distributions(imported_top_levels(bench_files)) - bench  # `cairn bench` needs the bench extra
 
+
+
+def test_the_cpu_ops_cpp_sources_ship_as_package_data():
+    """cairn/ops/csrc/ is no Python package: its .cpp and .h files reach a wheel or an sdist only as package data
+    ([tool.setuptools.package-data]), and an installed cairn compiles its CPU ops from them on first use."""
+    patterns = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    ops = REPO_ROOT / "cairn" / "ops"
+    files = [p.relative_to(ops).as_posix() for p in (ops / "csrc").iterdir()]
+    assert files and all(any(fnmatch.fnmatch(f, pat) for pat in patterns["cairn.ops"]) for f in files)

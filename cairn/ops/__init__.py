@@ -83,7 +83,7 @@ class Kernels:
     # norm after it (cairn/ops/norm.py); on a CPU path, bf16 through one C++ op with the same bits (cpu_norm.py)
     add_rms_norm: Callable = norm.add_rms_norm
     # the gated attention's q / k norms, rotary and KV write (cairn/ops/attention.py: norm_rotary_write); on a CPU
-    # path, bf16 through one C++ op with the same bits (cpu_norm_rotary.py)
+    # path, bf16 through one C++ op with the same bits (cpu_norm.py, csrc/norm_rotary.h)
     norm_rotary_write: Callable = attention.norm_rotary_write
     # gate_up [..., 2 * inner] -> silu(gate) * up, SwiGLU's activation (cairn/ops/activation.py); on a CPU path, bf16
     # through one C++ op with ATen's bits (cpu_silu.py)

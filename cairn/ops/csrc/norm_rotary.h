@@ -1,22 +1,18 @@
-"""The attention layer's input op, C++ source spliced into cairn/ops/cpu_norm.py's library (one build).
+// The attention layer's input op, included at the end of norm.cpp (one library, one build; it uses norm.cpp's
+// norm_row and ATen's sum order).
+//
+// norm_rotary_write does for a step's q, k and v (bf16 on CPU) what the gated attention layer did in about 40 ATen
+// calls per layer: the q and k RMSNorms over head_dim, rotary on both (the first rotary_dim dims in halves), and the
+// writes of the rotated k and of v into the layer's KV pages at each token's slot. It gives the reference's bits
+// (cairn/ops/attention.py: norm_rotary_write): the norm is norm_row, and rotary rounds where ATen's bf16 arithmetic
+// rounds, once per product and once for their sum:
+//
+//     out[i] = bf16(bf16(n[i] * cos[i]) + bf16(r[i] * sin[i]))     r = [-n[half:rd], n[:half]], i < rotary_dim
+//     out[i] = n[i]                                                i >= rotary_dim
+//
+// (a product of two bf16 values is exact in fp32, so no contraction or order can change it). What it is not: a
+// kernel for the plain attention of the Mamba2 hybrids (no q / k norm there), nor for fp32 / fp16.
 
-`norm_rotary_write` does for a step's q, k and v (bf16 on CPU) what the gated attention layer did in
-about 40 ATen calls per layer: the q and k RMSNorms over head_dim, rotary on both (the first rotary_dim
-dims in halves), and the writes of the rotated k and of v into the layer's KV pages at each token's slot.
-It gives the reference's bits (cairn/ops/attention.py: norm_rotary_write): the norm is cpu_norm's
-`norm_row` (ATen's sum order), and rotary rounds where ATen's bf16 arithmetic rounds, once per product
-and once for their sum:
-
-    out[i] = bf16(bf16(n[i] * cos[i]) + bf16(r[i] * sin[i]))     r = [-n[half:rd], n[:half]], i < rotary_dim
-    out[i] = n[i]                                                i >= rotary_dim
-
-(a product of two bf16 values is exact in fp32, so no contraction or order can change it). What it is
-not: a kernel for the plain attention of the Mamba2 hybrids (no q / k norm there), nor for fp32 / fp16.
-"""
-
-from __future__ import annotations
-
-NORM_ROTARY_SOURCE = r"""
 #include <cstring>
 
 namespace {
@@ -106,4 +102,3 @@ torch::Tensor norm_rotary_write(const torch::Tensor& q, const torch::Tensor& k, 
   else at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>((H + KVH) * D, 1)), tokens);
   return out;
 }
-"""
