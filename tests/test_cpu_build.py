@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from cairn.ops import cpu_build, cpu_gemv, cpu_norm
-from cairn.ops.cpu_build import CSRC, build_inline, extension_name
+from cairn.ops.cpu_build import CSRC, build, extension_name
 from tests.cpu_paths import COMPILED
 
 needs_kernel = pytest.mark.skipif(not COMPILED, reason="the CPU runs no compiled path (no AVX2 + FMA, or not x86)")
-OPS = (cpu_norm,)  # the modules whose op compiles from csrc/ (their CPP)
+OPS = (cpu_gemv, cpu_norm)  # the modules whose op compiles from csrc/ (their CPP)
 
 
 @needs_kernel
@@ -30,18 +30,17 @@ def test_a_build_into_another_directory_leaves_the_shared_build_alone(monkeypatc
     compiled it back, a minute or more each.)"""
     from torch.utils.cpp_extension import _get_build_directory
 
-    functions = cpu_gemv.FUNCTIONS
-    shared = build_inline(cpu_gemv.NAME, cpu_gemv._SOURCE, functions, "the kernel")
+    shared = build(cpu_gemv.CPP)
     if isinstance(shared, str):
         pytest.skip(f"gemv kernel unavailable here: {shared}")
-    ninja = Path(_get_build_directory(extension_name(cpu_gemv.NAME, None), False)) / "build.ninja"
+    ninja = Path(_get_build_directory(cpu_gemv.CPP.extension_name(None), False)) / "build.ninja"
     before = (ninja.read_text(), ninja.stat().st_mtime_ns)
     with monkeypatch.context() as env:
         env.setenv("CXX", str(tmp_path / "no-such-compiler"))
-        elsewhere = build_inline(cpu_gemv.NAME, cpu_gemv._SOURCE, functions, "the kernel", str(tmp_path))
+        elsewhere = build(cpu_gemv.CPP, str(tmp_path))
     assert elsewhere.startswith("building the kernel failed")
-    again = build_inline(cpu_gemv.NAME, cpu_gemv._SOURCE, functions, "the kernel")
-    assert again.__name__ == shared.__name__ == extension_name(cpu_gemv.NAME, None)
+    again = build(cpu_gemv.CPP)
+    assert again.__name__ == shared.__name__ == cpu_gemv.CPP.extension_name(None)
     assert (ninja.read_text(), ninja.stat().st_mtime_ns) == before
 
 

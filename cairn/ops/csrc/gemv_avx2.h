@@ -1,13 +1,11 @@
-"""The AVX2 + FMA paths of cairn's CPU gemv kernel (cairn/ops/cpu_gemv.py): their C++ source, kept apart.
+// The AVX2 + FMA paths of cairn's CPU gemv kernel: included once, by gemv.cpp, inside its anonymous namespace,
+// after the AVX512-BF16 path and before the AMX one (gemv_amx.h).
+//
+// The row-major dot-product kernel against x widened to fp32, its walk over the weight, and the outer-product kernel
+// on the packed weight (cairn/ops/cpu_gemv.py: pack, pack_int8). How each computes, and why an output's bits do not
+// depend on the rows, tiles or threads, is said below; what they measured is in BENCHMARKS.md (issue 14, the sixth
+// to eighth passes).
 
-`AVX2_SOURCE` is spliced into cpu_gemv's source inside its anonymous namespace, after the AVX512-BF16 path and
-before the AMX one (cpu_gemv_amx.py): the row-major dot-product kernel against x widened to fp32, its walk over
-the weight, and the outer-product kernel on the packed weight (`cpu_gemv.pack`). How each computes, and why an
-output's bits do not depend on the rows, tiles or threads, is said in the source; what they measured is in
-BENCHMARKS.md (issue 14, the sixth to eighth passes).
-"""
-
-AVX2_SOURCE = r"""
 // ---- AVX2 + FMA: R weight rows side by side against x widened to fp32 once per call ------------------
 // No bf16 dot product here, so the weights are widened in registers: a 256-bit load holds 16 bf16 as 8
 // pairs, and (pair << 16) is the even element as an fp32, (pair & 0xffff0000) the odd one, two integer
@@ -315,4 +313,3 @@ void widen_transposed(const uint16_t* x, int64_t x_stride, int64_t m_rows, int64
     }
 }
 
-"""

@@ -1,12 +1,10 @@
-"""The AMX-BF16 path of cairn's CPU gemv kernel (cairn/ops/cpu_gemv.py): its C++ source, kept apart.
+// The AMX-BF16 path of cairn's CPU gemv kernel: included once, by gemv.cpp, inside its anonymous namespace, after
+// the AVX512-BF16 path (it uses `kPrefetch` and `has_avx512_bf16` from there) and the AVX2 ones (gemv_avx2.h), and
+// before `gemv()`, which calls `gemv_amx` and `has_amx_bf16`.
+//
+// How it computes, and why every call runs the same instructions whatever its rows of x, is said at its top; what it
+// measured is in BENCHMARKS.md (issue 14, batched decode).
 
-`AMX_SOURCE` is spliced into cpu_gemv's source inside its anonymous namespace, after the AVX512-BF16
-path (it uses `kPrefetch` and `has_avx512_bf16` from there) and before `gemv()`, which calls `gemv_amx`
-and `has_amx_bf16`. How it computes, and why every call runs the same instructions whatever its rows
-of x, is said at its top; what it measured is in BENCHMARKS.md (issue 14, batched decode).
-"""
-
-AMX_SOURCE = r"""
 // ---- AMX-BF16: 16 weight rows x 32 bf16 per tile, against every row of x at once --------------------
 // C^T = W x^T: the weight is the A operand as it lies (16 rows of 64 bytes, row stride k), x the B
 // operand packed once per call into AMX's pair layout and padded with zeros to 16 rows, so every call
@@ -133,4 +131,3 @@ torch::Tensor gemv_amx(const torch::Tensor& x, const torch::Tensor& w) {
   });
   return y;
 }
-"""
