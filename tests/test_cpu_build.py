@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from cairn.ops import cpu_build, cpu_gemv, cpu_norm
+from cairn.ops import cpu_attention, cpu_build, cpu_gdn, cpu_gemv, cpu_norm, cpu_silu
 from cairn.ops.cpu_build import CSRC, build, extension_name
 from tests.cpu_paths import COMPILED
 
 needs_kernel = pytest.mark.skipif(not COMPILED, reason="the CPU runs no compiled path (no AVX2 + FMA, or not x86)")
-OPS = (cpu_gemv, cpu_norm)  # the modules whose op compiles from csrc/ (their CPP)
+OPS = (cpu_attention, cpu_gdn, cpu_gemv, cpu_norm, cpu_silu)  # the CPU ops' modules (each op's C++: its CPP)
 
 
 @needs_kernel
@@ -64,11 +64,9 @@ def test_a_build_left_unfinished_by_a_killed_process_does_not_block_the_next_one
     fails, not hangs; the planted file is removed whatever happens."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from cairn.ops import cpu_silu
-
     if isinstance(cpu_silu.load(), str):
         pytest.skip(f"the fused silu op is not built here: {cpu_silu.load()}")
-    stale = Path(_get_build_directory(extension_name(cpu_silu.NAME, None), False)) / "lock"
+    stale = Path(_get_build_directory(cpu_silu.CPP.extension_name(None), False)) / "lock"
     stale.write_text("")  # what torch's FileBaton leaves when its holder is killed
     child = "from cairn.ops import cpu_silu; m = cpu_silu.load(); print(m if isinstance(m, str) else 'loaded')"
     try:

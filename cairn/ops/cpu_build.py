@@ -121,24 +121,6 @@ def _write_if_changed(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def build_inline(name: str, source: str, functions: list[str], what: str, build_dir: str | None = None,
-                 extra_cflags: tuple[str, ...] = ()):
-    """The built module exporting `functions`, or "building <what> failed (<error's first line>)". Never
-    raises. `build_dir`: where to build (None: torch's extensions directory); the build's name is
-    `extension_name(name, build_dir)`."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory, load_inline
-
-        ext = extension_name(name, build_dir)
-        directory = build_dir or _get_build_directory(ext, False)
-        with _only_builder(directory):
-            return load_inline(ext, cpp_sources=source, functions=functions, build_directory=directory,
-                               extra_cflags=[*BASE_CFLAGS, *extra_cflags], extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers, a failed build: the caller keeps the reference
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        return f"building {what} failed ({type(e).__name__}: {first[:200]})"
-
-
 @contextlib.contextmanager
 def _only_builder(directory: str):
     """Held while this process builds or loads in `directory`: no other cairn process does meanwhile, so a

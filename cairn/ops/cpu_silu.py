@@ -1,12 +1,12 @@
 """The SwiGLU activation for CPU (bf16 models): silu(gate) * up in one pass, ATen's bits.
 
-What it is: one C++ op (built on first use with torch.utils.cpp_extension.load_inline, cached by torch like
+What it is: one C++ op (cairn/ops/csrc/silu.cpp, built on first use by cpu_build and cached by torch like
 cairn/ops/cpu_norm.py) that turns a bf16 [rows, 2 * inner] gate_up row ([gate | up]) into bf16(bf16(silu(gate)) *
 up), what the reference (cairn/ops/activation.py) does in two ATen calls with a tensor between them (with the
 chunk, three calls a layer and about 100 us of a decode step's CPU each, BENCHMARKS.md). On AVX-512 (16 lanes)
 and on AVX2 + FMA (8 lanes; the widest the instruction path allows, cairn/ops/cpu_isa.py: `vector_body(path)`
 says which) it computes the silu with libtorch's own vectorised exp, the one ATen's vectorised code calls on that
-CPU, in ATen's formula (cairn/ops/cpu_vec.py), and rounds where ATen rounds, so it gives the reference's bits;
+CPU, in ATen's formula (cairn/ops/csrc/vec.h), and rounds where ATen rounds, so it gives the reference's bits;
 that is checked once when it loads, on every bf16 value (the silu's input is bf16: 65,536 cases), and where it
 does not hold the reference is used (one log line). One exception, ATen's own: subnormal values follow the
 subnormal mode of the thread that computes them (`torch.set_flush_denormal` sets it for the calling thread and
@@ -27,81 +27,20 @@ import logging
 import torch
 
 from cairn.ops import activation, cpu_isa
-from cairn.ops.cpu_build import build_command, build_inline, built_or_why
-from cairn.ops.cpu_vec import VEC_SOURCE
+from cairn.ops.cpu_build import CppSource, build, build_command, built_or_why
 
 log = logging.getLogger(__name__)
 
-NAME = "cairn_cpu_silu4"  # torch caches builds by name: a new source gets a new name
+NAME = "cairn_cpu_silu4"  # the build's name adds a hash of the C++ (cpu_build): a new source, a new build
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <immintrin.h>
-#include <cmath>
-#include <cstring>
-
-namespace {
-""" + VEC_SOURCE + r"""
-CAIRN_AVX512 void row_avx512(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t inner) {
-  for (int64_t e = 0; e < inner; e += 16) {
-    const int64_t n = std::min<int64_t>(16, inner - e);
-    const __m512 s = round_bf16_ps(silu_ps(load_bf16_ps(gate + e, n)));
-    store_bf16_ps(out + e, _mm512_mul_ps(s, load_bf16_ps(up + e, n)), n);
-  }
-}
-
-CAIRN_AVX2 void row_avx2(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t inner) {
-  for (int64_t e = 0; e < inner; e += 8) {
-    const int64_t n = std::min<int64_t>(8, inner - e);
-    const __m256 s = round_bf16_ps8(silu_ps8(load_bf16_ps8(gate + e, n)));
-    store_bf16_ps8(out + e, _mm256_mul_ps(s, load_bf16_ps8(up + e, n)), n);
-  }
-}
-
-void row_generic(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t inner) {
-  for (int64_t e = 0; e < inner; ++e) {
-    const float g = float(gate[e]);
-    out[e] = c10::BFloat16(float(c10::BFloat16(g / (1.0f + std::exp(-g)))) * float(up[e]));
-  }
-}
-
-}  // namespace
-
-// The body silu_mul runs on this CPU up to `max_body` (2 AVX-512, 1 AVX2, 0 generic: the path's cap, cpu_isa.body):
-// "avx512", "avx2" (with FMA) or "generic".
-std::string vector_body(int64_t max_body) {
-  if (max_body >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return "avx512";
-  return max_body >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? "avx2" : "generic";
-}
-
-// gate_up [rows, 2 * inner] bf16 (each row contiguous; rows evenly spaced) -> silu(gate) * up [rows, inner] bf16,
-// on the widest body up to max_body (vector_body)
-torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t max_body) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1 &&
-              gate_up.size(1) % 2 == 0, "silu_mul: gate_up [rows, 2 * inner] bf16, rows contiguous");
-  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = torch::empty({rows, inner}, gate_up.options());
-  const auto* gp = gate_up.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  const std::string body = vector_body(max_body);
-  const auto row = body == "avx512" ? row_avx512 : body == "avx2" ? row_avx2 : row_generic;
-  auto run = [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) row(gp + i * stride, gp + i * stride + inner, op + i * inner, inner);
-  };
-  if (rows * inner <= 65536) run(0, rows);  // a decode step's rows: no parallel region
-  else at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(inner, 1)), run);
-  return out;
-}
-"""
+CPP = CppSource(NAME, "silu.cpp", "the fused silu * up op", headers=("vec.h",),
+                extra_cflags=("-ffp-contract=off",))  # its C++, in csrc/
 
 
 @functools.cache  # one build (or one failure) per directory, per process
 def load(build_dir: str | None = None):
     """The built module (`silu_mul`), or a one-line reason why not. Never raises."""
-    return build_inline(NAME, _SOURCE, ["silu_mul", "vector_body"], "the fused silu * up op", build_dir,
-                        ("-ffp-contract=off",))
+    return build(CPP, build_dir)
 
 
 def vector_body(path: str) -> str | None:

@@ -1,22 +1,20 @@
-"""AVX-512 and AVX2 helpers shared by cairn's CPU C++ ops (cpu_gdn, cpu_silu, cpu_attention): their C++ source,
-spliced into each.
+// AVX-512 and AVX2 helpers shared by cairn's CPU C++ ops (gdn.cpp, silu.cpp, attention.cpp): each includes this file
+// inside its anonymous namespace, after <immintrin.h>, <cmath>, <cstring> and c10's BFloat16. (It closes and reopens
+// that namespace around its extern "C" declarations of libtorch's exps.)
+//
+// It gives, 16 floats at a time (functions compiled for AVX-512 only; callers pick them when the CPU has it):
+//
+// - round_bf16_ps: c10::BFloat16(float) as a float, bit for bit (round to nearest even; NaN to 0x7fc0);
+// - exp_ps: libtorch's own Sleef_expf16_u10, the function ATen's vectorised `exp` (and so its bf16 `silu`) calls on
+//   AVX-512 builds, so silu_ps gives ATen's bits; where libtorch does not export it (a weak symbol, null then),
+//   std::exp lane by lane;
+// - silu_ps: x / (1 + exp(-x)), ATen's formula;
+// - load_bf16_ps / store_bf16_ps: n <= 16 bf16 widened to floats, floats rounded to n bf16;
+//
+// and the same 8 floats at a time for AVX2 + FMA (names ending in 8: round_bf16_ps8, exp_ps8, silu_ps8,
+// load_bf16_ps8, store_bf16_ps8, and widen_bf16_ps8 for 8 bf16 already in a register), with libtorch's
+// Sleef_expf8_u10, the exp ATen's vectorised code calls on AVX2 builds (its CPU capability on a CPU without AVX-512).
 
-`VEC_SOURCE` goes inside an op's anonymous namespace, after `<immintrin.h>`, `<cmath>`, `<cstring>` and c10's
-BFloat16. It gives, 16 floats at a time (functions compiled for AVX-512 only; callers pick them when the CPU has it):
-
-- `round_bf16_ps`: c10::BFloat16(float) as a float, bit for bit (round to nearest even; NaN to 0x7fc0);
-- `exp_ps`: libtorch's own `Sleef_expf16_u10`, the function ATen's vectorised `exp` (and so its bf16
-  `silu`) calls on AVX-512 builds, so `silu_ps` gives ATen's bits; where libtorch does not export it
-  (a weak symbol, null then), std::exp lane by lane;
-- `silu_ps`: x / (1 + exp(-x)), ATen's formula;
-- `load_bf16_ps` / `store_bf16_ps`: n <= 16 bf16 widened to floats, floats rounded to n bf16;
-
-and the same 8 floats at a time for AVX2 + FMA (names ending in 8: `round_bf16_ps8`, `exp_ps8`, `silu_ps8`,
-`load_bf16_ps8`, `store_bf16_ps8`, and `widen_bf16_ps8` for 8 bf16 already in a register), with libtorch's
-`Sleef_expf8_u10`, the exp ATen's vectorised code calls on AVX2 builds (its CPU capability on a CPU without AVX-512).
-"""
-
-VEC_SOURCE = r"""
 #define CAIRN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
 }  // namespace
@@ -115,4 +113,3 @@ CAIRN_AVX2 inline void store_bf16_ps8(at::BFloat16* p, __m256 v, int64_t n) {
     std::memcpy(p, part, n * sizeof(uint16_t));
   }
 }
-"""
