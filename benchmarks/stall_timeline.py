@@ -72,7 +72,8 @@ def traced_serve(argv: list[str]) -> int:
     from uvicorn.protocols.http import h11_impl
 
     from cairn import cli
-    from cairn.server import bridge, connections, workers
+    from cairn.server import connections
+    from cairn.server.engine_io import bridge, workers
 
     events: list[dict] = []
 

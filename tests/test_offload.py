@@ -18,8 +18,8 @@ import pytest
 
 from cairn.errors import PromptTooLong
 from cairn.prompt import tokenize_prompt
-from cairn.server.offload import Offload
-from cairn.server.workers import ProcessWorkers, WorkerDied, WorkersClosed
+from cairn.server.engine_io.offload import Offload
+from cairn.server.engine_io.workers import ProcessWorkers, WorkerDied, WorkersClosed
 from cairn.tokenizer import ByteTokenizer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo " * 20}]
@@ -112,7 +112,7 @@ def test_worker_killed_a_moment_ago_that_still_looks_alive_does_not_fail_the_nex
         time.sleep(0.01)
     # as it may look a moment after the kill:
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "is_alive", lambda self: True)
-    with caplog.at_level(logging.WARNING, logger="cairn.server.workers"):
+    with caplog.at_level(logging.WARNING, logger="cairn.server.engine_io.workers"):
         assert asyncio.run(workers.run(slow_echo, [b"served"], 0.0)) == b"served"
     assert asyncio.run(workers.run(pid, [])) != first
     assert any("died while idle" in r.getMessage() for r in caplog.records)
@@ -190,7 +190,7 @@ def test_job_running_when_the_pool_closes_still_answers_then_its_worker_stops(wo
 
 
 def test_worker_dying_while_the_pool_closes_fails_its_job_and_is_not_replaced(workers, caplog):
-    with caplog.at_level(logging.ERROR, logger="cairn.server.workers"):
+    with caplog.at_level(logging.ERROR, logger="cairn.server.engine_io.workers"):
         died = close_during(workers, slow_die, 1.0)
     assert isinstance(died, WorkerDied) and "exit code 3" in str(died)
     assert not any("starting another" in r.getMessage() for r in caplog.records)

@@ -19,9 +19,9 @@ from cairn.engine import Engine
 from cairn.errors import ChatTemplateError
 from cairn.sampling import SamplingParams
 from cairn.server.app import create_app
-from cairn.server.bridge import EngineBridge, Submission
 from cairn.server.chat_output import PROBE
-from cairn.server.offload import Offload
+from cairn.server.engine_io.bridge import EngineBridge, Submission
+from cairn.server.engine_io.offload import Offload
 from cairn.server.options import ServerOptions
 
 MODEL = "cairn-demo"
@@ -289,7 +289,7 @@ def test_an_integrity_violation_found_while_idle_is_logged_and_serving_goes_on(c
         raise AssertionError("injected inconsistency")
 
     monkeypatch.setattr(engine, "check_integrity", broken)
-    with caplog.at_level(logging.ERROR, logger="cairn.server.bridge"):
+    with caplog.at_level(logging.ERROR, logger="cairn.server.engine_io.bridge"):
         assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
         assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
     logged = [r for r in caplog.records if "inconsistent while idle" in r.getMessage()]
@@ -306,7 +306,7 @@ def test_a_failed_step_whose_abort_fails_too_still_answers_its_client(client, en
     fail_step_on_call(engine, monkeypatch, 1)
     real_abort = engine.abort
     monkeypatch.setattr(engine, "abort", abort)
-    with caplog.at_level(logging.ERROR, logger="cairn.server.bridge"):
+    with caplog.at_level(logging.ERROR, logger="cairn.server.engine_io.bridge"):
         r = client.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
     assert any("failed" in rec.getMessage() and rec.exc_info and "injected abort fault" in str(rec.exc_info[1])

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cairn.server.offload import LARGE_INPUT_BYTES
+from cairn.server.engine_io.offload import LARGE_INPUT_BYTES
 from tests.server_process import served_fixture
 
 MODEL = "cairn-demo"

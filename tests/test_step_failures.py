@@ -16,8 +16,8 @@ from cairn.engine import Engine, StepFailed
 from cairn.llm import LLM
 from cairn.outputs import accumulate
 from cairn.sampling import SamplingParams
-from cairn.server.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission
-from cairn.server.offload import Offload
+from cairn.server.engine_io.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission
+from cairn.server.engine_io.offload import Offload
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [(5 * j + 1) % 250 for j in range(40)]

@@ -29,9 +29,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cairn.errors import RequestTooLarge
 from cairn.outputs import Completion, RequestOutput, accumulate
-from cairn.server.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
 from cairn.server.chat_schema import NamedToolChoice
+from cairn.server.engine_io.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.errors import (
     APIError,
     EngineFailure,

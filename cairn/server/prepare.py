@@ -33,14 +33,14 @@ from pydantic import BaseModel, ValidationError
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.prompt import tokenize_prompt
 from cairn.server.anthropic import MessagesRequest, prepare_messages
-from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatPlan
+from cairn.server.engine_io.bridge import Submission
+from cairn.server.engine_io.offload import Offload
+from cairn.server.engine_io.workers import WorkersClosed
 from cairn.server.errors import ServerShuttingDown
 from cairn.server.generate import ServingContext, prepare_chat, prepare_completion
-from cairn.server.offload import Offload
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.responses_api import Lookup, ResponsesRequest, prepare_responses
-from cairn.server.workers import WorkersClosed
 
 M = TypeVar("M", bound=BaseModel)
 UNPACK_IDS = 1 << 14  # token ids turned into Python ints at a time, back from a worker (about a millisecond)

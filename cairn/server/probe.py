@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from cairn.engine import Engine, check_prompt_token_ids
 from cairn.sampling import SamplingParams
 from cairn.server.anthropic import MessagesRequest
-from cairn.server.bridge import Submission
+from cairn.server.engine_io.bridge import Submission
 from cairn.server.generate import ServingContext
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.responses_api import ResponsesRequest, previous_not_found

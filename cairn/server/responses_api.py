@@ -42,9 +42,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
-from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatPlan
 from cairn.server.chat_schema import FunctionName, refuse_duplicate_names
+from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_validation_errors, renamed
 from cairn.server.generate import ServingContext, prepare_chat
 from cairn.server.protocol import ChatCompletionRequest

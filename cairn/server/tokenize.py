@@ -24,12 +24,12 @@ from starlette.responses import JSONResponse, Response
 
 from cairn.prompt import tokenize_prompt
 from cairn.server.chat_schema import template_message
+from cairn.server.engine_io.offload import Offload
+from cairn.server.engine_io.workers import WorkersClosed
 from cairn.server.errors import APIError, ServerShuttingDown
 from cairn.server.generate import ServingContext
-from cairn.server.offload import Offload
 from cairn.server.prepare import parse_body
 from cairn.server.protocol import DetokenizeRequest, TokenizeRequest, check_continuation
-from cairn.server.workers import WorkersClosed
 
 REQUESTS = {"tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
 

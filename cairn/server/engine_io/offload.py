@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cairn.prompt import TokenizedPrompt, tokenize_prompt
-from cairn.server.workers import ProcessWorkers, in_thread
+from cairn.server.engine_io.workers import ProcessWorkers, in_thread
 from cairn.tokenizer import Tokenizer
 
 LARGE_INPUT_BYTES = 256 << 10  # bodies and prompts from this size on are handled in a worker process

@@ -43,9 +43,9 @@ from cairn.grammar import BudgetedGrammar, Grammar
 from cairn.outputs import RequestOutput
 from cairn.prompt import TokenizedPrompt
 from cairn.sampling import SamplingParams
+from cairn.server.engine_io.offload import Offload
+from cairn.server.engine_io.workers import WorkersClosed
 from cairn.server.errors import EngineFailure, ServerShuttingDown
-from cairn.server.offload import Offload
-from cairn.server.workers import WorkersClosed
 
 log = logging.getLogger(__name__)
 HURRY_POLL_S = 0.25  # how often stop(), waiting for a step, checks whether it was hurried
