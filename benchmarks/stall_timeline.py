@@ -72,8 +72,8 @@ def traced_serve(argv: list[str]) -> int:
     from uvicorn.protocols.http import h11_impl
 
     from cairn import cli
-    from cairn.server import connections
     from cairn.server.engine_io import bridge, workers
+    from cairn.server.http import connections
 
     events: list[dict] = []
 

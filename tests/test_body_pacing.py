@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from cairn.server import middleware
-from cairn.server.middleware import PACE_AFTER_BYTES, BodySizeLimit
+from cairn.server.http import middleware
+from cairn.server.http.middleware import PACE_AFTER_BYTES, BodySizeLimit
 
 MIB = 1 << 20
 CHUNK = 64 << 10

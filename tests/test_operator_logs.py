@@ -132,7 +132,7 @@ def test_an_access_line_escapes_the_control_characters_of_a_percent_decoded_path
     """`GET /%0a2026-12-03 INFO cairn.engine: ...` arrives decoded: the text log held a forged second line."""
     import asyncio
 
-    from cairn.server.access_log import AccessLog
+    from cairn.server.http.access_log import AccessLog
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 404, "headers": []})

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from cairn.server.connections import DIRECT_BODY_BYTES
+from cairn.server.http.connections import DIRECT_BODY_BYTES
 from tests.server_process import served_fixture
 
 BODY_TIMEOUT_S = 1.5

@@ -66,7 +66,7 @@ from starlette.routing import Route
 from cairn.router.affinity import Placements, prefix_keys
 from cairn.router.options import RouterOptions
 from cairn.router.replicas import Probe, Ranker, Replica
-from cairn.server.middleware import BodySizeLimit
+from cairn.server.http.middleware import BodySizeLimit
 from cairn.server.responses import model_list
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from cairn.router.app import create_app
-    from cairn.server.connections import guarded_protocol
+    from cairn.server.http.connections import guarded_protocol
 
     class RouterServer(uvicorn.Server):
         """Ends `cairn router` with status 0 after SIGTERM / SIGINT, as `cairn serve` does: uvicorn's own

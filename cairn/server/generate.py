@@ -40,8 +40,8 @@ from cairn.server.errors import (
     model_not_found,
     naming_max_tokens,
 )
+from cairn.server.http.middleware import current_request_id
 from cairn.server.metrics import ServerMetrics
-from cairn.server.middleware import current_request_id
 from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.responses import (
     DONE_EVENT,

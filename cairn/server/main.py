@@ -32,9 +32,9 @@ import uvicorn
 
 from cairn.config import EngineConfig
 from cairn.engine import Engine
-from cairn.server.access_log import AccessLog
 from cairn.server.app import create_app
-from cairn.server.connections import guarded_protocol
+from cairn.server.http.access_log import AccessLog
+from cairn.server.http.connections import guarded_protocol
 from cairn.server.options import ServerOptions
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
-from cairn.server.middleware import ResponseEnd
+from cairn.server.http.middleware import ResponseEnd
 
 log = logging.getLogger("cairn.access")
 QUIET_PATHS = frozenset({"/health", "/metrics"})
