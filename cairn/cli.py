@@ -78,7 +78,7 @@ def _checked_messages(messages: list[dict] | None) -> list[dict] | None:
         return None
     from pydantic import TypeAdapter, ValidationError
 
-    from cairn.server.chat_schema import ChatMessage, template_message
+    from cairn.server.chat.schema import ChatMessage, template_message
     from cairn.server.errors import APIError, from_validation_errors
 
     try:

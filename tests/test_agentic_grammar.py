@@ -12,8 +12,8 @@ import torch
 
 from cairn.grammar import GrammarCompiler, allowed_masks, lark_tag, special_tokens
 from cairn.sampling import StructuredOutput
-from cairn.server.call_grammar import calls_grammar
-from cairn.server.parsers import ToolCallParser
+from cairn.server.chat.call_grammar import calls_grammar
+from cairn.server.chat.parsers import ToolCallParser
 from cairn.tokenizer import ByteTokenizer, HFTokenizer
 from tests.test_chat_templates import FIXTURES, write_checkpoint_tokenizer
 

@@ -1,5 +1,5 @@
 """XML-style forced calls hold every value to its JSON schema, or the request is refused naming the
-keyword: raw string values follow `pattern` and `format` (cairn.server.string_regex), the others
+keyword: raw string values follow `pattern` and `format` (cairn.server.chat.string_regex), the others
 (numbers' bounds, nested objects and arrays, enums) follow their sub-schemas through llguidance, and
 a keyword nothing enforces is a SamplingError (a 400), never ignored.
 
@@ -26,8 +26,8 @@ import pytest
 
 from cairn.errors import SamplingError
 from cairn.grammar import allowed_masks
-from cairn.server.parsers import ToolCallParser, parse_call
-from cairn.server.string_regex import FORMATS, pattern_regex
+from cairn.server.chat.parsers import ToolCallParser, parse_call
+from cairn.server.chat.string_regex import FORMATS, pattern_regex
 from cairn.tokenizer import ByteTokenizer
 from tests.server_process import served_fixture
 from tests.test_agentic_grammar import VOCAB, compile_calls, drive

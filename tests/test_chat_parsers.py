@@ -12,9 +12,9 @@ import json
 import pytest
 
 from cairn.sampling import StructuredOutput
-from cairn.server.call_grammar import call_format
-from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
-from cairn.server.parsers import ReasoningParser, ToolCallParser, parse_call
+from cairn.server.chat.call_grammar import call_format
+from cairn.server.chat.output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
+from cairn.server.chat.parsers import ReasoningParser, ToolCallParser, parse_call
 from cairn.tokenizer import ByteTokenizer
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},

@@ -103,7 +103,7 @@ def test_a_template_that_requires_a_system_message_is_still_seen_to_open_the_rea
     """The chat plan renders a one-message probe to see whether the generation prompt opens <think>; a
     template that refuses a conversation without a system message is probed with one, so its requests'
     answers are parsed as starting inside the reasoning the prompt opened."""
-    from cairn.server.chat_output import plan_chat
+    from cairn.server.chat.output import plan_chat
 
     write_checkpoint_tokenizer(tmp_path, THINKING_WITH_SYSTEM_ONLY)
     tok = HFTokenizer(tmp_path)
@@ -112,7 +112,7 @@ def test_a_template_that_requires_a_system_message_is_still_seen_to_open_the_rea
 
 
 def test_a_template_that_refuses_every_probe_plans_no_open_reasoning(tmp_path):
-    from cairn.server.chat_output import plan_chat
+    from cairn.server.chat.output import plan_chat
 
     write_checkpoint_tokenizer(tmp_path, "{{ raise_exception('System role not supported') }}")
     assert not plan_chat(HFTokenizer(tmp_path), "qwen3", "none", {}, None, True).starts_in_reasoning

@@ -19,7 +19,7 @@ from cairn.engine import Engine
 from cairn.errors import ChatTemplateError
 from cairn.sampling import SamplingParams
 from cairn.server.app import create_app
-from cairn.server.chat_output import PROBE
+from cairn.server.chat.output import PROBE
 from cairn.server.engine_io.bridge import EngineBridge, Submission
 from cairn.server.engine_io.offload import Offload
 from cairn.server.options import ServerOptions

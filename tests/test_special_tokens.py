@@ -21,7 +21,7 @@ from cairn.llm import LLM
 from cairn.outputs import Detokenizer
 from cairn.sampling import SamplingParams
 from cairn.server.app import create_app
-from cairn.server.chat_output import ChatPlan
+from cairn.server.chat.output import ChatPlan
 from cairn.server.options import ServerOptions
 from cairn.tokenizer import ByteTokenizer, HFTokenizer
 from tests.checkpoints import write_checkpoint

@@ -45,13 +45,13 @@ from starlette.responses import JSONResponse, Response
 
 from cairn.outputs import Completion
 from cairn.server.anthropic_context import ContextManagement
-from cairn.server.chat_output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
-from cairn.server.chat_schema import FunctionName, refuse_duplicate_names
+from cairn.server.chat.output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
+from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
+from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_exception, from_validation_errors, renamed
 from cairn.server.generate import Generation, ServingContext, SSEResponse, prepare_chat, start_generation
 from cairn.server.protocol import ChatCompletionRequest
-from cairn.server.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from cairn.server.chat.strict import Strict
 from cairn.server.errors import APIError
-from cairn.server.strict import Strict
 
 EDIT_TYPES = ("clear_thinking_20251015",)
 

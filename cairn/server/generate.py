@@ -29,8 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cairn.errors import RequestTooLarge
 from cairn.outputs import Completion, RequestOutput, accumulate
-from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
-from cairn.server.chat_schema import NamedToolChoice
+from cairn.server.chat.output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
+from cairn.server.chat.schema import NamedToolChoice
 from cairn.server.engine_io.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.errors import (
     APIError,

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from cairn.config import ConfigError, check_at_least
-from cairn.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from cairn.server.chat.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 MIB = 1 << 20
 

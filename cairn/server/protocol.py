@@ -2,12 +2,12 @@
 
 Every field a request may carry is declared here, on `strict.Strict` models (strict types, unknown fields
 refused by name, null as the default, unimplemented fields only with their neutral value); a chat's tools
-and messages are `chat_schema`'s. Range checks of the sampling fields are SamplingParams' own (its
+and messages are `chat.schema`'s. Range checks of the sampling fields are SamplingParams' own (its
 SamplingError becomes a 400), so there is one source of truth; token ids are checked against the
 vocabulary by the endpoints, which know it. A sampling field the request leaves out takes the
 checkpoint's generation_config.json default when it has one (`defaults`), else SamplingParams' own.
 
-What this module is not: response shapes (see `responses`, `chat_output`) or anything that touches
+What this module is not: response shapes (see `responses`, `chat.output`) or anything that touches
 the engine.
 """
 
@@ -20,10 +20,10 @@ from pydantic import Field, model_validator
 
 from cairn.errors import SamplingError
 from cairn.sampling import SEED_RANGE, SamplingParams, StructuredOutput
-from cairn.server.chat_schema import ChatMessage, NamedToolChoice, Tools, template_message, template_variables
+from cairn.server.chat.schema import ChatMessage, NamedToolChoice, Tools, template_message, template_variables
+from cairn.server.chat.schema_keywords import refuse_unknown_keywords
+from cairn.server.chat.strict import Strict, StrictInt, TokenIds, refuse_lone_surrogates, refuse_unimplemented
 from cairn.server.errors import APIError, from_exception, naming_max_tokens
-from cairn.server.schema_keywords import refuse_unknown_keywords
-from cairn.server.strict import Strict, StrictInt, TokenIds, refuse_lone_surrogates, refuse_unimplemented
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

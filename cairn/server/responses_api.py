@@ -42,8 +42,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
-from cairn.server.chat_output import ChatPlan
-from cairn.server.chat_schema import FunctionName, refuse_duplicate_names
+from cairn.server.chat.output import ChatPlan
+from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
+from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_validation_errors, renamed
 from cairn.server.generate import ServingContext, prepare_chat
@@ -58,7 +59,6 @@ from cairn.server.responses_items import (
     chat_messages,
     item_type,
 )
-from cairn.server.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 
 TOOL_TYPES = ("function", "namespace")
 ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` value cairn honours

@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Tag, TypeAdapter, model_validator
 
-from cairn.server.chat_schema import FunctionName
-from cairn.server.strict import Strict
+from cairn.server.chat.schema import FunctionName
+from cairn.server.chat.strict import Strict
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 PART_TYPES = ("input_text", "output_text")

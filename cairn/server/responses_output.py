@@ -1,7 +1,7 @@
 """POST /v1/responses (the answer side) and GET / DELETE /v1/responses/{id}: OpenAI's `response` object, whole
 or as the Responses API's SSE events; the request side is `responses_api`.
 
-A request prepared as a chat (see `responses_api`) runs the chat path; what the chat shaper (`chat_output`)
+A request prepared as a chat (see `responses_api`) runs the chat path; what the chat shaper (`chat.output`)
 makes of the generated text becomes the response's output items, in order: a `reasoning` item (the thinking
 text as `reasoning_text` content, an empty summary), a `message` item (`output_text`) when there is text, and
 one `function_call` item per tool call. status is "completed", or "incomplete" with incomplete_details.reason
@@ -40,10 +40,10 @@ from starlette.responses import JSONResponse, Response
 
 from cairn.errors import ChatTemplateError, RequestTooLarge
 from cairn.outputs import Completion
-from cairn.server.chat_output import ChatDelta, ChatShaper
+from cairn.server.chat.output import ChatDelta, ChatShaper
+from cairn.server.chat.parsers import THINK_END, THINK_START, ParsedToolCall
 from cairn.server.errors import APIError, from_exception
 from cairn.server.generate import Generation, ServingContext, SSEResponse, new_request_id, start_generation
-from cairn.server.parsers import THINK_END, THINK_START, ParsedToolCall
 from cairn.server.prepare import Prepared, prepare
 from cairn.server.responses import usage_of
 from cairn.server.responses_api import (

@@ -16,7 +16,7 @@ Text that might be the start of a tag (`</thi`) is held back until the next piec
         A block that parses as neither (or names a function not in the request's tools) is given
         back as content, unchanged: a malformed call never fails the request.
 
-What this is not: response shapes (see `chat_output`) or anything that touches the engine.
+What this is not: response shapes (see `output`) or anything that touches the engine.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from typing import Any
 from cairn.errors import ChatTemplateError
 from cairn.grammar import lark_tag
 from cairn.sampling import StructuredOutput
-from cairn.server.call_grammar import call_format, calls_grammar
-from cairn.server.parsers import (
+from cairn.server.chat.call_grammar import call_format, calls_grammar
+from cairn.server.chat.parsers import (
     CALL_END,
     CALL_START,
     THINK_END,

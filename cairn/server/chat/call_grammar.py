@@ -35,8 +35,8 @@ from typing import Any
 
 from cairn.errors import SamplingError
 from cairn.grammar import WHITESPACE
-from cairn.server.parsers import CALL_END, CALL_START
-from cairn.server.string_regex import ANNOTATIONS, lark_regex, one_of, string_regexes
+from cairn.server.chat.parsers import CALL_END, CALL_START
+from cairn.server.chat.string_regex import ANNOTATIONS, lark_regex, one_of, string_regexes
 
 CLOSE_PARAMETER = "\n</parameter>\n"
 OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "$defs", "definitions"}

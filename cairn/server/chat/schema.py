@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
+from cairn.server.chat.strict import Strict
 from cairn.server.errors import APIError
-from cairn.server.strict import Strict
 from cairn.tokenizer import TEMPLATE_VARIABLES_SET_HERE
 
 # ---- tools --------------------------------------------------------------------------------------
