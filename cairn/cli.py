@@ -72,7 +72,7 @@ def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
 
 
 def _checked_messages(messages: list[dict] | None) -> list[dict] | None:
-    """--messages checked as the HTTP server checks a chat request's (cairn.server.protocol.ChatMessage: its
+    """--messages checked as the HTTP server checks a chat request's (cairn.server.chat.schema.ChatMessage: its
     roles, fields and their types) and made into what the chat template takes, as the server makes them."""
     if messages is None:
         return None

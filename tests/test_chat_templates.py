@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cairn.server.protocol import ChatCompletionRequest
+from cairn.server.openai.protocol import ChatCompletionRequest
 from cairn.tokenizer import ByteTokenizer, HFTokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "templates"

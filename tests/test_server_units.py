@@ -18,8 +18,8 @@ from cairn.server.anthropic import MessagesRequest
 from cairn.server.engine_io.bridge import EngineBridge
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception
 from cairn.server.metrics import EngineStats, cache_families
-from cairn.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from cairn.server.responses import TextOffsets, chat_logprobs, completion_logprobs
+from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from cairn.server.openai.response_bodies import TextOffsets, chat_logprobs, completion_logprobs
 from cairn.tokenizer import ByteTokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -67,7 +67,7 @@ from cairn.router.affinity import Placements, prefix_keys
 from cairn.router.options import RouterOptions
 from cairn.router.replicas import Probe, Ranker, Replica
 from cairn.server.http.middleware import BodySizeLimit
-from cairn.server.responses import model_list
+from cairn.server.openai.response_bodies import model_list
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -51,7 +51,7 @@ from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unim
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_exception, from_validation_errors, renamed
 from cairn.server.generate import Generation, ServingContext, SSEResponse, prepare_chat, start_generation
-from cairn.server.protocol import ChatCompletionRequest
+from cairn.server.openai.protocol import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
 

@@ -50,9 +50,9 @@ from cairn.server.errors import APIError, from_exception, from_validation_errors
 from cairn.server.generate import ServingContext
 from cairn.server.http.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, RequestId, current_request_id
 from cairn.server.metrics import EngineStats, ServerMetrics
+from cairn.server.openai.response_bodies import model_list
 from cairn.server.options import MIB, ServerOptions
 from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare
-from cairn.server.responses import model_list
 from cairn.server.responses_output import ResponseStore
 
 log = logging.getLogger(__name__)

@@ -42,8 +42,8 @@ from cairn.server.errors import (
 )
 from cairn.server.http.middleware import current_request_id
 from cairn.server.metrics import ServerMetrics
-from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
-from cairn.server.responses import (
+from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.openai.response_bodies import (
     DONE_EVENT,
     ResponseHeader,
     TextOffsets,

@@ -39,7 +39,7 @@ from cairn.server.engine_io.offload import Offload
 from cairn.server.engine_io.workers import WorkersClosed
 from cairn.server.errors import ServerShuttingDown
 from cairn.server.generate import ServingContext, prepare_chat, prepare_completion
-from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.responses_api import Lookup, ResponsesRequest, prepare_responses
 
 M = TypeVar("M", bound=BaseModel)

@@ -34,7 +34,7 @@ from cairn.sampling import SamplingParams
 from cairn.server.anthropic import MessagesRequest
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.generate import ServingContext
-from cairn.server.protocol import ChatCompletionRequest, CompletionRequest
+from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.responses_api import ResponsesRequest, previous_not_found
 from cairn.server.responses_output import ResponseStore
 

@@ -48,7 +48,7 @@ from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unim
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_validation_errors, renamed
 from cairn.server.generate import ServingContext, prepare_chat
-from cairn.server.protocol import ChatCompletionRequest
+from cairn.server.openai.protocol import ChatCompletionRequest
 from cairn.server.responses_items import (
     ITEM_TYPES,
     ITEMS,

@@ -44,8 +44,8 @@ from cairn.server.chat.output import ChatDelta, ChatShaper
 from cairn.server.chat.parsers import THINK_END, THINK_START, ParsedToolCall
 from cairn.server.errors import APIError, from_exception
 from cairn.server.generate import Generation, ServingContext, SSEResponse, new_request_id, start_generation
+from cairn.server.openai.response_bodies import usage_of
 from cairn.server.prepare import Prepared, prepare
-from cairn.server.responses import usage_of
 from cairn.server.responses_api import (
     ENCRYPTED_REASONING,
     NamespaceTool,

@@ -28,8 +28,8 @@ from cairn.server.engine_io.offload import Offload
 from cairn.server.engine_io.workers import WorkersClosed
 from cairn.server.errors import APIError, ServerShuttingDown
 from cairn.server.generate import ServingContext
+from cairn.server.openai.protocol import DetokenizeRequest, TokenizeRequest, check_continuation
 from cairn.server.prepare import parse_body
-from cairn.server.protocol import DetokenizeRequest, TokenizeRequest, check_continuation
 
 REQUESTS = {"tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
 

@@ -4,7 +4,7 @@ A message becomes what chat templates are given (`template_message`: content a s
 arguments a dict, reasoning under `reasoning_content`, developer as system); a field its role does not
 use, a content part other than text, or a key beside a text part's two is refused with a 400 naming it.
 `template_variables` adds the tools and chat_template_kwargs, which may not set what cairn sets. What this
-is not: the request bodies (`protocol`) or rendering the template (`cairn.tokenizer`).
+is not: the request bodies (`openai.protocol`) or rendering the template (`cairn.tokenizer`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What every request body shares: strict types, unknown fields refused, null as the default, known but
 unimplemented fields accepted only with their neutral value, and no lone UTF-16 surrogates.
 
-`Strict` is the base model of every request body (the OpenAI ones in `protocol`, Anthropic's in
+`Strict` is the base model of every request body (the OpenAI ones in `openai.protocol`, Anthropic's in
 `anthropic`): `"stream": "yes"`, `"max_tokens": true` or `"prompt": [true]` are refused rather than
 coerced, and a field that is not declared is refused with a 400 naming it (`extra="forbid"`). Fields that
 cairn knows but does not implement yet are listed once, in `UNIMPLEMENTED_FIELDS`, with the value that

@@ -7,7 +7,7 @@ SamplingError becomes a 400), so there is one source of truth; token ids are che
 vocabulary by the endpoints, which know it. A sampling field the request leaves out takes the
 checkpoint's generation_config.json default when it has one (`defaults`), else SamplingParams' own.
 
-What this module is not: response shapes (see `responses`, `chat.output`) or anything that touches
+What this module is not: response shapes (see `response_bodies`, `chat.output`) or anything that touches
 the engine.
 """
 
