@@ -15,8 +15,8 @@ from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.prompt import tokenize_prompt
 from cairn.server.engine_io.offload import Offload
 from cairn.server.errors import APIError, ServerShuttingDown
-from cairn.server.generate import ServingContext
 from cairn.server.prepare import TEXT_FIELDS, UNPACK_IDS, Prepared, prepare, prepare_here
+from cairn.server.serving import ServingContext
 from cairn.tokenizer import ByteTokenizer
 
 MAX_MODEL_LEN = 1000

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse
 
 from cairn.server.engine_io.offload import Offload
 from cairn.server.errors import APIError
-from cairn.server.generate import ServingContext
+from cairn.server.serving import ServingContext
 from cairn.server.tokenize import respond
 from cairn.tokenizer import ByteTokenizer
 

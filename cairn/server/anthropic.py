@@ -4,7 +4,7 @@ A request is turned into the equivalent chat request (system, user / assistant t
 assistant tool_calls, `tool_result` -> tool messages, `thinking` -> reasoning_content, `thinking`
 config -> the template's enable_thinking, `stop_sequences` -> stop, a last assistant message (a prefill)
 -> continue_final_message: the answer continues its text) and runs the chat path
-(`prepare` and `generate.prepare_chat`; a large body in a request worker process): the same template,
+(`prepare` and `openai.chat.prepare_chat`; a large body in a request worker process): the same template,
 parsers, prefix cache and snapshots. The answer comes back as content blocks (`thinking`, `text`,
 `tool_use`), whole or as Anthropic's SSE events:
 
@@ -50,8 +50,9 @@ from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
 from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_exception, from_validation_errors, renamed
-from cairn.server.generate import Generation, ServingContext, SSEResponse, prepare_chat, start_generation
+from cairn.server.openai.chat import prepare_chat
 from cairn.server.openai.protocol import ChatCompletionRequest
+from cairn.server.serving import Generation, ServingContext, SSEResponse, start_generation
 
 log = logging.getLogger(__name__)
 

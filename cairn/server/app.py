@@ -43,17 +43,19 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from cairn.engine import Engine
-from cairn.server import anthropic, generate, probe, responses_output, tokenize
+from cairn.server import anthropic, probe, responses_output, tokenize
 from cairn.server.engine_io.bridge import EngineBridge
 from cairn.server.engine_io.offload import Offload
 from cairn.server.errors import APIError, from_exception, from_validation_errors
-from cairn.server.generate import ServingContext
 from cairn.server.http.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, RequestId, current_request_id
 from cairn.server.metrics import EngineStats, ServerMetrics
+from cairn.server.openai.chat import chat_completions
+from cairn.server.openai.completions import completions
 from cairn.server.openai.response_bodies import model_list
 from cairn.server.options import MIB, ServerOptions
 from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare
 from cairn.server.responses_output import ResponseStore
+from cairn.server.serving import ServingContext, new_request_id
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -143,13 +145,13 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     async def chat_request(request: Request) -> Response:
         start_s = time.monotonic()
-        p = await prepare(ctx, offload, await body_chunks(request), "chat", generate.new_request_id("chatcmpl"))
-        return await generate.chat_completions(ctx, p.submission, p.plan, p.body, request, start_s)
+        p = await prepare(ctx, offload, await body_chunks(request), "chat", new_request_id("chatcmpl"))
+        return await chat_completions(ctx, p.submission, p.plan, p.body, request, start_s)
 
     async def completion_request(request: Request) -> Response:
         start_s = time.monotonic()
-        p = await prepare(ctx, offload, await body_chunks(request), "completion", generate.new_request_id("cmpl"))
-        return await generate.completions(ctx, p.submission, p.body, request, start_s)
+        p = await prepare(ctx, offload, await body_chunks(request), "completion", new_request_id("cmpl"))
+        return await completions(ctx, p.submission, p.body, request, start_s)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -161,7 +163,7 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     async def messages_request(request: Request) -> Response:
         start_s = time.monotonic()
-        p = await prepare(ctx, offload, await body_chunks(request), "messages", generate.new_request_id("msg"))
+        p = await prepare(ctx, offload, await body_chunks(request), "messages", new_request_id("msg"))
         return await anthropic.messages(ctx, p.submission, p.plan, p.body, request, start_s)
 
     @app.post("/v1/messages")

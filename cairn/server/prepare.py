@@ -16,7 +16,7 @@ not validate (FastAPI's handler answers it), and what the checks and the tokeniz
 ChatTemplateError, RequestTooLarge); WorkerDied if the worker died (this request alone, a 500);
 ServerShuttingDown once the workers are closed.
 
-What this is not: submitting (`generate`) or the routes (`app`).
+What this is not: submitting (`serving`) or the routes (`app`).
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from cairn.server.engine_io.bridge import Submission
 from cairn.server.engine_io.offload import Offload
 from cairn.server.engine_io.workers import WorkersClosed
 from cairn.server.errors import ServerShuttingDown
-from cairn.server.generate import ServingContext, prepare_chat, prepare_completion
+from cairn.server.openai.chat import prepare_chat
+from cairn.server.openai.completions import prepare_completion
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.responses_api import Lookup, ResponsesRequest, prepare_responses
+from cairn.server.serving import ServingContext
 
 M = TypeVar("M", bound=BaseModel)
 UNPACK_IDS = 1 << 14  # token ids turned into Python ints at a time, back from a worker (about a millisecond)

@@ -33,10 +33,10 @@ from cairn.engine import Engine, check_prompt_token_ids
 from cairn.sampling import SamplingParams
 from cairn.server.anthropic import MessagesRequest
 from cairn.server.engine_io.bridge import Submission
-from cairn.server.generate import ServingContext
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.responses_api import ResponsesRequest, previous_not_found
 from cairn.server.responses_output import ResponseStore
+from cairn.server.serving import ServingContext
 
 PATH = "/v1/cache/probe"
 MESSAGES_PATH = PATH + "/messages"  # the probe of an Anthropic Messages body (its fields overlap a chat's)

@@ -2,7 +2,7 @@
 Codex CLI, the Agents SDK) can point at cairn. The answer's shapes are in `responses_output`.
 
 A request is turned into the equivalent chat request and runs the chat path (`prepare` and
-`generate.prepare_chat`; a large body in a request worker process): the same template, parsers, structured
+`openai.chat.prepare_chat`; a large body in a request worker process): the same template, parsers, structured
 output, prefix cache and snapshots. The conversion (the input items' is `responses_items`):
 
     input (a string: one user message; or items) and instructions -> chat messages (responses_items.chat_messages)
@@ -47,7 +47,7 @@ from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
 from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_validation_errors, renamed
-from cairn.server.generate import ServingContext, prepare_chat
+from cairn.server.openai.chat import prepare_chat
 from cairn.server.openai.protocol import ChatCompletionRequest
 from cairn.server.responses_items import (
     ITEM_TYPES,
@@ -59,6 +59,7 @@ from cairn.server.responses_items import (
     chat_messages,
     item_type,
 )
+from cairn.server.serving import ServingContext
 
 TOOL_TYPES = ("function", "namespace")
 ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` value cairn honours

@@ -43,7 +43,6 @@ from cairn.outputs import Completion
 from cairn.server.chat.output import ChatDelta, ChatShaper
 from cairn.server.chat.parsers import THINK_END, THINK_START, ParsedToolCall
 from cairn.server.errors import APIError, from_exception
-from cairn.server.generate import Generation, ServingContext, SSEResponse, new_request_id, start_generation
 from cairn.server.openai.response_bodies import usage_of
 from cairn.server.prepare import Prepared, prepare
 from cairn.server.responses_api import (
@@ -56,6 +55,7 @@ from cairn.server.responses_api import (
     previous_not_found,
 )
 from cairn.server.responses_items import encode_reasoning
+from cairn.server.serving import Generation, ServingContext, SSEResponse, new_request_id, start_generation
 from cairn.tokenizer import Tokenizer
 
 RESPONSE_ID_HEADER = "x-cairn-response-id"

@@ -27,9 +27,9 @@ from cairn.server.chat.schema import template_message
 from cairn.server.engine_io.offload import Offload
 from cairn.server.engine_io.workers import WorkersClosed
 from cairn.server.errors import APIError, ServerShuttingDown
-from cairn.server.generate import ServingContext
 from cairn.server.openai.protocol import DetokenizeRequest, TokenizeRequest, check_continuation
 from cairn.server.prepare import parse_body
+from cairn.server.serving import ServingContext
 
 REQUESTS = {"tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
 

@@ -10,13 +10,16 @@ What this module is not: it does not talk to the engine, and it does not decide 
 from __future__ import annotations
 
 import codecs
-from dataclasses import dataclass
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from cairn.outputs import Completion
 from cairn.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from cairn.server.serving import ResponseHeader  # (what every body and chunk repeats)
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -138,18 +141,6 @@ def _top_by_text(tokenizer: Tokenizer, alternatives: list[tuple[int, float]]) ->
 
 # ---- whole responses and stream chunks ----------------------------------------------------------
 
-@dataclass(frozen=True)
-class ResponseHeader:
-    """What every response and chunk of one request repeats."""
-
-    id: str
-    created: int  # unix seconds
-    model: str
-
-    def model_dump(self) -> dict[str, Any]:
-        return {"id": self.id, "created": self.created, "model": self.model}
-
-
 def chat_response(h: ResponseHeader, out: Completion, message: dict[str, Any], finish_reason: str | None,
                   logprobs: dict | None, token_ids: bool = False) -> dict[str, Any]:
     """A whole chat.completion; `token_ids`: add the output's (choice) and the prompt's token ids."""
@@ -188,3 +179,37 @@ def completion_chunk(h: ResponseHeader, text: str, finish_reason: str | None = N
 def usage_chunk(h: ResponseHeader, obj: str, out: Completion) -> dict[str, Any]:
     """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
     return {**h.model_dump(), "object": obj, "choices": [], "usage": usage_of(out).model_dump()}
+
+
+# ---- SSE events and the choices of an n > 1 request ---------------------------------------------
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def with_choices(bodies: list[dict], outs: list[Completion]) -> dict:
+    """One response holding every choice of an n > 1 request: each body's choice with its index, the
+    usage counting every choice's tokens (the prompt once)."""
+    body = bodies[0]
+    body["choices"] = [{**b["choices"][0], "index": out.index} for b, out in zip(bodies, outs, strict=True)]
+    if body.get("usage"):
+        _count_all_choices(body["usage"], outs)
+    return body
+
+
+def _count_all_choices(usage: dict, outs: list[Completion]) -> None:
+    usage["completion_tokens"] = sum(len(o.token_ids) for o in outs)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def indexed(chunk: dict, index: int) -> dict:
+    """A one-choice stream chunk for choice `index` of the request."""
+    chunk["choices"][0]["index"] = index
+    return chunk
+
+
+def choices_usage_chunk(header: ResponseHeader, obj: str, finals: list[Completion]) -> dict:
+    """The usage chunk of an n > 1 stream: every choice's tokens (the prompt once)."""
+    chunk = usage_chunk(header, obj, finals[0])
+    _count_all_choices(chunk["usage"], finals)
+    return chunk
