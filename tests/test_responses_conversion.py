@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from cairn.server.errors import APIError, from_validation_errors
-from cairn.server.responses_api import ResponsesRequest, in_responses_names
-from cairn.server.responses_items import decode_reasoning, encode_reasoning
-from cairn.server.responses_output import ResponseStore
+from cairn.server.openai.responses.items import decode_reasoning, encode_reasoning
+from cairn.server.openai.responses.output import ResponseStore
+from cairn.server.openai.responses.request import ResponsesRequest, in_responses_names
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
 

@@ -4,7 +4,7 @@
     POST /v1/completions        text or token-id prompt, whole or streamed (SSE)
     POST /v1/messages           Anthropic Messages API, whole or streamed (see `anthropic`)
     POST /v1/messages/count_tokens  the prompt tokens of such a request (see `anthropic`)
-    POST /v1/responses          OpenAI's Responses API, whole or streamed (see `responses_api`, `responses_output`);
+    POST /v1/responses          OpenAI's Responses API, whole or streamed (see `openai.responses`);
                                 GET / DELETE /v1/responses/{id}: a stored response
     POST /tokenize, /detokenize text or chat messages to token ids and back (see `tokenize`)
     GET  /v1/models             the served model; GET /v1/models/{name} one model or 404
@@ -43,7 +43,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from cairn.engine import Engine
-from cairn.server import anthropic, probe, responses_output, tokenize
+from cairn.server import anthropic, probe, tokenize
 from cairn.server.engine_io.bridge import EngineBridge
 from cairn.server.engine_io.offload import Offload
 from cairn.server.errors import APIError, from_exception, from_validation_errors
@@ -52,9 +52,10 @@ from cairn.server.metrics import EngineStats, ServerMetrics
 from cairn.server.openai.chat import chat_completions
 from cairn.server.openai.completions import completions
 from cairn.server.openai.response_bodies import model_list
+from cairn.server.openai.responses import output as responses_output
+from cairn.server.openai.responses.output import ResponseStore
 from cairn.server.options import MIB, ServerOptions
 from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare
-from cairn.server.responses_output import ResponseStore
 from cairn.server.serving import ServingContext, new_request_id
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 
 def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore) -> None:
-    """POST /v1/responses, GET and DELETE /v1/responses/{id} (see `responses_output`)."""
+    """POST /v1/responses, GET and DELETE /v1/responses/{id} (see `openai.responses.output`)."""
     async def create_request(request: Request) -> Response:
         start_s = time.monotonic()
         return await responses_output.create(ctx, store, await body_chunks(request), request, start_s)

@@ -41,7 +41,7 @@ from cairn.server.errors import ServerShuttingDown
 from cairn.server.openai.chat import prepare_chat
 from cairn.server.openai.completions import prepare_completion
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from cairn.server.responses_api import Lookup, ResponsesRequest, prepare_responses
+from cairn.server.openai.responses.request import Lookup, ResponsesRequest, prepare_responses
 from cairn.server.serving import ServingContext
 
 M = TypeVar("M", bound=BaseModel)
@@ -91,7 +91,7 @@ def invalid_json(e: ValueError | RecursionError) -> RequestValidationError:
 def prepare_here(ctx: ServingContext, body: bytes, kind: str, request_id: str, history: History = None) -> Prepared:
     """Parse, validate and check a `kind` request ("chat", "completion", "messages": Anthropic's, or "responses":
     OpenAI's Responses API, both prepared as the equivalent chat); its prompt is tokenized later. `history`: where
-    a Responses request's previous_response_id is looked up (see `responses_api.prepare_responses`)."""
+    a Responses request's previous_response_id is looked up (see `openai.responses.request.prepare_responses`)."""
     if kind == "completion":
         completion = parse_body(CompletionRequest, body)
         return Prepared(completion, prepare_completion(ctx, completion, request_id))

@@ -34,8 +34,8 @@ from cairn.sampling import SamplingParams
 from cairn.server.anthropic import MessagesRequest
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from cairn.server.responses_api import ResponsesRequest, previous_not_found
-from cairn.server.responses_output import ResponseStore
+from cairn.server.openai.responses.output import ResponseStore
+from cairn.server.openai.responses.request import ResponsesRequest, previous_not_found
 from cairn.server.serving import ServingContext
 
 PATH = "/v1/cache/probe"

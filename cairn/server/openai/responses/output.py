@@ -1,7 +1,7 @@
 """POST /v1/responses (the answer side) and GET / DELETE /v1/responses/{id}: OpenAI's `response` object, whole
-or as the Responses API's SSE events; the request side is `responses_api`.
+or as the Responses API's SSE events; the request side is `request`.
 
-A request prepared as a chat (see `responses_api`) runs the chat path; what the chat shaper (`chat.output`)
+A request prepared as a chat (see `request`) runs the chat path; what the chat shaper (`chat.output`)
 makes of the generated text becomes the response's output items, in order: a `reasoning` item (the thinking
 text as `reasoning_text` content, an empty summary), a `message` item (`output_text`) when there is text, and
 one `function_call` item per tool call. status is "completed", or "incomplete" with incomplete_details.reason
@@ -22,7 +22,7 @@ in an `x-cairn-response-id` header (which `cairn router` remembers, to send its 
 `ResponseStore` keeps stored responses (`store`, default true) in memory: at most MAX_STORED_RESPONSES of them
 holding at most MAX_STORED_BYTES (their JSON size), the least recently stored or read evicted first; each holds
 its whole conversation, so a follow-up of an evicted response's follow-up still has it all. A restart empties it.
-What this is not: the request's conversion (`responses_api`).
+What this is not: the request's conversion (`request`).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from cairn.server.chat.output import ChatDelta, ChatShaper
 from cairn.server.chat.parsers import THINK_END, THINK_START, ParsedToolCall
 from cairn.server.errors import APIError, from_exception
 from cairn.server.openai.response_bodies import usage_of
-from cairn.server.prepare import Prepared, prepare
-from cairn.server.responses_api import (
+from cairn.server.openai.responses.items import encode_reasoning
+from cairn.server.openai.responses.request import (
     ENCRYPTED_REASONING,
     NamespaceTool,
     NeedsHistory,
@@ -54,7 +54,7 @@ from cairn.server.responses_api import (
     in_responses_names,
     previous_not_found,
 )
-from cairn.server.responses_items import encode_reasoning
+from cairn.server.prepare import Prepared, prepare
 from cairn.server.serving import Generation, ServingContext, SSEResponse, new_request_id, start_generation
 from cairn.tokenizer import Tokenizer
 
@@ -183,7 +183,7 @@ def _item_id(prefix: str) -> str:
 
 
 def reasoning_item(item_id: str, text: str, status: str, encoded: bool = False) -> dict[str, Any]:
-    """`encoded`: with the text as encrypted_content (include reasoning.encrypted_content; see `responses_api`)."""
+    """`encoded`: with the text as encrypted_content (include reasoning.encrypted_content; see `request`)."""
     return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
             "encrypted_content": encode_reasoning(text) if encoded else None, "status": status}
 

@@ -1,11 +1,11 @@
 """POST /v1/responses: OpenAI's Responses API (the request side), so agent clients that speak only it (the
-Codex CLI, the Agents SDK) can point at cairn. The answer's shapes are in `responses_output`.
+Codex CLI, the Agents SDK) can point at cairn. The answer's shapes are in `output`.
 
 A request is turned into the equivalent chat request and runs the chat path (`prepare` and
 `openai.chat.prepare_chat`; a large body in a request worker process): the same template, parsers, structured
-output, prefix cache and snapshots. The conversion (the input items' is `responses_items`):
+output, prefix cache and snapshots. The conversion (the input items' is `items`):
 
-    input (a string: one user message; or items) and instructions -> chat messages (responses_items.chat_messages)
+    input (a string: one user message; or items) and instructions -> chat messages (items.chat_messages)
     tools (type function; `strict` defaults to true, as OpenAI's) -> chat tools
     namespace tools (function tools grouped under a name, as the Codex CLI sends its sub-agent tools) -> a chat tool
                       `<namespace>.<name>` per function, its description after the namespace's; a call of one comes
@@ -17,7 +17,7 @@ output, prefix cache and snapshots. The conversion (the input items' is `respons
                       is generated: a reasoning item's summary is empty, its content the reasoning text)
     previous_response_id -> the stored conversation (its input and output items, not its instructions) first
 
-`store` (default true) keeps the response in `responses_output.ResponseStore`, a bounded in-memory store, for
+`store` (default true) keeps the response in `output.ResponseStore`, a bounded in-memory store, for
 GET / DELETE /v1/responses/{id} and previous_response_id.
 
 What is refused, with a 400 naming the field: tools other than functions and namespaces of functions
@@ -30,7 +30,7 @@ RESPONSES_UNIMPLEMENTED). A field the API does not define is refused as on the c
 
 `include: ["reasoning.encrypted_content"]` (what a stateless client, store false, asks for to send its reasoning
 back) gives each reasoning item an `encrypted_content` that a later request's reasoning item may carry instead of
-its content (see `responses_items`); one cairn did not make is a 400.
+its content (see `items`); one cairn did not make is a 400.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_validation_errors, renamed
 from cairn.server.openai.chat import prepare_chat
 from cairn.server.openai.protocol import ChatCompletionRequest
-from cairn.server.responses_items import (
+from cairn.server.openai.responses.items import (
     ITEM_TYPES,
     ITEMS,
     NAMESPACE_SEP,

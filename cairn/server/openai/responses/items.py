@@ -1,5 +1,5 @@
 """The input items of OpenAI's Responses API (messages, function calls and their outputs, reasoning) as models,
-and a conversation of them as the equivalent chat messages; the request around them is `responses_api`.
+and a conversation of them as the equivalent chat messages; the request around them is `request`.
 
     instructions, then the leading system / developer messages   -> one system message
     message items (user, system, developer, assistant; content a string or input_text / output_text parts)
@@ -11,7 +11,7 @@ and a conversation of them as the equivalent chat messages; the request around t
 
 A reasoning item's `encrypted_content` is one cairn made (include reasoning.encrypted_content): ENCODED_PREFIX
 and the reasoning text in base64, opaque to the client but NOT encrypted; any other is refused.
-What this is not: the request's other fields, tools and refusals (`responses_api`), the answer (`responses_output`).
+What this is not: the request's other fields, tools and refusals (`request`), the answer (`output`).
 """
 
 from __future__ import annotations
