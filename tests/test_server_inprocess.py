@@ -252,12 +252,12 @@ MESSAGES = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "cont
 def test_step_exception_on_messages_is_an_anthropic_shaped_500_logged_with_its_traceback(client, engine, monkeypatch,
                                                                                          caplog):
     fail_step_on_call(engine, monkeypatch, 1)
-    with caplog.at_level(logging.ERROR, logger="cairn.server.anthropic"):
+    with caplog.at_level(logging.ERROR, logger="cairn.server.anthropic.messages"):
         r = client.post("/v1/messages", json=MESSAGES)
     assert r.status_code == 500
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
     assert "injected fault" in r.json()["error"]["message"]
-    assert any(rec.exc_info for rec in caplog.records if rec.name == "cairn.server.anthropic")
+    assert any(rec.exc_info for rec in caplog.records if rec.name == "cairn.server.anthropic.messages")
     assert client.post("/v1/messages", json=MESSAGES).status_code == 200
 
 

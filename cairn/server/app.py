@@ -2,8 +2,8 @@
 
     POST /v1/chat/completions   chat, whole or streamed (SSE)
     POST /v1/completions        text or token-id prompt, whole or streamed (SSE)
-    POST /v1/messages           Anthropic Messages API, whole or streamed (see `anthropic`)
-    POST /v1/messages/count_tokens  the prompt tokens of such a request (see `anthropic`)
+    POST /v1/messages           Anthropic Messages API, whole or streamed (see `anthropic.messages`)
+    POST /v1/messages/count_tokens  the prompt tokens of such a request (see `anthropic.messages`)
     POST /v1/responses          OpenAI's Responses API, whole or streamed (see `openai.responses`);
                                 GET / DELETE /v1/responses/{id}: a stored response
     POST /tokenize, /detokenize text or chat messages to token ids and back (see `tokenize`)
@@ -43,7 +43,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from cairn.engine import Engine
-from cairn.server import anthropic, probe, tokenize
+from cairn.server import probe, tokenize
+from cairn.server.anthropic import messages as anthropic
 from cairn.server.engine_io.bridge import EngineBridge
 from cairn.server.engine_io.offload import Offload
 from cairn.server.errors import APIError, from_exception, from_validation_errors

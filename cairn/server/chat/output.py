@@ -6,7 +6,7 @@ function, in the template's call format: `call_grammar`; it skips the reasoning)
 `strict` tools, response_format, and the thinking budget, the last three after the reasoning block
 the template opened, if any. `ChatShaper` then runs the text
 through the reasoning parser, its content through the tool-call parser, and yields `ChatDelta`s;
-the OpenAI (`openai_*`) and Anthropic (`anthropic`) shapes are built from those.
+the OpenAI (`openai_*`) and Anthropic (`anthropic.messages`) shapes are built from those.
 
     generated text ─> ReasoningParser ─┬─ reasoning ────────────────> reasoning_content / thinking
                                        └─ content ─> ToolCallParser ─┬─ content ─> content / text

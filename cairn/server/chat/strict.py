@@ -2,7 +2,7 @@
 unimplemented fields accepted only with their neutral value, and no lone UTF-16 surrogates.
 
 `Strict` is the base model of every request body (the OpenAI ones in `openai.protocol`, Anthropic's in
-`anthropic`): `"stream": "yes"`, `"max_tokens": true` or `"prompt": [true]` are refused rather than
+`anthropic.messages`): `"stream": "yes"`, `"max_tokens": true` or `"prompt": [true]` are refused rather than
 coerced, and a field that is not declared is refused with a 400 naming it (`extra="forbid"`). Fields that
 cairn knows but does not implement yet are listed once, in `UNIMPLEMENTED_FIELDS`, with the value that
 changes nothing: a request may send that value (clients often send `best_of: 1`), any other value is

@@ -9,7 +9,7 @@ leave out more (Qwen3.5's renders an assistant message's thinking only after the
 removes, it cannot make a template render what it does not. Other edits (`clear_tool_uses_20250919`, which
 rewrites tool results past a token threshold) are refused with a 400 naming the edit's type.
 
-What this is not: the rest of the Messages request (`anthropic`).
+What this is not: the rest of the Messages request (`messages`).
 """
 
 from __future__ import annotations

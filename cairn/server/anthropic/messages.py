@@ -14,7 +14,7 @@ parsers, prefix cache and snapshots. The answer comes back as content blocks (`t
 `output_config.format` (structured output, what the client's messages.parse sends) is the chat's
 response_format json_schema: the text block is JSON valid for its schema (after the thinking block,
 if any); `output_config.effort` is accepted null or "high" (Anthropic's default; cairn has no other level).
-`context_management` edits: `clear_thinking_20251015` is carried out, others refused (see `anthropic_context`).
+`context_management` edits: `clear_thinking_20251015` is carried out, others refused (see `context`).
 usage: `input_tokens` counts the prompt tokens computed, `cache_read_input_tokens` those resumed from
 cairn's prefix cache (the same figure as OpenAI's cached_tokens); cairn has no separate cache write
 (`cache_creation_input_tokens` is 0), `cache_control` marks are accepted and change nothing. The
@@ -44,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cairn.outputs import Completion
-from cairn.server.anthropic_context import ContextManagement
+from cairn.server.anthropic.context import ContextManagement
 from cairn.server.chat.output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
 from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
