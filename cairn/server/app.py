@@ -56,7 +56,7 @@ from cairn.server.openai.response_bodies import model_list
 from cairn.server.openai.responses import output as responses_output
 from cairn.server.openai.responses.output import ResponseStore
 from cairn.server.options import MIB, ServerOptions
-from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare
+from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare, prepare_response
 from cairn.server.serving import ServingContext, new_request_id
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,8 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
     """POST /v1/responses, GET and DELETE /v1/responses/{id} (see `openai.responses.output`)."""
     async def create_request(request: Request) -> Response:
         start_s = time.monotonic()
-        return await responses_output.create(ctx, store, await body_chunks(request), request, start_s)
+        p, prior = await prepare_response(ctx, await body_chunks(request), store)
+        return await responses_output.create(ctx, store, p.submission, p.plan, p.body, prior, request, start_s)
 
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:

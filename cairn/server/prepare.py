@@ -1,5 +1,5 @@
-"""Request preparation for /v1/chat/completions, /v1/completions and /v1/messages: from the body's bytes
-to what the engine bridge takes (a Submission and, for a chat, the plan its output is shaped by).
+"""Request preparation for /v1/chat/completions, /v1/completions, /v1/messages and /v1/responses: from the body's
+bytes to what the engine bridge takes (a Submission and, for a chat, the plan its output is shaped by).
 
     body chunks ──(small)──> here: json.loads, validate, check ──> Submission (text; the bridge tokenizes it
                                                                     in a thread)
@@ -14,7 +14,8 @@ decoding megabytes) runs beside the engine thread.
 Both paths raise the same errors: RequestValidationError for a body that is not valid JSON or does
 not validate (FastAPI's handler answers it), and what the checks and the tokenizer raise (APIError,
 ChatTemplateError, RequestTooLarge); WorkerDied if the worker died (this request alone, a 500);
-ServerShuttingDown once the workers are closed.
+ServerShuttingDown once the workers are closed. A Responses request's previous_response_id is looked up in the
+store of responses here too (`prepare_response`), so every API's endpoint is handed a prepared request.
 
 What this is not: submitting (`serving`) or the routes (`app`).
 """
@@ -25,24 +26,32 @@ import asyncio
 import json
 from array import array
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from cairn.errors import PromptTooLong, RequestTooLarge
+from cairn.errors import ChatTemplateError, PromptTooLong, RequestTooLarge
 from cairn.prompt import tokenize_prompt
 from cairn.server.anthropic.messages import MessagesRequest, prepare_messages
 from cairn.server.chat.output import ChatPlan
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.engine_io.offload import Offload
 from cairn.server.engine_io.workers import WorkersClosed
-from cairn.server.errors import ServerShuttingDown
+from cairn.server.errors import APIError, ServerShuttingDown, from_exception
 from cairn.server.openai.chat import prepare_chat
 from cairn.server.openai.completions import prepare_completion
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from cairn.server.openai.responses.request import Lookup, ResponsesRequest, prepare_responses
-from cairn.server.serving import ServingContext
+from cairn.server.openai.responses.output import ResponseStore, Stored
+from cairn.server.openai.responses.request import (
+    Lookup,
+    NeedsHistory,
+    ResponsesRequest,
+    in_responses_names,
+    prepare_responses,
+    previous_not_found,
+)
+from cairn.server.serving import ServingContext, new_request_id
 
 M = TypeVar("M", bound=BaseModel)
 UNPACK_IDS = 1 << 14  # token ids turned into Python ints at a time, back from a worker (about a millisecond)
@@ -148,3 +157,26 @@ async def unpack_ids(packed: array) -> list[int]:
         ids.extend(packed[start:start + UNPACK_IDS].tolist())
         await asyncio.sleep(0)
     return ids
+
+
+async def prepare_response(ctx: ServingContext, chunks: list[bytes],
+                           store: ResponseStore) -> tuple[Prepared, Stored | None]:
+    """A /v1/responses body prepared as a chat, and the stored response its previous_response_id names (None if
+    none). A body prepared in a worker that needs one is prepared again, given it (the worker has no store)."""
+    offload, request_id, seen = ctx.bridge.offload, new_request_id("resp"), {}
+
+    def lookup(response_id: str) -> list[dict[str, Any]] | None:
+        seen[response_id] = store.get(response_id)
+        return None if seen[response_id] is None else seen[response_id].conversation
+
+    try:
+        try:
+            p = await prepare(ctx, offload, list(chunks), "responses", request_id, lookup)
+        except NeedsHistory as e:
+            if lookup(e.response_id) is None:
+                raise previous_not_found(e.response_id) from None
+            history = {e.response_id: seen[e.response_id].conversation}
+            p = await prepare(ctx, offload, chunks, "responses", request_id, history)
+    except (ChatTemplateError, RequestTooLarge, APIError) as e:
+        raise in_responses_names(from_exception(e, "input")) from None
+    return p, seen.get(p.body.previous_response_id)

@@ -40,22 +40,20 @@ from starlette.responses import JSONResponse, Response
 
 from cairn.errors import ChatTemplateError, RequestTooLarge
 from cairn.outputs import Completion
-from cairn.server.chat.output import ChatDelta, ChatShaper
+from cairn.server.chat.output import ChatDelta, ChatPlan, ChatShaper
 from cairn.server.chat.parsers import THINK_END, THINK_START, ParsedToolCall
+from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_exception
 from cairn.server.openai.response_bodies import usage_of
 from cairn.server.openai.responses.items import encode_reasoning
 from cairn.server.openai.responses.request import (
     ENCRYPTED_REASONING,
     NamespaceTool,
-    NeedsHistory,
     ResponsesRequest,
     Tool,
     in_responses_names,
-    previous_not_found,
 )
-from cairn.server.prepare import Prepared, prepare
-from cairn.server.serving import Generation, ServingContext, SSEResponse, new_request_id, start_generation
+from cairn.server.serving import Generation, ServingContext, SSEResponse, start_generation
 from cairn.tokenizer import Tokenizer
 
 RESPONSE_ID_HEADER = "x-cairn-response-id"
@@ -241,48 +239,26 @@ def status_of(shaper: ChatShaper, out: Completion) -> str:
 
 # ---- the endpoint -------------------------------------------------------------------------------
 
-async def prepare_response(ctx: ServingContext, chunks: list[bytes],
-                           store: ResponseStore) -> tuple[Prepared, Stored | None]:
-    """The body prepared as a chat, and the stored response its previous_response_id names (None if none). A
-    body prepared in a worker that needs one is prepared again, given it (the worker has no store)."""
-    offload, request_id, seen = ctx.bridge.offload, new_request_id("resp"), {}
-
-    def lookup(response_id: str) -> list[dict[str, Any]] | None:
-        seen[response_id] = store.get(response_id)
-        return None if seen[response_id] is None else seen[response_id].conversation
-
+async def create(ctx: ServingContext, store: ResponseStore, sub: Submission, plan: ChatPlan, body: ResponsesRequest,
+                 prior: Stored | None, request: Request, start_s: float) -> Response:
+    """A response prepared by `prepare.prepare_response` (`body` and `prior`: the request, the stored response its
+    previous_response_id names), answered whole or streamed."""
     try:
-        try:
-            p = await prepare(ctx, offload, list(chunks), "responses", request_id, lookup)
-        except NeedsHistory as e:
-            if lookup(e.response_id) is None:
-                raise previous_not_found(e.response_id) from None
-            history = {e.response_id: seen[e.response_id].conversation}
-            p = await prepare(ctx, offload, chunks, "responses", request_id, history)
-    except (ChatTemplateError, RequestTooLarge, APIError) as e:
-        raise in_responses_names(from_exception(e, "input")) from None
-    return p, seen.get(p.body.previous_response_id)
-
-
-async def create(ctx: ServingContext, store: ResponseStore, chunks: list[bytes], request: Request,
-                 start_s: float) -> Response:
-    p, prior = await prepare_response(ctx, chunks, store)
-    try:
-        gen = await start_generation(ctx, p.submission, start_s)
+        gen = await start_generation(ctx, sub, start_s)
     except (ChatTemplateError, RequestTooLarge) as e:  # (tokenized here: a small body)
         raise in_responses_names(from_exception(e, "input")) from None
-    draft, shaper = Draft(ctx, p.body, prior), ChatShaper(p.plan)
+    draft, shaper = Draft(ctx, body, prior), ChatShaper(plan)
     headers = {RESPONSE_ID_HEADER: draft.id}
-    if p.body.stream:
+    if body.stream:
         response = SSEResponse(_events(gen, shaper, draft, store), gen.close)
         response.headers.update(headers)
         return response
     (out,) = await gen.final_outputs(request)
     shaper.feed(out.text, final=True)
     status = status_of(shaper, out)
-    body = draft.response(status, output_items(shaper.message, status, draft),
-                          usage(ctx.tokenizer, out, shaper.message.reasoning))
-    return JSONResponse(draft.finish(store, body), headers=headers)
+    response = draft.response(status, output_items(shaper.message, status, draft),
+                              usage(ctx.tokenizer, out, shaper.message.reasoning))
+    return JSONResponse(draft.finish(store, response), headers=headers)
 
 
 def retrieve(store: ResponseStore, response_id: str, query: Mapping[str, str]) -> Response:
