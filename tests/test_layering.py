@@ -69,6 +69,24 @@ RULES: list[tuple[str, tuple[str, ...], str]] = [
     ("cairn.layers", ("cairn.model",), "layers/ sits below model/"),
     ("cairn", ("benchmarks", "tests"), "the package stands alone: nothing from a source checkout"),
 ]
+# the server's own layers, top to bottom (names under cairn.server): each row imports only the rows below it, so
+# no API's package reaches back up to prepare or the routes, and the shared parts below know no API
+SERVER_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("main",), ("app",), ("probe", "tokenize"), ("prepare",), ("anthropic",), ("openai",), ("options", "serving"),
+    ("chat", "engine_io", "http", "metrics"), ("errors",))
+
+
+def _server_rules() -> list[tuple[str, tuple[str, ...], str]]:
+    """One rule per name of SERVER_LAYERS: it imports none of the names on its row or the rows above."""
+    rules, upper = [], ()
+    for row in SERVER_LAYERS:
+        upper += row
+        rules += [(f"cairn.server.{name}", tuple(f"cairn.server.{other}" for other in upper if other != name),
+                   f"cairn.server.{name} imports only the server layers below its row (SERVER_LAYERS)") for name in row]
+    return rules
+
+
+RULES += _server_rules()
 # torch-free, and so is all they import (policy/speeds.py times real copies: not here)
 TORCH_FREE = ("cairn.cache.tree", "cairn.cache.policy.planner", "cairn.cache.policy.placement",
               "cairn.cache.policy.retention", "cairn.memory.pages")
@@ -237,6 +255,13 @@ def test_the_graph_sees_lazy_and_string_named_imports():
 def test_every_module_has_a_layer():
     unplaced = sorted(m for m in modules() if layer_of(m) is None)
     assert not unplaced, f"place these modules in LAYERS: {unplaced}"
+
+
+def test_the_server_layers_place_every_server_module():
+    placed = {f"cairn.server.{name}" for row in SERVER_LAYERS for name in row}
+    unplaced = sorted(m for m in modules() if _under(m, "cairn.server") and m != "cairn.server"
+                      and not any(_under(m, p) for p in placed))
+    assert not unplaced, f"place these modules in SERVER_LAYERS: {unplaced}"
 
 
 def test_the_layer_table_points_down():
