@@ -170,7 +170,7 @@ class PromptFields(Strict):
     thinking: ThinkingConfig | None = None
     cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
     output_config: OutputConfig | None = None
-    context_management: ContextManagement | None = None  # clear_thinking honoured (see anthropic_context)
+    context_management: ContextManagement | None = None  # clear_thinking honoured (see anthropic.context)
 
     @model_validator(mode="before")
     @classmethod
