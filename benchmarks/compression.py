@@ -3,7 +3,7 @@
     python benchmarks/compression.py [--repeats 3]
 
 Prints, per payload and codec, the stored/raw ratio and the time to encode and decode a whole
-segment file (checksums included) with cairn.cache.disk.segment. This is a measurement script only,
+segment file (checksums included) with cairn.cache.segments.segment. This is a measurement script only,
 not a test: random data is a pessimistic stand-in for real states, whose values are not i.i.d.
 
 Payloads:
@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from cairn.cache.disk.decode import decode_segment
-from cairn.cache.disk.segment import Segment, encode_segment, segment_key
+from cairn.cache.segments.decode import decode_segment
+from cairn.cache.segments.segment import Segment, encode_segment, segment_key
 
 DIGEST = "00" * 32
 

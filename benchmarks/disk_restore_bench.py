@@ -3,8 +3,8 @@
 Writes one segment as the disk tier does at a conversation's end (the snapshot of a full state slot of
 `--size`, `--kv-tokens` tokens of fp32 KV, fp32 logits), then alternates, `--repeats` times: drop the file's
 page cache and restore it into a working slot (DiskTier.load_snapshot: read, every check, copy), drop
-it again and read the file plainly. With `--against REV`, the cairn/cache/disk package of that git
-revision (read with `git show` into a temporary package) writes and restores its own segment in the
+it again and read the file plainly. With `--against REV`, the cairn/cache/disk (and cairn/cache/segments) packages
+of that git revision (read with `git show` into a temporary package) write and restore their own segment in the
 same loop, so before and after are measured side by side on one machine state. The restored slot and
 logits are checked bit for bit against the written ones every time.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -49,18 +50,21 @@ def size_spec(size: str) -> tuple[StateSpec, int, int]:
     return cfg.state_spec(torch.float32), kv_token_bytes, cfg.vocab_size
 
 
-def disk_package(rev: str, into: Path) -> str:
-    """Copy cairn/cache/disk of git revision `rev` into `into` as a package of its own; returns its name."""
-    name = "disk_" + rev.replace("-", "_").replace(".", "_")
-    pkg = into / name
-    pkg.mkdir(parents=True)
-    files = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "cairn/cache/disk/"],
-                           capture_output=True, text=True, check=True).stdout.split()
+def cache_packages(rev: str, into: Path) -> str:
+    """Copy cairn/cache/disk and cairn/cache/segments (where that revision has it) of git revision `rev` into `into`
+    as subpackages of a package of its own; returns its name."""
+    name = "cache_" + rev.replace("-", "_").replace(".", "_")
+    files = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "cairn/cache/disk/",
+                            "cairn/cache/segments/"], capture_output=True, text=True, check=True).stdout.split()
+    (into / name).mkdir(parents=True)
+    (into / name / "__init__.py").write_text("")
     for f in files:
         src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{f}"], capture_output=True, text=True,
                              check=True).stdout
-        (pkg / Path(f).name).write_text(src.replace("cairn.cache.disk.", f"{name}.")
-                                        .replace("from cairn.cache.disk import", f"from {name} import"))
+        sub = Path(f).parent.name  # disk or segments
+        (into / name / sub).mkdir(exist_ok=True)
+        (into / name / sub / Path(f).name).write_text(src.replace("cairn.cache.disk", f"{name}.disk")
+                                                      .replace("cairn.cache.segments", f"{name}.segments"))
     sys.path.insert(0, str(into))
     return name
 
@@ -70,11 +74,15 @@ class Side:
 
     def __init__(self, label: str, package: str, pool: StatePool, slot: int, num_tokens: int, kv_bytes: int,
                  logits: torch.Tensor):
-        tier_mod, store_mod = (importlib.import_module(f"{package}.{m}") for m in ("tier", "store"))
+        """`package`: cairn.cache, or the package cache_packages made (the tier lived in disk/ before segments/)."""
+        has_segments = importlib.util.find_spec(f"{package}.segments") is not None
+        tier_mod = importlib.import_module(f"{package}.{'segments' if has_segments else 'disk'}.tier")
+        store_mod = importlib.import_module(f"{package}.disk.store")
         self.label, self.root = label, tempfile.mkdtemp(prefix="cairn-restore-")
         store = store_mod.DiskStore(self.root, DIGEST, 1 << 34)
-        extra = {"restore_buffer": ReadBuffer()} if package == "cairn.cache.disk" else {}
-        self.tier = tier_mod.DiskTier(store, 16, **extra)
+        extra = {"restore_buffer": ReadBuffer()} if package == "cairn.cache" else {}
+        tier_class = getattr(tier_mod, "SegmentTier", None) or tier_mod.DiskTier
+        self.tier = tier_class(store, 16, **extra)
         tokens = tuple(range(1, 1 + num_tokens))
         kv = torch.randn(kv_bytes // 4)
         segment = tier_mod.Segment(
@@ -122,9 +130,9 @@ def run(args) -> dict[str, dict[str, list[float]]]:
         t.normal_()
     expected, logits = {k: v.clone() for k, v in pool.read_slot(src).items()}, torch.randn(vocab)
     sizes = (args.kv_tokens, kv_token_bytes * args.kv_tokens)
-    sides = [Side("after", "cairn.cache.disk", pool, src, *sizes, logits)]
+    sides = [Side("after", "cairn.cache", pool, src, *sizes, logits)]
     if args.against:
-        package = disk_package(args.against, Path(tempfile.mkdtemp(prefix="cairn-before-")))
+        package = cache_packages(args.against, Path(tempfile.mkdtemp(prefix="cairn-before-")))
         sides.insert(0, Side(f"before ({args.against})", package, pool, src, *sizes, logits))
     times: dict[str, dict[str, list]] = {s.label: {"restore": [], "plain": []} for s in sides}
     for _ in range(args.repeats):
@@ -162,7 +170,7 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=32,
                     help="tokens of KV in the segment (32: the 20.1 MiB file tier_bench restores at 0.8b)")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--against", default=None, help="a git revision whose disk package restores side by side")
+    ap.add_argument("--against", default=None, help="a git revision whose disk tier restores side by side")
     args = ap.parse_args()
     print(report(run(args), args))
 

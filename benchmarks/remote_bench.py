@@ -24,11 +24,11 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from cairn.cache.disk.named_bytes import layout_meta
-from cairn.cache.disk.segment import Segment, segment_key
 from cairn.cache.remote.client import connect
 from cairn.cache.remote.keys import prefix_keys
 from cairn.cache.remote.store import RedisSegmentStore
+from cairn.cache.segments.named_bytes import layout_meta
+from cairn.cache.segments.segment import Segment, segment_key
 
 NAMESPACE = "ab" * 32
 PAGE = 16

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from cairn.cache.disk.segment import FORMAT_VERSION
+from cairn.cache.segments.segment import FORMAT_VERSION
 from cairn.model.config import ModelConfig
 from cairn.ops.cpu_isa import cpu_flags
 

@@ -18,9 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cairn.cache.disk.named_bytes import layout_meta  # noqa: E402
-from cairn.cache.disk.segment import Segment, segment_key  # noqa: E402
 from cairn.cache.disk.store import DiskStore  # noqa: E402
+from cairn.cache.segments.named_bytes import layout_meta  # noqa: E402
+from cairn.cache.segments.segment import Segment, segment_key  # noqa: E402
 
 
 def make(parent: bytes | None, start: int, num_tokens: int, kv_bytes: int, rng: random.Random) -> Segment:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import unicodedata
 
-from cairn.cache.disk.segment import Segment, segment_key
 from cairn.cache.disk.store import DiskStore
+from cairn.cache.segments.segment import Segment, segment_key
 from cairn.cli import main
 
 DIGEST = "ab" * 32

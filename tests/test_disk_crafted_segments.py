@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cairn.cache.disk.segment import (
+from cairn.cache.disk.store import DiskStore
+from cairn.cache.segments.segment import (
     END_BYTES,
     HEADER_BYTES,
     SECTION_HEADER_BYTES,
@@ -23,7 +24,6 @@ from cairn.cache.disk.segment import (
     SECTION_TOKENS,
     encode_segment,
 )
-from cairn.cache.disk.store import DiskStore
 from tests.test_disk_faults import BUDGET_BYTES, DIGEST, make_segment
 from tests.test_segment import reseal
 

@@ -21,9 +21,10 @@ import pytest
 from cairn.cache.disk import faults as disk_faults
 from cairn.cache.disk import namespace as disk_namespace
 from cairn.cache.disk.faults import LOG_INTERVAL_S
-from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.namespace import TEMP_NAME
-from cairn.cache.disk.segment import (
+from cairn.cache.disk.store import DiskStore, verify_store
+from cairn.cache.segments.named_bytes import layout_meta
+from cairn.cache.segments.segment import (
     DEFAULT_LIMITS,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -31,7 +32,6 @@ from cairn.cache.disk.segment import (
     Segment,
     segment_key,
 )
-from cairn.cache.disk.store import DiskStore, verify_store
 from tests.test_segment import reseal
 
 DIGEST = "ab" * 32

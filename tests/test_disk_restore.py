@@ -8,9 +8,9 @@ import os
 import torch
 
 from cairn.cache.disk.namespace import ReadBuffer
-from cairn.cache.disk.segment import Segment, segment_key
 from cairn.cache.disk.store import DiskStore
-from cairn.cache.disk.tier import DiskTier, snapshot_fields
+from cairn.cache.segments.segment import Segment, segment_key
+from cairn.cache.segments.tier import DiskTier, snapshot_fields
 from cairn.memory.state_pool import StatePool, _evenly_spaced
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
 from tests.harness import same_state, slot_copy, state_pool

@@ -16,8 +16,6 @@ import pytest
 import torch
 
 from cairn.cache.disk import entries as disk_entries
-from cairn.cache.disk.named_bytes import layout_meta
-from cairn.cache.disk.segment import Segment, SegmentLimits, segment_key
 from cairn.cache.disk.store import (
     DiskStore,
     DiskStoreError,
@@ -27,6 +25,8 @@ from cairn.cache.disk.store import (
     verify_store,
 )
 from cairn.cache.factory import build_cache
+from cairn.cache.segments.named_bytes import layout_meta
+from cairn.cache.segments.segment import Segment, SegmentLimits, segment_key
 from cairn.config import CacheOptions
 from cairn.llm import LLM
 from cairn.memory.kv_pool import KVPool

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from cairn.cache.base import CacheRequest
-from cairn.cache.disk.index import MAX_UNREADABLE
+from cairn.cache.segments.index import MAX_UNREADABLE
 from cairn.cache.tree.nodes import DISK, REMOTE, DiskRef
 from cairn.llm import LLM
 from tests.harness import run, same_as_cold

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import pytest
 
-from cairn.cache.disk.named_bytes import layout_meta
-from cairn.cache.disk.segment import Segment
 from cairn.cache.remote.keys import chain_keys, index_entries, prefix_keys
 from cairn.cache.remote.store import RedisSegmentStore
+from cairn.cache.segments.named_bytes import layout_meta
+from cairn.cache.segments.segment import Segment
 from cairn.cache.tree.nodes import REMOTE
 from cairn.llm import LLM
 from tests.harness import run, same_as_cold

@@ -12,12 +12,12 @@ import logging
 import pytest
 import torch
 
-from cairn.cache.disk.named_bytes import layout_meta
-from cairn.cache.disk.segment import FORMAT_VERSION, Segment, encode_segment, segment_key
 from cairn.cache.remote.client import split_url
 from cairn.cache.remote.keys import chain_keys, prefix_keys
 from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.remote.tier import RemoteTier
+from cairn.cache.segments.named_bytes import layout_meta
+from cairn.cache.segments.segment import FORMAT_VERSION, Segment, encode_segment, segment_key
 from cairn.cache.tiers.tier_set import TieredSnapshot
 from cairn.cache.tree.nodes import DEVICE, REMOTE, Node, SnapshotEntry
 from tests.server_process import free_port

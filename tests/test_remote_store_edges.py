@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from cairn.cache.disk.segment import SegmentLimits
 from cairn.cache.remote import client as remote_client
 from cairn.cache.remote import store as remote_store
 from cairn.cache.remote.client import redacted
 from cairn.cache.remote.keys import prefix_keys
+from cairn.cache.segments.segment import SegmentLimits
 from tests.test_remote_store import NS, PAGE, RedisSegmentStore, chain, make_store, put_all
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from cairn.cache.disk.segment import Segment
 from cairn.cache.remote.keys import prefix_keys
+from cairn.cache.segments.segment import Segment
 from tests.redis_server import redis_or_skip
 from tests.test_remote_store import chain, make_store, put_all
 

@@ -11,10 +11,10 @@ import types
 import pytest
 import xxhash
 
-from cairn.cache.disk import segment as fmt
-from cairn.cache.disk.decode import decode_segment, read_header
-from cairn.cache.disk.named_bytes import layout_meta
-from cairn.cache.disk.segment import HEADER_BYTES, Segment, SegmentError, SegmentLimits, encode_segment, segment_key
+from cairn.cache.segments import segment as fmt
+from cairn.cache.segments.decode import decode_segment, read_header
+from cairn.cache.segments.named_bytes import layout_meta
+from cairn.cache.segments.segment import HEADER_BYTES, Segment, SegmentError, SegmentLimits, encode_segment, segment_key
 
 DIGEST = "c0ffee" * 8
 OTHER_DIGEST = "beef" * 16

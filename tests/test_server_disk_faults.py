@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from cairn.cache.disk.index import RESCAN_INTERVAL_S
+from cairn.cache.segments.index import RESCAN_INTERVAL_S
 from tests.server_process import REPO_ROOT, start_server
 from tests.small_filesystem import fill, small_filesystem
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cairn.cache.disk.decode import decode_segment
-from cairn.cache.disk.named_bytes import layout_meta
-from cairn.cache.disk.segment import Segment, SegmentError, encode_segment, segment_key
-from cairn.cache.disk.tier import DiskTier, snapshot_fields
+from cairn.cache.segments.decode import decode_segment
+from cairn.cache.segments.named_bytes import layout_meta
+from cairn.cache.segments.segment import Segment, SegmentError, encode_segment, segment_key
+from cairn.cache.segments.tier import DiskTier, snapshot_fields
 from cairn.demo import demo_config
 from cairn.forward_batch import ForwardBatch
 from cairn.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cairn.cache.disk.segment import Segment
+from cairn.cache.segments.segment import Segment
 from cairn.cache.tree.nodes import Node
 from cairn.llm import LLM
 from cairn.model.families import config_from_hf

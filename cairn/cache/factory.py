@@ -16,13 +16,13 @@ from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.disk.namespace import ReadBuffer
 from cairn.cache.disk.offline import namespace_names
 from cairn.cache.disk.store import DiskStore, format_size
-from cairn.cache.disk.tier import DiskTier
 from cairn.cache.hybrid import HybridPrefixCache
 from cairn.cache.policy.placement import PlacementOptions
 from cairn.cache.policy.speeds import SpeedMeter, measure_copy_bytes_per_s
 from cairn.cache.remote.client import redacted
 from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.remote.tier import RemoteTier
+from cairn.cache.segments.tier import DiskTier
 from cairn.cache.tiers.base import LowerTier
 from cairn.cache.tiers.pools import DeviceTier, HostKVBank, HostTier
 from cairn.cache.tiers.tier_set import TierSet

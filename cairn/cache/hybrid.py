@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import torch
 
 from cairn.cache.base import Admission, CacheReport, CacheRequest, PrefixCache, ProbeResult
-from cairn.cache.disk.index import DiskIndex
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.speeds import SpeedMeter
 from cairn.cache.remote.finder import RemoteFinder
+from cairn.cache.segments.index import DiskIndex
 from cairn.cache.stats import CacheStats, DiskStats
 from cairn.cache.tiers.base import Unreadable
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet

@@ -31,7 +31,7 @@ from cairn.cache.disk.namespace import (
     set_aside,
     unlink_ours,
 )
-from cairn.cache.disk.segment import SegmentError, SegmentHeader, SegmentLimits
+from cairn.cache.segments.segment import SegmentError, SegmentHeader, SegmentLimits
 
 
 @dataclass

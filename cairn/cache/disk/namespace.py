@@ -30,8 +30,14 @@ import stat
 from contextlib import suppress
 from typing import NamedTuple
 
-from cairn.cache.disk.decode import check_end_marker, decode_segment, decode_tokens, read_header, tokens_section_bytes
-from cairn.cache.disk.segment import END_BYTES, HEADER_BYTES, Segment, SegmentError, SegmentLimits, digest_bytes
+from cairn.cache.segments.decode import (
+    check_end_marker,
+    decode_segment,
+    decode_tokens,
+    read_header,
+    tokens_section_bytes,
+)
+from cairn.cache.segments.segment import END_BYTES, HEADER_BYTES, Segment, SegmentError, SegmentLimits, digest_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from cairn.cache.disk.namespace import (
     try_lock,
     unlink_ours,
 )
-from cairn.cache.disk.segment import DEFAULT_LIMITS, SegmentError, SegmentLimits
+from cairn.cache.segments.segment import DEFAULT_LIMITS, SegmentError, SegmentLimits
 
 SHORT_ID_CHARS = 16  # the namespace id the server's start-up log prints
 

@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from cairn.cache.disk.decode import read_header
 from cairn.cache.disk.entries import DirectoryEntries
 from cairn.cache.disk.faults import FaultLog
 from cairn.cache.disk.lock import NamespaceLock
@@ -44,8 +43,11 @@ from cairn.cache.disk.namespace import (
     write_model_name,
 )
 from cairn.cache.disk.offline import NamespaceSummary, VerifyResult, list_namespaces, purge_namespace, verify_store
-from cairn.cache.disk.pins import Pins
-from cairn.cache.disk.segment import (
+from cairn.cache.disk.space import FilesystemRoom, format_size
+from cairn.cache.disk.store_index import StoreIndex
+from cairn.cache.segments.decode import read_header
+from cairn.cache.segments.pins import Pins
+from cairn.cache.segments.segment import (
     DEFAULT_LIMITS,
     Segment,
     SegmentError,
@@ -53,8 +55,7 @@ from cairn.cache.disk.segment import (
     SegmentLimits,
     encode_segment_parts,
 )
-from cairn.cache.disk.space import FilesystemRoom, format_size
-from cairn.cache.disk.store_index import SegmentInfo, StoreIndex
+from cairn.cache.segments.store import SegmentInfo
 
 __all__ = ["DiskStore", "DiskStoreError", "StoreLockedError", "NamespaceSummary", "VerifyResult",
            "list_namespaces", "verify_store", "purge_namespace", "format_size"]

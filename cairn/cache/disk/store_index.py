@@ -7,8 +7,8 @@ they take, and the counts of segments entering and leaving it.
     reserve / commit        a put's bytes set aside before its file is written, then its entry indexed
     plan_eviction(...)      the least recently used keys to delete so that a put fits a budget
 
-`info(key)` is what it knows of one (a `SegmentInfo`, the type every segment store's `info` returns: the
-Redis store's too). `used_bytes` is the sum of the indexed sizes, plus the bytes a put in flight reserved.
+`info(key)` is what it knows of one (a `SegmentInfo`, segments/store.py: the type every segment store's `info`
+returns). `used_bytes` is the sum of the indexed sizes, plus the bytes a put in flight reserved.
 The counts (COUNTS) always add up to the segments indexed:
 
     len(index) == scanned + puts - rewrites - evictions - removed - dropped      (check_integrity)
@@ -21,25 +21,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from cairn.cache.disk.entries import IndexEntry
-from cairn.cache.disk.segment import SegmentHeader
-
-
-@dataclass(frozen=True)
-class SegmentInfo:
-    """What the index knows about a stored segment, without reading its file."""
-
-    key: bytes  # 32-byte segment key
-    parent_key: bytes | None  # None for a child of the root
-    start_position: int  # absolute position of the first token
-    num_tokens: int  # tokens in the segment
-    has_snapshot: bool  # holds a recurrent-state snapshot at start_position + num_tokens
-    has_logits: bool  # holds the logits at start_position + num_tokens - 1
-    size_bytes: int  # file size, counted against the budget
-    last_used: float  # wall-clock seconds of the last get/put in this process (file mtime at scan)
-
+from cairn.cache.segments.segment import SegmentHeader
+from cairn.cache.segments.store import SegmentInfo
 
 # The store's counts (stats()), since it opened.
 COUNTS = (

@@ -19,11 +19,11 @@ import time
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
 
-from cairn.cache.disk.segment import _tokens_to_bytes
-from cairn.cache.disk.store_index import SegmentInfo
 from cairn.cache.remote.client import FAILED
 from cairn.cache.remote.keys import IndexEntry, canonical_hasher, chain_keys, entry_at, prefix_keys
 from cairn.cache.remote.record import KnownSegment
+from cairn.cache.segments.segment import _tokens_to_bytes
+from cairn.cache.segments.store import SegmentInfo
 
 WAIT_POLL_S = 0.02  # how often a waiting lookup probes again
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from cairn.cache.disk.index import DiskIndex
 from cairn.cache.remote.lookups import PENDING, RemoteLookups
 from cairn.cache.remote.tier import RemoteTier
+from cairn.cache.segments.index import DiskIndex
 
 
 class RemoteFinder:

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from cairn.cache.disk.segment import KEY_BYTES, ROOT_KEY, Segment, _tokens_to_bytes, segment_key
+from cairn.cache.segments.segment import KEY_BYTES, ROOT_KEY, Segment, _tokens_to_bytes, segment_key
 
 ENTRY_VERSION = 1
 MAX_ENTRY_BYTES = 1 << 20  # an entry larger than this is refused as malformed

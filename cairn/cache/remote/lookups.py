@@ -30,7 +30,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
-from cairn.cache.disk.segment import _tokens_to_bytes
+from cairn.cache.segments.segment import _tokens_to_bytes
 
 log = logging.getLogger(__name__)
 

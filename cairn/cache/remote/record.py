@@ -21,9 +21,9 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from cairn.cache.disk.segment import Segment, _tokens_to_bytes
-from cairn.cache.disk.store_index import SegmentInfo
 from cairn.cache.remote.keys import canonical_hasher
+from cairn.cache.segments.segment import Segment, _tokens_to_bytes
+from cairn.cache.segments.store import SegmentInfo
 
 
 @dataclasses.dataclass

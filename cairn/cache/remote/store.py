@@ -63,16 +63,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from cairn.cache.disk.decode import decode_segment
-from cairn.cache.disk.pins import Pins
-from cairn.cache.disk.segment import (
-    DEFAULT_LIMITS,
-    Segment,
-    SegmentError,
-    SegmentLimits,
-    encode_segment,
-)
-from cairn.cache.disk.store_index import SegmentInfo
 from cairn.cache.remote.chains import ChainLookup
 from cairn.cache.remote.client import DEFAULT_COOLDOWN_S, DEFAULT_TIMEOUT_S, FAILED, GuardedRedis, maxmemory, split_url
 from cairn.cache.remote.epoch import Epoch
@@ -80,6 +70,16 @@ from cairn.cache.remote.keys import IndexEntry, KeyNames, index_entries
 from cairn.cache.remote.markers import Markers
 from cairn.cache.remote.record import KnownSegment, KnownSegments
 from cairn.cache.remote.writer import WriteBehind
+from cairn.cache.segments.decode import decode_segment
+from cairn.cache.segments.pins import Pins
+from cairn.cache.segments.segment import (
+    DEFAULT_LIMITS,
+    Segment,
+    SegmentError,
+    SegmentLimits,
+    encode_segment,
+)
+from cairn.cache.segments.store import SegmentInfo
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SEGMENTS = 64  # writes waiting for the background thread; one more is dropped (counted)

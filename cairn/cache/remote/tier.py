@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cairn.cache.disk.segment import segment_key
-from cairn.cache.disk.store_index import SegmentInfo
-from cairn.cache.disk.tier import DiskTier
 from cairn.cache.remote.store import RedisSegmentStore
+from cairn.cache.segments.segment import segment_key
+from cairn.cache.segments.store import SegmentInfo
+from cairn.cache.segments.tier import DiskTier
 from cairn.cache.tiers.base import Source
 from cairn.cache.tree.nodes import REMOTE, DiskRef, Node
 

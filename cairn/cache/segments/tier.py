@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from cairn.cache.disk.named_bytes import layout_meta, read_layout
 from cairn.cache.disk.namespace import ReadBuffer
-from cairn.cache.disk.segment import ROOT_KEY, Segment, _tokens_to_bytes, segment_key
 from cairn.cache.disk.store import DiskStore
+from cairn.cache.segments.named_bytes import layout_meta, read_layout
+from cairn.cache.segments.segment import ROOT_KEY, Segment, _tokens_to_bytes, segment_key
 from cairn.cache.tiers.base import KV, Source, State, Unreadable
 from cairn.cache.tree.nodes import DISK, DiskRef, Node, page_indices
 from cairn.memory.state_pool import StatePool

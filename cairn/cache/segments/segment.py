@@ -1,11 +1,12 @@
-"""The disk tier's segment file format: its layout, keys, and encode (the strict decode is decode.py's).
+"""The segment format (a disk file and a Redis value are the same bytes): its layout, keys, and encode (the
+strict decode is decode.py's).
 
 A segment is one node of the radix tree of token sequences, as bytes: its tokens, the KV pages of
 those tokens, and optionally the recurrent-state snapshot and logits at its end. Its key chains its
 parent's key with its tokens, so equal prefixes get equal keys across requests, restarts and servers.
 
-This module is NOT the store (`store.py` names, writes, indexes and evicts files), nor the reading back of a
-file (decode.py: every check a file must pass before it is loaded), and knows
+This module is NOT a store (disk/store.py names, writes, indexes and evicts files; remote/store.py holds them
+in Redis), nor the reading back of a file (decode.py: every check a file must pass before it is loaded), and knows
 nothing of tensors: KV, snapshot and logits are bytes whose shapes and dtypes travel in small JSON
 dicts chosen by the caller. The snapshot's dict is the one checked: it names the tensors the section
 holds back to back, with dtype, shape and offset (named_bytes.py), whatever the model's state spec.
@@ -54,7 +55,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from cairn.cache.disk.named_bytes import read_layout
+from cairn.cache.segments.named_bytes import read_layout
 
 # 2: sha256 section checksums (1 used blake2b); 3: the snapshot section is a list of named tensors (2 held a
 # fixed conv / recurrent pair); 4: XXH3-128 checksums (3 used sha256[:16], which cost more than reading the

@@ -22,7 +22,8 @@ Every segment forgotten is counted by reason in `forgotten` (exported as the tie
 cairn_cache_{disk,remote}_segments_forgotten_total{reason}): "<tier>_evicted" (the store let the segment go:
 its budget, a bad file it found itself, a value found gone) or "<tier>_unreadable" (the cache could not read
 a segment it planned to resume from), <tier> the tier's name ("disk_evicted", "remote_evicted"). What this is not:
-the store (store.py), the segment format, or the tier moves (tiers/tier_set.py); it moves no bytes.
+the store (disk/store.py, remote/store.py), the segment format, or the tier moves (tiers/tier_set.py); it moves
+no bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from cairn.cache.disk.tier import DiskTier
+from cairn.cache.segments.tier import DiskTier
 from cairn.cache.tree.nodes import Node, SnapshotEntry
 from cairn.cache.tree.tiered import TieredRadixTree
 

@@ -8,15 +8,16 @@
 Every length is checked against `SegmentLimits` before anything is allocated, and every refusal is a
 `SegmentError` with its reason (truncated, checksum, version, magic, foreign_model, oversized, malformed,
 empty): a file that fails any check is never loaded, never returns wrong data. What this is not: the format's
-definition or the encoder (segment.py), nor what becomes of a bad file (the store's, store.py / entries.py).
+definition or the encoder (segment.py), nor what becomes of a bad file (the store's: disk/store.py and
+disk/entries.py, remote/store.py).
 """
 
 from __future__ import annotations
 
 import json
 
-from cairn.cache.disk.named_bytes import LayoutError, read_layout
-from cairn.cache.disk.segment import (
+from cairn.cache.segments.named_bytes import LayoutError, read_layout
+from cairn.cache.segments.segment import (
     CODECS,
     DEFAULT_LIMITS,
     END_BYTES,
