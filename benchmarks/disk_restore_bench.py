@@ -2,7 +2,7 @@
 
 Writes one segment as the disk tier does at a conversation's end (the snapshot of a full state slot of
 `--size`, `--kv-tokens` tokens of fp32 KV, fp32 logits), then alternates, `--repeats` times: drop the file's
-page cache and restore it into a working slot (DiskTier.load_snapshot: read, every check, copy), drop
+page cache and restore it into a working slot (SegmentTier.load_snapshot: read, every check, copy), drop
 it again and read the file plainly. With `--against REV`, the cairn/cache/disk (and cairn/cache/segments) packages
 of that git revision (read with `git show` into a temporary package) write and restore their own segment in the
 same loop, so before and after are measured side by side on one machine state. The restored slot and
@@ -81,7 +81,7 @@ class Side:
         self.label, self.root = label, tempfile.mkdtemp(prefix="cairn-restore-")
         store = store_mod.DiskStore(self.root, DIGEST, 1 << 34)
         extra = {"restore_buffer": ReadBuffer()} if package == "cairn.cache" else {}
-        tier_class = getattr(tier_mod, "SegmentTier", None) or tier_mod.DiskTier
+        tier_class = getattr(tier_mod, "SegmentTier", None) or tier_mod.DiskTier  # DiskTier before segments/
         self.tier = tier_class(store, 16, **extra)
         tokens = tuple(range(1, 1 + num_tokens))
         kv = torch.randn(kv_bytes // 4)

@@ -10,7 +10,7 @@ import torch
 from cairn.cache.disk.namespace import ReadBuffer
 from cairn.cache.disk.store import DiskStore
 from cairn.cache.segments.segment import Segment, segment_key
-from cairn.cache.segments.tier import DiskTier, snapshot_fields
+from cairn.cache.segments.tier import SegmentTier, snapshot_fields
 from cairn.memory.state_pool import StatePool, _evenly_spaced
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
 from tests.harness import same_state, slot_copy, state_pool
@@ -30,8 +30,8 @@ def snapshot_segment(pool: StatePool, slot: int, tokens: tuple[int, ...], logits
                    logits_bytes=logits.numpy().tobytes(), logits_meta={"dtype": "torch.float32", "shape": [4]})
 
 
-def disk_tier(tmp_path, buffer: ReadBuffer | None) -> DiskTier:
-    return DiskTier(DiskStore(tmp_path, DIGEST, 1 << 20), page_size=4, restore_buffer=buffer)
+def disk_tier(tmp_path, buffer: ReadBuffer | None) -> SegmentTier:
+    return SegmentTier(DiskStore(tmp_path, DIGEST, 1 << 20), page_size=4, restore_buffer=buffer)
 
 
 def test_restores_through_one_reused_buffer_leave_earlier_restores_intact(tmp_path):
@@ -99,7 +99,7 @@ def test_a_group_read_from_one_segment_is_one_strided_view_and_copies_like_its_t
     tier = disk_tier(tmp_path, None)
     segment = snapshot_segment(pool, 0, (9,), torch.zeros(4))
     assert tier.store.put(segment)
-    tensors = DiskTier.snapshot_of(tier.read(segment.key)).tensors
+    tensors = SegmentTier.snapshot_of(tier.read(segment.key)).tensors
     for name in ("conv", "recurrent"):
         members = [tensors[f"layer{i}.{name}"] for i in range(3)]
         whole = _evenly_spaced(members)

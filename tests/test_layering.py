@@ -66,6 +66,10 @@ RULES: list[tuple[str, tuple[str, ...], str]] = [
     ("cairn.cache", ("cairn.model", "cairn.layers", "cairn.server", "cairn.scheduler", "cairn.sequence",
                      "cairn.engine", "cairn.runner"), "cache/ knows nothing of models, HTTP or the scheduler"),
     ("cairn.cache.tiers", ("cairn.scheduler", "cairn.sequence"), "tiers know nothing of the scheduler"),
+    ("cairn.cache.segments", ("cairn.cache.disk", "cairn.cache.remote"),
+     "segments/ is what every segment store shares: it knows none of them"),
+    ("cairn.cache.disk", ("cairn.cache.remote",), "the disk store knows nothing of the Redis store"),
+    ("cairn.cache.remote", ("cairn.cache.disk",), "the Redis store knows nothing of the disk store"),
     ("cairn.layers", ("cairn.model",), "layers/ sits below model/"),
     ("cairn", ("benchmarks", "tests"), "the package stands alone: nothing from a source checkout"),
 ]

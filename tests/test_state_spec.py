@@ -11,7 +11,7 @@ import torch
 from cairn.cache.segments.decode import decode_segment
 from cairn.cache.segments.named_bytes import layout_meta
 from cairn.cache.segments.segment import Segment, SegmentError, encode_segment, segment_key
-from cairn.cache.segments.tier import DiskTier, snapshot_fields
+from cairn.cache.segments.tier import SegmentTier, snapshot_fields
 from cairn.demo import demo_config
 from cairn.forward_batch import ForwardBatch
 from cairn.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
@@ -108,7 +108,7 @@ def test_mixed_snapshot_written_to_a_segment_reads_back_bit_for_bit(dtype):
     segment = Segment(segment_key(None, tokens), None, 0, tokens, b"kv", {}, **snapshot_fields(pool.read_slot(2)))
     assert [t["name"] for t in segment.snapshot_meta["tensors"]] == list(pool.read_slot(2))
     back = decode_segment(bytearray(encode_segment(segment, DIGEST)), DIGEST)
-    snap = DiskTier.snapshot_of(back)
+    snap = SegmentTier.snapshot_of(back)
     assert {k: (v.dtype, v.shape) for k, v in snap.tensors.items()} == {
         k: (v.dtype, v.shape) for k, v in pool.read_slot(2).items()}
     pool.write_slot(0, snap.tensors)
@@ -128,7 +128,7 @@ def test_a_snapshot_whose_layers_are_unevenly_spaced_in_its_segment_is_written_b
         t.normal_()
     tokens = (1, 2, 3)
     segment = Segment(segment_key(None, tokens), None, 0, tokens, b"kv", {}, **snapshot_fields(pool.read_slot(written)))
-    snap = DiskTier.snapshot_of(decode_segment(bytearray(encode_segment(segment, DIGEST)), DIGEST))
+    snap = SegmentTier.snapshot_of(decode_segment(bytearray(encode_segment(segment, DIGEST)), DIGEST))
     assert len(spec.groups()[0].members) == 3  # the convs of layers 0, 1 and 2
     assert _evenly_spaced([snap.tensors[f"layer{i}.conv"] for i in (0, 1, 2)]) is None
     pool.write_slot(restored, snap.tensors)

@@ -22,7 +22,7 @@ from cairn.cache.policy.speeds import SpeedMeter, measure_copy_bytes_per_s
 from cairn.cache.remote.client import redacted
 from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.remote.tier import RemoteTier
-from cairn.cache.segments.tier import DiskTier
+from cairn.cache.segments.tier import SegmentTier
 from cairn.cache.tiers.base import LowerTier
 from cairn.cache.tiers.pools import DeviceTier, HostKVBank, HostTier
 from cairn.cache.tiers.tier_set import TierSet
@@ -78,7 +78,7 @@ def _digest(digest: str) -> str:
     return digest
 
 
-def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str | None) -> DiskTier:
+def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str | None) -> SegmentTier:
     digest = _digest(digest)
     store = DiskStore(opts.disk_cache, digest, opts.disk_cache_bytes,
                       compression=None if opts.disk_compression == "none" else opts.disk_compression,
@@ -90,7 +90,7 @@ def _disk_tier(opts: CacheOptions, page_size: int, digest: str, model_name: str 
         log.info("disk cache: %s also holds %d namespace(s) of other models, dtypes or settings (%s%s), never read "
                  "by this server (cairn cache ls lists them)", opts.disk_cache, len(others), ", ".join(others[:4]),
                  ", ..." if len(others) > 4 else "")
-    return DiskTier(store, page_size, opts.disk_write_through, DISK, DISK_BANDWIDTH, ReadBuffer())
+    return SegmentTier(store, page_size, opts.disk_write_through, DISK, DISK_BANDWIDTH, ReadBuffer())
 
 
 def _measure(states: StatePool, tiers: TierSet) -> None:

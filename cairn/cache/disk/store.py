@@ -65,7 +65,8 @@ FULL_DISK_RETRIES = 2  # writes again after evicting to fit what a full filesyst
 
 
 class DiskStore(Pins):
-    """Segments of one model namespace on disk, within `budget_bytes`.
+    """Segments of one model namespace on disk, within `budget_bytes`: a `SegmentStore` (segments/store.py) that
+    one process writes (the namespace's lock holder), each put durable when it returns.
 
     Contracts:
       put(segment)   True once the complete file is durable under its final name and indexed; False
@@ -91,6 +92,9 @@ class DiskStore(Pins):
     segment that is not a regular file (a link, a FIFO...) into quarantine/, so neither is met again
     at the next start; a read-only store remembers the files it rejected and skips them on a rescan.
     """
+
+    shared = False  # one process writes a namespace: what is not indexed here is not on disk (a rescan aside)
+    write_behind = False  # a put has written its file when it returns
 
     def __init__(self, root, compat_digest: str, budget_bytes: int, *, compression: str | None = None,
                  limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None,

@@ -1,4 +1,4 @@
-"""RedisSegmentStore: disk-format segments in a shared Redis, behind the interface DiskTier uses of DiskStore.
+"""RedisSegmentStore: disk-format segments in a shared Redis, a SegmentStore (cairn/cache/segments/store.py).
 
     put(segment)     queue the write (True) or refuse it (False, counted): breaker open, queue full, or a
                      parent this process does not know (a chain must be written parents first)

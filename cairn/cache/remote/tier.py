@@ -1,8 +1,8 @@
 """RemoteTier: a segment tier (a `LowerTier`, tiers/base.py) over a shared Redis (RedisSegmentStore).
 
-It is a DiskTier with its own name (REMOTE) and store: segments are exactly the disk tier's (same keys,
+It is a SegmentTier with its own name (REMOTE) and store: segments are exactly the disk tier's (same keys,
 segment_key(canonical parent key, tokens); same format; same compatibility namespace), so a chain one
-replica wrote is read by any replica of the same weights. What differs from DiskTier:
+replica wrote is read by any replica of the same weights. What differs from SegmentTier:
 
     persist(path, source)   skips a node whose segment the store already knows (another replica wrote it,
                     or a lookup found it) without reading its KV, recording the reference on the node; the
@@ -22,14 +22,14 @@ from collections.abc import Sequence
 from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.segments.segment import segment_key
 from cairn.cache.segments.store import SegmentInfo
-from cairn.cache.segments.tier import DiskTier
+from cairn.cache.segments.tier import SegmentTier
 from cairn.cache.tiers.base import Source
 from cairn.cache.tree.nodes import REMOTE, DiskRef, Node
 
 REMOTE_BANDWIDTH = 0.25e9  # bytes/s of a restore from Redis until measured (the planner then observes loads)
 
 
-class RemoteTier(DiskTier):
+class RemoteTier(SegmentTier):
     def __init__(self, store: RedisSegmentStore, page_size: int, write_through: bool = True, name: str = REMOTE,
                  bandwidth: float = REMOTE_BANDWIDTH):
         super().__init__(store, page_size, write_through, name, bandwidth)  # type: ignore[arg-type] (same interface)
@@ -46,7 +46,7 @@ class RemoteTier(DiskTier):
         unreachable without it. Every segment is read (from `source`) before the first is queued, so that
         the markers of the deeper ones are set before the shallower ones land (markers.py).
 
-        Which nodes are written is DiskTier._to_write's rule (with a slice of a longer stored segment just
+        Which nodes are written is SegmentTier._to_write's rule (with a slice of a longer stored segment just
         above one to write: at a request's end, `source` reads its KV from the request's pages)."""
         segments = []  # read first, queued together: no segment lands before a deeper one is announced
         for node, parent_key in self._to_write(path):
@@ -65,7 +65,7 @@ class RemoteTier(DiskTier):
         return queued
 
     def operations(self) -> dict[str, int]:
-        """As DiskTier's, but `segments_written` counts the segments Redis accepted (the store's background
+        """As SegmentTier's, but `segments_written` counts the segments Redis accepted (the store's background
         writer) and `segments_queued` those queued behind requests, of which Redis may refuse some."""
         ops = super().operations()
         ops["segments_queued"] = ops.pop("segments_written", 0)

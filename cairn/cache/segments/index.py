@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from cairn.cache.segments.tier import DiskTier
+from cairn.cache.segments.tier import SegmentTier
 from cairn.cache.tree.nodes import Node, SnapshotEntry
 from cairn.cache.tree.tiered import TieredRadixTree
 
@@ -45,7 +45,7 @@ RESCAN_INTERVAL_S = 2.0  # a read-only store rescans its directory at most this 
 
 
 class DiskIndex:
-    def __init__(self, tree: TieredRadixTree, disk: DiskTier, snapshot_bytes: Callable[[bool], int],
+    def __init__(self, tree: TieredRadixTree, disk: SegmentTier, snapshot_bytes: Callable[[bool], int],
                  make_handle: Callable[[bool, bytes], object], rescan_interval_s: float = RESCAN_INTERVAL_S):
         self.tree, self.disk = tree, disk
         self.tier = disk  # the segment tier this index follows: its copies are keyed by disk.name

@@ -1,5 +1,5 @@
-"""DiskTier: the segment tier (a `LowerTier`, tiers/base.py): radix-tree nodes as segments in a store, and the
-tree rebuilt from the segments at start-up.
+"""SegmentTier: a segment tier (a `LowerTier`, tiers/base.py): radix-tree nodes as segments in a store of segments
+(a `SegmentStore`, store.py: the disk's or Redis's), and the tree rebuilt from the segments at start-up.
 
 A node [start, end) is written as one segment: its tokens, the KV pages of its page indices (whole
 pages, as stored on the device), and the snapshot (with logits) at its end when it has one. Its
@@ -13,9 +13,9 @@ The namespace is the compatibility digest (cairn/compat.py, computed by the engi
 weights' content digest, the architecture, dtypes, page size and format version (with exact resumption, the
 prefill block and the kernels a prefill's linears run on too). A segment of
 another model is never read.
-A second store of segments (a shared remote one) is a second DiskTier instance with its own name
-and store, placed in the factory's tier list; nothing else changes. What this is not: the file
-format and store (segment.py, store.py) or the choice of what to write when (the cache decides).
+Each store of segments is one SegmentTier instance with its own name and store, placed in the factory's tier
+list (cache/factory.py). What this is not: the segment format (segment.py), a store (cache/disk/store.py,
+cache/remote/store.py) or the choice of what to write when (the cache decides).
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from cairn.cache.disk.namespace import ReadBuffer
-from cairn.cache.disk.store import DiskStore
 from cairn.cache.segments.named_bytes import layout_meta, read_layout
 from cairn.cache.segments.segment import ROOT_KEY, Segment, _tokens_to_bytes, segment_key
+from cairn.cache.segments.store import SegmentStore
 from cairn.cache.tiers.base import KV, Source, State, Unreadable
 from cairn.cache.tree.nodes import DISK, DiskRef, Node, page_indices
 from cairn.memory.state_pool import StatePool
@@ -96,24 +95,24 @@ class SnapshotTensors:
     logits: torch.Tensor | None
 
 
-class DiskTier:
-    """A segment tier (a `LowerTier`) over a store of segments (put/get/pin/unpin/info/keys/get_tokens/
-    readonly/on_evict).
+class SegmentTier:
+    """A segment tier (a `LowerTier`) over a `SegmentStore` (store.py), every storage call through it.
 
     The disk tier is one instance (name DISK over a DiskStore); another store of segments (a shared
     remote one) is another instance with its own name and store. It is not a page tier: it holds no
     working slot and its budget is the store's (`fits` is always true: the store evicts least-recently-used
     segments itself; the cache's stats read the store's bytes).
 
-    `restore_buffer`: a store of files (DiskStore) reads the segment of a snapshot being restored into this
-    one reused buffer (no allocation or page faults per restore); the snapshot is copied out of it before
-    load_snapshot returns. None: each read gets its own bytes (a store whose values arrive whole)."""
+    `restore_buffer`: a store that reads into a reuse buffer (DiskStore, its ReadBuffer) reads the segment of a
+    snapshot being restored into this one buffer (no allocation or page faults per restore); the snapshot is
+    copied out of it before load_snapshot returns. None: each read gets its own bytes (a store whose values
+    arrive whole)."""
 
     pages = None  # no page allocator: nodes reference segments
     relinks_below = True  # reads a rewritten segment's descendants itself (`paths_below`); no I/O elsewhere
 
-    def __init__(self, store: DiskStore, page_size: int, write_through: bool = True, name: str = DISK,
-                 bandwidth: float = 0.5e9, restore_buffer: ReadBuffer | None = None):
+    def __init__(self, store: SegmentStore, page_size: int, write_through: bool = True, name: str = DISK,
+                 bandwidth: float = 0.5e9, restore_buffer: object | None = None):
         self.name, self.store, self.page_size, self.bandwidth = name, store, page_size, bandwidth
         self.write_through = write_through  # persist every finished request (else only host evictions)
         self.counters: Counter[str] = Counter()
@@ -280,7 +279,7 @@ class DiskTier:
 
     # ---- reading ----------------------------------------------------------------------------------
 
-    def read(self, key: bytes, buffer: ReadBuffer | None = None) -> Segment | Unreadable:
+    def read(self, key: bytes, buffer: object | None = None) -> Segment | Unreadable:
         """The verified segment, pinned while read; else (counted) the store's reason: "evicted", "corrupt" or
         "unavailable" when missing, bad or out of reach. Its bytes are read into `buffer` when given (valid until
         that buffer's next read)."""
