@@ -7,7 +7,7 @@ block has no snapshot where it leaves. Each turn must resume from Redis where on
 resumed it (its prompt's last block boundary that the previous turn stored), and decode as cold.
 The fixes this protects: a lookup waits for a deeper chain another replica is still writing
 (cairn/cache/remote/markers.py); a node split off the front of a stored segment is written again as its
-own segment, so the new conversation's chain can start below it (cairn/cache/remote/tier.py).
+own segment, so the new conversation's chain can start below it (cairn/cache/segments/tier.py, `_to_write`).
 """
 
 from __future__ import annotations

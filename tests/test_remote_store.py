@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from cairn.cache.remote.client import split_url
+from cairn.cache.remote.finder import lookup
 from cairn.cache.remote.keys import chain_keys, prefix_keys
 from cairn.cache.remote.store import RedisSegmentStore
-from cairn.cache.remote.tier import RemoteTier
 from cairn.cache.segments.named_bytes import layout_meta
 from cairn.cache.segments.segment import FORMAT_VERSION, Segment, encode_segment, segment_key
+from cairn.cache.segments.tier import SegmentTier
 from cairn.cache.tiers.tier_set import TieredSnapshot
 from cairn.cache.tree.nodes import DEVICE, REMOTE, Node, SnapshotEntry
 from tests.server_process import free_port
@@ -240,13 +241,13 @@ def test_remote_tier_persists_a_path_and_another_replica_resumes_its_snapshot(re
     path[0].snapshot = SnapshotEntry(8, "message", False, handle=TieredSnapshot(False))
     path[1].snapshot = SnapshotEntry(8, "prompt_end", True, handle=TieredSnapshot(True))
     source = _Source()
-    writer = RemoteTier(make_store(redis_server.url), PAGE)
+    writer = SegmentTier(make_store(redis_server.url), PAGE, name=REMOTE)
     assert writer.persist(path, source) == 2
     assert all(REMOTE in n.kv and REMOTE in n.snapshot.handle.copies for n in path)  # recorded on the tree
     assert writer.persist(path, source) == 0 and source.kv_reads == 2  # already there: nothing read again
     assert writer.store.flush()
-    reader = RemoteTier(make_store(redis_server.url), PAGE)
-    found = reader.lookup(tokens + [1, 2], message_starts=[9])
+    reader = SegmentTier(make_store(redis_server.url), PAGE, name=REMOTE)
+    found = lookup(reader, tokens + [1, 2], message_starts=[9])
     assert [(len(p), start, snap, logits) for p, start, _, snap, logits in found] == [(9, 0, True, False),
                                                                                        (22, 9, True, True)]
     assert [(p, start, snap) for p, start, _, snap, _ in reader.stored_paths()] == \

@@ -21,12 +21,11 @@ from cairn.cache.policy.placement import PlacementOptions
 from cairn.cache.policy.speeds import SpeedMeter, measure_copy_bytes_per_s
 from cairn.cache.remote.client import redacted
 from cairn.cache.remote.store import RedisSegmentStore
-from cairn.cache.remote.tier import RemoteTier
 from cairn.cache.segments.tier import SegmentTier
 from cairn.cache.tiers.base import LowerTier
 from cairn.cache.tiers.pools import DeviceTier, HostKVBank, HostTier
 from cairn.cache.tiers.tier_set import TierSet
-from cairn.cache.tree.nodes import DISK
+from cairn.cache.tree.nodes import DISK, REMOTE
 from cairn.config import CacheOptions
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -34,6 +33,7 @@ from cairn.memory.state_pool import StatePool
 log = logging.getLogger(__name__)
 # bytes/s of bringing each tier's bytes to the device until measured (page tiers are, at start-up)
 DEVICE_BANDWIDTH, HOST_BANDWIDTH, DISK_BANDWIDTH = 20e9, 5e9, 0.5e9
+REMOTE_BANDWIDTH = 0.25e9  # bytes/s of a restore from Redis until measured (the planner then observes loads)
 MEASURE_BYTES = 16 * 2**20  # the start-up copy that measures a page tier's bandwidth (see _measure)
 
 
@@ -62,7 +62,8 @@ def build_cache(opts: CacheOptions, kv: KVPool, states: StatePool, vocab_size: i
     if opts.disk_cache:
         lower.append(_disk_tier(opts, kv.page_size, digest, model_name))
     if opts.remote_cache:
-        lower.append(RemoteTier(RedisSegmentStore(opts.remote_cache, _digest(digest), kv.page_size), kv.page_size))
+        store = RedisSegmentStore(opts.remote_cache, _digest(digest), kv.page_size)
+        lower.append(SegmentTier(store, kv.page_size, name=REMOTE, bandwidth=REMOTE_BANDWIDTH))
     tiers = TierSet(device, lower)
     _measure(states, tiers)
     log.info("prefix cache: %d device snapshot slots (%.1f MiB), host %s, disk %s, remote %s, snapshot every %d "

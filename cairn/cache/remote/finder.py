@@ -13,25 +13,33 @@ through the tier's index (DiskIndex.hang_found) when it admits or probes that pr
     deepest_snapshot(token_ids)   the deepest snapshot the answers in hand hold for a prompt (0: none yet)
     close()            stop the lookup threads; every lookup not done answers a miss
 
+A remote tier is a SegmentTier (cache/segments/tier.py) over a RedisSegmentStore; `lookup(tier, token_ids,
+message_starts)` is what its lookup threads run: one pipelined probe of the prompt's page multiples, message
+starts and end (store.py's lookup), answered in stored_paths()'s shape, for the tier's index to hang on the tree.
+
 Without a remote tier every call is a no-op (no lookups, nothing hung), so the cache calls it
-unconditionally. What this is not: the lookup itself (RemoteTier.lookup), its threads and bounds
-(lookups.py), or the tree's record of found segments (cache/disk/index.py).
+unconditionally. What this is not: the store's probe (store.py, chains.py), the lookups' threads and bounds
+(lookups.py), or the tree's record of found segments (cache/segments/index.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
+from functools import partial
 
 from cairn.cache.remote.lookups import PENDING, RemoteLookups
-from cairn.cache.remote.tier import RemoteTier
+from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.segments.index import DiskIndex
+from cairn.cache.segments.tier import SegmentTier
+from cairn.cache.tree.nodes import DiskRef
 
 
 class RemoteFinder:
     def __init__(self, tiers: Sequence, indexes: dict[str, DiskIndex]):
         """`tiers`: the cache's tiers (the remote ones are picked); `indexes`: segment tier name -> its index."""
-        self.lookups = {t.name: RemoteLookups(t.lookup) for t in tiers if isinstance(t, RemoteTier)}
+        self.lookups = {t.name: RemoteLookups(partial(lookup, t)) for t in tiers
+                        if t.pages is None and isinstance(t.store, RedisSegmentStore)}
         self._indexes = indexes
 
     def prefetch(self, token_ids: Sequence[int], message_starts: Sequence[int]) -> Future | None:
@@ -58,3 +66,26 @@ class RemoteFinder:
     def close(self) -> None:
         for lookups in self.lookups.values():
             lookups.close()
+
+
+def probe_positions(page_size: int, num_tokens: int, message_starts: Sequence[int] = ()) -> list[int]:
+    """Where a prompt of num_tokens looks for index entries: page multiples, message starts, its end."""
+    grid = range(page_size, num_tokens + 1, page_size)
+    return sorted({*grid, *(p for p in message_starts if 0 < p <= num_tokens), num_tokens})
+
+
+def lookup(tier: SegmentTier, token_ids: Sequence[int], message_starts: Sequence[int] = ()
+           ) -> list[tuple[tuple[int, ...], int, DiskRef, bool, bool]]:
+    """(path tokens [0, end), start, ref, has_snapshot, has_logits) for each segment of the deepest chain of this
+    prompt that `tier`'s Redis store holds ending in a snapshot, parents first; [] on a miss or while Redis is
+    down. Counted among the tier's operations (lookups, lookup_hits, and the store's waits for another replica's
+    write: lookups_waited, lookup_waits_expired, markers.py)."""
+    store: RedisSegmentStore = tier.store
+    infos = store.lookup(token_ids, probe_positions(tier.page_size, len(token_ids), message_starts))
+    tier.counters["lookups"] += 1
+    tier.counters["lookup_hits"] += bool(infos)
+    for name in ("lookups_waited", "lookup_waits_expired"):
+        tier.counters[name] = store.counted(name)
+    return [(tuple(token_ids[: i.start_position + i.num_tokens]), i.start_position,
+             DiskRef(i.key, i.start_position, i.start_position + i.num_tokens), i.has_snapshot, i.has_logits)
+            for i in infos]

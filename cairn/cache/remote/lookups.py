@@ -16,7 +16,7 @@ The answer of a lookup is kept ANSWER_TTL_S (an old answer may miss segments wri
 MAX_ANSWERS prompts are remembered (the oldest are forgotten first). While MAX_IN_FLIGHT lookups are
 running, a new one is not queued: it answers [] at once (counted as "lookups_refused").
 
-What this is not: the lookup itself (RemoteTier.lookup) or what the cache does with an answer (DiskIndex).
+What this is not: the lookup itself (finder.py's lookup) or what the cache does with an answer (DiskIndex).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes:
 class RemoteLookups:
     def __init__(self, find: Callable[[Sequence[int], Sequence[int]], list], ttl_s: float = ANSWER_TTL_S,
                  max_answers: int = MAX_ANSWERS, max_in_flight: int = MAX_IN_FLIGHT):
-        self._find = find  # RemoteTier.lookup: (token_ids, message_starts) -> found segments
+        self._find = find  # finder.lookup over one tier: (token_ids, message_starts) -> found segments
         self.ttl_s, self.max_answers, self.max_in_flight = ttl_s, max_answers, max_in_flight
         self.counters: Counter[str] = Counter()  # lookups_started, lookups_refused, answers_expired
         self._answers: OrderedDict[bytes, tuple[float, Future]] = OrderedDict()  # digest -> (started, future)

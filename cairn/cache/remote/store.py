@@ -11,7 +11,7 @@
                      deeper chain is being written, the probe is repeated every WAIT_POLL_S until it has
                      landed (or the marker is gone, or wait_s has passed): the turn that follows a turn
                      served elsewhere arrives before that turn's write-behind is done
-    info / keys / get_tokens / pin / unpin / len / close    as DiskStore's, over the segments this
+    info / keys / get_tokens / pin / unpin / len / close    as the protocol's, over the segments this
                      process knows of (those it wrote or looked up): Redis may hold more, or fewer (it
                      evicts and expires without telling anyone)
     used_bytes       the bytes of the known segments (as stored in Redis; a queued one's uncompressed
@@ -51,7 +51,10 @@ flushed: epoch.py tells that from an epoch key evicted alone), every segment kno
 is told, counted as the fault `redis_reset`, one log line): the next request over each path writes it whole.
 
 The lookup side (lookup, and registering what it found) is chains.py's ChainLookup, mixed in here.
-What this is not: the tier's choice of what to write or when to look up (tier.py), the segment format.
+A SegmentStore (segments/store.py) that is `shared` and `write_behind`; the tier over it is the disk's
+(segments/tier.py, SegmentTier: the factory builds it with the name REMOTE), and it has no remove_unreachable
+(nothing is an orphan in a store other replicas write). What this is not: the tier's choice of what to write or
+when to look up (segments/tier.py, finder.py), the segment format.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class _Write:
 
 class RedisSegmentStore(ChainLookup, Pins):
     readonly = False  # every replica writes: Redis arbitrates, there is no lock
+    shared = True  # other replicas write it too: it may hold what this process never wrote
+    write_behind = True  # put only queues the write; counted("written") is how many landed
 
     def __init__(self, url: str, namespace: str, page_size: int, *, compression: str | None = None,
                  limits: SegmentLimits = DEFAULT_LIMITS, on_evict: Callable[[bytes], None] | None = None,

@@ -13,9 +13,24 @@ The namespace is the compatibility digest (cairn/compat.py, computed by the engi
 weights' content digest, the architecture, dtypes, page size and format version (with exact resumption, the
 prefill block and the kernels a prefill's linears run on too). A segment of
 another model is never read.
+
 Each store of segments is one SegmentTier instance with its own name and store, placed in the factory's tier
-list (cache/factory.py). What this is not: the segment format (segment.py), a store (cache/disk/store.py,
-cache/remote/store.py) or the choice of what to write when (the cache decides).
+list (cache/factory.py): the disk tier (DISK over a DiskStore) and the remote tier (REMOTE over a
+RedisSegmentStore), whose segments are exactly the disk tier's (same keys, format and compatibility namespace),
+so a chain one replica wrote is read by any replica of the same weights. What the kind of store changes (its
+`shared` and `write_behind`, store.py), and nothing else:
+
+    shared          persist skips a node whose segment the store already holds (another replica wrote it, or a
+                    lookup found it) without reading its KV, recording the reference on the node, and rewrites
+                    one the node records but the store has forgotten; a segment whose parent this process does
+                    not know is not an orphan (nothing is removed at start-up), and what lies below a segment
+                    written again comes back through lookups (relinks_below is False)
+    write_behind    persist reads every segment of the path before putting the first (the store queues them
+                    behind the request), and operations() counts its puts as segments_queued and the writes
+                    that landed as segments_written
+
+What this is not: the segment format (segment.py), a store (cache/disk/store.py, cache/remote/store.py), the
+lookup of a prompt in Redis (remote/finder.py), or the choice of what to write when (the cache decides).
 """
 
 from __future__ import annotations
@@ -31,7 +46,7 @@ import torch
 
 from cairn.cache.segments.named_bytes import layout_meta, read_layout
 from cairn.cache.segments.segment import ROOT_KEY, Segment, _tokens_to_bytes, segment_key
-from cairn.cache.segments.store import SegmentStore
+from cairn.cache.segments.store import SegmentInfo, SegmentStore
 from cairn.cache.tiers.base import KV, Source, State, Unreadable
 from cairn.cache.tree.nodes import DISK, DiskRef, Node, page_indices
 from cairn.memory.state_pool import StatePool
@@ -98,8 +113,8 @@ class SnapshotTensors:
 class SegmentTier:
     """A segment tier (a `LowerTier`) over a `SegmentStore` (store.py), every storage call through it.
 
-    The disk tier is one instance (name DISK over a DiskStore); another store of segments (a shared
-    remote one) is another instance with its own name and store. It is not a page tier: it holds no
+    The disk tier is one instance (name DISK over a DiskStore), the remote tier another (name REMOTE over a
+    RedisSegmentStore): the module docstring says what the kind of store changes. It is not a page tier: it holds no
     working slot and its budget is the store's (`fits` is always true: the store evicts least-recently-used
     segments itself; the cache's stats read the store's bytes).
 
@@ -109,7 +124,6 @@ class SegmentTier:
     arrive whole)."""
 
     pages = None  # no page allocator: nodes reference segments
-    relinks_below = True  # reads a rewritten segment's descendants itself (`paths_below`); no I/O elsewhere
 
     def __init__(self, store: SegmentStore, page_size: int, write_through: bool = True, name: str = DISK,
                  bandwidth: float = 0.5e9, restore_buffer: object | None = None):
@@ -119,6 +133,12 @@ class SegmentTier:
         self._restore_buffer = restore_buffer
         self.on_written: Callable[[bytes], None] | None = None  # told each segment key `persist` wrote (the index)
         self._restore_lock = threading.Lock()  # one restore at a time uses the buffer
+
+    @property
+    def relinks_below(self) -> bool:
+        """The index reads a rewritten segment's descendants here (`paths_below`; no I/O elsewhere); not in a shared
+        store, where they come back through lookups (off the engine thread)."""
+        return not self.store.shared
 
     # ---- the LowerTier protocol -------------------------------------------------------------------
 
@@ -189,25 +209,39 @@ class SegmentTier:
 
     def persist(self, path: list[Node], source: Source) -> int:
         """Write every node of `path` (root to node, in order) that has no segment here (and the slices
-        `_to_write` adds); returns segments written.
+        `_to_write` adds); returns segments written (queued, in a write-behind store).
 
         source.node_kv(node) -> (k, v) tensors of the node's pages, or None when they cannot be read (a
         bad segment, which the store then reports); source.node_snapshot(node) -> (named state tensors,
-        logits) or None. Stops at the first failed write (a later node would be unreachable without it).
+        logits) or None. Stops at the first node it cannot read and at the first failed write (a later node
+        would be unreachable without it). Each segment is read just before it is put, but in a write-behind
+        store, where every one is read before the first is queued: the markers of the deeper ones are then set
+        before the shallower ones land (remote/markers.py).
         """
-        written = 0
-        for node, parent_key in self._to_write(path):
+        segments = self._segments(self._to_write(path), source)
+        return self._put_each(list(segments) if self.store.write_behind else segments)
+
+    def _segments(self, steps: list[tuple[Node, bytes | None]], source: Source) -> Iterator[tuple[Node, Segment]]:
+        """(node, its segment) for each of `steps`, read from `source` when asked for; stops at a node whose KV
+        cannot be read (counted in write_unreadable)."""
+        for node, parent_key in steps:
             kv = source.node_kv(node)
             if kv is None:
                 self.counters["write_unreadable"] += 1
-                return written
-            segment = self._segment(node, parent_key, kv, source.node_snapshot(node))
+                return
+            yield node, self._segment(node, parent_key, kv, source.node_snapshot(node))
+
+    def _put_each(self, segments) -> int:
+        """Put each (node, segment) into the store in order, recording it on its node; stops at the first refusal
+        (counted in write_failed). Returns the segments put."""
+        put = 0
+        for node, segment in segments:
             if not self.store.put(segment):
                 self.counters["write_failed"] += 1
-                return written
+                return put
             self._wrote(node, segment)
-            written += 1
-        return written
+            put += 1
+        return put
 
     def _to_write(self, path: list[Node]) -> list[tuple[Node, bytes | None]]:
         """(node, canonical key of the path before it) for each node of a root-to-node `path` to write here,
@@ -233,8 +267,24 @@ class SegmentTier:
         return [step for step, write in zip(steps, todo, strict=True) if write]
 
     def _known(self, node: Node, parent_key: bytes | None) -> bool:
-        """node's segment here is recorded on it, with its snapshot when it has one."""
-        return self.name in node.kv and (node.snapshot is None or self.name in node.snapshot.handle.copies)
+        """node's segment here is recorded on it, with its snapshot when it has one.
+
+        In a shared store, a recorded reference to a segment the store has forgotten since (a value found gone
+        takes the segments below it along: remote/store.py) is not known: the tree drops it at the next forget,
+        and this write is the one that puts the path back whole. And a segment the store holds that node does not
+        record (another replica wrote it, or a lookup found it) is known, with its snapshot when it has one (and
+        logits when the node's has them): recorded on the node now, its KV never read."""
+        recorded = self.name in node.kv and (node.snapshot is None or self.name in node.snapshot.handle.copies)
+        if not self.store.shared:
+            return recorded
+        if recorded and self.store.info(node.kv[self.name].key) is not None:
+            return True
+        key = segment_key(parent_key, node.tokens)
+        info = self.store.info(key)
+        if info is None or (node.snapshot is not None and not _covers(info, node.snapshot.has_logits)):
+            return False
+        self._record(node, key, node.snapshot is not None)
+        return True
 
     def _is_slice(self, node: Node) -> bool:
         """node's segment here goes on past node's end (node was split off its front)."""
@@ -242,8 +292,14 @@ class SegmentTier:
         return ref is not None and ref.segment_end != node.end
 
     def operations(self) -> dict[str, int]:
-        """What the tier did, for /metrics (cairn_cache_disk_operations_total{kind}): its counters."""
-        return dict(self.counters)
+        """What the tier did, for /metrics (cairn_cache_{disk,remote}_operations_total{kind}): its counters. A
+        write-behind store's puts are only queued: they count as `segments_queued`, and `segments_written` is the
+        store's count of the writes that landed (Redis accepted), of which Redis may refuse some."""
+        ops = dict(self.counters)
+        if self.store.write_behind:
+            ops["segments_queued"] = ops.pop("segments_written", 0)
+            ops["segments_written"] = self.store.counted("written")
+        return ops
 
     def _wrote(self, node: Node, segment: Segment) -> None:
         """`segment`, node's, was just put into the store: record it on node, count it, tell `on_written`."""
@@ -357,7 +413,16 @@ class SegmentTier:
                 info.has_snapshot, info.has_logits
 
     def _remove_orphans(self, keys: list[bytes]) -> None:
+        """Delete them, but from a shared store: there a segment whose parent this process does not know is not an
+        orphan (the keys it knows are what lookups found)."""
+        if self.store.shared:
+            return
         freed = self.store.remove_unreachable(keys) if keys else 0
         if freed:
             log.info("%s cache: deleted %d segments whose prefix is gone (%.1f MiB): none could be resumed",
                      self.name, len(keys), freed / 2**20)
+
+
+def _covers(info: SegmentInfo, has_logits: bool) -> bool:
+    """A stored segment can stand for a node's snapshot: it holds one, with logits when the node's has them."""
+    return info.has_snapshot and (info.has_logits or not has_logits)
