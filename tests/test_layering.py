@@ -66,6 +66,7 @@ RULES: list[tuple[str, tuple[str, ...], str]] = [
     ("cairn.cache", ("cairn.model", "cairn.layers", "cairn.server", "cairn.scheduler", "cairn.sequence",
                      "cairn.engine", "cairn.runner"), "cache/ knows nothing of models, HTTP or the scheduler"),
     ("cairn.cache.tiers", ("cairn.scheduler", "cairn.sequence"), "tiers know nothing of the scheduler"),
+    ("cairn.cache.tree", ("cairn.cache.policy",), "the tree knows no policy: its builder hands it the retention key"),
     ("cairn.cache.segments", ("cairn.cache.disk", "cairn.cache.remote"),
      "segments/ is what every segment store shares: it knows none of them"),
     ("cairn.cache.disk", ("cairn.cache.remote",), "the disk store knows nothing of the Redis store"),

@@ -37,6 +37,7 @@ import torch
 from cairn.cache.base import Admission, CacheReport, CacheRequest, PrefixCache, ProbeResult
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.policy.planner import Candidate, Plan, plan
+from cairn.cache.policy.retention import retention_key
 from cairn.cache.policy.speeds import SpeedMeter
 from cairn.cache.remote.finder import RemoteFinder
 from cairn.cache.segments.index import DiskIndex
@@ -67,7 +68,7 @@ class HybridPrefixCache(PrefixCache):
                  speeds: SpeedMeter | None = None):
         self.kv, self.states, self.tiers, self.placement = kv, states, tiers, placement
         self.page_size = kv.page_size
-        self.tree = TieredRadixTree(kv.page_size, tiers.page_allocators(), self._on_released)
+        self.tree = TieredRadixTree(kv.page_size, tiers.page_allocators(), self._on_released, retention_key)
         tiers.tree = self.tree
         self.speeds = speeds or SpeedMeter({tier.name: tier.bandwidth for tier in tiers.tiers})
         self.counters: Counter[str] = Counter()  # snapshots_taken, snapshots_restored, cached_tokens, ...

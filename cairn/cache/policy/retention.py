@@ -1,7 +1,8 @@
 """Retention order of snapshots: which snapshot the radix tree gives up first (DESIGN §4.2).
 
 This module is the ranking only: it reads a tree's nodes and returns keys. It does not evict, does
-not know about tiers and never imports torch; `SnapshotVictims` (tree/tiered.py) applies it.
+not know about tiers and never imports torch; the cache hands `retention_key` to its tree (cache/hybrid.py),
+whose `SnapshotVictims` (tree/tiered.py) applies it.
 
 A snapshot's value is the prefill it saves over the nearest snapshot above it on its path (its
 *gap*), weighted by how recently its path was used, per byte. The victim is the minimum of

@@ -2,9 +2,9 @@
 
 What it is: the bookkeeping of where every node's KV lives (Node.kv: tier name -> page ids or a
 segment reference) and the victim choices of each tier (DESIGN §4.2-4.4), the one eviction that
-runs: `KVVictims` (KV least recently used first, per tier) and `SnapshotVictims` (retention value,
-policy/retention.py, among snapshots holding a copy on a tier), each ranked once per eviction call
-in a heap instead of a scan of the tree per victim. A node keeps its KV on at least one tier; one
+runs: `KVVictims` (KV least recently used first, per tier) and `SnapshotVictims` (by the retention key the
+tree's builder hands it, policy/retention.py's, among snapshots holding a copy on a tier), each ranked once per
+eviction call in a heap instead of a scan of the tree per victim. A node keeps its KV on at least one tier; one
 that loses its last copy leaves the tree with its whole subtree (their KV prefix is gone).
 
 What it is not: it copies no bytes and allocates nothing but page references; TierSet moves the
@@ -17,8 +17,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
-from cairn.cache.policy.retention import retention_key
 from cairn.cache.tree.nodes import (
     DEVICE,
     RELEASE_EVICTED,
@@ -69,7 +69,7 @@ class KVVictims:
 
 
 class SnapshotVictims:
-    """The snapshot victims among those `eligible` for one eviction call, by retention key (policy/retention.py).
+    """The snapshot victims among those `eligible` for one eviction call, by the tree's retention key.
 
     Recency is the key's first field and no eviction changes it, so the candidates wait in a heap of
     last_access alone; only the least recent group (one operation's stamp: one chain of snapshots)
@@ -78,7 +78,7 @@ class SnapshotVictims:
     """
 
     def __init__(self, tree: TieredRadixTree, eligible: Callable[[SnapshotEntry], bool]):
-        self.eligible = eligible
+        self.eligible, self.retention_key = eligible, tree.retention_key
         self._recency = [(node.snapshot.last_access, node.node_id, node) for node in tree.iter_nodes()
                          if self._candidate(node, node.snapshot)]
         heapq.heapify(self._recency)
@@ -97,7 +97,7 @@ class SnapshotVictims:
             # within one call only the popped snapshot's own demotion changes which snapshots are on this tier (a
             # slower tier making room evicts snapshots with no copy here: no snapshot is on two page tiers)
             assert self._candidate(node, entry), "a grouped snapshot stopped being a candidate mid-call"
-            current = retention_key(node)
+            current = self.retention_key(node)
             if current == key:
                 heapq.heappop(self._group)
                 return node
@@ -109,11 +109,19 @@ class SnapshotVictims:
         while self._recency and self._recency[0][0] == tick:
             _, node_id, node = heapq.heappop(self._recency)
             if self._candidate(node, node.snapshot):
-                self._group.append((retention_key(node), node_id, node, node.snapshot))
+                self._group.append((self.retention_key(node), node_id, node, node.snapshot))
         heapq.heapify(self._group)
 
 
 class TieredRadixTree(RadixTree):
+    def __init__(self, page_size: int, allocators: dict, on_snapshot_released: Callable[[SnapshotEntry, str], None],
+                 retention_key: Callable[[Node], Any]):
+        """`retention_key(node)`: the sort key of node's unlocked snapshot, the smallest leaving first (the cache
+        hands it policy/retention.py's). SnapshotVictims relies on two of its properties: its first field is the
+        snapshot's last_access, and evicting a snapshot never lowers another's key."""
+        super().__init__(page_size, allocators, on_snapshot_released)
+        self.retention_key = retention_key
+
     @staticmethod
     def holds(node: Node, tier: str) -> bool:
         """node keeps a copy of its KV on `tier`."""
