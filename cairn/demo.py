@@ -12,6 +12,7 @@ import math
 import torch
 
 from cairn.model.config import ModelConfig
+from cairn.model.families import family_of
 from cairn.model.hybrid import HybridModel
 from cairn.model.loader import build_model
 from cairn.tokenizer import ByteTokenizer
@@ -22,7 +23,7 @@ DEMO_NAME = "cairn-demo"
 def demo_config(vocab_size: int) -> ModelConfig:
     """Eight layers, three Gated DeltaNet to one gated attention, as in Qwen3.5."""
     return ModelConfig(
-        family="qwen3_5", vocab_size=vocab_size, hidden_size=256,
+        family=family_of("qwen3_5_text"), vocab_size=vocab_size, hidden_size=256,
         layer_types=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",),
         ffn_types=("dense",) * 8,
         rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=65536,

@@ -85,10 +85,17 @@ _GRANITE = {
         tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.246,
         logits_scaling=3.0),
 }
-_FAMILY = {size: family for family, sizes in (("qwen3_5", _QWEN), ("nemotron_h", _NEMOTRON_H),
-                                              ("falcon_h1", _FALCON_H1), ("granitemoehybrid", _GRANITE))
-           for size in sizes}
-SIZES = tuple(_FAMILY)
+_NO_SPECIAL_TOKENS = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+# config.json's model_type (transformers' name for the architecture; cairn/model/families.py maps it to the family
+# that serves it: this file names no family) -> its named sizes, and what each of its configs adds
+_ARCHITECTURES = {
+    "qwen3_5_text": (_QWEN, dict(linear_conv_kernel_dim=4)),
+    "nemotron_h": (_NEMOTRON_H, dict(conv_kernel=4, **_NO_SPECIAL_TOKENS)),
+    "falcon_h1": (_FALCON_H1, _NO_SPECIAL_TOKENS),
+    "granitemoehybrid": (_GRANITE, _NO_SPECIAL_TOKENS),
+}
+_MODEL_TYPE = {size: model_type for model_type, (sizes, _) in _ARCHITECTURES.items() for size in sizes}
+SIZES = tuple(_MODEL_TYPE)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -110,25 +117,15 @@ def make_checkpoint(size: str, path: Path, dtype: torch.dtype | None = None):
 
 
 def hf_config(size: str):
-    """The transformers config of `size` (max_position_embeddings 32768: room for the 8k-token published
-    workloads; no special token ids: the byte tokenizer's eos is <|im_end|>)."""
-    config_class = _config_class(size)
-    kind = _FAMILY[size]
-    if kind == "qwen3_5":
-        return config_class(**_QWEN[size], linear_conv_kernel_dim=4, initializer_range=0.02,
-                            max_position_embeddings=32768)
-    sizes = {"nemotron_h": _NEMOTRON_H, "falcon_h1": _FALCON_H1, "granitemoehybrid": _GRANITE}[kind]
-    extra = {"conv_kernel": 4} if kind == "nemotron_h" else {}
-    return config_class(**sizes[size], **extra, initializer_range=0.02, max_position_embeddings=32768,
-                        eos_token_id=None, bos_token_id=None, pad_token_id=None)
-
-
-def _config_class(size: str):
-    """transformers' config class for a named size (its model class follows from it)."""
+    """The transformers config of `size`, of the class transformers registers for its model_type (its model class
+    follows from it; max_position_embeddings 32768: room for the 8k-token published workloads; no special token
+    ids but Qwen3.5's defaults: the byte tokenizer's eos is <|im_end|>)."""
     import transformers as tf
 
-    return {"qwen3_5": tf.Qwen3_5TextConfig, "nemotron_h": tf.NemotronHConfig, "falcon_h1": tf.FalconH1Config,
-            "granitemoehybrid": tf.GraniteMoeHybridConfig}[_FAMILY[size]]
+    model_type = _MODEL_TYPE[size]
+    sizes, extra = _ARCHITECTURES[model_type]
+    return tf.AutoConfig.for_model(model_type, **sizes[size], **extra, initializer_range=0.02,
+                                   max_position_embeddings=32768)
 
 
 def write_tokenizer(path: Path) -> None:

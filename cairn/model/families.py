@@ -6,8 +6,9 @@ A family file (`cairn/model/<family>.py`) declares
     parse_config(raw: dict) -> ModelConfig      its KeyTable check and ModelConfig construction
     MODEL_CLASS  its HybridModel subclass (layer composition hooks and checkpoint tensor names)
 
-and is listed once in FAMILY_FILES below; nothing else in cairn names a family. `cfg.family` is the
-family file's module name, which `model_class` maps back. What this is not: the loader (weights) or
+and is listed once in FAMILY_FILES below; nothing else in cairn names a family (the built-in demo model asks
+`family_of` its model_type's; bench/checkpoint.py names only model_types). `cfg.family` is the family file's
+module name, which `model_class` maps back. What this is not: the loader (weights) or
 the config dataclass (cairn.model.config).
 """
 
@@ -24,6 +25,12 @@ FAMILY_FILES: tuple[ModuleType, ...] = (qwen3_5, qwen3_5_moe, qwen3_next, nemotr
 
 _BY_MODEL_TYPE = {t: f for f in FAMILY_FILES for t in f.MODEL_TYPES}
 _BY_NAME = {f.__name__.rsplit(".", 1)[-1]: f for f in FAMILY_FILES}
+
+
+def family_of(model_type: str) -> str:
+    """The family (ModelConfig.family: its file's module name) serving a config.json `model_type`; KeyError for
+    a model_type no family serves."""
+    return _BY_MODEL_TYPE[model_type].__name__.rsplit(".", 1)[-1]
 
 
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
