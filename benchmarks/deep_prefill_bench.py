@@ -19,7 +19,7 @@ import time
 import torch
 
 from benchmarks.decode_bench import cpu_info
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.sampling import SamplingParams
 
 

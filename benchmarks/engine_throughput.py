@@ -32,7 +32,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 def cairn_engine(path: Path, dtype: str = "float32", max_num_seqs: int = 8, **model_options):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
 
     # the prefix cache is off: this measures the engine itself, and a repeated prompt must be computed again
     cfg = EngineConfig(ModelOptions(model=str(path), dtype=dtype, device="cpu", **model_options),

@@ -29,7 +29,7 @@ from cairn.bench.checkpoint import make_checkpoint
 
 def engine(path: Path, dtype: str, block: int, cache: bool):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
 
     cfg = EngineConfig(ModelOptions(model=str(path), dtype=dtype, device="cpu"),
                        MemoryOptions(page_size=16, kv_cache_gib=0.5, state_cache_gib=0.5),

@@ -84,7 +84,7 @@ def engine(path: Path, device: str, fast: bool, args, graphs: bool = False):
     """An engine on the checkpoint; `graphs`: the decode graph path (CUDA graphs on CUDA, else the checking
     stand-in)."""
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
     from cairn.ops.graph_check import CheckingGraphBackend
 
     cuda_graphs = graphs and device.startswith("cuda")

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.logits import RowContext
 from cairn.sampling import SamplingParams, StructuredOutput, sample
 

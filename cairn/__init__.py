@@ -13,11 +13,11 @@ __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
 
 def __getattr__(name):
     if name == "LLM":
-        from cairn.llm import LLM
+        from cairn.engine.llm import LLM
 
         return LLM
     if name == "Engine":
-        from cairn.engine import Engine
+        from cairn.engine.engine import Engine
 
         return Engine
     if name == "SamplingParams":

@@ -96,7 +96,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         raise UserError("give a prompt or --messages")
     messages = _parse_messages(ns.messages)
     check_model(ns.model, ns.quantization)
-    from cairn.engine import Engine  # imports torch: after the one-line checks
+    from cairn.engine.engine import Engine  # imports torch: after the one-line checks
 
     params, messages = _sampling_params(ns), _checked_messages(messages)  # refused before the model loads
     t0 = time.perf_counter()

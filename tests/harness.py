@@ -7,8 +7,8 @@ import logging
 
 import torch
 
+from cairn.engine.llm import LLM
 from cairn.forward_batch import ForwardBatch
-from cairn.llm import LLM
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor

@@ -5,7 +5,7 @@ pages and the matched path until release, and writes nothing of the request's.""
 from __future__ import annotations
 
 from cairn.cache.base import CacheRequest
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -6,7 +6,7 @@ requests would fill it."""
 from __future__ import annotations
 
 from cairn.cache.base import CacheRequest
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from cairn.bench.conversation import Reply, WorkloadSizes
 from cairn.bench.text import TextSource
 from cairn.bench.workloads import all_workloads
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.sampling import SamplingParams
 from cairn.tokenizer import ByteTokenizer
 from tests.server_process import served_fixture

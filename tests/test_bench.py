@@ -249,7 +249,7 @@ def one_thread():
 
 
 def test_an_http_run_reports_what_the_in_process_run_does(one_thread):
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
 
     config = dataclasses.replace(CONFIG, cache=dataclasses.replace(CONFIG.cache, snapshot_policy="cairn"))
     workload = all_workloads()["edit"]

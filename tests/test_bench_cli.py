@@ -23,7 +23,7 @@ from cairn.bench.http_runner import HTTPRunner
 from cairn.bench.run import run_workload
 from cairn.bench.workloads import all_workloads
 from cairn.config import EngineConfig, config_with_overrides
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
 from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
 from cairn.tokenizer import ByteTokenizer

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.sampling import SamplingParams
 from tests.cpu_paths import PATHS
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from cairn import ops
+from cairn.engine.llm import LLM
 from cairn.layers.norm import GatedRMSNorm
-from cairn.llm import LLM
 from cairn.ops import cpu_gdn, cpu_isa, gdn
 from cairn.ops.conv import causal_conv1d_update
 from cairn.ops.gdn import recurrent_gated_delta_rule

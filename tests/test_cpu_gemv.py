@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.model import layout
 from cairn.model.layout import GemvLinear, decode_weight_bytes
 from cairn.model.loader import load_checkpoint

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.ops import REFERENCE, conv, cuda_conv, mamba2, optional, select_kernels
 from cairn.sampling import SamplingParams
 

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.model import layout
 from cairn.model.layout import Int8Linear, PackedLinear, QuantizationError, decode_weight_bytes, quantize
 from cairn.model.loader import load_checkpoint

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from cairn.demo import demo_config
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.model.loader import build_model
 from cairn.sampling import SamplingParams
 

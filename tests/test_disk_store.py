@@ -28,7 +28,7 @@ from cairn.cache.disk.store import (
 )
 from cairn.cache.factory import build_cache
 from cairn.config import CacheOptions
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor

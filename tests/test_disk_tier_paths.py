@@ -21,7 +21,7 @@ from pathlib import Path
 from cairn.cache.base import CacheRequest
 from cairn.cache.disk.index import MAX_UNREADABLE
 from cairn.cache.tree.nodes import DISK, REMOTE, DiskRef
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from tests.harness import run, same_as_cold
 
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)

@@ -8,9 +8,9 @@ import pytest
 
 from cairn.cache.base import Admission, CacheRequest, NullCache
 from cairn.config import EngineConfig
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
+from cairn.engine.llm import LLM
 from cairn.errors import QueueFull, RequestTooLarge
-from cairn.llm import LLM
 from cairn.outputs import RequestOutput, accumulate
 from cairn.sampling import SamplingParams
 

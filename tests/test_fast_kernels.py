@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.ops import REFERENCE, cuda, gdn, select_kernels
 from cairn.sampling import SamplingParams
 

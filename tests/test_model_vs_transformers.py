@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
+from cairn.engine.llm import LLM
 from cairn.layers import recurrent
-from cairn.llm import LLM
 from cairn.model.loader import load_checkpoint
 from cairn.sampling import SamplingParams
 from tests.checkpoints import FAMILIES

@@ -10,7 +10,7 @@ import sys
 import httpx
 
 from cairn.activity import ActivityLog
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.logs import JsonFormatter, setup_logging
 from cairn.sampling import SamplingParams
 from tests.server_process import REPO_ROOT, start_server

@@ -3,7 +3,7 @@ cache's prompt-end snapshot) and draw independently."""
 
 from __future__ import annotations
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.sampling import SamplingParams
 
 PROMPT = list(range(20, 83))

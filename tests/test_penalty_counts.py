@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.logits import RowContext, process_rows
 from cairn.sampling import SamplingParams
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.sampling import SamplingParams
 
 # a prompt of 1000 tokens leaving a cached path at 700, which holds a snapshot deeper than that

@@ -25,7 +25,7 @@ from cairn.cache.disk.segment import Segment
 from cairn.cache.remote.keys import chain_keys, index_entries, prefix_keys
 from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.tree.nodes import REMOTE
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from tests.harness import run, same_as_cold
 from tests.test_remote_tier import CONVERSATION, OPTS, remote
 

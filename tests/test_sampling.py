@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cairn.engine.llm import LLM
 from cairn.errors import SamplingError
-from cairn.llm import LLM
 from cairn.logits import RowContext, process_rows
 from cairn.sampling import SamplingParams, _filter_rows, generation_defaults, sample, sample_isolated
 

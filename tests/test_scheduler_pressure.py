@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.sampling import SamplingParams
 
 

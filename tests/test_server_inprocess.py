@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cairn.config import EngineConfig, config_with_overrides
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
 from cairn.errors import ChatTemplateError
 from cairn.sampling import SamplingParams
 from cairn.server.app import create_app

@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from cairn.config import EngineConfig, config_with_overrides
-from cairn.engine import Engine
-from cairn.llm import LLM
+from cairn.engine.engine import Engine
+from cairn.engine.llm import LLM
 from cairn.outputs import Detokenizer
 from cairn.sampling import SamplingParams
 from cairn.server.app import create_app

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from cairn.cache import hybrid as hybrid_cache
-from cairn.engine import Engine, StepFailed
-from cairn.llm import LLM
+from cairn.engine.engine import Engine, StepFailed
+from cairn.engine.llm import LLM
 from cairn.outputs import accumulate
 from cairn.sampling import SamplingParams
 from cairn.server.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission

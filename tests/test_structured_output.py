@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 import torch
 
+from cairn.engine.llm import LLM
 from cairn.errors import SamplingError
 from cairn.grammar import BudgetedGrammar, GrammarCompiler, allowed_masks
-from cairn.llm import LLM
 from cairn.outputs import accumulate
 from cairn.sampling import SamplingParams, StructuredOutput
 from cairn.tokenizer import HFTokenizer

@@ -19,7 +19,7 @@ import torch
 
 from cairn.cache.disk.segment import Segment
 from cairn.cache.tree.nodes import Node
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.model.families import config_from_hf
 from cairn.outputs import accumulate
 from tests.cpu_paths import PATHS

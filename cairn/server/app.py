@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
 from cairn.server import anthropic, generate, probe, responses_output, tokenize
 from cairn.server.bridge import EngineBridge
 from cairn.server.errors import APIError, from_exception, from_validation_errors

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from cairn.engine import Engine, StepFailed
+from cairn.engine.engine import Engine, StepFailed
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.grammar import BudgetedGrammar, Grammar
 from cairn.outputs import RequestOutput

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from pydantic import RootModel
 from starlette.responses import JSONResponse, Response
 
-from cairn.engine import Engine, check_prompt_token_ids
+from cairn.engine.engine import Engine, check_prompt_token_ids
 from cairn.sampling import SamplingParams
 from cairn.server.anthropic import MessagesRequest
 from cairn.server.bridge import Submission

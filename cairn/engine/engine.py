@@ -1,6 +1,6 @@
 """Engine: model, memory pools, scheduler, prefix cache and runner behind add_request / step / abort.
 
-The engine is single-threaded: one caller drives `step()` (the offline `LLM` in cairn/llm.py, or the server's
+The engine is single-threaded: one caller drives `step()` (the offline `LLM` in cairn/engine/llm.py, or the server's
 engine thread). Each step schedules a batch, runs it, has the scheduler apply it, samples, and returns
 a RequestOutput for every request that produced text or finished: what the step added (its token, text
 and logprobs), never the whole answer again, so a step's output does not grow with the answer's
@@ -52,7 +52,7 @@ from cairn.sequence import Sequence, Status
 from cairn.sizing import resolve_sizes
 from cairn.tokenizer import HFTokenizer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cairn.engine")  # the name of the engine's log lines (README), not the module path
 
 
 class StepFailed(RuntimeError):

@@ -1,0 +1,8 @@
+"""The engine: Engine (engine.py), which builds the model, the memory pools, the prefix cache, the scheduler
+and the runner at start-up and steps them, and LLM (llm.py), the offline facade over it.
+
+What this is not: the scheduler, the runner or the cache the engine drives (cairn/scheduler.py,
+cairn/runner.py, cairn/cache/), nor what a request is made of (its tokenizer, prompt and sampling
+parameters). Nothing is re-exported here: import the module that defines a name
+(`from cairn.engine.engine import Engine`).
+"""
