@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cairn.outputs import Detokenizer, WindowDecoder
+from cairn.engine.outputs import Detokenizer, WindowDecoder
 from cairn.tokenizer import HFTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

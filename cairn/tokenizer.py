@@ -398,7 +398,7 @@ class HFTokenizer(Tokenizer):
 
     def decode_stream(self) -> Callable[[int], str | None]:
         """tokenizers' incremental decoder (DecodeStream) on this tokenizer: feed one id, get the new text,
-        or None while the id does not complete a character. Used by cairn.outputs.Detokenizer."""
+        or None while the id does not complete a character. Used by cairn.engine.outputs.Detokenizer."""
         from tokenizers.decoders import DecodeStream
 
         stream = DecodeStream(skip_special_tokens=False)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import cairn.engine.engine
-from cairn.choices import ChoiceGroups
+from cairn.engine.choices import ChoiceGroups
 from cairn.engine.llm import LLM
 from cairn.sampling import SamplingParams
 from cairn.sequence import Sequence, Status

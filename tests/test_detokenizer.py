@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cairn.outputs import Detokenizer, WindowDecoder
+from cairn.engine.outputs import Detokenizer, WindowDecoder
 from cairn.tokenizer import ByteTokenizer, HFTokenizer
 from tests.checkpoints import write_tokenizer
 

@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from cairn.activity import ActivityLog
+from cairn.engine.activity import ActivityLog
 from cairn.engine.llm import LLM
 from cairn.logs import JsonFormatter, setup_logging
 from cairn.sampling import SamplingParams

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from cairn.config import EngineConfig, config_with_overrides
 from cairn.engine.engine import Engine
 from cairn.engine.llm import LLM
-from cairn.outputs import Detokenizer
+from cairn.engine.outputs import Detokenizer
 from cairn.sampling import SamplingParams
 from cairn.server.app import create_app
 from cairn.server.chat_output import ChatPlan

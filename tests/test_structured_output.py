@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cairn.engine.llm import LLM
+from cairn.engine.outputs import accumulate
 from cairn.errors import SamplingError
 from cairn.grammar import BudgetedGrammar, GrammarCompiler, allowed_masks
-from cairn.outputs import accumulate
 from cairn.sampling import SamplingParams, StructuredOutput
 from cairn.tokenizer import HFTokenizer
 from tests.checkpoints import write_tokenizer

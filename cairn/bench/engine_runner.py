@@ -19,7 +19,7 @@ from cairn.bench.record import SnapshotPoint
 from cairn.bench.run import Served
 from cairn.config import EngineConfig
 from cairn.engine.engine import Engine
-from cairn.outputs import Completion, accumulate
+from cairn.engine.outputs import Completion, accumulate
 from cairn.sampling import SamplingParams
 
 WARM_UP_PROMPT = "warm up"

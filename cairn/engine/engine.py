@@ -25,14 +25,15 @@ from typing import Any
 
 import torch
 
-from cairn.activity import ActivityLog
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
-from cairn.choices import ChoiceGroups
 from cairn.compat import compat_digest, kernel_platform, weights_digest
 from cairn.config import CacheOptions, ConfigError, EngineConfig
 from cairn.decode_graphs import CaptureBackend, DecodeGraphs
 from cairn.demo import DEMO_NAME, build_demo
+from cairn.engine.activity import ActivityLog
+from cairn.engine.choices import ChoiceGroups
+from cairn.engine.outputs import Detokenizer, RequestOutput
 from cairn.errors import RequestTooLarge, SamplingError
 from cairn.grammar import BudgetedGrammar, Grammar, GrammarCompiler, allowed_masks_isolated
 from cairn.logits import PenaltyCounts, RowContext
@@ -43,7 +44,6 @@ from cairn.model.layout import apply_layout, lay_out_int8, prefill_kernels, quan
 from cairn.model.loader import load_checkpoint
 from cairn.ops import cpu_gemv, cpu_isa, cuda_graphs, load_fused_cpu_ops, select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
-from cairn.outputs import Detokenizer, RequestOutput
 from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
 from cairn.runner import ModelRunner
 from cairn.sampling import Sampled, SamplingParams, generation_defaults, generation_eos_ids, sample_isolated
@@ -514,7 +514,7 @@ class Engine:
 
     def _log_prefill(self, seq: Sequence) -> None:
         """One DEBUG line per request whose prefill just finished: what it computed and what the cache gave
-        (the INFO line comes when it finishes, see cairn.activity)."""
+        (the INFO line comes when it finishes, see cairn.engine.activity)."""
         c = seq.cache
         log.debug("prefill %s: new=%d cached=%d resume=%d tier=%s source=%s match=%d miss=%s snapshots=%d "
                  "ttft=%.3fs kv_free=%d/%d slots_free=%d/%d", seq.request_id, seq.num_computed - seq.num_cached,

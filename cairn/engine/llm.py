@@ -11,7 +11,7 @@ from typing import Any
 
 from cairn.config import EngineConfig, config_with_overrides, environment_defaults
 from cairn.engine.engine import Engine
-from cairn.outputs import Completion, accumulate
+from cairn.engine.outputs import Completion, accumulate
 from cairn.sampling import SamplingParams
 
 

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cairn.engine.engine import Engine, StepFailed
+from cairn.engine.outputs import RequestOutput
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.grammar import BudgetedGrammar, Grammar
-from cairn.outputs import RequestOutput
 from cairn.prompt import TokenizedPrompt
 from cairn.sampling import SamplingParams
 from cairn.server.errors import EngineFailure, ServerShuttingDown

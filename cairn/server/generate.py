@@ -27,8 +27,8 @@ from dataclasses import dataclass, field, replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cairn.engine.outputs import Completion, RequestOutput, accumulate
 from cairn.errors import RequestTooLarge
-from cairn.outputs import Completion, RequestOutput, accumulate
 from cairn.server.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
 from cairn.server.chat_schema import NamedToolChoice

@@ -51,7 +51,7 @@ from prometheus_client.registry import Collector
 
 from cairn.cache.stats import CacheStats
 from cairn.engine.engine import Engine
-from cairn.outputs import RequestOutput
+from cairn.engine.outputs import RequestOutput
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)

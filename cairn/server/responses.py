@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from cairn.outputs import Completion
+from cairn.engine.outputs import Completion
 from cairn.tokenizer import Tokenizer
 
 DONE_EVENT = "data: [DONE]\n\n"

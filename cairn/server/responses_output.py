@@ -38,8 +38,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from cairn.engine.outputs import Completion
 from cairn.errors import ChatTemplateError, RequestTooLarge
-from cairn.outputs import Completion
 from cairn.server.chat_output import ChatDelta, ChatShaper
 from cairn.server.errors import APIError, from_exception
 from cairn.server.generate import Generation, ServingContext, SSEResponse, new_request_id, start_generation
