@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cairn.engine.engine
-from cairn.compat import compat_digest, kernel_platform
+from cairn.engine.compat import compat_digest, kernel_platform
 from cairn.engine.llm import LLM
 from cairn.model.config import ModelConfig
 from cairn.ops.cpu_isa import cpu_flags

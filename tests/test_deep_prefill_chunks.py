@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from cairn.demo import demo_config
+from cairn.engine.demo import demo_config
 from cairn.engine.llm import LLM
 from cairn.model.loader import build_model
 from cairn.sampling import SamplingParams

@@ -34,8 +34,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     # flags generated from the config dataclasses; the one-line checks before anything slow
     "command_line": (("cairn.flags", "cairn.preflight"), frozenset({"model", "leaf"})),
     # the engine builds everything at start-up and steps the scheduler and the runner; its outputs and logs
-    "engine": (("cairn.engine", "cairn.demo",
-                "cairn.sizing", "cairn.compat"),
+    "engine": (("cairn.engine",),
                frozenset({"scheduler", "runner", "cache", "memory", "model", "ops", "request", "leaf"})),
     # the model runner: one forward pass for a scheduled batch
     "runner": (("cairn.runner", "cairn.decode_graphs"), frozenset({"scheduler", "model", "memory", "leaf"})),

@@ -12,7 +12,7 @@ from cairn.cache.disk.decode import decode_segment
 from cairn.cache.disk.named_bytes import layout_meta
 from cairn.cache.disk.segment import Segment, SegmentError, encode_segment, segment_key
 from cairn.cache.disk.tier import DiskTier, snapshot_fields
-from cairn.demo import demo_config
+from cairn.engine.demo import demo_config
 from cairn.forward_batch import ForwardBatch
 from cairn.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
 from cairn.layers.mamba2 import Mamba2Mixer, Mamba2Spec

@@ -27,13 +27,14 @@ import torch
 
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
-from cairn.compat import compat_digest, kernel_platform, weights_digest
 from cairn.config import CacheOptions, ConfigError, EngineConfig
 from cairn.decode_graphs import CaptureBackend, DecodeGraphs
-from cairn.demo import DEMO_NAME, build_demo
 from cairn.engine.activity import ActivityLog
 from cairn.engine.choices import ChoiceGroups
+from cairn.engine.compat import compat_digest, kernel_platform, weights_digest
+from cairn.engine.demo import DEMO_NAME, build_demo
 from cairn.engine.outputs import Detokenizer, RequestOutput
+from cairn.engine.sizing import resolve_sizes
 from cairn.errors import RequestTooLarge, SamplingError
 from cairn.grammar import BudgetedGrammar, Grammar, GrammarCompiler, allowed_masks_isolated
 from cairn.logits import PenaltyCounts, RowContext
@@ -49,7 +50,6 @@ from cairn.runner import ModelRunner
 from cairn.sampling import Sampled, SamplingParams, generation_defaults, generation_eos_ids, sample_isolated
 from cairn.scheduler import ScheduledBatch, Scheduler, SequenceFailed
 from cairn.sequence import Sequence, Status
-from cairn.sizing import resolve_sizes
 from cairn.tokenizer import HFTokenizer
 
 log = logging.getLogger("cairn.engine")  # the name of the engine's log lines (README), not the module path
