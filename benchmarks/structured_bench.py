@@ -25,8 +25,8 @@ import time
 import torch
 
 from cairn.engine.llm import LLM
-from cairn.logits import RowContext
-from cairn.sampling import SamplingParams, StructuredOutput, sample
+from cairn.request.logits import RowContext
+from cairn.request.sampling import SamplingParams, StructuredOutput, sample
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 400}}, "required": ["answer"]}
 

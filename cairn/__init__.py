@@ -21,7 +21,7 @@ def __getattr__(name):
 
         return Engine
     if name == "SamplingParams":
-        from cairn.sampling import SamplingParams
+        from cairn.request.sampling import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from cairn.request.tokenizer import ByteTokenizer, HFTokenizer
 from cairn.server.protocol import ChatCompletionRequest
-from cairn.tokenizer import ByteTokenizer, HFTokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "templates"
 TEMPLATES = ("qwen3_5_xml_tools.jinja", "qwen3_json_tools.jinja")

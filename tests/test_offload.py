@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from cairn.errors import PromptTooLong
-from cairn.prompt import tokenize_prompt
+from cairn.request.prompt import tokenize_prompt
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.offload import Offload
 from cairn.server.workers import ProcessWorkers, WorkerDied, WorkersClosed
-from cairn.tokenizer import ByteTokenizer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo " * 20}]
 

@@ -19,11 +19,11 @@ from cairn.config import EngineConfig, config_with_overrides
 from cairn.engine.engine import Engine
 from cairn.engine.llm import LLM
 from cairn.engine.outputs import Detokenizer
-from cairn.sampling import SamplingParams
+from cairn.request.sampling import SamplingParams
+from cairn.request.tokenizer import ByteTokenizer, HFTokenizer
 from cairn.server.app import create_app
 from cairn.server.chat_output import ChatPlan
 from cairn.server.options import ServerOptions
-from cairn.tokenizer import ByteTokenizer, HFTokenizer
 from tests.checkpoints import write_checkpoint
 from tests.test_chat_templates import FIXTURES, TOOLS
 

@@ -12,11 +12,11 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.errors import APIError
 from cairn.server.generate import ServingContext
 from cairn.server.offload import Offload
 from cairn.server.tokenize import respond
-from cairn.tokenizer import ByteTokenizer
 
 
 class RefusedInServer(ByteTokenizer):

@@ -20,7 +20,7 @@ from cairn.bench.run import Served
 from cairn.config import EngineConfig
 from cairn.engine.engine import Engine
 from cairn.engine.outputs import Completion, accumulate
-from cairn.sampling import SamplingParams
+from cairn.request.sampling import SamplingParams
 
 WARM_UP_PROMPT = "warm up"
 

@@ -24,7 +24,6 @@ from cairn.decode_graphs import CaptureBackend, DecodeGraphs
 from cairn.engine.compat import compat_digest, kernel_platform, weights_digest
 from cairn.engine.demo import DEMO_NAME, build_demo
 from cairn.engine.sizing import resolve_sizes
-from cairn.grammar import GrammarCompiler
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.model.config import ModelConfig
@@ -33,10 +32,11 @@ from cairn.model.layout import apply_layout, lay_out_int8, prefill_kernels, quan
 from cairn.model.loader import load_checkpoint
 from cairn.ops import cpu_gemv, cpu_isa, cuda_graphs, load_fused_cpu_ops, select_kernels
 from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
+from cairn.request.grammar import GrammarCompiler
+from cairn.request.sampling import generation_defaults, generation_eos_ids
+from cairn.request.tokenizer import HFTokenizer, Tokenizer
 from cairn.runner import ModelRunner
-from cairn.sampling import generation_defaults, generation_eos_ids
 from cairn.scheduler import Scheduler
-from cairn.tokenizer import HFTokenizer, Tokenizer
 
 log = logging.getLogger("cairn.engine")  # the name of the engine's log lines (README), not the module path
 

@@ -34,10 +34,10 @@ from cairn.engine.build import build_parts
 from cairn.engine.choices import ChoiceGroups
 from cairn.engine.outputs import Detokenizer, RequestOutput
 from cairn.errors import RequestTooLarge, SamplingError
-from cairn.grammar import BudgetedGrammar, Grammar, allowed_masks_isolated
-from cairn.logits import PenaltyCounts, RowContext
-from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
-from cairn.sampling import Sampled, SamplingParams, sample_isolated
+from cairn.request.grammar import BudgetedGrammar, Grammar, allowed_masks_isolated
+from cairn.request.logits import PenaltyCounts, RowContext
+from cairn.request.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
+from cairn.request.sampling import Sampled, SamplingParams, sample_isolated
 from cairn.scheduler import ScheduledBatch, SequenceFailed
 from cairn.sequence import Sequence, Status
 
@@ -249,7 +249,7 @@ class Engine:
             banned = seq.eos_token_ids if seq.num_output_tokens < p.min_tokens else ()
             if p.penalized or banned or seq.grammar is not None:
                 if seq.penalty is None and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
-                    seq.penalty = PenaltyCounts()  # kept up to date step by step (see cairn.logits)
+                    seq.penalty = PenaltyCounts()  # kept up to date step by step (see cairn.request.logits)
                 contexts[i] = RowContext(seq.token_ids, seq.num_prompt_tokens, banned, penalty=seq.penalty)
         constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if constrained:

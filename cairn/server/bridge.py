@@ -40,9 +40,9 @@ from typing import Any, TypeVar
 from cairn.engine.engine import Engine, StepFailed
 from cairn.engine.outputs import RequestOutput
 from cairn.errors import PromptTooLong, RequestTooLarge
-from cairn.grammar import BudgetedGrammar, Grammar
-from cairn.prompt import TokenizedPrompt
-from cairn.sampling import SamplingParams
+from cairn.request.grammar import BudgetedGrammar, Grammar
+from cairn.request.prompt import TokenizedPrompt
+from cairn.request.sampling import SamplingParams
 from cairn.server.errors import EngineFailure, ServerShuttingDown
 from cairn.server.offload import Offload
 from cairn.server.workers import WorkersClosed

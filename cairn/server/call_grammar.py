@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cairn.errors import SamplingError
-from cairn.grammar import WHITESPACE
+from cairn.request.grammar import WHITESPACE
 from cairn.server.parsers import CALL_END, CALL_START
 from cairn.server.string_regex import ANNOTATIONS, lark_regex, one_of, string_regexes
 
@@ -50,7 +50,7 @@ def call_format(template_source: str) -> str:
 def calls_grammar(tools: dict[str, dict], fmt: str, parallel: bool, tag: Callable[[str], str] = json.dumps,
                   optional: bool = False) -> str:
     """Lark rules (top rule `answer`) for one call, or with `parallel` one or more, to the functions in
-    `tools` (name -> parameters schema). `tag` writes `<tool_call>` / `</tool_call>` (cairn.grammar.lark_tag:
+    `tools` (name -> parameters schema). `tag` writes `<tool_call>` / `</tool_call>` (cairn.request.grammar.lark_tag:
     a special token where the tokenizer has one). `optional` (tool_choice auto with `strict` tools): any
     text, and whatever follows a `<tool_call>` in it is a call as above. Raises SamplingError (a 400
     naming the keyword) on an XML-style schema it cannot enforce; `%json` parts are checked when compiled."""

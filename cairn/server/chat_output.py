@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cairn.errors import ChatTemplateError
-from cairn.grammar import lark_tag
-from cairn.sampling import StructuredOutput
+from cairn.request.grammar import lark_tag
+from cairn.request.sampling import StructuredOutput
+from cairn.request.tokenizer import Tokenizer
 from cairn.server.call_grammar import call_format, calls_grammar
 from cairn.server.parsers import (
     CALL_END,
@@ -36,7 +37,6 @@ from cairn.server.parsers import (
     ReasoningParser,
     ToolCallParser,
 )
-from cairn.tokenizer import Tokenizer
 
 PROBE = [{"role": "user", "content": "probe"}]  # rendered to see how the generation prompt ends
 PROBE_WITH_SYSTEM = [{"role": "system", "content": "probe"}, *PROBE]  # for a template that requires a system message

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cairn.engine.outputs import Completion, RequestOutput, accumulate
 from cairn.errors import RequestTooLarge
+from cairn.request.tokenizer import Tokenizer
 from cairn.server.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
 from cairn.server.chat_schema import NamedToolChoice
@@ -55,7 +56,6 @@ from cairn.server.responses import (
     completion_response,
     usage_chunk,
 )
-from cairn.tokenizer import Tokenizer
 
 
 @dataclass

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from cairn.errors import PromptTooLong, RequestTooLarge
-from cairn.prompt import tokenize_prompt
+from cairn.request.prompt import tokenize_prompt
 from cairn.server.anthropic import MessagesRequest, prepare_messages
 from cairn.server.bridge import Submission
 from cairn.server.chat_output import ChatPlan

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from cairn.engine.outputs import Completion
-from cairn.tokenizer import Tokenizer
+from cairn.request.tokenizer import Tokenizer
 
 DONE_EVENT = "data: [DONE]\n\n"
 

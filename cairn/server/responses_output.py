@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, Response
 
 from cairn.engine.outputs import Completion
 from cairn.errors import ChatTemplateError, RequestTooLarge
+from cairn.request.tokenizer import Tokenizer
 from cairn.server.chat_output import ChatDelta, ChatShaper
 from cairn.server.errors import APIError, from_exception
 from cairn.server.generate import Generation, ServingContext, SSEResponse, new_request_id, start_generation
@@ -56,7 +57,6 @@ from cairn.server.responses_api import (
     previous_not_found,
 )
 from cairn.server.responses_items import encode_reasoning
-from cairn.tokenizer import Tokenizer
 
 RESPONSE_ID_HEADER = "x-cairn-response-id"
 MAX_STORED_RESPONSES = 1024  # ResponseStore's count cap

@@ -22,7 +22,7 @@ import asyncio
 
 from starlette.responses import JSONResponse, Response
 
-from cairn.prompt import tokenize_prompt
+from cairn.request.prompt import tokenize_prompt
 from cairn.server.chat_schema import template_message
 from cairn.server.errors import APIError, ServerShuttingDown
 from cairn.server.generate import ServingContext

@@ -32,7 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cairn.errors import ChatTemplateError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cairn.tokenizer")  # the name of its log lines, not the module path
 MARK_VAR = "cairn_message_mark"  # printed where each message's render starts (see encode_chat)
 MAX_PREFIX_RENDERS = 16  # a template with no loop over `messages`: renders of prefixes to find message starts
 TEMPLATE_VARIABLES_SET_HERE = ("messages", "add_generation_prompt", "bos_token", "eos_token", MARK_VAR,

@@ -2,7 +2,7 @@
 
 Order of operations on the logits of one step [N, vocab] (fp32):
 
-1. logits processors, only on the rows that ask for them (`cairn.logits`): repetition, frequency
+1. logits processors, only on the rows that ask for them (`cairn.request.logits`): repetition, frequency
    and presence penalties, logit_bias, the tokens banned this step (end-of-sequence before
    `min_tokens`) and the grammar mask of structured output. Other rows are not touched or copied;
 2. greedy rows (temperature below GREEDY_TEMPERATURE) take the argmax;
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from cairn.errors import SamplingError
-from cairn.logits import RowContext, process_rows
+from cairn.request.logits import RowContext, process_rows
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cairn.sampling")  # the name of its log lines, not the module path
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_N = 16  # most choices per request
@@ -42,7 +42,7 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A grammar the output must follow (see cairn.grammar): `kind` "json_object" (any JSON object),
+    """A grammar the output must follow (see cairn.request.grammar): `kind` "json_object" (any JSON object),
     "json_schema", "lark" (Lark rules defining `answer`) or "text" (anything)."""
 
     kind: str
