@@ -40,7 +40,7 @@ def engine(path: Path, context: int, interval: int):
 
 
 def ttft_s(eng, ids: list[int], cache: bool = True):
-    from cairn.request.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, cache_prompt=cache))

@@ -122,7 +122,7 @@ def instrument(engine, ranges: Ranges) -> None:
 
 def start_decoding(engine, batch: int, prompt_len: int, max_tokens: int) -> None:
     """Admit `batch` greedy requests and step until every one has its first token."""
-    from cairn.request.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = {engine.add_request(prompt(prompt_len, seed=i), params) for i in range(batch)}

@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.decode_bench import cpu_info
 from cairn.engine.llm import LLM
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 def measure(model: str | None, dtype: str, tokens: int, budget: int, shorten: bool) -> dict:

@@ -40,7 +40,7 @@ def engine(path: Path, dtype: str, block: int, cache: bool):
 
 def first_logits(eng, ids: list[int]) -> tuple[torch.Tensor, int]:
     """The logits that pick the first generated token (recorded from the runner), and the resume position."""
-    from cairn.request.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     seen: list[torch.Tensor] = []
     run = eng.runner.run
@@ -73,7 +73,7 @@ def warm_vs_cold(path: Path, dtype: str, block: int, history_len: int = 1500) ->
 
 
 def prefill_tok_s(eng, n: int, seed: int) -> float:
-    from cairn.request.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     eng.add_request(prompt(n, seed=seed), SamplingParams(max_tokens=1, temperature=0.0))

@@ -101,7 +101,7 @@ def engine(path: Path, device: str, fast: bool, args, graphs: bool = False):
 
 def greedy(eng, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens and their log-probabilities per prompt, the prompts together, the cache not used."""
-    from cairn.request.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=True, cache_prompt=False)
     ids = [eng.add_request(p, params) for p in prompts]

@@ -26,7 +26,8 @@ import torch
 
 from cairn.engine.llm import LLM
 from cairn.request.logits import RowContext
-from cairn.request.sampling import SamplingParams, StructuredOutput, sample
+from cairn.request.sampling import sample
+from cairn.request.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 400}}, "required": ["answer"]}
 

@@ -21,7 +21,7 @@ def __getattr__(name):
 
         return Engine
     if name == "SamplingParams":
-        from cairn.request.sampling import SamplingParams
+        from cairn.request.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cairn.cache.base import Admission, CacheReport
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

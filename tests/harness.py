@@ -13,7 +13,7 @@ from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
 from cairn.model.hybrid import HybridModel
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 def pools(model: HybridModel, num_pages: int = 64, page_size: int = 4, num_slots: int = 4):

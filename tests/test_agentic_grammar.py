@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cairn.request.grammar import GrammarCompiler, allowed_masks, lark_tag, special_tokens
-from cairn.request.sampling import StructuredOutput
+from cairn.request.sampling_params import StructuredOutput
 from cairn.request.tokenizer import ByteTokenizer, HFTokenizer
 from cairn.server.call_grammar import calls_grammar
 from cairn.server.parsers import ToolCallParser

@@ -10,7 +10,7 @@ from cairn.bench.conversation import Reply, WorkloadSizes
 from cairn.bench.text import TextSource
 from cairn.bench.workloads import all_workloads
 from cairn.engine.llm import LLM
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from cairn.request.tokenizer import ByteTokenizer
 from tests.server_process import served_fixture
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cairn.engine.llm import LLM
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.cpu_paths import PATHS
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)

@@ -11,7 +11,7 @@ from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place
 from cairn.cache.tiers.pools import DeviceTier
 from cairn.engine.llm import LLM
 from cairn.memory.kv_pool import KVPool
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.harness import same_state, slot_copy, state_pool
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

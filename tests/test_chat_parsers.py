@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from cairn.request.sampling import StructuredOutput
+from cairn.request.sampling_params import StructuredOutput
 from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.call_grammar import call_format
 from cairn.server.chat_output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat

@@ -10,7 +10,7 @@ import pytest
 import cairn.engine.engine
 from cairn.engine.choices import ChoiceGroups
 from cairn.engine.llm import LLM
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from cairn.sequence import Sequence, Status
 
 

@@ -14,7 +14,7 @@ import torch
 
 from cairn.cli import COMMANDS, build_parser, config_from_args
 from cairn.engine.llm import LLM
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -269,7 +269,7 @@ def test_the_package_names_its_api_lazily():
     from cairn.config import EngineConfig
     from cairn.engine.engine import Engine
     from cairn.engine.llm import LLM
-    from cairn.request.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     assert [getattr(cairn, n) for n in cairn.__all__] == [LLM, Engine, EngineConfig, SamplingParams]
     with pytest.raises(AttributeError):

@@ -12,7 +12,7 @@ from cairn.engine.engine import Engine
 from cairn.engine.llm import LLM
 from cairn.engine.outputs import RequestOutput, accumulate
 from cairn.errors import QueueFull, RequestTooLarge
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

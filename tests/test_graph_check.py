@@ -22,7 +22,7 @@ from cairn.forward_batch import ForwardBatch
 from cairn.memory.pages import PageAllocator
 from cairn.ops import REFERENCE, attention, cuda_graphs
 from cairn.ops.graph_check import CheckingGraphBackend, GraphUnsafe
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint
 from tests.harness import state_pool
 

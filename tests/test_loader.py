@@ -150,7 +150,7 @@ def test_building_a_model_leaves_torch_dynamo_unimported_and_torch_nn_init_as_it
     code = ("import sys, torch\n"
             "before = {n: getattr(torch.nn.init, n) for n in dir(torch.nn.init)}\n"
             "from cairn.engine.llm import LLM\n"
-            "from cairn.request.sampling import SamplingParams\n"
+            "from cairn.request.sampling_params import SamplingParams\n"
             "llm = LLM(kv_cache_gib=0.05, state_cache_gib=0.05)\n"
             "out = llm.generate([[10, 11, 12]], SamplingParams(max_tokens=2, temperature=0.0))[0]\n"
             "assert all(getattr(torch.nn.init, n) is f for n, f in before.items())\n"

@@ -16,7 +16,7 @@ import torch
 from cairn.engine.llm import LLM
 from cairn.layers import recurrent
 from cairn.model.loader import load_checkpoint
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.checkpoints import FAMILIES
 from tests.granite_checkpoint import FAMILIES as GRANITE
 from tests.harness import pools, prefill

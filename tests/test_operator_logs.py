@@ -12,7 +12,7 @@ import httpx
 from cairn.engine.activity import ActivityLog
 from cairn.engine.llm import LLM
 from cairn.logs import JsonFormatter, setup_logging
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.server_process import REPO_ROOT, start_server
 
 OPTS = dict(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, snapshot_interval=32)

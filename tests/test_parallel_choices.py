@@ -4,7 +4,7 @@ cache's prompt-end snapshot) and draw independently."""
 from __future__ import annotations
 
 from cairn.engine.llm import LLM
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 PROMPT = list(range(20, 83))
 

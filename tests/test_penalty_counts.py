@@ -13,7 +13,7 @@ import torch
 
 from cairn.engine.llm import LLM
 from cairn.request.logits import RowContext, process_rows
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 PENALIZED = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
                            frequency_penalty=0.5, presence_penalty=0.25)

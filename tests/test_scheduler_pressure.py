@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from cairn.engine.llm import LLM
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from cairn.config import EngineConfig, config_with_overrides
 from cairn.engine.engine import Engine
 from cairn.errors import ChatTemplateError
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from cairn.server.app import create_app
 from cairn.server.bridge import EngineBridge, Submission
 from cairn.server.chat_output import PROBE

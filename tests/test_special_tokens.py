@@ -19,7 +19,7 @@ from cairn.config import EngineConfig, config_with_overrides
 from cairn.engine.engine import Engine
 from cairn.engine.llm import LLM
 from cairn.engine.outputs import Detokenizer
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from cairn.request.tokenizer import ByteTokenizer, HFTokenizer
 from cairn.server.app import create_app
 from cairn.server.chat_output import ChatPlan

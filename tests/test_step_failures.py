@@ -15,7 +15,7 @@ from cairn.cache import hybrid as hybrid_cache
 from cairn.engine.engine import Engine, StepFailed
 from cairn.engine.llm import LLM
 from cairn.engine.outputs import accumulate
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from cairn.server.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission
 from cairn.server.offload import Offload
 

@@ -16,7 +16,7 @@ from cairn.engine.llm import LLM
 from cairn.engine.outputs import accumulate
 from cairn.errors import SamplingError
 from cairn.request.grammar import BudgetedGrammar, GrammarCompiler, allowed_masks
-from cairn.request.sampling import SamplingParams, StructuredOutput
+from cairn.request.sampling_params import SamplingParams, StructuredOutput
 from cairn.request.tokenizer import HFTokenizer
 from tests.checkpoints import write_tokenizer
 

@@ -20,7 +20,7 @@ from cairn.bench.run import Served
 from cairn.config import EngineConfig
 from cairn.engine.engine import Engine
 from cairn.engine.outputs import Completion, accumulate
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 WARM_UP_PROMPT = "warm up"
 

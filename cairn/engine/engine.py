@@ -37,7 +37,8 @@ from cairn.errors import RequestTooLarge, SamplingError
 from cairn.request.grammar import BudgetedGrammar, Grammar, allowed_masks_isolated
 from cairn.request.logits import PenaltyCounts, RowContext
 from cairn.request.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
-from cairn.request.sampling import Sampled, SamplingParams, sample_isolated
+from cairn.request.sampling import Sampled, sample_isolated
+from cairn.request.sampling_params import SamplingParams
 from cairn.scheduler import ScheduledBatch, SequenceFailed
 from cairn.sequence import Sequence, Status
 

@@ -12,7 +12,7 @@ from typing import Any
 from cairn.config import EngineConfig, config_with_overrides, environment_defaults
 from cairn.engine.engine import Engine
 from cairn.engine.outputs import Completion, accumulate
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 class LLM:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from cairn.errors import SamplingError
-from cairn.request.sampling import StructuredOutput
+from cairn.request.sampling_params import StructuredOutput
 from cairn.request.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 WHITESPACE = r"[\x20\x0A]?"  # what may separate JSON tokens

@@ -24,12 +24,10 @@ What this is not: it does not choose tokens (`cairn.request.sampling`) or build 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 class PenaltyCounts:

@@ -42,7 +42,7 @@ from cairn.engine.outputs import RequestOutput
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.request.grammar import BudgetedGrammar, Grammar
 from cairn.request.prompt import TokenizedPrompt
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from cairn.server.errors import EngineFailure, ServerShuttingDown
 from cairn.server.offload import Offload
 from cairn.server.workers import WorkersClosed

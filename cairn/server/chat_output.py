@@ -23,7 +23,7 @@ from typing import Any
 
 from cairn.errors import ChatTemplateError
 from cairn.request.grammar import lark_tag
-from cairn.request.sampling import StructuredOutput
+from cairn.request.sampling_params import StructuredOutput
 from cairn.request.tokenizer import Tokenizer
 from cairn.server.call_grammar import call_format, calls_grammar
 from cairn.server.parsers import (

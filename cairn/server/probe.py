@@ -30,7 +30,7 @@ from pydantic import RootModel
 from starlette.responses import JSONResponse, Response
 
 from cairn.engine.engine import Engine, check_prompt_token_ids
-from cairn.request.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from cairn.server.anthropic import MessagesRequest
 from cairn.server.bridge import Submission
 from cairn.server.generate import ServingContext

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from cairn.errors import SamplingError
-from cairn.request.sampling import SEED_RANGE, SamplingParams, StructuredOutput
+from cairn.request.sampling_params import SEED_RANGE, SamplingParams, StructuredOutput
 from cairn.server.chat_schema import ChatMessage, NamedToolChoice, Tools, template_message, template_variables
 from cairn.server.errors import APIError, from_exception, naming_max_tokens
 from cairn.server.schema_keywords import refuse_unknown_keywords
