@@ -275,6 +275,16 @@ def test_the_core_imports_neither_bench_nor_server():
         (e, "") for e in upward)
 
 
+def test_the_server_asks_the_engine_not_its_cache():
+    """server/ reaches the prefix cache only through the Engine's methods for it (prefetch, probe, cache_stats,
+    num_cached_pages): no `<...>engine.cache` attribute anywhere in its code."""
+    reached = sorted(f"{name}: {ast.unparse(node)}" for name, path in modules().items() if _under(name, "cairn.server")
+                     for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.Attribute) and node.attr == "cache"
+                     and ast.unparse(node.value).split(".")[-1] == "engine")
+    assert not reached, f"the server reaches engine.cache (call the Engine's methods instead): {reached}"
+
+
 def test_the_package_never_edits_sys_path():
     edits = sorted(name for name, path in modules().items() for node in ast.walk(ast.parse(path.read_text()))
                    if isinstance(node, ast.Attribute) and ast.unparse(node).startswith("sys.path."))

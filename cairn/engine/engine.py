@@ -24,9 +24,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from typing import Any
 
-from cairn.cache.base import NullCache, PrefixCache
+from cairn.cache.base import NullCache, PrefixCache, ProbeResult
+from cairn.cache.stats import CacheStats
 from cairn.config import EngineConfig
 from cairn.decode_graphs import CaptureBackend
 from cairn.engine.activity import ActivityLog
@@ -193,6 +195,34 @@ class Engine:
     def running_request_ids(self) -> list[str]:
         """Ids of the requests in the running batch (the ones a failed step may have left half-done)."""
         return list(dict.fromkeys(seq.group_id for seq in self.scheduler.running))
+
+    # ---- the prefix cache, asked outside a request (the server's probe and metrics) -----------------
+
+    def prefetch(self, token_ids: list[int], message_starts: list[int]) -> Future | None:
+        """Any thread (the server calls it right after tokenizing, off the engine thread): start looking this
+        prompt up in a tier that is slow to ask (the remote tier), so that its admission, or a probe, finds the
+        answer ready and the engine thread never waits on Redis. Changes no request and nothing the scheduler
+        holds: the answer is hung on the tree later, on the engine thread. Returns a Future, done once the answer
+        is in (await it from any thread), or None when there is nothing to look up (no remote tier)."""
+        return self.cache.prefetch(token_ids, message_starts)
+
+    def probe(self, token_ids: list[int]) -> ProbeResult:
+        """Engine thread only, between steps: where a request with this prompt would resume now (position, tier,
+        estimated seconds to the first token, what the remote tier holds). Locks, copies and loads nothing and never
+        waits for Redis: it hangs on the tree what a finished lookup of the prompt found, as admission would, and
+        starts one when none was (prefetch). The answer is a value, true when made: the next step may change it.
+        The token ids are not checked here (check_prompt_token_ids)."""
+        return self.cache.probe(token_ids)
+
+    def cache_stats(self) -> CacheStats | None:
+        """Engine thread only: the prefix cache's counters and gauges (cairn/cache/stats.py), copied now, so safe
+        to read on any thread afterwards; None when the cache caches nothing (NullCache). Changes nothing."""
+        return self.scheduler.cache_stats()
+
+    def num_cached_pages(self) -> int:
+        """Engine thread only: the KV pages the prefix cache references now (idle, free + cached == the pool's
+        pages). Changes nothing."""
+        return len(self.cache.page_refs())
 
     # ---- one step ---------------------------------------------------------------------------------
 

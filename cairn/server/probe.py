@@ -99,6 +99,6 @@ def _submission(body: ChatCompletionRequest | CompletionRequest) -> Submission:
 
 def _answer(engine: Engine, token_ids: list[int]) -> dict:
     """On the engine thread: the cache's plan for these tokens, and the queue."""
-    found = engine.cache.probe(token_ids)
+    found = engine.probe(token_ids)
     return {"position": found.position, "tier": found.tier, "est_ttft_s": found.estimated_s,
             "remote_position": found.remote_position, "waiting": engine.num_waiting, "running": engine.num_running}
