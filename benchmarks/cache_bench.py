@@ -29,7 +29,7 @@ from cairn.bench.checkpoint import make_checkpoint
 
 def engine(path: Path, context: int, interval: int):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
 
     cfg = EngineConfig(ModelOptions(model=str(path), dtype="float32", device="cpu"),
                        MemoryOptions(page_size=16, kv_cache_gib=1.0, state_cache_gib=0.25),
@@ -40,7 +40,7 @@ def engine(path: Path, context: int, interval: int):
 
 
 def ttft_s(eng, ids: list[int], cache: bool = True):
-    from cairn.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, cache_prompt=cache))

@@ -116,13 +116,13 @@ def instrument(engine, ranges: Ranges) -> None:
         field: ranges.wrap(getattr(model.kernels, field), name) for field, name in KERNEL_RANGES.items()})
     engine.runner._build = ranges.wrap(engine.runner._build, "runner.build")
     engine.step = ranges.wrap(engine.step, "engine.step")
-    import cairn.engine
-    cairn.engine.sample_isolated = ranges.wrap(cairn.engine.sample_isolated, "sample")
+    import cairn.engine.engine
+    cairn.engine.engine.sample_isolated = ranges.wrap(cairn.engine.engine.sample_isolated, "sample")
 
 
 def start_decoding(engine, batch: int, prompt_len: int, max_tokens: int) -> None:
     """Admit `batch` greedy requests and step until every one has its first token."""
-    from cairn.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = {engine.add_request(prompt(prompt_len, seed=i), params) for i in range(batch)}

@@ -19,8 +19,8 @@ import time
 import torch
 
 from benchmarks.decode_bench import cpu_info
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
 
 
 def measure(model: str | None, dtype: str, tokens: int, budget: int, shorten: bool) -> dict:

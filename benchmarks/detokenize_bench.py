@@ -19,8 +19,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cairn.outputs import Detokenizer, WindowDecoder
-from cairn.tokenizer import HFTokenizer
+from cairn.engine.outputs import Detokenizer, WindowDecoder
+from cairn.request.tokenizer import HFTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MULTIBYTE = "naïve café façade 東京は日本の首都です。 안녕하세요 세계 🙂🚀👩‍💻 Ελληνικά русский текст "

@@ -32,7 +32,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 def cairn_engine(path: Path, dtype: str = "float32", max_num_seqs: int = 8, **model_options):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
 
     # the prefix cache is off: this measures the engine itself, and a repeated prompt must be computed again
     cfg = EngineConfig(ModelOptions(model=str(path), dtype=dtype, device="cpu", **model_options),
@@ -43,7 +43,7 @@ def cairn_engine(path: Path, dtype: str = "float32", max_num_seqs: int = 8, **mo
 
 
 def cairn_prefill_s(engine, n: int) -> float:
-    from cairn.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine.add_request(prompt(n, seed=n), SamplingParams(max_tokens=1, temperature=0.0))
@@ -55,7 +55,7 @@ def cairn_prefill_s(engine, n: int) -> float:
 def cairn_decode_tok_s(engine, batch: int, new_tokens: int, prompt_len: int = 128, cache_prompt: bool = True) -> float:
     """Aggregate decode tokens/s once every request has its first token (cache_prompt False: the prompts
     are neither resumed from nor stored in an engine's prefix cache)."""
-    from cairn.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True, cache_prompt=cache_prompt)
     ids = {engine.add_request(prompt(prompt_len, seed=i), params) for i in range(batch)}

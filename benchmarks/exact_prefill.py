@@ -29,7 +29,7 @@ from cairn.bench.checkpoint import make_checkpoint
 
 def engine(path: Path, dtype: str, block: int, cache: bool):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
 
     cfg = EngineConfig(ModelOptions(model=str(path), dtype=dtype, device="cpu"),
                        MemoryOptions(page_size=16, kv_cache_gib=0.5, state_cache_gib=0.5),
@@ -40,7 +40,7 @@ def engine(path: Path, dtype: str, block: int, cache: bool):
 
 def first_logits(eng, ids: list[int]) -> tuple[torch.Tensor, int]:
     """The logits that pick the first generated token (recorded from the runner), and the resume position."""
-    from cairn.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     seen: list[torch.Tensor] = []
     run = eng.runner.run
@@ -73,7 +73,7 @@ def warm_vs_cold(path: Path, dtype: str, block: int, history_len: int = 1500) ->
 
 
 def prefill_tok_s(eng, n: int, seed: int) -> float:
-    from cairn.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     eng.add_request(prompt(n, seed=seed), SamplingParams(max_tokens=1, temperature=0.0))

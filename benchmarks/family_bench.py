@@ -37,8 +37,8 @@ from benchmarks.engine_throughput import (
     hf_prefill_s,
 )
 from cairn.bench.checkpoint import SIZES, hf_config, make_checkpoint
+from cairn.engine.sizing import available_ram_bytes
 from cairn.model.families import config_from_hf
-from cairn.sizing import available_ram_bytes
 
 REAL_SMALL = "granite-4.0-h-350m,falcon-h1-0.5b,nemotron-h-4b"  # smallest first
 PROMPT_TOKENS, DECODE_TOKENS = 512, 16

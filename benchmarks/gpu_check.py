@@ -84,7 +84,7 @@ def engine(path: Path, device: str, fast: bool, args, graphs: bool = False):
     """An engine on the checkpoint; `graphs`: the decode graph path (CUDA graphs on CUDA, else the checking
     stand-in)."""
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
     from cairn.ops.graph_check import CheckingGraphBackend
 
     cuda_graphs = graphs and device.startswith("cuda")
@@ -101,7 +101,7 @@ def engine(path: Path, device: str, fast: bool, args, graphs: bool = False):
 
 def greedy(eng, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens and their log-probabilities per prompt, the prompts together, the cache not used."""
-    from cairn.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=True, cache_prompt=False)
     ids = [eng.add_request(p, params) for p in prompts]

@@ -49,7 +49,7 @@ from cairn.bench.conversation import PRESETS, WorkloadSizes
 from cairn.bench.http_runner import HTTPRunner
 from cairn.bench.run import WorkloadResult, serve_stream, to_records
 from cairn.bench.workloads import all_workloads
-from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from cairn.request.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 WORKLOADS = ("agentic", "interleave")
 SETUPS = {  # name -> (label, replicas: 1 or --replicas, shares Redis, behind the router)

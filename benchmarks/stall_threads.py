@@ -37,7 +37,8 @@ def schedstat() -> dict[str, tuple[int, int]]:
 def time_parts(parts: dict[str, float]) -> None:
     """Add to `parts` the wall time (ms) of the engine's model call, scheduling, bookkeeping after the
     step, sampling and appending, each time they run."""
-    from cairn import engine, runner, scheduler
+    from cairn import runner, scheduler
+    from cairn.engine import engine
 
     def timer(name: str, fn):
         def wrapper(*args, **kwargs):

@@ -24,9 +24,10 @@ import time
 
 import torch
 
-from cairn.llm import LLM
-from cairn.logits import RowContext
-from cairn.sampling import SamplingParams, StructuredOutput, sample
+from cairn.engine.llm import LLM
+from cairn.request.logits import RowContext
+from cairn.request.sampling import sample
+from cairn.request.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 400}}, "required": ["answer"]}
 

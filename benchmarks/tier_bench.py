@@ -39,7 +39,7 @@ def disk_options(disk: str | None) -> dict:
 
 def engine(path: Path, disk: str | None, context: int, prefix_cache: bool = True):
     from cairn.config import CacheOptions, EngineConfig, MemoryOptions, ModelOptions, SchedulerOptions
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
 
     cfg = EngineConfig(ModelOptions(model=str(path), dtype="float32", device="cpu"),
                        MemoryOptions(page_size=16, kv_cache_gib=1.0, state_cache_gib=0.25),

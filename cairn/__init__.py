@@ -13,15 +13,15 @@ __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
 
 def __getattr__(name):
     if name == "LLM":
-        from cairn.llm import LLM
+        from cairn.engine.llm import LLM
 
         return LLM
     if name == "Engine":
-        from cairn.engine import Engine
+        from cairn.engine.engine import Engine
 
         return Engine
     if name == "SamplingParams":
-        from cairn.sampling import SamplingParams
+        from cairn.request.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":

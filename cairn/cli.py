@@ -27,7 +27,7 @@ from cairn.model.config import WeightError
 from cairn.preflight import UserError, check_model, check_port
 
 if typing.TYPE_CHECKING:
-    from cairn.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
 # ---- generate ---------------------------------------------------------------------------------------
 
@@ -61,7 +61,7 @@ def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
     """The sampling flags as SamplingParams; a value out of its range (SamplingError, whose message starts
     with the field's name) is a UserError naming the flag."""
     from cairn.errors import SamplingError
-    from cairn.sampling import SamplingParams  # imports torch
+    from cairn.request.sampling_params import SamplingParams
 
     try:
         return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
@@ -96,7 +96,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         raise UserError("give a prompt or --messages")
     messages = _parse_messages(ns.messages)
     check_model(ns.model, ns.quantization)
-    from cairn.engine import Engine  # imports torch: after the one-line checks
+    from cairn.engine.engine import Engine  # imports torch: after the one-line checks
 
     params, messages = _sampling_params(ns), _checked_messages(messages)  # refused before the model loads
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ Every field carries its help text in `metadata["help"]`; `cairn.cli` turns each 
 environment (`environment_defaults` is for the entry points alone: the command line and `LLM`): these
 objects are built once and passed down. Derived values are properties. Memory
 budgets left at None are the machine's and the model's to decide: the engine resolves them once at
-start-up (`cairn.sizing.resolve_sizes`, which logs the result); the `*_bytes` properties are read only
+start-up (`cairn.engine.sizing.resolve_sizes`, which logs the result); the `*_bytes` properties are read only
 after that.
 """
 

@@ -8,7 +8,7 @@ need not import each other.
 |--------------------|------------------------------------------------|-------------------------------|
 | RequestTooLarge    | the scheduler (context, memory), the engine    | 400 context_length_exceeded / invalid_value |
 | QueueFull          | the scheduler (more than --max-waiting queued) | 429 queue_full                |
-| PromptTooLong      | cairn.prompt, before encoding the text         | 400 (as RequestTooLarge)      |
+| PromptTooLong      | cairn.request.prompt, before encoding the text | 400 (as RequestTooLarge)      |
 | SamplingError      | SamplingParams, the sampler, grammars          | 400 invalid_value             |
 | ChatTemplateError  | the tokenizer's chat template                  | 400 invalid_value             |
 

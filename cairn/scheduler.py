@@ -23,7 +23,7 @@ After the runner computed the batch, `after_step` applies it: computed counts, t
 takes and publishes snapshots), the logits restored at admission joined to the computed ones. Each
 sampled token goes through `append` (stop token, length), and `finish` ends a sequence.
 
-The scheduler is the only caller of the prefix cache, and it owns page and slot bookkeeping for
+The scheduler is the only caller of the prefix cache in a request's steps, and it owns page and slot bookkeeping for
 running sequences; it never runs the model. Its output is a `ScheduledBatch`.
 """
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cairn.cache.base import Admission, CacheReport
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -55,8 +55,8 @@ class Sequence:
     admission: Admission | None = None  # what the prefix cache answered when it was admitted (None: not running)
     ready_logits: torch.Tensor | None = None  # next-token logits restored from the cache (nothing to compute)
     index: int = 0  # its choice index in that request (n > 1)
-    grammar: object | None = None  # cairn.grammar.Grammar when the output is constrained (structured output)
-    penalty: object | None = None  # cairn.logits.PenaltyCounts, once its penalties were first applied
+    grammar: object | None = None  # cairn.request.grammar.Grammar when the output is constrained (structured output)
+    penalty: object | None = None  # cairn.request.logits.PenaltyCounts, once its penalties were first applied
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

@@ -49,16 +49,16 @@ def redis_server():
 @pytest.fixture
 def sampled_logits(monkeypatch):
     """Every logits row the engine samples from, in order (fp32 rows; use with one request at a time)."""
-    import cairn.engine
+    import cairn.engine.engine
 
     rows: list[torch.Tensor] = []
-    real = cairn.engine.sample_isolated
+    real = cairn.engine.engine.sample_isolated
 
     def recording(logits, params, generators, contexts=None):
         rows.extend(logits.clone())
         return real(logits, params, generators, contexts)
 
-    monkeypatch.setattr(cairn.engine, "sample_isolated", recording)
+    monkeypatch.setattr(cairn.engine.engine, "sample_isolated", recording)
     return rows
 
 

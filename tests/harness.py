@@ -7,13 +7,13 @@ import logging
 
 import torch
 
+from cairn.engine.llm import LLM
 from cairn.forward_batch import ForwardBatch
-from cairn.llm import LLM
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor
 from cairn.model.hybrid import HybridModel
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 def pools(model: HybridModel, num_pages: int = 64, page_size: int = 4, num_slots: int = 4):

@@ -6,8 +6,8 @@ requests would fill it."""
 from __future__ import annotations
 
 from cairn.cache.base import CacheRequest
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [(5 * j + 1) % 250 for j in range(42)]  # its end, 42, is inside a page of 8: resuming copies that page

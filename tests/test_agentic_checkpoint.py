@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cairn.config import EngineConfig, config_with_overrides
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
 from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
 from tests.checkpoints import write_checkpoint

@@ -9,9 +9,9 @@ from __future__ import annotations
 from cairn.bench.conversation import Reply, WorkloadSizes
 from cairn.bench.text import TextSource
 from cairn.bench.workloads import all_workloads
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
-from cairn.tokenizer import ByteTokenizer
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
+from cairn.request.tokenizer import ByteTokenizer
 from tests.server_process import served_fixture
 
 SIZES = WorkloadSizes(system_tokens=32, message_tokens=20, reply_tokens=2, compaction_context_tokens=320,

@@ -25,10 +25,10 @@ import openai
 import pytest
 
 from cairn.errors import SamplingError
-from cairn.grammar import allowed_masks
+from cairn.request.grammar import allowed_masks
 from cairn.server.chat.parsers import ToolCallParser, parse_call
 from cairn.server.chat.string_regex import FORMATS, pattern_regex
-from cairn.tokenizer import ByteTokenizer
+from cairn.request.tokenizer import ByteTokenizer
 from tests.server_process import served_fixture
 from tests.test_agentic_grammar import VOCAB, compile_calls, drive
 

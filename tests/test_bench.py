@@ -33,9 +33,9 @@ from cairn.bench.text import TextSource
 from cairn.bench.workloads import all_workloads
 from cairn.cli import build_parser
 from cairn.config import EngineConfig, config_with_overrides
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
-from cairn.tokenizer import ByteTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZES = WorkloadSizes(system_tokens=32, message_tokens=20, reply_tokens=2, compaction_context_tokens=320,
@@ -249,7 +249,7 @@ def one_thread():
 
 
 def test_an_http_run_reports_what_the_in_process_run_does(one_thread):
-    from cairn.engine import Engine
+    from cairn.engine.engine import Engine
 
     config = dataclasses.replace(CONFIG, cache=dataclasses.replace(CONFIG.cache, snapshot_policy="cairn"))
     workload = all_workloads()["edit"]

@@ -23,10 +23,10 @@ from cairn.bench.http_runner import HTTPRunner
 from cairn.bench.run import run_workload
 from cairn.bench.workloads import all_workloads
 from cairn.config import EngineConfig, config_with_overrides
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
-from cairn.tokenizer import ByteTokenizer
 from tests.scripted_replica import Script, ScriptedReplica
 from tests.server_process import REPO_ROOT, start_server
 from tests.test_bench import SIZES
@@ -111,7 +111,7 @@ def test_an_http_run_with_another_tokenizer_than_the_servers_says_to_pass_tokeni
     """The bench counts prompt tokens with its own tokenizer (the oracle needs them): one that is not the
     server's would make every figure wrong, so the first request whose count differs stops the run."""
     from cairn.bench.checkpoint import CHATML
-    from cairn.tokenizer import HFTokenizer
+    from cairn.request.tokenizer import HFTokenizer
     from tests.test_chat_templates import write_checkpoint_tokenizer
 
     write_checkpoint_tokenizer(tmp_path, CHATML.replace("<|im_start|>", "<|im_start|> "))  # not the demo's count
@@ -140,8 +140,8 @@ def failing_sample(*args, **kwargs):
 def test_an_in_process_request_the_engine_fails_stops_the_run_naming_it(monkeypatch):
     """A request the engine finishes with an error (here its sampling raises, as an out-of-memory would)
     ends the run with the request's label and the engine's reason, not with a figure for it."""
-    from cairn import sampling
     from cairn.bench.engine_runner import EngineRunner
+    from cairn.request import sampling
 
     runner = EngineRunner(CONFIG)  # (its warm-up request samples before the fault)
     monkeypatch.setattr(sampling, "sample", failing_sample)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
 from tests.cpu_paths import PATHS
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)

@@ -9,9 +9,9 @@ import torch
 
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
 from cairn.cache.tiers.pools import DeviceTier
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.memory.kv_pool import KVPool
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.harness import same_state, slot_copy, state_pool
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

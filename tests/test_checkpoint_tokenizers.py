@@ -12,7 +12,7 @@ import json
 import pytest
 
 from cairn.errors import ChatTemplateError
-from cairn.tokenizer import HFTokenizer
+from cairn.request.tokenizer import HFTokenizer
 from tests.test_chat_templates import write_checkpoint_tokenizer
 
 CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

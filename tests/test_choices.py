@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-import cairn.engine
-from cairn.choices import ChoiceGroups
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+import cairn.engine.engine
+from cairn.engine.choices import ChoiceGroups
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
 from cairn.sequence import Sequence, Status
 
 
@@ -83,7 +83,7 @@ def test_a_choice_of_an_unknown_request_finishes_it_alone():
 
 def test_a_choice_failing_in_sampling_finishes_its_whole_request_and_frees_everything(monkeypatch):
     llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_seqs=4)
-    real = cairn.engine.sample_isolated
+    real = cairn.engine.engine.sample_isolated
 
     def second_row_fails(logits, params, generators, contexts=None):
         sampled = real(logits, params, generators, contexts)
@@ -91,7 +91,7 @@ def test_a_choice_failing_in_sampling_finishes_its_whole_request_and_frees_every
             sampled[1] = dataclasses.replace(sampled[1], error="injected")
         return sampled
 
-    monkeypatch.setattr(cairn.engine, "sample_isolated", second_row_fails)
+    monkeypatch.setattr(cairn.engine.engine, "sample_isolated", second_row_fails)
     engine = llm.engine
     rid = engine.add_request(list(range(20, 60)), SamplingParams(max_tokens=20, temperature=1.0, n=3, ignore_eos=True))
     outs = []

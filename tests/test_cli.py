@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cairn.cli import COMMANDS, build_parser, config_from_args
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -267,9 +267,9 @@ def test_the_package_names_its_api_lazily():
     an unknown name is an AttributeError."""
     import cairn
     from cairn.config import EngineConfig
-    from cairn.engine import Engine
-    from cairn.llm import LLM
-    from cairn.sampling import SamplingParams
+    from cairn.engine.engine import Engine
+    from cairn.engine.llm import LLM
+    from cairn.request.sampling_params import SamplingParams
 
     assert [getattr(cairn, n) for n in cairn.__all__] == [LLM, Engine, EngineConfig, SamplingParams]
     with pytest.raises(AttributeError):

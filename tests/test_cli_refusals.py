@@ -153,13 +153,13 @@ def test_state_cache_too_small_for_one_slot_is_one_line():
 
 def generate_refused_before_the_model_loads(monkeypatch, capsys, *args: str) -> str:
     """`cairn generate ARGS` in-process: its one-line refusal (exit status 2), made before the engine is built."""
-    import cairn.engine
+    import cairn.engine.engine
     from cairn.cli import main
 
     def no_engine(*_, **__):
         raise AssertionError("the engine was built: the refusal came after the model loaded")
 
-    monkeypatch.setattr(cairn.engine, "Engine", no_engine)
+    monkeypatch.setattr(cairn.engine.engine, "Engine", no_engine)
     status = main(["generate", *args])
     lines = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(lines) == 1 and lines[0].startswith("cairn generate: error: "), lines
@@ -179,14 +179,14 @@ def test_generate_sampling_flag_out_of_range_is_one_line_naming_the_flag_before_
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_int8_on_a_moe_model_is_one_line_before_the_model_loads(checkpoints, monkeypatch, capsys, command):
-    import cairn.engine
+    import cairn.engine.engine
     import cairn.server.main
     from cairn.cli import main
 
     def no_engine(*_, **__):
         raise AssertionError("the engine was built: the refusal came after the model loaded")
 
-    monkeypatch.setattr(cairn.engine, "Engine", no_engine)
+    monkeypatch.setattr(cairn.engine.engine, "Engine", no_engine)
     monkeypatch.setattr(cairn.server.main, "serve", no_engine)
     args = ["x"] if command == "generate" else ["--port", "0"]
     status = main([command, *args, "--model", str(checkpoints["qwen3_5_moe"][0]), "--quantization", "int8"])

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cairn.engine
-from cairn.compat import compat_digest, kernel_platform
-from cairn.llm import LLM
+import cairn.engine.build
+from cairn.engine.compat import compat_digest, kernel_platform
+from cairn.engine.llm import LLM
 from cairn.model.config import ModelConfig
 from cairn.ops.cpu_isa import cpu_flags
 
@@ -29,7 +29,7 @@ def test_a_disk_cache_written_on_other_hardware_is_resumed_only_without_exact_re
     """Two machines that differ in their CPU's matrix instructions write one cache directory (a shared volume, a
     copied directory): with exact resumption each gets its namespace, without it they share one."""
     for platform in ("torch 2.13.0 cpu AVX2 avx2 fma", "torch 2.13.0 cpu AVX512 avx2 fma avx512f avx512_bf16"):
-        monkeypatch.setattr(cairn.engine, "kernel_platform", lambda device, path, platform=platform: platform)
+        monkeypatch.setattr(cairn.engine.build, "kernel_platform", lambda device, path, platform=platform: platform)
         with LLM(**OPTS, dtype="bfloat16", prefill_block=block, disk_cache=str(tmp_path)):
             pass
     assert len(namespaces(tmp_path)) == (2 if block else 1)

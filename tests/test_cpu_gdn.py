@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from cairn import ops
+from cairn.engine.llm import LLM
 from cairn.layers.norm import GatedRMSNorm
-from cairn.llm import LLM
 from cairn.ops import cpu_gdn, cpu_isa, gdn
 from cairn.ops.conv import causal_conv1d_update
 from cairn.ops.gdn import recurrent_gated_delta_rule
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.cpu_paths import COMPILED, FLAGS
 from tests.harness import bf16_decode_against_reference, failed_build, greedy, one_warning_line
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.model import layout
 from cairn.model.layout import GemvLinear, decode_weight_bytes
 from cairn.model.loader import load_checkpoint
 from cairn.ops import cpu_gemv, cpu_isa
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.cpu_paths import BEST, COMPILED, FLAGS, ICELAKE, OLD_X86, SAPPHIRE_RAPIDS, ZEN3, ZEN4
 from tests.harness import prefill
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from cairn.config import ConfigError, ModelOptions
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.ops import cpu_isa
 from tests.cpu_paths import BEST, COMPILED, ICELAKE, OLD_X86, PATHS, SAPPHIRE_RAPIDS, ZEN3, ZEN4
 from tests.server_process import REPO_ROOT
@@ -117,7 +117,7 @@ def test_without_a_compiler_bf16_serves_on_the_reference_kernels_after_one_log_l
     in one warning, runs the path none, and no other op tries to build (a fresh process: builds are cached)."""
     script = ("import logging\n"
               "logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(name)s: %(message)s')\n"
-              "from cairn.llm import LLM\n"
+              "from cairn.engine.llm import LLM\n"
               f"llm = LLM(**{TINY!r})\n"
               "print('path', llm.engine.cpu_path, llm.engine.weight_layout)\n"
               "print('tokens', len(llm.generate([1, 2, 3])[0].token_ids))\n")

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.ops import REFERENCE, attention, cuda_attention, select_kernels
 from tests.test_cuda_conv import assert_same_generations, greedy
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.ops import REFERENCE, conv, cuda_conv, mamba2, optional, select_kernels
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 def stand_in_conv_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,

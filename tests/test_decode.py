@@ -12,13 +12,13 @@ import logging
 import pytest
 import torch
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.model import layout
 from cairn.model.layout import Int8Linear, PackedLinear, QuantizationError, decode_weight_bytes, quantize
 from cairn.model.loader import load_checkpoint
 from cairn.ops import cpu_attention, cpu_gdn, cpu_gemv, cpu_norm, cpu_silu
 from cairn.ops.gdn import l2norm, recurrent_gated_delta_rule
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.cpu_paths import BEST, FLAGS, ICELAKE, OLD_X86, ZEN3, ZEN4
 from tests.harness import prefill
 

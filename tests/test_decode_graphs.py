@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from cairn.config import EngineConfig, config_with_overrides
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
 from cairn.ops.graph_check import CheckingGraphBackend
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.checkpoints import NEMOTRON_H, _randomise_nemotron_h, write_checkpoint
 
 FAMILIES = ("qwen3_5_text", "nemotron_h_dense")

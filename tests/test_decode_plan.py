@@ -12,7 +12,7 @@ import torch
 
 from cairn import ops
 from cairn.bench.checkpoint import write_tokenizer
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.model import decode_plan
 from cairn.model.decode_plan import DecodePlan
 from tests.checkpoints import hf_model

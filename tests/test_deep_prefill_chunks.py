@@ -7,10 +7,10 @@ import dataclasses
 
 import torch
 
-from cairn.demo import demo_config
-from cairn.llm import LLM
+from cairn.engine.demo import demo_config
+from cairn.engine.llm import LLM
 from cairn.model.loader import build_model
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 BUDGET, BLOCK, BREAK_EVEN = 512, 64, 128
 STREAM = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cairn.outputs import Detokenizer, WindowDecoder
-from cairn.tokenizer import ByteTokenizer, HFTokenizer
+from cairn.engine.outputs import Detokenizer, WindowDecoder
+from cairn.request.tokenizer import ByteTokenizer, HFTokenizer
 from tests.checkpoints import write_tokenizer
 
 TEXT = "naïve café 東京は日本の首都です 🙂🚀 done"

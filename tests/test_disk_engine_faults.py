@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from tests.harness import run, same_as_cold
 from tests.test_disk_os_faults import failing
 from tests.test_tiers import CONVERSATION, OPTS, tiered

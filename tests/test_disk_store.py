@@ -28,7 +28,7 @@ from cairn.cache.factory import build_cache
 from cairn.cache.segments.named_bytes import layout_meta
 from cairn.cache.segments.segment import Segment, SegmentLimits, segment_key
 from cairn.config import CacheOptions
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
 from cairn.memory.state_spec import LayerState, StateSpec, StateTensor

@@ -21,7 +21,7 @@ from pathlib import Path
 from cairn.cache.base import CacheRequest
 from cairn.cache.segments.index import MAX_UNREADABLE
 from cairn.cache.tree.nodes import DISK, REMOTE, DiskRef
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from tests.harness import run, same_as_cold
 
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)
@@ -416,7 +416,7 @@ def test_a_request_aborted_after_its_prefill_is_written_through_and_resumed_from
     """A client that cancels a stream (499) or a shutdown that aborts one: the request's snapshots were taken by
     steps that completed, so they are written through as a finished request's are. Before, only finished requests
     were: an aborted one's snapshots stayed on the device, and after a restart its prompt was prefilled cold."""
-    from cairn.sampling import SamplingParams
+    from cairn.request.sampling_params import SamplingParams
 
     with LLM(**OPTS, disk_cache=str(tmp_path)) as first:
         engine = first.engine

@@ -8,11 +8,11 @@ import pytest
 
 from cairn.cache.base import Admission, CacheRequest, NullCache
 from cairn.config import EngineConfig
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
+from cairn.engine.llm import LLM
+from cairn.engine.outputs import RequestOutput, accumulate
 from cairn.errors import QueueFull, RequestTooLarge
-from cairn.llm import LLM
-from cairn.outputs import RequestOutput, accumulate
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -13,9 +13,9 @@ import types
 import pytest
 import torch
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.ops import REFERENCE, cuda, gdn, select_kernels
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 def stand_in_fla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):

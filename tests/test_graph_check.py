@@ -17,12 +17,12 @@ import torch
 from cairn.cli import main as cli_main
 from cairn.config import ConfigError, EngineConfig, config_with_overrides
 from cairn.decode_graphs import DecodeGraphs, buckets
-from cairn.engine import Engine, StepFailed
+from cairn.engine.engine import Engine, StepFailed
 from cairn.forward_batch import ForwardBatch
 from cairn.memory.pages import PageAllocator
 from cairn.ops import REFERENCE, attention, cuda_graphs
 from cairn.ops.graph_check import CheckingGraphBackend, GraphUnsafe
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint
 from tests.harness import state_pool
 

@@ -8,7 +8,7 @@ a request resumes from is known, not left to the pool's size.
 from __future__ import annotations
 
 from cairn.cache.tree.nodes import DEVICE, DISK, HOST
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from tests.harness import run, same_as_cold
 
 OPTS = dict(kv_cache_gib=0.05, state_cache_gib=0.02, page_size=8, snapshot_interval=64, max_num_batched_tokens=96)

@@ -13,12 +13,12 @@ import logging
 import pytest
 import torch
 
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from cairn.model import layout
 from cairn.model.layout import Int8Linear, decode_weight_bytes, quantize
 from cairn.model.loader import load_checkpoint
 from cairn.ops import cpu_gemv
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.cpu_paths import COMPILED, ZEN3
 from tests.harness import prefill
 

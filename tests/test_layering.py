@@ -34,8 +34,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     # flags generated from the config dataclasses; the one-line checks before anything slow
     "command_line": (("cairn.flags", "cairn.preflight"), frozenset({"model", "leaf"})),
     # the engine builds everything at start-up and steps the scheduler and the runner; its outputs and logs
-    "engine": (("cairn.engine", "cairn.llm", "cairn.choices", "cairn.outputs", "cairn.activity", "cairn.demo",
-                "cairn.sizing", "cairn.compat"),
+    "engine": (("cairn.engine",),
                frozenset({"scheduler", "runner", "cache", "memory", "model", "ops", "request", "leaf"})),
     # the model runner: one forward pass for a scheduled batch
     "runner": (("cairn.runner", "cairn.decode_graphs"), frozenset({"scheduler", "model", "memory", "leaf"})),
@@ -53,8 +52,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "memory": (("cairn.memory",), frozenset({"leaf"})),
     # what a request is made of: tokenizer and chat template, prompt, sampling parameters and the sampler,
     # logits processors, grammars
-    "request": (("cairn.tokenizer", "cairn.prompt", "cairn.sampling", "cairn.logits", "cairn.grammar"),
-                frozenset({"leaf"})),
+    "request": (("cairn.request",), frozenset({"leaf"})),
     # imported from anywhere, import nothing of cairn: frozen config, shared exceptions, log formatting,
     # the forward batch (what one model step computes) and the typed stats the cache publishes
     "leaf": (("cairn.config", "cairn.errors", "cairn.logs", "cairn.forward_batch", "cairn.cache.stats"), frozenset()),
@@ -250,11 +248,11 @@ IMPORTING_CALLS = {"import_module", "__import__", "_lazy"}  # calls whose string
 
 def test_the_graph_sees_lazy_and_string_named_imports():
     edges = cairn_edges()
-    assert ("cairn.server.engine_io.bridge", "cairn.engine") in edges  # module level
+    assert ("cairn.engine.llm", "cairn.engine.engine") in edges  # module level
     assert ("cairn.cli", "cairn.server.main") in edges  # inside run_serve
     assert ("cairn.cli", "cairn.bench.cli") in edges  # _lazy("cairn.bench.cli")
     assert ("cairn.ops", "cairn.ops.gdn") in edges  # `from cairn.ops import gdn` in the package itself
-    assert import_graph()["cairn.logits"]["cairn.sampling"] is True  # only under TYPE_CHECKING
+    assert import_graph()["cairn.cache.policy.retention"]["cairn.cache.tree.nodes"] is True  # only under TYPE_CHECKING
 
 
 def test_every_module_has_a_layer():
@@ -305,6 +303,16 @@ def test_the_core_imports_neither_bench_nor_server():
     upward = {(a, b) for a, b in cairn_edges() if layer_of(a) not in top and layer_of(b) in top}
     assert not upward, "the core imports bench/, server/, the router or an entry point:\n" + _listing(
         (e, "") for e in upward)
+
+
+def test_the_server_asks_the_engine_not_its_cache():
+    """server/ reaches the prefix cache only through the Engine's methods for it (prefetch, probe, cache_stats,
+    num_cached_pages): no `<...>engine.cache` attribute anywhere in its code."""
+    reached = sorted(f"{name}: {ast.unparse(node)}" for name, path in modules().items() if _under(name, "cairn.server")
+                     for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.Attribute) and node.attr == "cache"
+                     and ast.unparse(node.value).split(".")[-1] == "engine")
+    assert not reached, f"the server reaches engine.cache (call the Engine's methods instead): {reached}"
 
 
 def test_the_package_never_edits_sys_path():

@@ -9,9 +9,9 @@ import logging
 
 import pytest
 
+from cairn.engine.llm import LLM
 from cairn.errors import ChatTemplateError, RequestTooLarge, SamplingError
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -129,7 +129,7 @@ def test_qwen3_next_moe_and_dense_layers_follow_mlp_only_layers(checkpoints):
 
 
 def test_tokenizer_and_chat_template_load_from_the_checkpoint(tmp_path):
-    from cairn.tokenizer import HFTokenizer
+    from cairn.request.tokenizer import HFTokenizer
 
     write_tokenizer(tmp_path)
     tok = HFTokenizer(tmp_path)
@@ -149,8 +149,8 @@ def test_building_a_model_leaves_torch_dynamo_unimported_and_torch_nn_init_as_it
     back after the build, and an engine built so serves."""
     code = ("import sys, torch\n"
             "before = {n: getattr(torch.nn.init, n) for n in dir(torch.nn.init)}\n"
-            "from cairn.llm import LLM\n"
-            "from cairn.sampling import SamplingParams\n"
+            "from cairn.engine.llm import LLM\n"
+            "from cairn.request.sampling_params import SamplingParams\n"
             "llm = LLM(kv_cache_gib=0.05, state_cache_gib=0.05)\n"
             "out = llm.generate([[10, 11, 12]], SamplingParams(max_tokens=2, temperature=0.0))[0]\n"
             "assert all(getattr(torch.nn.init, n) is f for n, f in before.items())\n"

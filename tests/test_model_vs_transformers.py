@@ -13,10 +13,10 @@ import shutil
 import pytest
 import torch
 
+from cairn.engine.llm import LLM
 from cairn.layers import recurrent
-from cairn.llm import LLM
 from cairn.model.loader import load_checkpoint
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.checkpoints import FAMILIES
 from tests.granite_checkpoint import FAMILIES as GRANITE
 from tests.harness import pools, prefill

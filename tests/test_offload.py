@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from cairn.errors import PromptTooLong
-from cairn.prompt import tokenize_prompt
+from cairn.request.prompt import tokenize_prompt
 from cairn.server.engine_io.offload import Offload
 from cairn.server.engine_io.workers import ProcessWorkers, WorkerDied, WorkersClosed
-from cairn.tokenizer import ByteTokenizer
+from cairn.request.tokenizer import ByteTokenizer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo " * 20}]
 

@@ -9,10 +9,10 @@ import sys
 
 import httpx
 
-from cairn.activity import ActivityLog
-from cairn.llm import LLM
+from cairn.engine.activity import ActivityLog
+from cairn.engine.llm import LLM
 from cairn.logs import JsonFormatter, setup_logging
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from tests.server_process import REPO_ROOT, start_server
 
 OPTS = dict(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, snapshot_interval=32)

@@ -3,8 +3,8 @@ cache's prompt-end snapshot) and draw independently."""
 
 from __future__ import annotations
 
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
 
 PROMPT = list(range(20, 83))
 

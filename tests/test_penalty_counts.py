@@ -1,7 +1,7 @@
 """The repetition, frequency and presence penalties read, at each step, only the tokens a sequence appended since
-the step before (cairn.logits.PenaltyCounts): converting its whole prompt and output every step cost 9 ms per row
-at 60k tokens, on the engine thread every other stream waits behind. Kept step by step, they change the logits
-exactly as counting afresh does."""
+the step before (cairn.request.logits.PenaltyCounts): converting its whole prompt and output every step cost 9 ms
+per row at 60k tokens, on the engine thread every other stream waits behind. Kept step by step, they change the
+logits exactly as counting afresh does."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from cairn.llm import LLM
-from cairn.logits import RowContext, process_rows
-from cairn.sampling import SamplingParams
+from cairn.engine.llm import LLM
+from cairn.request.logits import RowContext, process_rows
+from cairn.request.sampling_params import SamplingParams
 
 PENALIZED = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
                            frequency_penalty=0.5, presence_penalty=0.25)
@@ -21,7 +21,7 @@ PENALIZED = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, repe
 
 def test_penalties_convert_each_token_once_not_the_whole_context_every_step(monkeypatch):
     prompt = [(7 * j) % 250 for j in range(600)]
-    converted = []  # the number of elements of each torch.tensor(list) made by cairn.logits
+    converted = []  # the number of elements of each torch.tensor(list) made by cairn.request.logits
     real = torch.tensor
 
     def counting(data, *args, **kwargs):
@@ -39,7 +39,7 @@ def test_penalties_convert_each_token_once_not_the_whole_context_every_step(monk
 
 @pytest.mark.parametrize("seed", range(5))
 def test_penalty_counts_kept_step_by_step_change_the_logits_as_counting_afresh(seed):
-    from cairn.logits import PenaltyCounts
+    from cairn.request.logits import PenaltyCounts
 
     rng = random.Random(seed)
     vocab = 50

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
 
 # a prompt of 1000 tokens leaving a cached path at 700, which holds a snapshot deeper than that
 PROMPT = dict(prompt_len=1000, resume_position=0, match_length=700, path_has_deeper_snapshot=True,

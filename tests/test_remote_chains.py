@@ -25,7 +25,7 @@ from cairn.cache.remote.store import RedisSegmentStore
 from cairn.cache.segments.named_bytes import layout_meta
 from cairn.cache.segments.segment import Segment
 from cairn.cache.tree.nodes import REMOTE
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from tests.harness import run, same_as_cold
 from tests.test_remote_tier import CONVERSATION, OPTS, remote
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from cairn.cache.tree.nodes import REMOTE
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
 from tests.harness import run, same_as_cold
 from tests.redis_server import redis_or_skip
 from tests.test_remote_faults import equal_to_cold, finish, looked_up

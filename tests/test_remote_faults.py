@@ -13,8 +13,8 @@ import pytest
 
 from cairn.cache.remote.lookups import PENDING
 from cairn.cache.tree.nodes import REMOTE
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
 from tests.harness import G, run, same_as_cold
 from tests.test_remote_tier import CONVERSATION, OPTS, remote, replica, served_on_a
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from cairn.cache.tree.nodes import REMOTE
+from cairn.engine.llm import LLM
 from cairn.errors import RequestTooLarge
-from cairn.llm import LLM
 from cairn.server.metrics import cache_families
 from tests.harness import G, run, same_as_cold
 from tests.redis_server import cluster_or_skip

@@ -13,10 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cairn.engine.llm import LLM
 from cairn.errors import SamplingError
-from cairn.llm import LLM
-from cairn.logits import RowContext, process_rows
-from cairn.sampling import SamplingParams, _filter_rows, generation_defaults, sample, sample_isolated
+from cairn.request.logits import RowContext, process_rows
+from cairn.request.sampling import _filter_rows, generation_defaults, sample, sample_isolated
+from cairn.request.sampling_params import SamplingParams
 
 PROMPT = list(range(30, 60))
 VOCAB = 64

@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
-from cairn.llm import LLM
-from cairn.sampling import SamplingParams
+from cairn.engine.llm import LLM
+from cairn.request.sampling_params import SamplingParams
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -15,9 +15,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cairn.config import EngineConfig, config_with_overrides
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
 from cairn.errors import ChatTemplateError
-from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 from cairn.server.app import create_app
 from cairn.server.chat.output import PROBE
 from cairn.server.engine_io.bridge import EngineBridge, Submission

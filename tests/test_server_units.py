@@ -20,7 +20,7 @@ from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, fro
 from cairn.server.metrics import EngineStats, cache_families
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from cairn.server.openai.response_bodies import TextOffsets, chat_logprobs, completion_logprobs
-from cairn.tokenizer import ByteTokenizer
+from cairn.request.tokenizer import ByteTokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -334,14 +334,16 @@ def test_engine_stats_read_pool_usage_from_the_engine():
         num_pages, num_slots, num_free, bytes_per_page, bytes_per_slot = 10, 4, 3, 100, 50
         allocator = type("A", (), {"num_free": 6})()
 
-    class Cache:
-        def stats(self):
+    class Engine:
+        num_running, num_waiting, kv, states = 2, 1, Pool(), Pool()
+
+        def cache_stats(self):
             return {"snapshots_taken": 1}
 
-        def page_refs(self):
-            return {0: 1, 5: 2}
+        def num_cached_pages(self):
+            return 2
 
-    engine = type("E", (), {"num_running": 2, "num_waiting": 1, "kv": Pool(), "states": Pool(), "cache": Cache()})()
+    engine = Engine()
     s = EngineStats.read(engine)
     assert (s.kv_pages_total, s.kv_pages_free, s.kv_pages_cached) == (10, 6, 2)
     assert (s.state_slots_free, s.cache) == (3, {"snapshots_taken": 1})

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from cairn import sizing
 from cairn.config import GIB, EngineConfig, config_with_overrides
-from cairn.llm import LLM
-from cairn.sizing import CHECKPOINT_DEFAULTS, DEMO_DEFAULTS, default_host_gib, resolve_sizes
+from cairn.engine import sizing
+from cairn.engine.llm import LLM
+from cairn.engine.sizing import CHECKPOINT_DEFAULTS, DEMO_DEFAULTS, default_host_gib, resolve_sizes
 
 CPU = torch.device("cpu")
 

@@ -16,14 +16,14 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from cairn.config import EngineConfig, config_with_overrides
-from cairn.engine import Engine
-from cairn.llm import LLM
-from cairn.outputs import Detokenizer
-from cairn.sampling import SamplingParams
+from cairn.engine.engine import Engine
+from cairn.engine.llm import LLM
+from cairn.engine.outputs import Detokenizer
+from cairn.request.sampling_params import SamplingParams
+from cairn.request.tokenizer import ByteTokenizer, HFTokenizer
 from cairn.server.app import create_app
 from cairn.server.chat.output import ChatPlan
 from cairn.server.options import ServerOptions
-from cairn.tokenizer import ByteTokenizer, HFTokenizer
 from tests.checkpoints import write_checkpoint
 from tests.test_chat_templates import FIXTURES, TOOLS
 

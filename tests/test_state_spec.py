@@ -12,7 +12,7 @@ from cairn.cache.segments.decode import decode_segment
 from cairn.cache.segments.named_bytes import layout_meta
 from cairn.cache.segments.segment import Segment, SegmentError, encode_segment, segment_key
 from cairn.cache.segments.tier import SegmentTier, snapshot_fields
-from cairn.demo import demo_config
+from cairn.engine.demo import demo_config
 from cairn.forward_batch import ForwardBatch
 from cairn.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
 from cairn.layers.mamba2 import Mamba2Mixer, Mamba2Spec

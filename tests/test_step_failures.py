@@ -12,10 +12,10 @@ import time
 import pytest
 
 from cairn.cache import hybrid as hybrid_cache
-from cairn.engine import Engine, StepFailed
-from cairn.llm import LLM
-from cairn.outputs import accumulate
-from cairn.sampling import SamplingParams
+from cairn.engine.engine import Engine, StepFailed
+from cairn.engine.llm import LLM
+from cairn.engine.outputs import accumulate
+from cairn.request.sampling_params import SamplingParams
 from cairn.server.engine_io.bridge import UNHEALTHY_AFTER_FAILED_STEPS, EngineBridge, Submission
 from cairn.server.engine_io.offload import Offload
 

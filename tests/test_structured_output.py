@@ -12,12 +12,12 @@ import jsonschema
 import pytest
 import torch
 
+from cairn.engine.llm import LLM
+from cairn.engine.outputs import accumulate
 from cairn.errors import SamplingError
-from cairn.grammar import BudgetedGrammar, GrammarCompiler, allowed_masks
-from cairn.llm import LLM
-from cairn.outputs import accumulate
-from cairn.sampling import SamplingParams, StructuredOutput
-from cairn.tokenizer import HFTokenizer
+from cairn.request.grammar import BudgetedGrammar, GrammarCompiler, allowed_masks
+from cairn.request.sampling_params import SamplingParams, StructuredOutput
+from cairn.request.tokenizer import HFTokenizer
 from tests.checkpoints import write_tokenizer
 
 PROMPT = list(range(40, 70))

@@ -19,9 +19,9 @@ import torch
 
 from cairn.cache.segments.segment import Segment
 from cairn.cache.tree.nodes import Node
-from cairn.llm import LLM
+from cairn.engine.llm import LLM
+from cairn.engine.outputs import accumulate
 from cairn.model.families import config_from_hf
-from cairn.outputs import accumulate
 from tests.cpu_paths import PATHS
 from tests.harness import G, run, same_as_cold, same_state, slot_copy, state_pool
 

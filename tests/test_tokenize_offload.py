@@ -16,7 +16,7 @@ from cairn.server.engine_io.offload import Offload
 from cairn.server.errors import APIError
 from cairn.server.serving import ServingContext
 from cairn.server.tokenize import respond
-from cairn.tokenizer import ByteTokenizer
+from cairn.request.tokenizer import ByteTokenizer
 
 
 class RefusedInServer(ByteTokenizer):

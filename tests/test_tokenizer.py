@@ -9,8 +9,8 @@ import random
 import pytest
 
 from cairn.errors import PromptTooLong
-from cairn.prompt import tokenize_prompt
-from cairn.tokenizer import (
+from cairn.request.prompt import tokenize_prompt
+from cairn.request.tokenizer import (
     MAX_PREFIX_RENDERS,
     ByteTokenizer,
     HFTokenizer,
@@ -189,7 +189,7 @@ def reference_byte_encode(tok: ByteTokenizer, text: str) -> tuple[list[int], lis
 
 @pytest.mark.parametrize("seed", range(10))
 def test_byte_tokenizer_fast_encoder_equals_the_per_character_one(seed, monkeypatch):
-    monkeypatch.setattr("cairn.tokenizer.ENCODE_CHUNK_CHARS", 7)  # chunk boundaries inside the text
+    monkeypatch.setattr("cairn.request.tokenizer.ENCODE_CHUNK_CHARS", 7)  # chunk boundaries inside the text
     rng = random.Random(seed)
     pieces = ["a", "é", "€", "😀", "\n", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im", "|>"]
     text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 60)))
@@ -214,7 +214,7 @@ def test_a_prompt_that_may_fit_is_encoded_and_checked_by_the_engine():
 
 
 def test_checkpoint_tokenizer_chars_per_token_bound_holds(tmp_path):
-    from cairn.tokenizer import HFTokenizer
+    from cairn.request.tokenizer import HFTokenizer
     from tests.checkpoints import write_tokenizer
 
     write_tokenizer(tmp_path)
@@ -290,7 +290,7 @@ def test_token_bytes_are_each_tokens_own_bytes_when_a_character_spans_tokens(tmp
     from tokenizers import Tokenizer as FastTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
-    from cairn.tokenizer import BYTE_OF_CHAR
+    from cairn.request.tokenizer import BYTE_OF_CHAR
     from tests.checkpoints import write_tokenizer
 
     assert set(BYTE_OF_CHAR) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(BYTE_OF_CHAR.values()) == \

@@ -37,7 +37,7 @@ from cairn.bench.workloads import all_workloads
 from cairn.config import EngineConfig
 from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.preflight import check_model
-from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from cairn.request.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 SERVER_POLICY = "server"
 

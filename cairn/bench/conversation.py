@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 from cairn.bench.text import TextSource
-from cairn.tokenizer import Tokenizer
+from cairn.request.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from cairn.bench.conversation import BenchRequest
 from cairn.bench.record import SnapshotPoint
 from cairn.bench.run import Served
 from cairn.config import EngineConfig
-from cairn.engine import Engine
-from cairn.outputs import Completion, accumulate
-from cairn.sampling import SamplingParams
+from cairn.engine.engine import Engine
+from cairn.engine.outputs import Completion, accumulate
+from cairn.request.sampling_params import SamplingParams
 
 WARM_UP_PROMPT = "warm up"
 

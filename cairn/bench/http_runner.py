@@ -27,8 +27,8 @@ import httpx
 from cairn.bench.conversation import BenchRequest
 from cairn.bench.record import SnapshotPoint
 from cairn.bench.run import Served
+from cairn.request.tokenizer import Tokenizer
 from cairn.sequence import CacheReport
-from cairn.tokenizer import Tokenizer
 
 
 class HTTPRunner:

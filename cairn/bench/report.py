@@ -92,7 +92,7 @@ def report(record: BenchRecord) -> str:
     setup = (f"model `{record.model}` (size {record.size}), preset `{record.preset}`, seed {record.seed}, "
              f"target {record.target}")
     if cfg:
-        gib = lambda x: "auto" if x is None else f"{x:g}"  # None: sized at start-up (cairn.sizing)
+        gib = lambda x: "auto" if x is None else f"{x:g}"  # None: sized at start-up (cairn.engine.sizing)
         setup += (f"; KV pool {gib(mem.get('kv_cache_gib'))} GiB, snapshot budget "
                   f"{gib(cache.get('device_snapshot_gib'))} GiB, host tier {gib(cache.get('host_cache_gib'))} GiB, "
                   f"snapshot interval {cache.get('snapshot_interval')}, chunk {sched.get('max_num_batched_tokens')} "

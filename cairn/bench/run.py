@@ -19,8 +19,8 @@ from cairn.bench.conversation import BenchRequest, Reply, Workload, WorkloadSize
 from cairn.bench.oracle import oracle_tokens
 from cairn.bench.record import RequestRecord, SnapshotPoint, WorkloadResult
 from cairn.bench.text import TextSource
+from cairn.request.tokenizer import Tokenizer
 from cairn.sequence import CacheReport
-from cairn.tokenizer import Tokenizer
 
 
 @dataclass

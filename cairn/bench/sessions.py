@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from cairn.bench.conversation import BenchRequest, RequestStream, WorkloadSizes, cut_index, message
 from cairn.bench.text import TextSource
-from cairn.tokenizer import Tokenizer
+from cairn.request.tokenizer import Tokenizer
 
 
 def client_keeps(reply_text: str) -> str:

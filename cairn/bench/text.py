@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from cairn.tokenizer import Tokenizer
+from cairn.request.tokenizer import Tokenizer
 
 WORDS = (
     "the", "a", "of", "to", "and", "in", "is", "for", "on", "with", "that", "this", "it", "as", "be", "by", "are",

@@ -37,7 +37,7 @@ from cairn.bench.conversation import (
 )
 from cairn.bench.sessions import agentic, restart
 from cairn.bench.text import TextSource
-from cairn.tokenizer import Tokenizer
+from cairn.request.tokenizer import Tokenizer
 
 # ---- (a) compaction replay -------------------------------------------------------------------------
 

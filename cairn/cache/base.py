@@ -1,9 +1,10 @@
 """PrefixCache: the interface between the scheduler and the prefix cache.
 
-Only the scheduler calls the cache, at fixed points of a request's life. The cache reads the request
-through a `CacheRequest` the scheduler builds, and answers with values; it never writes the
-scheduler's request (the scheduler applies what the cache returns). A cache that caches nothing is
-the separate `NullCache`, not a flag inside a real one.
+Only the scheduler calls the cache at the fixed points of a request's life; outside them, the engine asks it
+prefetch, probe, stats and page_refs for the server (Engine.prefetch / probe / cache_stats /
+num_cached_pages). The cache reads the request through a `CacheRequest` the scheduler builds, and
+answers with values; it never writes the scheduler's request (the scheduler applies what the cache
+returns). A cache that caches nothing is the separate `NullCache`, not a flag inside a real one.
 
     admit(req)        before a request first runs: an `Admission` (where it resumes: KV pages of the
                       resumed prefix with a reference held for the request, its recurrent state already

@@ -2,7 +2,7 @@
 
 Device tier always (when the cache is on), host tier with host_cache_gib > 0 (page-locked on CUDA),
 disk tier with disk_cache set (its namespace is the compatibility digest the engine computed, see
-cairn/compat.py), the Redis tier shared by replicas with remote_cache set (same namespace), last. Start-up
+cairn/engine/compat.py), the Redis tier shared by replicas with remote_cache set (same namespace), last. Start-up
 speeds for the planner are measured here with real copies into device memory.
 """
 

@@ -378,7 +378,7 @@ def prefill_kernels(model: nn.Module) -> str:
     loaded ("" then): "gemv-avx2" (the AVX2 gemv path, every row, in its own order of sums), "packed" (oneDNN's
     blocked weights), "int8" or "int8-gemv-avx2" (joined by "+" where several are present). A snapshot computed
     under one of these is not bit for bit what a prefill under another computes, so exact resumption keeps them
-    apart in the compatibility digest (cairn/compat.py). The AMX and AVX512-BF16 gemv paths take decode rows
+    apart in the compatibility digest (cairn/engine/compat.py). The AMX and AVX512-BF16 gemv paths take decode rows
     only, and a prefill's go to F.linear: those count as plain."""
     kinds = set()
     for m in model.modules():

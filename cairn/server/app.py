@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
 from cairn.server import probe, tokenize
 from cairn.server.anthropic import messages as anthropic
 from cairn.server.engine_io.bridge import EngineBridge

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import uvicorn
 
 from cairn.config import EngineConfig
-from cairn.engine import Engine
+from cairn.engine.engine import Engine
 from cairn.server.app import create_app
 from cairn.server.http.access_log import AccessLog
 from cairn.server.http.connections import guarded_protocol

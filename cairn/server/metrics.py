@@ -22,7 +22,7 @@ Read from the engine at scrape time (`EngineStats`, taken on the engine thread):
     cairn_state_slots_total, cairn_state_slots_free    (working slots; snapshots live in the cache's tier)
     cairn_pool_used_bytes{pool="kv"|"state"}, cairn_pool_capacity_bytes{pool}
     cairn_engine_step_failures_total
-    cairn_cache_*                                  whatever engine.cache.stats() reports, see below
+    cairn_cache_*                                  whatever engine.cache_stats() reports, see below
 
 Read from the interpreter at scrape time (a full collection walks every tracked object holding the
 interpreter lock, pausing the engine's steps; the server freezes its start-up objects, see main):
@@ -30,7 +30,7 @@ interpreter lock, pausing the engine's steps; the server freezes its start-up ob
     cairn_gc_collections_total{generation}         garbage collections by generation (2: full)
     cairn_gc_frozen_objects                        objects frozen out of the collector's reach at start-up
 
-`engine.cache.stats()` is a typed `CacheStats` (cairn/cache/stats.py; None from NullCache, which
+`engine.cache_stats()` is a typed `CacheStats` (cairn/cache/stats.py; None from NullCache, which
 exports nothing). `cache_families` names each field's family in one table, CACHE_SERIES: counters
 get `_total`, a dict field is one series per label value, a None field is left out, e.g.
 
@@ -50,8 +50,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cairn.cache.stats import CacheStats
-from cairn.engine import Engine
-from cairn.outputs import RequestOutput
+from cairn.engine.engine import Engine
+from cairn.engine.outputs import RequestOutput
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -71,14 +71,14 @@ class EngineStats:
     state_slots_free: int
     state_bytes_per_slot: int
     kv_pages_cached: int = 0  # pages the prefix cache references (when idle: free + cached == total)
-    cache: CacheStats | None = None  # engine.cache.stats()
+    cache: CacheStats | None = None  # engine.cache_stats()
 
     @classmethod
     def read(cls, engine: Engine) -> EngineStats:
-        kv, states, cache = engine.kv, engine.states, engine.cache
+        kv, states = engine.kv, engine.states
         return cls(engine.num_running, engine.num_waiting, kv.num_pages, kv.allocator.num_free, kv.bytes_per_page,
-                   states.num_slots, states.num_free, states.bytes_per_slot, len(cache.page_refs()),
-                   cache.stats())
+                   states.num_slots, states.num_free, states.bytes_per_slot, engine.num_cached_pages(),
+                   engine.cache_stats())
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from cairn.errors import ChatTemplateError, PromptTooLong, RequestTooLarge
-from cairn.prompt import tokenize_prompt
+from cairn.request.prompt import tokenize_prompt
 from cairn.server.anthropic.messages import MessagesRequest, prepare_messages
 from cairn.server.chat.output import ChatPlan
 from cairn.server.engine_io.bridge import Submission

@@ -29,8 +29,8 @@ from fastapi import FastAPI, Request
 from pydantic import RootModel
 from starlette.responses import JSONResponse, Response
 
-from cairn.engine import Engine, check_prompt_token_ids
-from cairn.sampling import SamplingParams
+from cairn.engine.engine import Engine, check_prompt_token_ids
+from cairn.request.sampling_params import SamplingParams
 from cairn.server.anthropic.messages import MessagesRequest
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -99,6 +99,6 @@ def _submission(body: ChatCompletionRequest | CompletionRequest) -> Submission:
 
 def _answer(engine: Engine, token_ids: list[int]) -> dict:
     """On the engine thread: the cache's plan for these tokens, and the queue."""
-    found = engine.cache.probe(token_ids)
+    found = engine.probe(token_ids)
     return {"position": found.position, "tier": found.tier, "est_ttft_s": found.estimated_s,
             "remote_position": found.remote_position, "waiting": engine.num_waiting, "running": engine.num_running}

@@ -29,12 +29,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from cairn.outputs import Completion, RequestOutput, accumulate
+from cairn.engine.outputs import Completion, RequestOutput, accumulate
 from cairn.server.engine_io.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, model_not_found
 from cairn.server.http.middleware import current_request_id
 from cairn.server.metrics import ServerMetrics
-from cairn.tokenizer import Tokenizer
+from cairn.request.tokenizer import Tokenizer
 
 
 @dataclass

@@ -22,7 +22,7 @@ import asyncio
 
 from starlette.responses import JSONResponse, Response
 
-from cairn.prompt import tokenize_prompt
+from cairn.request.prompt import tokenize_prompt
 from cairn.server.chat.schema import template_message
 from cairn.server.engine_io.offload import Offload
 from cairn.server.engine_io.workers import WorkersClosed

@@ -9,7 +9,7 @@ requests, restarts and servers. A snapshot is only resumable from disk when ever
 disk too, so `persist` writes the missing ancestors first, and a chain continues only from a segment's
 end, so an ancestor that is the front slice of a longer segment is written again as a segment of its own.
 
-The namespace is the compatibility digest (cairn/compat.py, computed by the engine): the model
+The namespace is the compatibility digest (cairn/engine/compat.py, computed by the engine): the model
 weights' content digest, the architecture, dtypes, page size and format version (with exact resumption, the
 prefill block and the kernels a prefill's linears run on too). A segment of
 another model is never read.

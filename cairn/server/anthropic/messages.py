@@ -43,7 +43,7 @@ from pydantic import AfterValidator, Field, ValidationError, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cairn.outputs import Completion
+from cairn.engine.outputs import Completion
 from cairn.server.anthropic.context import ContextManagement
 from cairn.server.chat.output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.chat.schema import FunctionName, refuse_duplicate_names

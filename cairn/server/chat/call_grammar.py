@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cairn.errors import SamplingError
-from cairn.grammar import WHITESPACE
+from cairn.request.grammar import WHITESPACE
 from cairn.server.chat.parsers import CALL_END, CALL_START
 from cairn.server.chat.string_regex import ANNOTATIONS, lark_regex, one_of, string_regexes
 

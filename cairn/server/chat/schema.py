@@ -16,7 +16,7 @@ from pydantic import AfterValidator, Field
 
 from cairn.server.chat.strict import Strict
 from cairn.server.errors import APIError
-from cairn.tokenizer import TEMPLATE_VARIABLES_SET_HERE
+from cairn.request.tokenizer import TEMPLATE_VARIABLES_SET_HERE
 
 # ---- tools --------------------------------------------------------------------------------------
 

@@ -37,12 +37,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from cairn.engine import Engine, StepFailed
+from cairn.engine.engine import Engine, StepFailed
 from cairn.errors import PromptTooLong, RequestTooLarge
-from cairn.grammar import BudgetedGrammar, Grammar
-from cairn.outputs import RequestOutput
-from cairn.prompt import TokenizedPrompt
-from cairn.sampling import SamplingParams
+from cairn.request.grammar import BudgetedGrammar, Grammar
+from cairn.engine.outputs import RequestOutput
+from cairn.request.prompt import TokenizedPrompt
+from cairn.request.sampling_params import SamplingParams
 from cairn.server.engine_io.offload import Offload
 from cairn.server.engine_io.workers import WorkersClosed
 from cairn.server.errors import EngineFailure, ServerShuttingDown
@@ -280,7 +280,7 @@ class EngineBridge:
         """Wait for the cache's lookup of the prompt in a slow tier (the remote one), started here, off the
         engine thread: admission then finds the answer ready and never waits on Redis (PrefixCache.prefetch
         is safe from any thread; a Redis that is down or slow answers a miss within its timeout)."""
-        future = self.engine.cache.prefetch(prompt.token_ids, prompt.message_starts) if params.cache_prompt else None
+        future = self.engine.prefetch(prompt.token_ids, prompt.message_starts) if params.cache_prompt else None
         if future is not None:
             await asyncio.wrap_future(future)
 

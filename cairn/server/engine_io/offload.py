@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from cairn.prompt import TokenizedPrompt, tokenize_prompt
+from cairn.request.prompt import TokenizedPrompt, tokenize_prompt
 from cairn.server.engine_io.workers import ProcessWorkers, in_thread
-from cairn.tokenizer import Tokenizer
+from cairn.request.tokenizer import Tokenizer
 
 LARGE_INPUT_BYTES = 256 << 10  # bodies and prompts from this size on are handled in a worker process
 NUM_THREADS = 2

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cairn.outputs import Completion
+from cairn.engine.outputs import Completion
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import from_exception
 from cairn.server.openai.protocol import CompletionRequest

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from cairn.errors import SamplingError
-from cairn.sampling import SEED_RANGE, SamplingParams, StructuredOutput
+from cairn.request.sampling_params import SEED_RANGE, SamplingParams, StructuredOutput
 from cairn.server.chat.schema import ChatMessage, NamedToolChoice, Tools, template_message, template_variables
 from cairn.server.chat.schema_keywords import refuse_unknown_keywords
 from cairn.server.chat.strict import Strict, StrictInt, TokenIds, refuse_lone_surrogates, refuse_unimplemented

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from cairn.outputs import Completion
-from cairn.tokenizer import Tokenizer
+from cairn.engine.outputs import Completion
+from cairn.request.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from cairn.server.serving import ResponseHeader  # (what every body and chunk repeats)

@@ -32,7 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cairn.errors import ChatTemplateError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cairn.tokenizer")  # the name of its log lines, not the module path
 MARK_VAR = "cairn_message_mark"  # printed where each message's render starts (see encode_chat)
 MAX_PREFIX_RENDERS = 16  # a template with no loop over `messages`: renders of prefixes to find message starts
 TEMPLATE_VARIABLES_SET_HERE = ("messages", "add_generation_prompt", "bos_token", "eos_token", MARK_VAR,
@@ -398,7 +398,7 @@ class HFTokenizer(Tokenizer):
 
     def decode_stream(self) -> Callable[[int], str | None]:
         """tokenizers' incremental decoder (DecodeStream) on this tokenizer: feed one id, get the new text,
-        or None while the id does not complete a character. Used by cairn.outputs.Detokenizer."""
+        or None while the id does not complete a character. Used by cairn.engine.outputs.Detokenizer."""
         from tokenizers.decoders import DecodeStream
 
         stream = DecodeStream(skip_special_tokens=False)

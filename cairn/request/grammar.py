@@ -22,7 +22,7 @@ a schema with bounded strings, arrays and numbers bounds the output length even 
 random weights, and a model cannot spend its max_tokens on indentation. No whitespace comes before
 or after the value.
 
-What this is not: the sampler (`cairn.sampling`) or the processors that apply the mask (`cairn.logits`).
+What this is not: the sampler (`cairn.request.sampling`) or the processors that apply the mask (`cairn.request.logits`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from collections.abc import Callable
 import torch
 
 from cairn.errors import SamplingError
-from cairn.sampling import StructuredOutput
-from cairn.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from cairn.request.sampling_params import StructuredOutput
+from cairn.request.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 WHITESPACE = r"[\x20\x0A]?"  # what may separate JSON tokens
 ANY_OBJECT = {"type": "object"}  # response_format json_object
@@ -47,7 +47,7 @@ PARAM = {"json_object": "response_format", "json_schema": "response_format", "la
          "text": "thinking_token_budget"}  # the request field a kind comes from (named by a 400)
 ANSWER_SEPARATOR = r"/\n{0,2}/"  # between the reasoning's end and a constrained answer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cairn.grammar")  # the name of its log lines, not the module path
 MAX_ERROR_CHARS = 500  # of a grammar's error, as a request's error says it
 
 

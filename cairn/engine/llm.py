@@ -1,6 +1,6 @@
 """LLM: the offline facade over one Engine: add requests, step until they finish, return whole answers.
 
-What this is not: the engine (cairn/engine.py drives the model, scheduler and cache step by step) or
+What this is not: the engine (cairn/engine/engine.py drives the model, scheduler and cache step by step) or
 the server (cairn/server/ streams the same RequestOutputs over HTTP).
 """
 
@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from cairn.config import EngineConfig, config_with_overrides, environment_defaults
-from cairn.engine import Engine
-from cairn.outputs import Completion, accumulate
-from cairn.sampling import SamplingParams
+from cairn.engine.engine import Engine
+from cairn.engine.outputs import Completion, accumulate
+from cairn.request.sampling_params import SamplingParams
 
 
 class LLM:

@@ -28,7 +28,7 @@ import torch
 
 from cairn.config import GIB, EngineConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cairn.sizing")  # the name of its start-up line (README), not the module path
 
 HOST_RAM_FRACTION = 0.25  # of available RAM, for the host tier by default
 HOST_CAP_GIB = 8.0  # ... and at most this (llama.cpp's server keeps an 8 GiB RAM cache by default)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cairn.cache.base import CacheReport
-from cairn.tokenizer import HFTokenizer, Tokenizer
+from cairn.request.tokenizer import HFTokenizer, Tokenizer
 
 
 @dataclass

@@ -18,18 +18,16 @@ thread, which every other stream waited behind). The bias touches only the biase
 a context are neither copied nor touched. A +inf made by a penalty is clamped to the largest float,
 so a row never holds inf - inf.
 
-What this is not: it does not choose tokens (`cairn.sampling`) or build grammar masks (`cairn.grammar`).
+What this is not: it does not choose tokens (`cairn.request.sampling`) or build grammar masks (`cairn.request.grammar`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from cairn.sampling import SamplingParams
+from cairn.request.sampling_params import SamplingParams
 
 
 class PenaltyCounts:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cairn.errors import PromptTooLong
-from cairn.tokenizer import Tokenizer
+from cairn.request.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """Engine: model, memory pools, scheduler, prefix cache and runner behind add_request / step / abort.
 
-The engine is single-threaded: one caller drives `step()` (the offline `LLM` in cairn/llm.py, or the server's
+The parts are built at start-up by cairn/engine/build.py (build_parts); this file is what the engine does with
+them.
+
+The engine is single-threaded: one caller drives `step()` (the offline `LLM` in cairn/engine/llm.py, or the server's
 engine thread). Each step schedules a batch, runs it, has the scheduler apply it, samples, and returns
 a RequestOutput for every request that produced text or finished: what the step added (its token, text
 and logprobs), never the whole answer again, so a step's output does not grow with the answer's
@@ -21,38 +24,27 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from typing import Any
 
-import torch
-
-from cairn.activity import ActivityLog
-from cairn.cache.base import NullCache, PrefixCache
-from cairn.cache.factory import build_cache
-from cairn.choices import ChoiceGroups
-from cairn.compat import compat_digest, kernel_platform, weights_digest
-from cairn.config import CacheOptions, ConfigError, EngineConfig
-from cairn.decode_graphs import CaptureBackend, DecodeGraphs
-from cairn.demo import DEMO_NAME, build_demo
+from cairn.cache.base import NullCache, PrefixCache, ProbeResult
+from cairn.cache.stats import CacheStats
+from cairn.config import EngineConfig
+from cairn.decode_graphs import CaptureBackend
+from cairn.engine.activity import ActivityLog
+from cairn.engine.build import build_parts
+from cairn.engine.choices import ChoiceGroups
+from cairn.engine.outputs import Detokenizer, RequestOutput
 from cairn.errors import RequestTooLarge, SamplingError
-from cairn.grammar import BudgetedGrammar, Grammar, GrammarCompiler, allowed_masks_isolated
-from cairn.logits import PenaltyCounts, RowContext
-from cairn.memory.kv_pool import KVPool
-from cairn.memory.state_pool import StatePool
-from cairn.model.config import ModelConfig
-from cairn.model.layout import apply_layout, lay_out_int8, prefill_kernels, quantize
-from cairn.model.loader import load_checkpoint
-from cairn.ops import cpu_gemv, cpu_isa, cuda_graphs, load_fused_cpu_ops, select_kernels
-from cairn.ops.gdn import CHUNK_SIZE as GDN_CHUNK
-from cairn.outputs import Detokenizer, RequestOutput
-from cairn.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
-from cairn.runner import ModelRunner
-from cairn.sampling import Sampled, SamplingParams, generation_defaults, generation_eos_ids, sample_isolated
-from cairn.scheduler import ScheduledBatch, Scheduler, SequenceFailed
+from cairn.request.grammar import BudgetedGrammar, Grammar, allowed_masks_isolated
+from cairn.request.logits import PenaltyCounts, RowContext
+from cairn.request.prompt import PromptTooLong, TokenizedPrompt, tokenize_prompt
+from cairn.request.sampling import Sampled, sample_isolated
+from cairn.request.sampling_params import SamplingParams
+from cairn.scheduler import ScheduledBatch, SequenceFailed
 from cairn.sequence import Sequence, Status
-from cairn.sizing import resolve_sizes
-from cairn.tokenizer import HFTokenizer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cairn.engine")  # the name of the engine's log lines (README), not the module path
 
 
 class StepFailed(RuntimeError):
@@ -62,39 +54,6 @@ class StepFailed(RuntimeError):
     def __init__(self, cause: BaseException, request_ids: list[str]):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
-
-
-def resolve_device(name: str) -> torch.device:
-    """The torch device of `--device` (ModelOptions checked its form); ConfigError for a CUDA device torch
-    does not see here, rather than torch's own error from the first tensor put on it."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            raise ConfigError(f"--device {name}: no CUDA device {'here' if count == 0 else 'of that index'} "
-                              f"(torch sees {count}; torch {torch.__version__})")
-    return device
-
-
-def prefill_block(requested: int | None, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """The exact-resumption block (SchedulerOptions.prefill_block), 0 when off.
-
-    A step must fit a whole block next to a decode token of every other running request, so that no
-    block is ever split. Default: 512 (or the largest multiple of 64 that fits) in half precision, where
-    a rounding difference changes the output visibly; off in float32."""
-    room = (max_num_batched_tokens - max_num_seqs) // GDN_CHUNK * GDN_CHUNK
-    if requested is None:
-        block = min(512, room) if dtype in (torch.bfloat16, torch.float16) else 0
-        if dtype != torch.float32 and block < GDN_CHUNK:
-            log.warning("max_num_batched_tokens=%d leaves no room for a %d-token prefill block: resumed requests "
-                        "will match cold ones only within rounding", max_num_batched_tokens, GDN_CHUNK)
-        return max(block, 0)
-    if requested and (requested % GDN_CHUNK or requested > room):
-        raise ConfigError(f"--prefill-block {requested}: must be a multiple of {GDN_CHUNK} and at most "
-                          f"--max-num-batched-tokens minus --max-num-seqs = {max_num_batched_tokens - max_num_seqs}")
-    return requested
 
 
 def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
@@ -107,156 +66,24 @@ def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
 class Engine:
     def __init__(self, config: EngineConfig, cache: PrefixCache | None = None, show_progress: bool = True,
                  graph_backend: CaptureBackend | None = None):
-        """graph_backend: the decode graph path with this capture backend whatever the device (the CPU tests give
-        the checking stand-in, cairn.ops.graph_check); `--cuda-graphs` gives CudaGraphBackend on CUDA."""
-        self.config = config
-        opts = config.model
-        self.device = resolve_device(opts.device)
-        if self.device.type == "cpu":
-            # Decayed recurrent states underflow into subnormal floats, which x86 CPUs compute up to
-            # 100x slower; flushing them to zero changes no result beyond 1e-38 and is set once here.
-            torch.set_flush_denormal(True)
-        torch.manual_seed(opts.demo_seed)
-        if opts.model is None:
-            dtype = torch.float32 if opts.dtype == "auto" else getattr(torch, opts.dtype)
-            self.model, self.model_config, self.tokenizer = build_demo(dtype, self.device, opts.demo_seed)
-            self.model_name = DEMO_NAME
-            self.sampling_defaults: dict = {}
-        else:
-            self.model, self.model_config = load_checkpoint(opts.model, opts.dtype, self.device, show_progress)
-            self.tokenizer = HFTokenizer(opts.model, self.model_config.eos_token_ids + generation_eos_ids(opts.model))
-            self.model_name = opts.model
-            self.sampling_defaults = generation_defaults(opts.model)
-        if self.sampling_defaults:
-            log.info("sampling defaults from generation_config.json (for fields a request leaves out): %s",
-                     ", ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())))
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        """Build the engine's parts (build.build_parts: `cache` replaces the one config.cache describes;
+        `graph_backend` takes the decode graph path on whatever the device)."""
+        parts = build_parts(config, cache, show_progress, graph_backend)
+        self.config, self.device, self.dtype = parts.config, parts.device, parts.dtype
+        self.cpu_path, self.platform = parts.cpu_path, parts.platform
+        self.model, self.model_config, self.model_name = parts.model, parts.model_config, parts.model_name
+        self.weight_layout = parts.weight_layout
+        self.tokenizer, self.grammars, self.sampling_defaults = parts.tokenizer, parts.grammars, parts.sampling_defaults
+        self.kv, self.states, self.cache = parts.kv, parts.states, parts.cache
+        self.scheduler, self.runner = parts.scheduler, parts.runner
+        self.max_model_len, self.prefill_block = parts.max_model_len, parts.prefill_block
         self._special_ids = frozenset(self.tokenizer.special_tokens.values())  # never a stop token's text; no text at
         #   all with skip_special_tokens (see _hidden_ids)
-        self.dtype = self.model.embed.weight.dtype
-        quantize(self.model, self.model_config, opts.quantization, self.device)  # before the cache digests it
-        self.cpu_path = self._cpu_path(opts.cpu_isa)
-        # cairn's compiled CPU ops serve bf16 alone: other dtypes run the references whatever the path
-        ops_path = self.cpu_path if self.dtype == torch.bfloat16 else "none"
-        self.model.kernels = select_kernels(self.device, opts.fast_kernels, ops_path)
-        self.config = config = resolve_sizes(config, self.device, is_demo=opts.model is None)
-        backend = self._graph_backend(graph_backend)
-        self.kv, self.states = self._allocate_pools(self.model_config, reserved_slots=int(backend is not None))
-        sched = config.scheduler
-        max_num_seqs = min(sched.max_num_seqs, self.states.num_slots - int(backend is not None))
-        graphs = None if backend is None else DecodeGraphs(self.model, self.kv, self.states, backend, max_num_seqs,
-                                                           self._max_model_len(reserved_pages=1))
-        self.max_model_len = self._max_model_len()
-        self.prefill_block = prefill_block(sched.prefill_block, self.dtype, sched.max_num_batched_tokens, max_num_seqs)
-        # the weights' digest before the layout re-lays them (an int8 model's too: quantize made them); the
-        # kernels the layout chose are part of the cache's compatibility digest (layout.prefill_kernels)
-        weights = self._weights_digest(config.cache) if cache is None else ""
-        # the exact-resume namespace's, and its start-up line's
-        self.platform = kernel_platform(self.device, self.cpu_path)
-        lay_out = apply_layout if opts.quantization == "none" else lay_out_int8
-        self.weight_layout = lay_out(self.model, opts.weight_layout, self.dtype, self.device, cpu_path=self.cpu_path,
-                                     path_forced=opts.cpu_isa != "auto")
-        self.cache = cache if cache is not None else self._build_cache(config.cache, weights)
-        self.scheduler = Scheduler(self.kv.allocator, self.kv.page_size, self.states, self.cache, max_num_seqs,
-                                   sched.max_num_batched_tokens, self.max_model_len, sched.max_waiting,
-                                   self.prefill_block, self.model.attention_break_even(), GDN_CHUNK)
-        self.runner = ModelRunner(self.model, self.kv, self.states, self.device, self.prefill_block, graphs)
-        if self.scheduler.attention_break_even:
-            log.info("prefill beside decoding streams: a token at position p takes 1 + p / %d of the step's token "
-                     "budget (from that position its attention costs more than its weights)",
-                     self.scheduler.attention_break_even)
-        if self.prefill_block:
-            log.info("exact resumption: prefill in blocks of %d tokens, resumed at their ends; stored states are "
-                     "shared only with the same platform (%s)", self.prefill_block, self.platform)
-        load_fused_cpu_ops(self.model.kernels, self.dtype, self.device)  # built before /health answers, not mid-request
-        self.activity = ActivityLog(config.logging.log_stats_interval_s)
+        self.activity = ActivityLog(self.config.logging.log_stats_interval_s)
         self._detok: dict[str, Detokenizer] = {}
         self._seqs: dict[str, Sequence] = {}  # by sequence id: every unfinished choice
         self.choices = ChoiceGroups()  # each request's choices (n > 1), and those held for the first's prefill
         self._ids = itertools.count()
-
-    # ---- set-up -----------------------------------------------------------------------------------
-
-    def _cpu_path(self, requested: str) -> str:
-        """The instruction path of cairn's compiled CPU ops (cairn/ops/cpu_isa.py) for `requested` (--cpu-isa), said
-        in one line: none off a CPU. Where the ops cannot be built here (no compiler, no ninja, a failed build: the
-        gemv kernel's build tells, and a bf16 model builds it anyway), none too, said in that one line, so that no
-        other op tries to build."""
-        if self.device.type != "cpu":
-            return "none"
-        flags = cpu_isa.cpu_flags()
-        path = cpu_isa.choose(requested, flags)
-        if path != "none" and self.dtype == torch.bfloat16:
-            built = cpu_gemv.load(flags, isa=None if requested == "auto" else path)
-            if isinstance(built, str) and built.startswith("building"):
-                log.warning("CPU path: none, the PyTorch reference kernels (%s)", built)
-                return "none"
-        log.info("%s", cpu_isa.described(path, requested, flags))
-        return path
-
-    def _weights_digest(self, opts: CacheOptions) -> str:
-        """The weights' content digest when a disk or remote cache will need it ("" otherwise: it reads them all)."""
-        if not self.model_config.recurrent_layers or not (opts.disk_cache or opts.remote_cache):
-            return ""
-        return weights_digest(self.model)
-
-    def _build_cache(self, opts: CacheOptions, weights: str) -> PrefixCache:
-        """The prefix cache, handed plain values: the compatibility digest is computed here, with a disk or
-        remote cache (`weights`: the weights' digest, taken before the layout re-laid them)."""
-        if not self.model_config.recurrent_layers:
-            return NullCache()
-        digest = compat_digest(weights, self.model_config, self.kv.k.dtype, self.kv.page_size, self.prefill_block,
-                               prefill_kernels(self.model), self.platform) if weights else ""
-        return build_cache(opts, self.kv, self.states, self.model_config.vocab_size, digest, self.model_name,
-                           self.prefill_block)
-
-    def _graph_backend(self, given: CaptureBackend | None) -> CaptureBackend | None:
-        """The decode graph path's capture backend (None: off), after the refusals (ConfigError, one line); with
-        it on, the model runs the graph-safe kernel set (cuda_graphs.graph_kernels)."""
-        if given is None and not self.config.model.cuda_graphs:
-            return None
-        reason = ((cuda_graphs.device_refusal(self.device) if given is None else None)  # a given backend: any device
-                  or cuda_graphs.refusal(self.model.kernels, self.model_config.ffn_types))
-        if reason:
-            raise ConfigError(reason)
-        backend = given or cuda_graphs.CudaGraphBackend()
-        self.model.kernels = cuda_graphs.graph_kernels(self.model.kernels)
-        log.info("decode steps replay graphs (%s), captured per batch bucket on first use", backend.name)
-        return backend
-
-    def _allocate_pools(self, cfg: ModelConfig, reserved_slots: int = 0) -> tuple[KVPool, StatePool]:
-        mem = self.config.memory
-        n_attn = len(cfg.attention_layers)
-        page_bytes = KVPool.page_bytes(max(n_attn, 1), mem.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        num_pages = mem.kv_cache_bytes // page_bytes
-        if num_pages < 1:
-            raise ConfigError(f"--kv-cache-gib {mem.kv_cache_gib} holds no KV page of {page_bytes} bytes")
-        spec = cfg.state_spec(self.dtype)
-        slot_bytes = spec.slot_bytes
-        wanted = self.config.scheduler.max_num_seqs + reserved_slots  # reserved: the graph path's scratch slot
-        num_slots = min(wanted, mem.state_cache_bytes // max(slot_bytes, 1))
-        if num_slots < 1 + reserved_slots:
-            raise ConfigError(f"--state-cache-gib {mem.state_cache_gib} holds no state slot of {slot_bytes} bytes")
-        kv = KVPool(max(n_attn, 1), num_pages, mem.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        states = StatePool(spec, num_slots, self.device)
-        log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d working state slots of %.2f MiB",
-                 num_pages, mem.page_size, kv.total_bytes / 2**20, num_slots, slot_bytes / 2**20)
-        return kv, states
-
-    def _max_model_len(self, reserved_pages: int = 0) -> int:
-        """The longest prompt + output: --max-model-len, at most what the model and the KV pool (less the
-        pages reserved, or `reserved_pages` a caller is about to reserve) hold. The engine's own call (without
-        `reserved_pages`) warns, once, when that cuts the asked length."""
-        usable = self.kv.num_pages - max(reserved_pages, len(self.kv.allocator.reserved))
-        model_len, pool_len = self.model_config.max_position_embeddings, usable * self.kv.page_size
-        limit = min(model_len, pool_len)
-        asked = self.config.scheduler.max_model_len
-        if asked and asked > limit and not reserved_pages:
-            why = (f"the model's max_position_embeddings is {model_len}" if model_len <= pool_len else
-                   f"the KV pool holds no more ({usable} pages of {self.kv.page_size} tokens); raise --kv-cache-gib "
-                   "for a longer context")
-            log.warning("--max-model-len %d cut to %d tokens: %s", asked, limit, why)
-        return min(asked, limit) if asked else limit
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -369,6 +196,34 @@ class Engine:
         """Ids of the requests in the running batch (the ones a failed step may have left half-done)."""
         return list(dict.fromkeys(seq.group_id for seq in self.scheduler.running))
 
+    # ---- the prefix cache, asked outside a request (the server's probe and metrics) -----------------
+
+    def prefetch(self, token_ids: list[int], message_starts: list[int]) -> Future | None:
+        """Any thread (the server calls it right after tokenizing, off the engine thread): start looking this
+        prompt up in a tier that is slow to ask (the remote tier), so that its admission, or a probe, finds the
+        answer ready and the engine thread never waits on Redis. Changes no request and nothing the scheduler
+        holds: the answer is hung on the tree later, on the engine thread. Returns a Future, done once the answer
+        is in (await it from any thread), or None when there is nothing to look up (no remote tier)."""
+        return self.cache.prefetch(token_ids, message_starts)
+
+    def probe(self, token_ids: list[int]) -> ProbeResult:
+        """Engine thread only, between steps: where a request with this prompt would resume now (position, tier,
+        estimated seconds to the first token, what the remote tier holds). Locks, copies and loads nothing and never
+        waits for Redis: it hangs on the tree what a finished lookup of the prompt found, as admission would, and
+        starts one when none was (prefetch). The answer is a value, true when made: the next step may change it.
+        The token ids are not checked here (check_prompt_token_ids)."""
+        return self.cache.probe(token_ids)
+
+    def cache_stats(self) -> CacheStats | None:
+        """Engine thread only: the prefix cache's counters and gauges (cairn/cache/stats.py), copied now, so safe
+        to read on any thread afterwards; None when the cache caches nothing (NullCache). Changes nothing."""
+        return self.scheduler.cache_stats()
+
+    def num_cached_pages(self) -> int:
+        """Engine thread only: the KV pages the prefix cache references now (idle, free + cached == the pool's
+        pages). Changes nothing."""
+        return len(self.cache.page_refs())
+
     # ---- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -425,7 +280,7 @@ class Engine:
             banned = seq.eos_token_ids if seq.num_output_tokens < p.min_tokens else ()
             if p.penalized or banned or seq.grammar is not None:
                 if seq.penalty is None and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
-                    seq.penalty = PenaltyCounts()  # kept up to date step by step (see cairn.logits)
+                    seq.penalty = PenaltyCounts()  # kept up to date step by step (see cairn.request.logits)
                 contexts[i] = RowContext(seq.token_ids, seq.num_prompt_tokens, banned, penalty=seq.penalty)
         constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if constrained:
@@ -514,7 +369,7 @@ class Engine:
 
     def _log_prefill(self, seq: Sequence) -> None:
         """One DEBUG line per request whose prefill just finished: what it computed and what the cache gave
-        (the INFO line comes when it finishes, see cairn.activity)."""
+        (the INFO line comes when it finishes, see cairn.engine.activity)."""
         c = seq.cache
         log.debug("prefill %s: new=%d cached=%d resume=%d tier=%s source=%s match=%d miss=%s snapshots=%d "
                  "ttft=%.3fs kv_free=%d/%d slots_free=%d/%d", seq.request_id, seq.num_computed - seq.num_cached,

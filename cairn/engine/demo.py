@@ -15,7 +15,7 @@ from cairn.model.config import ModelConfig
 from cairn.model.families import family_of
 from cairn.model.hybrid import HybridModel
 from cairn.model.loader import build_model
-from cairn.tokenizer import ByteTokenizer
+from cairn.request.tokenizer import ByteTokenizer
 
 DEMO_NAME = "cairn-demo"
 
