@@ -52,3 +52,15 @@ def test_the_cpu_ops_cpp_sources_ship_as_package_data():
     ops = REPO_ROOT / "cairn" / "ops"
     files = [p.relative_to(ops).as_posix() for p in (ops / "csrc").iterdir()]
     assert files and all(any(fnmatch.fnmatch(f, pat) for pat in patterns["cairn.ops"]) for f in files)
+
+
+def test_every_folder_of_python_modules_is_a_package_the_wheel_finds():
+    """[tool.setuptools.packages.find] finds only folders with an __init__.py: one without (cairn/model/ had none, a
+    namespace package the editable install imports all the same) is left out of a wheel, and `pip install .` gives
+    a cairn whose every model import fails."""
+    from setuptools import find_packages
+
+    found = set(find_packages(str(REPO_ROOT), include=["cairn*"]))
+    folders = {".".join(p.parent.relative_to(REPO_ROOT).parts) for p in (REPO_ROOT / "cairn").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert folders <= found, f"folders of modules a wheel leaves out (no __init__.py): {sorted(folders - found)}"
