@@ -12,9 +12,9 @@ import torch
 
 from cairn.request.grammar import GrammarCompiler, allowed_masks, lark_tag, special_tokens
 from cairn.request.sampling_params import StructuredOutput
+from cairn.request.tokenizer import ByteTokenizer, HFTokenizer
 from cairn.server.chat.call_grammar import calls_grammar
 from cairn.server.chat.parsers import ToolCallParser
-from cairn.request.tokenizer import ByteTokenizer, HFTokenizer
 from tests.test_chat_templates import FIXTURES, write_checkpoint_tokenizer
 
 VOCAB = 320  # the tiny checkpoints' embedding rows: more than either tokenizer's tokens

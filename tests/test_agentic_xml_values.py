@@ -26,9 +26,9 @@ import pytest
 
 from cairn.errors import SamplingError
 from cairn.request.grammar import allowed_masks
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.chat.parsers import ToolCallParser, parse_call
 from cairn.server.chat.string_regex import FORMATS, pattern_regex
-from cairn.request.tokenizer import ByteTokenizer
 from tests.server_process import served_fixture
 from tests.test_agentic_grammar import VOCAB, compile_calls, drive
 

@@ -12,10 +12,10 @@ import json
 import pytest
 
 from cairn.request.sampling_params import StructuredOutput
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.chat.call_grammar import call_format
 from cairn.server.chat.output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
 from cairn.server.chat.parsers import ReasoningParser, ToolCallParser, parse_call
-from cairn.request.tokenizer import ByteTokenizer
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                                           "units": {"type": "object"}}},

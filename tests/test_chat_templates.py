@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cairn.server.openai.protocol import ChatCompletionRequest
 from cairn.request.tokenizer import ByteTokenizer, HFTokenizer
+from cairn.server.openai.protocol import ChatCompletionRequest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "templates"
 TEMPLATES = ("qwen3_5_xml_tools.jinja", "qwen3_json_tools.jinja")

@@ -18,9 +18,9 @@ import pytest
 
 from cairn.errors import PromptTooLong
 from cairn.request.prompt import tokenize_prompt
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.engine_io.offload import Offload
 from cairn.server.engine_io.workers import ProcessWorkers, WorkerDied, WorkersClosed
-from cairn.request.tokenizer import ByteTokenizer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo " * 20}]
 

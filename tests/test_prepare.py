@@ -13,11 +13,11 @@ from fastapi.exceptions import RequestValidationError
 
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.request.prompt import tokenize_prompt
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.engine_io.offload import Offload
 from cairn.server.errors import APIError, ServerShuttingDown
 from cairn.server.prepare import TEXT_FIELDS, UNPACK_IDS, Prepared, prepare, prepare_here
 from cairn.server.serving import ServingContext
-from cairn.request.tokenizer import ByteTokenizer
 
 MAX_MODEL_LEN = 1000
 CTX = ServingContext(None, None, ByteTokenizer(), "cairn-demo", frozenset(), MAX_MODEL_LEN, vocab_size=300)

@@ -14,13 +14,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from cairn.cache.stats import CacheStats, DiskStats
 from cairn.errors import ChatTemplateError, QueueFull, RequestTooLarge, SamplingError
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.anthropic.messages import MessagesRequest
 from cairn.server.engine_io.bridge import EngineBridge
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception
 from cairn.server.metrics import EngineStats, cache_families
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from cairn.server.openai.response_bodies import TextOffsets, chat_logprobs, completion_logprobs
-from cairn.request.tokenizer import ByteTokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -12,11 +12,11 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 
+from cairn.request.tokenizer import ByteTokenizer
 from cairn.server.engine_io.offload import Offload
 from cairn.server.errors import APIError
 from cairn.server.serving import ServingContext
 from cairn.server.tokenize import respond
-from cairn.request.tokenizer import ByteTokenizer
 
 
 class RefusedInServer(ByteTokenizer):

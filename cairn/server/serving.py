@@ -30,11 +30,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from cairn.engine.outputs import Completion, RequestOutput, accumulate
+from cairn.request.tokenizer import Tokenizer
 from cairn.server.engine_io.bridge import EngineBridge, RequestStream, Submission
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, model_not_found
 from cairn.server.http.middleware import current_request_id
 from cairn.server.metrics import ServerMetrics
-from cairn.request.tokenizer import Tokenizer
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any
 from cairn.errors import ChatTemplateError
 from cairn.request.grammar import lark_tag
 from cairn.request.sampling_params import StructuredOutput
+from cairn.request.tokenizer import Tokenizer
 from cairn.server.chat.call_grammar import call_format, calls_grammar
 from cairn.server.chat.parsers import (
     CALL_END,
@@ -36,7 +37,6 @@ from cairn.server.chat.parsers import (
     ReasoningParser,
     ToolCallParser,
 )
-from cairn.request.tokenizer import Tokenizer
 
 PROBE = [{"role": "user", "content": "probe"}]  # rendered to see how the generation prompt ends
 PROBE_WITH_SYSTEM = [{"role": "system", "content": "probe"}, *PROBE]  # for a template that requires a system message

@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
+from cairn.request.tokenizer import TEMPLATE_VARIABLES_SET_HERE
 from cairn.server.chat.strict import Strict
 from cairn.server.errors import APIError
-from cairn.request.tokenizer import TEMPLATE_VARIABLES_SET_HERE
 
 # ---- tools --------------------------------------------------------------------------------------
 

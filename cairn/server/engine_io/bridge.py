@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cairn.engine.engine import Engine, StepFailed
+from cairn.engine.outputs import RequestOutput
 from cairn.errors import PromptTooLong, RequestTooLarge
 from cairn.request.grammar import BudgetedGrammar, Grammar
-from cairn.engine.outputs import RequestOutput
 from cairn.request.prompt import TokenizedPrompt
 from cairn.request.sampling_params import SamplingParams
 from cairn.server.engine_io.offload import Offload

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cairn.request.prompt import TokenizedPrompt, tokenize_prompt
-from cairn.server.engine_io.workers import ProcessWorkers, in_thread
 from cairn.request.tokenizer import Tokenizer
+from cairn.server.engine_io.workers import ProcessWorkers, in_thread
 
 LARGE_INPUT_BYTES = 256 << 10  # bodies and prompts from this size on are handled in a worker process
 NUM_THREADS = 2

@@ -15,8 +15,8 @@ from dataclasses import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cairn.errors import RequestTooLarge
 from cairn.engine.outputs import Completion, RequestOutput
+from cairn.errors import RequestTooLarge
 from cairn.server.chat.output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
 from cairn.server.chat.schema import NamedToolChoice
 from cairn.server.engine_io.bridge import Submission

@@ -38,8 +38,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cairn.errors import ChatTemplateError, RequestTooLarge
 from cairn.engine.outputs import Completion
+from cairn.errors import ChatTemplateError, RequestTooLarge
+from cairn.request.tokenizer import Tokenizer
 from cairn.server.chat.output import ChatDelta, ChatPlan, ChatShaper
 from cairn.server.chat.parsers import THINK_END, THINK_START, ParsedToolCall
 from cairn.server.engine_io.bridge import Submission
@@ -54,7 +55,6 @@ from cairn.server.openai.responses.request import (
     in_responses_names,
 )
 from cairn.server.serving import Generation, ServingContext, SSEResponse, start_generation
-from cairn.request.tokenizer import Tokenizer
 
 RESPONSE_ID_HEADER = "x-cairn-response-id"
 MAX_STORED_RESPONSES = 1024  # ResponseStore's count cap
