@@ -3,6 +3,7 @@ only tests that exist, and its layer table is the one tests/test_layering.py enf
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -62,3 +63,55 @@ def test_the_readme_layout_names_every_module_and_package_of_cairn():
     modules = {p.name for p in (ROOT / "cairn").glob("*.py") if p.name != "__init__.py"}
     packages = {p.name for p in (ROOT / "cairn").iterdir() if (p / "__init__.py").is_file()}
     assert not (modules | packages) - named, f"README.md's layout leaves out: {sorted((modules | packages) - named)}"
+
+
+def _map_text_per_folder() -> dict[str, str]:
+    """docs/architecture.md's map of cairn/: for each folder ("cairn", "cairn.cache.disk", ...) the text of its own
+    rows (a folder row is `name/` indented two spaces per level; the rows below it, until the next folder row at its
+    level or above, are its own)."""
+    block = ARCHITECTURE.read_text().split("\n```\ncairn/\n", 1)[1].split("\n```", 1)[0]
+    own, stack = {"cairn": []}, []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        folder = re.match(r"^ +([a-z_]+)/(\s|$)", line)
+        if folder and indent % 2 == 0 and indent >= 2:
+            stack = stack[: indent // 2 - 1] + [folder.group(1)]
+            own[".".join(["cairn", *stack])] = [line[folder.end():]]
+        else:
+            if indent == 2:
+                stack = []  # a top-level module's row
+            own[".".join(["cairn", *stack])].append(line)
+    return {folder: " ".join(rows) for folder, rows in own.items()}
+
+
+def test_the_architecture_map_names_every_folder_and_module_of_cairn():
+    """The map in docs/architecture.md is `ls -R cairn` explained: each folder has its row, and each module (and C++
+    source) is named in its own folder's rows."""
+    rows, missing = _map_text_per_folder(), []
+    for path in sorted((ROOT / "cairn").rglob("*")):
+        rel = path.relative_to(ROOT)
+        if "__pycache__" in rel.parts or path.name == "__init__.py":
+            continue
+        if path.is_dir():
+            missing += [] if ".".join(rel.parts) in rows else [f"{rel}/"]
+        elif path.suffix in (".py", ".cpp", ".h"):
+            words = set(re.findall(r"[\w.]+", rows.get(".".join(rel.parent.parts), "")))
+            missing += [] if path.name in words or path.stem in words else [str(rel)]
+    assert not missing, f"docs/architecture.md's map of cairn/ leaves out: {missing}"
+
+
+def test_every_package_of_cairn_says_what_it_holds():
+    silent = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "cairn").rglob("__init__.py"))
+              if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()]
+    assert not silent, f"packages whose __init__.py has no docstring: {silent}"
+
+
+def test_the_testing_map_names_every_test_file():
+    """docs/testing.md's map places every tests/test_*.py under the package folder whose behaviour it checks."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    table = text.split("## Where a behaviour's test lives", 1)[1].split("\n## ", 1)[0]
+    named = {re.sub(r"\s*\(.*\)", "", cell).strip() for row in table.splitlines() if row.startswith("| `") or
+             row.startswith("| the ") for cell in row.split("|")[2].split(",")}
+    files = {p.stem.removeprefix("test_") for p in (ROOT / "tests").glob("test_*.py")}
+    assert not files - named, f"test files docs/testing.md's map leaves out: {sorted(files - named)}"
+    assert not named - files, f"docs/testing.md's map names test files that do not exist: {sorted(named - files)}"
