@@ -62,7 +62,8 @@ def module_or_file(module, path: str | None):
 
 def baseline_kernel(path: str | None, isa: str | None) -> cpu_gemv.GemvKernel:
     module = module_or_file(cpu_gemv, path)
-    kernel = module.load(module.cpu_flags(), isa) if isa else module.load(module.cpu_flags())
+    flags = cpu_isa.cpu_flags()
+    kernel = module.load(flags, isa) if isa else module.load(flags)
     if isinstance(kernel, str):
         raise SystemExit(f"the baseline kernel does not load: {kernel}")
     return kernel
