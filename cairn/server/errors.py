@@ -64,6 +64,9 @@ class APIError(Exception):
     code: str | None = None
     headers: dict[str, str] | None = None
 
+    def __post_init__(self):
+        self.message, self.param = printable(self.message), self.param and printable(self.param)
+
     def __str__(self) -> str:
         return f"{self.status} {self.code or self.type}: {self.message}"
 
@@ -86,6 +89,13 @@ class APIError(Exception):
 
     def body_bytes(self, path: str = "") -> bytes:
         return json.dumps(self.body_for(path)).encode()
+
+
+def printable(text: str) -> str:
+    """`text` with each lone UTF-16 surrogate (JSON's `\\ud800` escape without its pair, in a key or value a
+    client sent) written as that escape: UTF-8, the response and the log cannot encode it, and an error naming
+    such a field failed while it was rendered (a 500 and a traceback)."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def model_not_found(name: str) -> APIError:
