@@ -76,16 +76,21 @@ class ServerOptions:
     def host_names(self) -> frozenset[str] | None:
         """The Host names this server answers, None for any: bound to a loopback address, its own names and
         allowed_hosts; bound to another address (0.0.0.0, a LAN address), any (it serves other machines)."""
-        extra = {h.strip().lower() for h in (self.allowed_hosts or "").split(",") if h.strip()}
-        if "*" in extra or not is_loopback(self.host):
-            return None
-        bound = f"[{self.host}]" if ":" in self.host else self.host.lower()
-        return frozenset({"localhost", "127.0.0.1", "[::1]", bound, *extra})
+        return loopback_host_names(self.host, self.allowed_hosts)
 
     @property
     def origins(self) -> list[str]:
         """The allowed CORS origins, parsed from allowed_origins."""
         return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+
+
+def loopback_host_names(host: str, allowed_hosts: str | None) -> frozenset[str] | None:
+    """The Host names a server listening on `host` answers (see `ServerOptions.host_names`; `cairn router`'s too)."""
+    extra = {h.strip().lower() for h in (allowed_hosts or "").split(",") if h.strip()}
+    if "*" in extra or not is_loopback(host):
+        return None
+    bound = f"[{host}]" if ":" in host else host.lower()
+    return frozenset({"localhost", "127.0.0.1", "[::1]", bound, *extra})
 
 
 def is_loopback(host: str) -> bool:
