@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import typing
+from pathlib import Path
 
 from cairn import __version__
 from cairn.config import ConfigError
@@ -132,8 +133,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def run_serve(ns: argparse.Namespace) -> int:
     from cairn.server.options import ServerOptions
 
-    if ns.api_key is None and os.environ.get("CAIRN_API_KEY"):
-        ns.api_key = os.environ["CAIRN_API_KEY"]
+    _secret(ns, "api_key", "CAIRN_API_KEY")
+    _secret(ns, "remote_cache", "CAIRN_REMOTE_CACHE")
     options = build_group(ServerOptions, ns)
     check_port(options.host, options.port)
     check_model(ns.model, ns.quantization)
@@ -141,6 +142,25 @@ def run_serve(ns: argparse.Namespace) -> int:
     from cairn.server.main import serve  # imports torch and the server: after the one-line checks
 
     return serve(config, options)
+
+
+def _secret(ns: argparse.Namespace, name: str, variable: str) -> None:
+    """`ns.<name>` (the API key, the Redis URL) from its flag, else its `--<name>-file` (the file's first line),
+    else the environment `variable`: a file or the environment keeps a secret out of the process list."""
+    flag, path = "--" + name.replace("_", "-"), getattr(ns, f"{name}_file")
+    if path is None:
+        if getattr(ns, name) is None and os.environ.get(variable):
+            setattr(ns, name, os.environ[variable])
+        return
+    if getattr(ns, name) is not None:
+        raise UserError(f"{flag} and {flag}-file both given: give one")
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag}-file {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not lines or not lines[0].strip():
+        raise UserError(f"{flag}-file {path}: its first line is empty")
+    setattr(ns, name, lines[0].strip())
 
 
 def _lazy(module: str) -> tuple[typing.Callable, typing.Callable]:

@@ -156,9 +156,11 @@ class CacheOptions:
                                   "once (durable across restarts); otherwise only what the host tier evicts")
     disk_compression: str = _f("none", "compression of disk segments: none, zstd or lz4",
                                choices=("none", "zstd", "lz4"))
-    remote_cache: str | None = _f(None, "Redis URL of a remote tier shared by replicas (redis://HOST:PORT/DB, "
-                                  "rediss://, redis+cluster://HOST:PORT or ?cluster=true), the slowest tier, after "
-                                  "disk; none by default")
+    remote_cache: str | None = field(default=None, repr=False, metadata={  # (it may hold a password: kept out of repr)
+        "help": "Redis URL of a remote tier shared by replicas (redis://HOST:PORT/DB, rediss://, "
+                "redis+cluster://HOST:PORT or ?cluster=true), the slowest tier, after disk; none by default. A URL "
+                "with a password is better given by `cairn serve --remote-cache-file` or CAIRN_REMOTE_CACHE, out of "
+                "the process list"})
 
     def __post_init__(self):
         # a disk budget of 0 would hold nothing, and the lock holder's start-up would delete every segment stored
@@ -175,8 +177,8 @@ class CacheOptions:
         # the schemes cairn.cache.remote.client.split_url takes, checked here before anything slow (the remote
         # tier parses its URL only when it first connects, on a thread of its own)
         if self.remote_cache is not None and not re.match(r"rediss?(\+cluster)?://", self.remote_cache, re.I):
-            raise ConfigError(f"--remote-cache must be a redis://, rediss:// or redis+cluster:// URL, "
-                              f"got {self.remote_cache!r}")
+            raise ConfigError("--remote-cache must be a redis://, rediss:// or redis+cluster:// URL (the value "
+                              "given is not shown: it may hold a password)")
 
     @property
     def host_cache_bytes(self) -> int:

@@ -130,6 +130,7 @@ def test_markers_that_are_not_a_writers_are_ignored_and_never_waited_for(redis_s
     ("redis://:secret@h:6379/0", "redis://:***@h:6379/0"),
     ("rediss://user:secret@h:6380", "rediss://user:***@h:6380"),
     ("redis://h:6379/0", "redis://h:6379/0"),
+    ("redis://h:6379/0?password=secret&cluster=true", "redis://h:6379/0?password=***&cluster=true"),
 ])
 def test_a_url_in_a_log_line_never_shows_its_password(url, shown):
     assert redacted(url) == shown

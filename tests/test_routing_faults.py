@@ -147,6 +147,17 @@ def test_a_body_that_is_not_json_is_passed_on_and_nothing_remembered():
         assert health(router)["remembered_prefixes"] == 0
 
 
+def test_a_host_that_does_not_name_a_loopback_router_is_a_421_and_its_replicas_still_answer_it():
+    """The router sends each replica the replica's own Host (its URL's), so a DNS rebinding page's Host stops at
+    the router: it answers 421 itself, and routes what names it."""
+    with routed(Script()) as (router, (replica,)):
+        port = router.base_url.rsplit(":", 1)[1]
+        for path in ("/health", "/v1/models"):
+            resp = httpx.get(router.base_url + path, headers={"host": f"evil.example:{port}"}, timeout=30)
+            assert resp.status_code == 421 and resp.json()["error"]["code"] == "invalid_host", resp.text
+        assert chat(router).status_code == 200 and replica.script.generations == ["/v1/chat/completions"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_router_stopped_by_sigterm_or_ctrl_c_exits_0_as_cairn_serve_does(sig):
     """An operator's SIGTERM (as a supervisor sends) or Ctrl-C ends the router cleanly, status 0, nothing on

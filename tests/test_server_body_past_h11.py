@@ -30,7 +30,7 @@ def padded(body: dict, size: int = DIRECT_BODY_BYTES + 12345) -> bytes:
 
 
 def head(path: str, content_length: int, extra: bytes = b"") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             f"content-length: {content_length}\r\n").encode() + extra + b"\r\n"
 
 
@@ -117,7 +117,7 @@ def test_chunked_body_with_a_large_content_length_goes_through_h11(server):
         sock.sendall(head("/v1/chat/completions", 4 * DIRECT_BODY_BYTES,
                           b"transfer-encoding: chunked\r\nexpect: 100-continue\r\n"))
         assert sock.recv(65536).startswith(b"HTTP/1.1 100 ")
-        sock.sendall(chunked + b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        sock.sendall(chunked + b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
         answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
     assert answer.count(b"HTTP/1.1 200 ") == 2  # the chat, then /health on the same connection
@@ -132,7 +132,7 @@ def test_bytes_sent_after_a_body_past_h11_do_not_end_its_answer_as_a_disconnect(
         sock.sendall(head("/v1/chat/completions", len(body)) + body)
         time.sleep(0.3)  # the body has been taken: these bytes come after its end, in a read of their own
         with contextlib.suppress(OSError):  # (a machine fast enough to have answered already closed the socket)
-            sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
         answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
     assert answer.count(b"HTTP/1.1 ") == 1

@@ -72,7 +72,7 @@ def assert_still_serving(server) -> None:
 
 
 def test_request_head_trickled_byte_by_byte_gets_408_and_is_closed(server):
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Slow: " + b"a" * 200
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: [::1]\r\nContent-Type: application/json\r\nX-Slow: " + b"a" * 200
     with connect(server.base_url) as sock:
         answer = trickle_until_answered(sock, head, every_s=0.3)
     assert status_and_code(answer) == (408, "request_timeout"), answer
@@ -87,7 +87,7 @@ def test_connection_that_never_sends_a_request_is_closed(server):
 
 def test_body_trickled_at_one_byte_per_half_second_gets_408(server):
     body = b'{"prompt": "slow", "max_tokens": 1}'
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
     with connect(server.base_url) as sock:
         sock.sendall(head)
@@ -169,7 +169,8 @@ def test_client_not_reading_the_last_answer_of_its_connection_gets_nothing_after
         sock.settimeout(30)
         sock.connect((host, int(port)))
         before, log_before = requests_total(server, "/tokenize", 200), len(server.log())
-        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         deadline = time.monotonic() + 60
         while requests_total(server, "/tokenize", 200) == before:  # the answer is complete on the server's side

@@ -98,7 +98,7 @@ def test_request_whose_body_is_still_arriving_at_shutdown_ends_with_one_line_and
     try:
         port = int(srv.base_url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: cairn\r\nContent-Type: application/json\r\n"
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")  # and the rest never comes
             time.sleep(1.0)  # the request's task is waiting for the body
             srv.signal(signal.SIGTERM)

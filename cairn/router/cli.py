@@ -29,6 +29,8 @@ def run(ns: argparse.Namespace) -> int:
 
     from cairn.router.app import create_app
     from cairn.server.http.connections import guarded_protocol
+    from cairn.server.http.middleware import HostCheck
+    from cairn.server.options import loopback_host_names
 
     class RouterServer(uvicorn.Server):
         """Ends `cairn router` with status 0 after SIGTERM / SIGINT, as `cairn serve` does: uvicorn's own
@@ -38,7 +40,9 @@ def run(ns: argparse.Namespace) -> int:
             self.force_exit = self.should_exit  # a second signal: stop waiting for the answers in flight
             self.should_exit = True
 
-    server = RouterServer(uvicorn.Config(create_app(ns.replica, options), host=options.host, port=options.port,
+    app, names = create_app(ns.replica, options), loopback_host_names(options.host, options.allowed_hosts)
+    server = RouterServer(uvicorn.Config(app if names is None else HostCheck(app, names), host=options.host,
+                                         port=options.port,
                                          log_level="warning",  # (the request-head deadline and connection cap
                                          http=guarded_protocol(options.header_timeout_s, options.max_connections)))
     log.info("routing to %d replica(s) (%s) on http://%s:%d", len(ns.replica), ", ".join(ns.replica), options.host,

@@ -31,6 +31,9 @@ class RouterOptions:
     body_timeout_s: float = _f(60.0, "seconds a client may take to send a request body; then 408 (0: no limit)")
     max_connections: int = _f(1024, "open client connections allowed at once; one more gets 503 and is closed "
                                     "(0: no cap)")
+    allowed_hosts: str | None = _f(None, "comma-separated Host names the router, bound to a loopback address, "
+                                         "answers besides localhost, 127.0.0.1, [::1] and --host (others get 421, "
+                                         "as a DNS rebinding page sends), or '*' for any; default: none")
     remembered_prefixes: int = _f(1 << 17, "conversation prefixes (one per message) whose replica the router "
                                            "remembers, so that a conversation's next turn goes back there without "
                                            "probing the replicas; 0: probe for every request")

@@ -8,13 +8,17 @@
                                 GET / DELETE /v1/responses/{id}: a stored response
     POST /tokenize, /detokenize text or chat messages to token ids and back (see `tokenize`)
     GET  /v1/models             the served model; GET /v1/models/{name} one model or 404
-    GET  /health                200 while the engine can make progress, else 503 (never needs the API key)
+    GET  /health                liveness: 200 while the engine can make progress, else 503 (never needs the API
+                                key; answered on a connection over --max-connections too: busy is alive)
+    GET  /ready                 readiness: 200 when a request sent now would be taken, else 503 (the engine
+                                cannot make progress, the server is shutting down, or the connection cap is reached)
     GET  /metrics               Prometheus text (this app's own registry; see `metrics`)
     POST /v1/cache/probe        where a request would resume here, and the queue (see `probe`; for `cairn router`);
                                 /v1/cache/probe/messages, /v1/cache/probe/responses: the same for an
                                 Anthropic Messages body, a Responses body
 
-With --api-key every route but /health (and /metrics with --metrics-public) needs `Authorization:
+POST bodies must be sent as JSON (Content-Type application/json or application/*+json, else 415). With
+--api-key every route but /health and /ready (and /metrics with --metrics-public) needs `Authorization:
 Bearer <key>` or `x-api-key: <key>`; --allowed-origins turns CORS on; a client's X-Request-Id is
 echoed and shows in the request's id (`chatcmpl-<X-Request-Id>-<random>`) and log lines.
 
@@ -48,7 +52,16 @@ from cairn.server.anthropic import messages as anthropic
 from cairn.server.engine_io.bridge import EngineBridge
 from cairn.server.engine_io.offload import Offload
 from cairn.server.errors import APIError, from_exception, from_validation_errors
-from cairn.server.http.middleware import APIKeyAuth, BodySizeLimit, RequestCounter, RequestId, current_request_id
+from cairn.server.http.middleware import (
+    OVER_CAP,
+    APIKeyAuth,
+    BodySizeLimit,
+    ConnectionCap,
+    JSONBodiesOnly,
+    RequestCounter,
+    RequestId,
+    current_request_id,
+)
 from cairn.server.metrics import EngineStats, ServerMetrics
 from cairn.server.openai.chat import chat_completions
 from cairn.server.openai.completions import completions
@@ -62,7 +75,7 @@ from cairn.server.serving import ServingContext, new_request_id
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-             "/v1/responses", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics", probe.PATH,
+             "/v1/responses", "/tokenize", "/detokenize", "/v1/models", "/health", "/ready", "/metrics", probe.PATH,
              probe.MESSAGES_PATH, probe.RESPONSES_PATH)
 ENGINE_STOP_TIMEOUT_S = 5.0  # at lifespan shutdown, how long to wait for the engine thread before saying so
 STATS_TIMEOUT_S = 5.0  # how long /metrics waits for the engine thread between two steps
@@ -231,6 +244,15 @@ def add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
             return JSONResponse({"status": "ok"})
         return error_response(APIError(503, reason, "server_error", code="unhealthy"))
 
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        reason = ctx.bridge.unhealthy() or ("The server is shutting down." if ctx.bridge.draining else None)
+        if reason is None and request.scope.get(OVER_CAP):
+            reason = "The server has as many connections open as --max-connections allows."
+        if reason is None:
+            return JSONResponse({"status": "ready"})
+        return error_response(APIError(503, reason, "server_error", code="not_ready"))
+
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
@@ -271,16 +293,20 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
 
 
 def add_middlewares(app: FastAPI, options: ServerOptions, metrics: ServerMetrics) -> None:
-    """From the outside in: request counter (counts every answer, 401s and 413s included), CORS (answers
-    preflights), X-Request-Id, API key, body limits (so an unauthorized body is never read), the app."""
+    """From the outside in: request counter (counts every answer, 401s and 413s included), the connection cap's
+    503 (but /health), CORS (answers preflights), X-Request-Id, API key, JSON bodies only (415), body limits (so
+    an unauthorized or non-JSON body is never read), the app. (The Host check wraps the app in `main`: the
+    in-process app answers any Host.)"""
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes, timeout_s=options.body_timeout_s,
                        max_bytes_per_s=options.body_read_mib_per_s * MIB)
+    app.add_middleware(JSONBodiesOnly)
     if options.api_key:
-        public = ("/health", "/metrics") if options.metrics_public else ("/health",)
+        public = ("/health", "/ready", "/metrics") if options.metrics_public else ("/health", "/ready")
         app.add_middleware(APIKeyAuth, api_key=options.api_key, public_paths=public)
     app.add_middleware(RequestId)
     if options.origins:
         app.add_middleware(CORSMiddleware, allow_origins=options.origins, allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "X-Api-Key", "Content-Type", "X-Request-Id"],
                            expose_headers=["X-Request-Id"])
+    app.add_middleware(ConnectionCap, max_connections=options.max_connections)
     app.add_middleware(RequestCounter, counter=metrics.requests, endpoints=ENDPOINTS)

@@ -23,11 +23,15 @@ cairn.errors, the only part of cairn it imports.
 | unknown model                                | 404    | invalid_request_error | model_not_found         |
 | head or body slower than --*-timeout-s       | 408    | invalid_request_error | request_timeout         |
 | body over --max-request-bytes                | 413    | invalid_request_error | request_too_large       |
+| a POST body not sent as JSON (Content-Type)  | 415    | invalid_request_error | unsupported_media_type  |
+| a Host naming no name of a loopback server   | 421    | invalid_request_error | invalid_host            |
 | QueueFull                                    | 429    | rate_limit_error      | queue_full              |
 | client closed the connection (not sent)      | 499    | invalid_request_error | client_closed           |
 | EngineFailure, any other exception           | 500    | server_error          | internal_error          |
 | ServerShuttingDown                           | 503    | server_error          | shutting_down           |
 | a connection over --max-connections          | 503    | server_error          | too_many_connections    |
+|   (its /health is answered: busy is alive)   |        |                       |                         |
+| /ready while not ready (see app)             | 503    | server_error          | not_ready               |
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class APIError(Exception):
     code: str | None = None
     headers: dict[str, str] | None = None
 
+    def __post_init__(self):
+        self.message, self.param = printable(self.message), self.param and printable(self.param)
+
     def __str__(self) -> str:
         return f"{self.status} {self.code or self.type}: {self.message}"
 
@@ -86,6 +93,13 @@ class APIError(Exception):
 
     def body_bytes(self, path: str = "") -> bytes:
         return json.dumps(self.body_for(path)).encode()
+
+
+def printable(text: str) -> str:
+    """`text` with each lone UTF-16 surrogate (JSON's `\\ud800` escape without its pair, in a key or value a
+    client sent) written as that escape: UTF-8, the response and the log cannot encode it, and an error naming
+    such a field failed while it was rendered (a 500 and a traceback)."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def model_not_found(name: str) -> APIError:

@@ -13,7 +13,8 @@ without delay, and the lifespan waits for a step at most `app.ENGINE_STOP_TIMEOU
 is still stopped and the disk cache closed unless a step outlasts that). A task uvicorn has to
 cancel logs one line, not a CancelledError traceback.
 
-Connections are served by `connections.GuardedH11Protocol` (request-head deadline, connection cap).
+Connections are served by `connections.GuardedH11Protocol` (request-head deadline, connection cap). Bound to a
+loopback address, the app answers only the Host names of `ServerOptions.host_names` (`middleware.HostCheck`).
 Before serving, every object alive after start-up (the model, the tokenizer, the imported libraries)
 is frozen out of the garbage collector's reach (`settle_heap`): a full collection otherwise walks
 them all, holding the interpreter lock for 175-220 ms (demo model) in the middle of an engine step,
@@ -35,6 +36,7 @@ from cairn.engine.engine import Engine
 from cairn.server.app import create_app
 from cairn.server.http.access_log import AccessLog
 from cairn.server.http.connections import guarded_protocol
+from cairn.server.http.middleware import HostCheck
 from cairn.server.options import ServerOptions
 
 log = logging.getLogger(__name__)
@@ -106,9 +108,10 @@ def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
     engine = Engine(engine_config)
     app = create_app(engine, options)
     bridge = app.state.ctx.bridge
-    config = uvicorn.Config(QuietCancellation(AccessLog(app) if options.access_log else app), host=options.host,
-                            port=options.port, log_config=None, access_log=False, lifespan="on",
-                            http=guarded_protocol(options.header_timeout_s, options.max_connections),
+    served = app if options.host_names is None else HostCheck(app, options.host_names)
+    protocol = guarded_protocol(options.header_timeout_s, options.max_connections, probes_over_cap=True)
+    config = uvicorn.Config(QuietCancellation(AccessLog(served) if options.access_log else served), host=options.host,
+                            port=options.port, log_config=None, access_log=False, lifespan="on", http=protocol,
                             timeout_graceful_shutdown=options.shutdown_timeout_s + SHUTDOWN_GRACE_S)
     server = GracefulServer(config, bridge.drain, options.shutdown_timeout_s, bridge.hurry)
     app.state.ctx.metrics.gc.num_frozen_objects = settle_heap()

@@ -6,6 +6,7 @@ for the engine option groups. This module is plain data: it imports neither Fast
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 
@@ -40,9 +41,17 @@ class ServerOptions:
     api_key: str | None = field(default=None, repr=False, metadata={  # (a secret: kept out of repr)
         "help": "require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health (401 "
                 "otherwise); the CAIRN_API_KEY environment variable sets it too, and keeps it out of the process list"})
+    api_key_file: str | None = _f(None, "read the API key from this file (its first line; e.g. a secret a container "
+                                        "mounts), which keeps it out of the process list and the shell history")
+    remote_cache_file: str | None = _f(None, "read --remote-cache's Redis URL from this file (its first line), which "
+                                             "keeps its password out of the process list; the CAIRN_REMOTE_CACHE "
+                                             "environment variable sets it too")
     metrics_public: bool = _f(False, "serve /metrics without the API key")
     allowed_origins: str | None = _f(None, "comma-separated origins browsers may call the API from (CORS), or '*'; "
                                            "default: none")
+    allowed_hosts: str | None = _f(None, "comma-separated Host names a server bound to a loopback address answers "
+                                         "besides localhost, 127.0.0.1, [::1] and --host (others get 421, as a DNS "
+                                         "rebinding page sends), or '*' for any; default: none")
     reasoning_parser: str = _f("qwen3", "how chat answers are split into reasoning and content: qwen3 (<think> text "
                                         "becomes reasoning_content) or none (all content)", choices=REASONING_PARSERS)
     tool_call_parser: str = _f("qwen3", "how tool calls are read from chat answers: qwen3 (<tool_call> blocks, Qwen3.5 "
@@ -64,6 +73,31 @@ class ServerOptions:
             raise ConfigError("--served-model-name must not be empty")
 
     @property
+    def host_names(self) -> frozenset[str] | None:
+        """The Host names this server answers, None for any: bound to a loopback address, its own names and
+        allowed_hosts; bound to another address (0.0.0.0, a LAN address), any (it serves other machines)."""
+        return loopback_host_names(self.host, self.allowed_hosts)
+
+    @property
     def origins(self) -> list[str]:
         """The allowed CORS origins, parsed from allowed_origins."""
         return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+
+
+def loopback_host_names(host: str, allowed_hosts: str | None) -> frozenset[str] | None:
+    """The Host names a server listening on `host` answers (see `ServerOptions.host_names`; `cairn router`'s too)."""
+    extra = {h.strip().lower() for h in (allowed_hosts or "").split(",") if h.strip()}
+    if "*" in extra or not is_loopback(host):
+        return None
+    bound = f"[{host}]" if ":" in host else host.lower()
+    return frozenset({"localhost", "127.0.0.1", "[::1]", bound, *extra})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address to listen on is this machine's own (localhost, 127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -40,7 +40,7 @@ def split_url(url: str) -> tuple[str, bool]:
     if scheme.endswith("+cluster"):
         scheme, cluster = scheme.removesuffix("+cluster"), True
     if scheme not in ("redis", "rediss"):
-        raise ValueError(f"--remote-cache must be a redis://, rediss:// or redis+cluster:// URL, got {url!r}")
+        raise ValueError(f"--remote-cache must be a redis://, rediss:// or redis+cluster:// URL, got {redacted(url)!r}")
     query = []
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name == "cluster":
@@ -76,12 +76,14 @@ def _refused(error: Exception) -> bool:
 
 
 def redacted(url: str) -> str:
-    """The URL without its password, for log lines."""
+    """The URL without its password (in the user part, or redis-py's `?password=`), for log lines."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    query = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return urlunsplit((parts.scheme, netloc, parts.path, urlencode(query, safe="*") if query else parts.query,
+                       parts.fragment))
 
 
 class Breaker:

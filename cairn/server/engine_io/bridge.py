@@ -164,6 +164,11 @@ class EngineBridge:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def draining(self) -> bool:
+        """Shutting down: new requests are refused."""
+        return self._draining
+
     def unhealthy(self) -> str | None:
         """Why the engine cannot make progress (None when it can): its thread is dead, its last steps all
         failed, or every working slot is held while nothing runs. Clears as soon as it can again."""

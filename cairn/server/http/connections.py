@@ -4,8 +4,12 @@ head, and a cap on open connections), and a large body received past h11.
 - head deadline: from the moment a connection opens (or its previous response ends), the client has
   `header_timeout_s` to send a complete request line and headers; otherwise it gets a 408 and the
   connection is closed. A client trickling its headers (slowloris) cannot hold a connection.
-- connection cap: a connection opened while `max_connections` others are open gets a 503 at once
-  and is closed, before anything is read from it.
+- connection cap: a connection opened while `max_connections` others are open gets a 503 and is closed.
+  With `probes_over_cap` (cairn serve's, for its /health: a busy server is alive) its request is read
+  first, if its head arrives within OVER_CAP_HEAD_TIMEOUT_S and fewer than CAP_HEADROOM others are over
+  the cap: the request's scope is marked (`middleware.OVER_CAP`), the app answers /health and /ready and
+  503 to the rest (`middleware.ConnectionCap`), and the connection closes after that answer. Otherwise
+  the 503 is sent before anything is read.
 - large body past h11: a request whose Content-Length is DIRECT_BODY_BYTES or more (and that is not
   chunked: Transfer-Encoding wins, and its framing is h11's) gets its body
   as the transport read it, each piece handed to the app as it is (`_take_body`), never given to
@@ -38,35 +42,42 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cairn.server.errors import APIError
+from cairn.server.http.middleware import OVER_CAP, too_many_connections
 
 log = logging.getLogger(__name__)
 REASONS = {408: b"Request Timeout", 503: b"Service Unavailable"}
 DIRECT_BODY_BYTES = 1 << 20  # a Content-Length body from this size on is received past h11 (see the docstring)
 DIRECT_READ_BYTES = 1 << 20  # the socket read size while a body is received past h11
 CLOSE_HEADER = (b"connection", b"close")
+CAP_HEADROOM = 16  # connections over max_connections whose request is read (to answer /health), at most
+OVER_CAP_HEAD_TIMEOUT_S = 0.25  # how long such a connection's request head may take (a probe sends it at once)
 LINGER_S = 2.0  # after a guard's answer, how long a client that keeps its end open is read (and ignored)
 
 
-def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+def guarded_protocol(header_timeout_s: float, max_connections: int,
+                     probes_over_cap: bool = False) -> type[H11Protocol]:
     """The protocol class to give uvicorn.Config(http=...); 0 turns either guard off."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"header_timeout_s": header_timeout_s, "max_connections": max_connections})
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {
+        "header_timeout_s": header_timeout_s, "max_connections": max_connections, "probes_over_cap": probes_over_cap})
 
 
 class GuardedH11Protocol(H11Protocol):
     header_timeout_s: float = 0.0  # seconds a request head may take to arrive; 0: no deadline
     max_connections: int = 0  # open connections allowed at once; 0: no cap
+    probes_over_cap: bool = False  # read the request of a connection over the cap (the app answers its probes)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._direct_body_bytes: int | None = None  # while a body is received past h11: the bytes still due
         self._linger_timer: asyncio.TimerHandle | None = None  # once a guard answered: closes the connection
-        if self.max_connections and len(self.connections) > self.max_connections:
-            log.warning("refused a connection from %s: %d connections are open (--max-connections)",
+        num_over = len(self.connections) - self.max_connections if self.max_connections else 0
+        self._over_cap = num_over > 0  # its one request is answered 503, but the app's probes
+        if self._over_cap:
+            log.warning("connection from %s over the cap: %d connections are open (--max-connections)",
                         _peer(self.client), self.max_connections)
-            self._answer_and_close(APIError(503, f"The server has {self.max_connections} connections open, its "
-                                                 "limit; retry later.", "server_error", code="too_many_connections"))
+        if self._over_cap and (not self.probes_over_cap or num_over > CAP_HEADROOM):
+            self._answer_and_close(too_many_connections(self.max_connections))
             return
         self._arm_head_timer()
 
@@ -86,9 +97,12 @@ class GuardedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle:  # a request head arrived: the app takes it from here
+        if self.cycle is not cycle:  # a request head arrived: the app takes it from here (its task has not run yet)
             self._disarm_head_timer()
             self._direct_body_bytes = self._body_bytes_past_h11()
+            if self._over_cap:
+                self.cycle.scope[OVER_CAP] = True
+                self.cycle.keep_alive = False
 
     def _body_bytes_past_h11(self) -> int | None:
         """How much of the new request's body to receive past h11 (None: all of it goes through h11).
@@ -129,7 +143,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
-        if self.header_timeout_s > 0:
+        if self._over_cap:
+            timeout_s = min(self.header_timeout_s or OVER_CAP_HEAD_TIMEOUT_S, OVER_CAP_HEAD_TIMEOUT_S)
+            self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
+        elif self.header_timeout_s > 0:
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
@@ -142,6 +159,8 @@ class GuardedH11Protocol(H11Protocol):
         assert self.cycle is None or self.cycle.response_complete, "a request head disarms the timer"
         if self.transport.is_closing():  # an answer the client has not read yet, on a connection that then closes
             return
+        if self._over_cap:
+            return self._answer_and_close(too_many_connections(self.max_connections))
         log.info("closed a connection from %s: no complete request head within %gs (--header-timeout-s)",
                  _peer(self.client), self.header_timeout_s)
         self._answer_and_close(APIError(408, f"The request head did not arrive within {self.header_timeout_s:g}s.",

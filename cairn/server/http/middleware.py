@@ -1,4 +1,5 @@
-"""Pure ASGI middlewares: body limits (413, 408), the API key (401), X-Request-Id, the request counter.
+"""Pure ASGI middlewares: body limits (413, 408), the API key (401), X-Request-Id, the request counter, JSON
+bodies only (415), the Host a loopback server answers (421), and the connection cap's answer (503).
 
 `BodySizeLimit` refuses a body over `max_bytes` before the app sees it: from Content-Length when the
 client sends one, else by counting while reading (chunked bodies); a body that takes longer than
@@ -12,6 +13,18 @@ PACE_AFTER_BYTES, a body is read no faster than `max_bytes_per_s` (see `_pace`).
 
 `RequestId` echoes a client's `X-Request-Id` header on the response and exposes it, while the request
 is handled, through `current_request_id()` (a context variable), for ids and log lines.
+
+`JSONBodiesOnly` answers 415 to a POST whose Content-Type is not `application/json` or `application/*+json`:
+a browser sends a page's cross-origin POST of `text/plain` (or a form) without asking first (no CORS
+preflight), so parsing such a body as JSON let any page the user visits drive the server.
+
+`HostCheck` answers 421 to a request whose Host names no name of this server (the names are given: see
+`ServerOptions.host_names`), so a page whose own name a DNS rebinding points at 127.0.0.1 cannot read the
+answers. A request without Host (HTTP/1.0, not a browser's) passes.
+
+`ConnectionCap` answers 503 to a request that arrived on a connection over --max-connections (the protocol
+marks its scope: see `connections`), but on PROBE_PATHS: a busy server is alive (/health), and /ready
+says it is not ready.
 
 `RequestCounter` counts every HTTP response by route and status code into a prometheus Counter, when
 it ends, 413s and 404s included; paths outside the known routes count as endpoint "other" so that the
@@ -42,6 +55,9 @@ _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 MAX_REQUEST_ID_CHARS = 64  # of a client's X-Request-Id, as used in ids and logs
 PACE_AFTER_BYTES = 256 << 10  # a body's first bytes, read at full speed (every body up to this size)
 CLIENT_CLOSED = 499  # the status of a response the client disconnected from before its end (nginx's)
+OVER_CAP = "cairn.over_connection_cap"  # in the scope of a request on a connection over --max-connections
+PROBE_PATHS = frozenset({"/health", "/ready"})  # answered on such a connection too (/ready: not ready)
+JSON_MEDIA_TYPE = re.compile(r"application/(?:[\w.+-]+\+)?json")
 
 
 def current_request_id() -> str | None:
@@ -241,3 +257,58 @@ class RequestId:
             await self.app(scope, receive, echoing_send)
         finally:
             _REQUEST_ID.reset(token)
+
+
+class JSONBodiesOnly:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1")
+        if JSON_MEDIA_TYPE.fullmatch(given.partition(";")[0].strip().lower()):
+            return await self.app(scope, receive, send)
+        named = f"Content-Type {given[:80]!r}" if given else "no Content-Type"
+        await send_error(send, APIError(415, f"The request body must be JSON, sent as Content-Type: application/json; "
+                                             f"got {named}.", param="content-type", code="unsupported_media_type"),
+                         scope)
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header's value, without its port, lowercased: `[::1]:8000` -> `[::1]`."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else host
+    name, _, port = host.rpartition(":")
+    return (name if name and port.isdigit() else host).rstrip(".")
+
+
+class HostCheck:
+    def __init__(self, app: ASGIApp, names: Collection[str]):
+        self.app = app
+        self.names = frozenset(names)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = dict(scope.get("headers", [])).get(b"host") if scope["type"] == "http" else None
+        if given is None or host_name(given.decode("latin-1")) in self.names:
+            return await self.app(scope, receive, send)
+        await send_error(send, APIError(421, f"Host {given.decode('latin-1')[:80]!r} does not name this server, which "
+                                             f"answers {', '.join(sorted(self.names))} (--allowed-hosts adds names).",
+                                        param="host", code="invalid_host"), scope)
+
+
+class ConnectionCap:
+    def __init__(self, app: ASGIApp, max_connections: int):
+        self.app = app
+        self.max_connections = max_connections
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not scope.get(OVER_CAP) or scope.get("path") in PROBE_PATHS:
+            return await self.app(scope, receive, send)
+        await send_error(send, too_many_connections(self.max_connections), scope)
+
+
+def too_many_connections(max_connections: int) -> APIError:
+    return APIError(503, f"The server has {max_connections} connections open, its limit; retry later.",
+                    "server_error", code="too_many_connections", headers={"Retry-After": "1"})

@@ -245,6 +245,8 @@ def refuse_unsupported_types(data: dict) -> None:
     if isinstance(choice, dict) and choice.get("type") != "function":
         _unsupported("tool_choice.type", choice.get("type"), "none, auto, required or a function")
     for i, item in enumerate(_list(data.get("input"))):
+        if not isinstance(item, dict):
+            continue  # (not an item: the model's validation names it)
         kind = item_type(item)
         if kind not in ITEM_TYPES:
             _unsupported(f"input.{i}.type", kind, ", ".join(ITEM_TYPES) + " items")
