@@ -11,8 +11,9 @@ MAX_ROWS); its three instruction paths, the best the CPU has chosen once when th
   256 bytes ahead. Its outputs equalled F.linear's (oneDNN's AMX kernel) bit for bit on the shapes
   tried. Linux must grant the process the tile state (arch_prctl); where it does not, the kernel takes
   the AVX512-BF16 path;
-- avx512_bf16: `_mm512_dpbf16_ps`, 32 bf16 products per instruction; 16 weight rows streamed side by side
-  for one row of x (8 for two, 4 above), each stream with a software prefetch 256 bytes ahead;
+- avx512_bf16: `_mm512_dpbf16_ps`, 32 bf16 products per instruction; on Intel 16 weight rows streamed side by
+  side for one row of x (8 for two, 4 above), each stream with a software prefetch 256 bytes ahead; on AMD
+  (Zen 4 reads one stream per core at full bandwidth) one weight row at a time up to 8 rows of x;
 - avx2: no bf16 dot product, so fp32 FMAs (`_mm256_fmadd_ps`), in the outer-product form GEMM
   micro-kernels use, on a packed weight: `pack` re-lays a weight once, at load time, into blocks of 16
   output rows, [ceil(N / 16), K, 16], so that one 256-bit load of a block's 16 weights at one k splits
