@@ -86,7 +86,8 @@ def build(history_tokens: int, new_tokens: int, disk_dir: str, timer: Timer):
     entries = (StateTensor("conv", (2, 1), torch.float32), StateTensor("recurrent", (1, 1, 1), torch.float32))
     states = StatePool(StateSpec((LayerState(0, entries),)), 4)
     slots = history_tokens // 512 + 4096  # room for every snapshot the history and the turns take
-    opts = CacheOptions(device_snapshot_gib=slots * (states.bytes_per_slot + 8 * 4) / 2**30, host_cache_gib=0, disk_cache=disk_dir, disk_cache_gib=64.0)
+    opts = CacheOptions(device_snapshot_gib=slots * (states.bytes_per_slot + 8 * 4) / 2**30, host_cache_gib=0,
+                        disk_cache=disk_dir, disk_cache_gib=64.0)
     cache = build_cache(opts, kv, states, vocab_size=8, digest="7c" * 32)
     cache._match = timer.wrap("match", cache._match)
     cache._forget_stale_disk_keys = timer.wrap("match", cache._forget_stale_disk_keys)
