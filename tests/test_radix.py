@@ -551,3 +551,14 @@ def test_check_integrity_names_a_host_page_whose_count_disagrees_with_the_tree(c
     corrupt(host, held)
     with pytest.raises(AssertionError, match=message):
         cache.cache.check_integrity()
+
+
+def test_common_prefix_len_counts_the_leading_equal_tokens_of_a_whole_or_partial_run():
+    from cairn.cache.tree.nodes import common_prefix_len
+    run = (5, 6, 7, 8)
+    assert common_prefix_len(run, [1, 5, 6, 7, 8, 9], 1) == 4  # the whole run, tokens go on
+    assert common_prefix_len(run, (5, 6, 7, 8), 0) == 4  # the whole run, tokens end with it
+    assert common_prefix_len(run, [5, 6, 9, 8], 0) == 2  # diverges inside the run
+    assert common_prefix_len(run, [0, 5, 6], 1) == 2  # tokens end inside the run
+    assert common_prefix_len(run, [9], 0) == 0
+    assert common_prefix_len(run, [5, 6, 7, 8], 4) == 0  # nothing left of tokens

@@ -124,8 +124,11 @@ def page_indices(start: int, end: int, page_size: int) -> range:
 
 
 def common_prefix_len(run: tuple[int, ...], tokens: Sequence[int], offset: int) -> int:
-    """How many leading tokens of `run` equal tokens[offset:]."""
+    """How many leading tokens of `run` equal tokens[offset:]. A whole run that matches (every node of a match
+    but the last) is found by one slice comparison, so a walk over a long path costs no Python loop per token."""
     limit = min(len(run), len(tokens) - offset)
+    if limit == len(run) and tuple(tokens[offset:offset + limit]) == run:
+        return limit
     k = 0
     while k < limit and run[k] == tokens[offset + k]:
         k += 1
