@@ -37,7 +37,7 @@ import tempfile
 import time
 import tracemalloc
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -54,6 +54,7 @@ from cairn.request.tokenizer import ByteTokenizer
 
 PAGE = 16
 CACHE_STAGES = ("match", "plan", "resume", "place", "captures", "release")
+PLACE = hybrid.place  # the placement itself: each history's cache wraps this, never the wrapper before it
 
 
 class Timer:
@@ -94,7 +95,7 @@ def build(history_tokens: int, new_tokens: int, disk_dir: str, timer: Timer):
     cache._plan = timer.wrap("plan", cache._plan)
     cache._resume = timer.wrap("resume", cache._resume)
     cache._has_snapshot_beyond = timer.wrap("place", cache._has_snapshot_beyond)
-    hybrid.place = timer.wrap("place", hybrid.place)
+    hybrid.place = timer.wrap("place", PLACE)
     return cache, kv, states
 
 
@@ -122,7 +123,7 @@ def run_request(cache, kv, states, ids, starts, chunk: int, timer: Timer | None,
     total = len(ids) + reply
     table += kv.allocator.alloc(-(-total // PAGE) - len(table))
     tokens = list(ids) + [1] * reply
-    with timer.stage("captures") if timer else _null():
+    with timer.stage("captures") if timer else nullcontext():
         while pos < total:
             end = min(pos + chunk, total)
             if pos < len(ids):
@@ -130,18 +131,13 @@ def run_request(cache, kv, states, ids, starts, chunk: int, timer: Timer | None,
             cache.captures(adm, pos, end)
             pos = end
             cache.after_step(adm, CacheRequest(tokens, slot, table, pos), torch.zeros(8))
-    with timer.stage("release") if timer else _null():
+    with timer.stage("release") if timer else nullcontext():
         cache.release(adm, CacheRequest(tokens, slot, table, pos), finished=True)
     if timer is not None:
         timer.active = False
     kv.allocator.decref(table)
     states.free(slot)
     return adm.report, tokens
-
-
-@contextmanager
-def _null():
-    yield
 
 
 def measure(history_tokens: int, args) -> dict:

@@ -81,12 +81,12 @@ class ServerOptions:
     @property
     def origins(self) -> list[str]:
         """The allowed CORS origins, parsed from allowed_origins."""
-        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+        return comma_list(self.allowed_origins)
 
 
 def loopback_host_names(host: str, allowed_hosts: str | None) -> frozenset[str] | None:
     """The Host names a server listening on `host` answers (see `ServerOptions.host_names`; `cairn router`'s too)."""
-    extra = {h.strip().lower() for h in (allowed_hosts or "").split(",") if h.strip()}
+    extra = {h.lower() for h in comma_list(allowed_hosts)}
     if "*" in extra or not is_loopback(host):
         return None
     bound = f"[{host}]" if ":" in host else host.lower()
@@ -101,3 +101,8 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def comma_list(value: str | None) -> list[str]:
+    """The items of a comma-separated flag value, stripped, empty ones left out."""
+    return [item.strip() for item in (value or "").split(",") if item.strip()]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 
 import h11
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
@@ -144,8 +145,8 @@ class GuardedH11Protocol(H11Protocol):
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
         if self._over_cap:
-            timeout_s = min(self.header_timeout_s or OVER_CAP_HEAD_TIMEOUT_S, OVER_CAP_HEAD_TIMEOUT_S)
-            self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
+            self._head_timer = self.loop.call_later(min(self.header_timeout_s or math.inf, OVER_CAP_HEAD_TIMEOUT_S),
+                                                    self._head_timed_out)
         elif self.header_timeout_s > 0:
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
 
