@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cairn.server.anthropic.messages import CountTokensRequest, MessagesRequest
+from cairn.server.anthropic.request import CountTokensRequest, MessagesRequest
 from cairn.server.errors import APIError, from_validation_errors
 
 

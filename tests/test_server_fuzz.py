@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from cairn.config import EngineConfig, config_with_overrides
 from cairn.engine.engine import Engine
-from cairn.server.anthropic.messages import MessagesRequest
+from cairn.server.anthropic.request import MessagesRequest
 from cairn.server.app import create_app
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.openai.responses.request import ResponsesRequest

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cairn.cache.stats import CacheStats, DiskStats
 from cairn.errors import ChatTemplateError, QueueFull, RequestTooLarge, SamplingError
 from cairn.request.tokenizer import ByteTokenizer
-from cairn.server.anthropic.messages import MessagesRequest
+from cairn.server.anthropic.request import MessagesRequest
 from cairn.server.engine_io.bridge import EngineBridge
 from cairn.server.errors import APIError, EngineFailure, ServerShuttingDown, from_exception
 from cairn.server.metrics import EngineStats, cache_families

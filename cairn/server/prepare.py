@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from cairn.errors import ChatTemplateError, PromptTooLong, RequestTooLarge
 from cairn.request.prompt import tokenize_prompt
-from cairn.server.anthropic.messages import MessagesRequest, prepare_messages
+from cairn.server.anthropic.request import MessagesRequest, prepare_messages
 from cairn.server.chat.output import ChatPlan
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.engine_io.offload import Offload

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from cairn.engine.engine import Engine, check_prompt_token_ids
 from cairn.request.sampling_params import SamplingParams
-from cairn.server.anthropic.messages import MessagesRequest
+from cairn.server.anthropic.request import MessagesRequest
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.openai.responses.output import ResponseStore

@@ -1,9 +1,7 @@
 """POST /v1/messages: the Anthropic Messages API, so Anthropic-API coding agents can point at cairn.
 
-A request is turned into the equivalent chat request (system, user / assistant turns, `tool_use` ->
-assistant tool_calls, `tool_result` -> tool messages, `thinking` -> reasoning_content, `thinking`
-config -> the template's enable_thinking, `stop_sequences` -> stop, a last assistant message (a prefill)
--> continue_final_message: the answer continues its text) and runs the chat path
+A request (`request`: its models and the equivalent chat request; a last assistant message is a prefill,
+which the answer continues) runs the chat path
 (`prepare` and `openai.chat.prepare_chat`; a large body in a request worker process): the same template,
 parsers, prefix cache and snapshots. The answer comes back as content blocks (`thinking`, `text`,
 `tool_use`), whole or as Anthropic's SSE events:
@@ -33,301 +31,23 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, Field, ValidationError, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cairn.engine.outputs import Completion
-from cairn.server.anthropic.context import ContextManagement
+from cairn.server.anthropic.request import CountTokensRequest, MessagesRequest, prepare_messages
 from cairn.server.chat.output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
-from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
-from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
 from cairn.server.engine_io.bridge import Submission
-from cairn.server.errors import APIError, from_exception, from_validation_errors, renamed
-from cairn.server.openai.chat import prepare_chat
-from cairn.server.openai.protocol import ChatCompletionRequest
+from cairn.server.errors import APIError, from_exception
 from cairn.server.serving import Generation, ServingContext, SSEResponse, start_generation
 
 log = logging.getLogger(__name__)
 
-
-# ---- the request --------------------------------------------------------------------------------
-
-class TextBlock(Strict):
-    type: Literal["text"]
-    text: str
-    cache_control: dict[str, Any] | None = None
-    citations: None = None
-
-
-class ThinkingBlock(Strict):
-    type: Literal["thinking"]
-    thinking: str
-    signature: str | None = None
-
-
-class DirectCaller(Strict):
-    type: Literal["direct"]  # the model called the tool itself: every call cairn returns
-
-
-class ToolUseBlock(Strict):
-    """Also as the anthropic client dumps its own response blocks: with `caller` and `toolset_name` null."""
-
-    type: Literal["tool_use"]
-    id: str
-    name: FunctionName
-    input: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
-    caller: DirectCaller | None = None
-    toolset_name: None = None
-
-
-class ToolResultBlock(Strict):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | list[TextBlock] | None = None
-    is_error: bool | None = None
-    cache_control: dict[str, Any] | None = None
-    toolset_name: None = None
-
-
-Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
-
-
-class Message(Strict):
-    role: Literal["user", "assistant", "system"]  # system: a mid-conversation system message (Claude Code's)
-    content: str | list[Block]
-
-
-class AnthropicTool(Strict):
-    name: FunctionName
-    description: str | None = None
-    input_schema: dict[str, Any]
-    strict: bool | None = None  # true: the tool_use input follows input_schema (constrained decoding)
-    type: Literal["custom"] | None = None
-    cache_control: dict[str, Any] | None = None
-
-
-def _unique_tool_names(tools: list[AnthropicTool]) -> list[AnthropicTool]:
-    refuse_duplicate_names([t.name for t in tools], "tools.{}.name")
-    return tools
-
-
-class ToolChoice(Strict):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None  # type tool: the tool a call must be made to (only there)
-    disable_parallel_tool_use: bool | None = None
-
-    @model_validator(mode="after")
-    def _name_only_with_tool(self) -> ToolChoice:
-        if self.name is not None and self.type != "tool":
-            raise APIError(400, f"tool_choice name is only read with type tool, not {self.type}",
-                           param="tool_choice.name", code="invalid_value")
-        return self
-
-
-class ThinkingConfig(Strict):
-    type: Literal["enabled", "adaptive", "disabled"]  # enabled / adaptive: the template's enable_thinking
-    budget_tokens: int | None = Field(None, ge=0)  # enabled (only there): most thinking tokens, then it is ended
-    display: Literal["summarized"] | None = None  # thinking is returned as generated
-
-    @model_validator(mode="after")
-    def _budget_only_when_enabled(self) -> ThinkingConfig:
-        if self.budget_tokens is not None and self.type != "enabled":
-            raise APIError(400, f"thinking budget_tokens is only read with type enabled, not {self.type}",
-                           param="thinking.budget_tokens", code="invalid_value")
-        return self
-
-
-class OutputFormat(Strict):
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")  # JSON Schema the answer's text follows (constrained decoding)
-
-
-class OutputConfig(Strict):
-    format: OutputFormat | None = None  # structured output: the chat's response_format json_schema
-    effort: Literal["high"] | None = None  # Anthropic's default (what Claude Code sends); no other level is honoured
-
-
-class Metadata(Strict):
-    user_id: str | None = None  # stored nowhere
-
-
-class PromptFields(Strict):
-    """The fields of a Messages request that make its prompt (all that /v1/messages/count_tokens takes)."""
-
-    model: str
-    messages: list[Message] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: ThinkingConfig | None = None
-    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
-    output_config: OutputConfig | None = None
-    context_management: ContextManagement | None = None  # clear_thinking honoured (see anthropic.context)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unimplemented(cls, data: Any) -> Any:
-        return refuse_unimplemented(refuse_lone_surrogates(data))
-
-    @model_validator(mode="after")
-    def _system_between_turns(self) -> PromptFields:
-        if self.messages[0].role == "system":  # a system message stands between turns; the first goes in `system`
-            raise APIError(400, "the first message cannot be a system message (a system prompt goes in `system`)",
-                           param="messages.0.role", code="invalid_value")
-        return self
-
-
-class MessagesRequest(PromptFields):
-    max_tokens: int
-    stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range (the chat API's is 0-2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    metadata: Metadata | None = None
-
-    @model_validator(mode="after")
-    def _no_stop_in_a_constrained_answer(self) -> MessagesRequest:
-        """The chat checks (ChatCompletionRequest.check_tools), said in this API's names."""
-        forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
-        structured = self.output_config is not None and self.output_config.format is not None
-        if structured and forced:
-            raise APIError(400, "output_config.format cannot be combined with a tool_choice that forces a call",
-                           param="output_config.format", code="invalid_value")
-        if self.stop_sequences and (forced or structured):
-            what = "a tool_choice that forces a call" if forced else "output_config.format"
-            raise APIError(400, f"stop_sequences cannot be combined with {what}: the whole output is constrained, "
-                                "and a stop inside it would end it invalid", param="stop_sequences",
-                           code="invalid_value")
-        return self
-
-    def to_chat(self) -> ChatCompletionRequest:
-        """The equivalent chat request."""
-        messages: list[dict[str, Any]] = []
-        if self.system:
-            system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
-            messages.append({"role": "system", "content": system})
-        for m in self.messages:
-            messages += _chat_messages(m)
-        if self.context_management is not None:
-            self.context_management.apply(messages)
-        chat: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
-                                "stop": self.stop_sequences, "temperature": self.temperature, "top_p": self.top_p,
-                                "top_k": self.top_k}
-        if self.tools:
-            chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                               "parameters": t.input_schema, "strict": t.strict}}
-                             for t in self.tools]
-        if self.tool_choice is not None:
-            chat["tool_choice"] = _tool_choice(self.tool_choice)
-            chat["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use
-        if self.thinking is not None:
-            chat["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
-            if self.thinking.type == "enabled":
-                chat["thinking_token_budget"] = self.thinking.budget_tokens
-        if self.output_config is not None and self.output_config.format is not None:
-            chat["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "output", "schema": self.output_config.format.schema_}}
-        if self.messages[-1].role == "assistant":
-            self._check_prefill()
-            chat["continue_final_message"] = True
-        try:
-            return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
-        except ValidationError as e:  # a value this API's fields take and the chat request's do not
-            raise from_validation_errors(e.errors(include_url=False)) from None
-
-    def _check_prefill(self) -> None:
-        """A last assistant message is a prefill: the answer continues its text (`continue_final_message`),
-        so it holds text alone, no thinking comes before the answer and no structured output's grammar
-        (which starts an answer afresh) constrains it."""
-        index, last = len(self.messages) - 1, self.messages[-1]
-        kinds = [] if isinstance(last.content, str) else [b.type for b in last.content if b.type != "text"]
-        if kinds:
-            raise APIError(400, f"a last assistant message (a prefill, which the answer continues) may hold text "
-                                f"blocks only, not {kinds[0]}", param=f"messages.{index}.content", code="invalid_value")
-        if self.output_config is not None and self.output_config.format is not None:
-            raise APIError(400, "output_config.format cannot be combined with a last assistant message (a prefill): "
-                                "its grammar starts the answer afresh", param="output_config.format",
-                           code="invalid_value")
-        if self.thinking is not None and self.thinking.type != "disabled":
-            raise APIError(400, f"thinking {self.thinking.type} cannot be combined with a last assistant message (a "
-                                "prefill): the answer continues its text, after no thinking", param="thinking",
-                           code="invalid_value")
-
-
-# the chat request's field paths as this API names them, for an error the chat's checks raise (`prepare_messages`)
-CHAT_PATHS = ((re.compile(r"\btools\.(\d+)\.function\.parameters\b"), r"tools.\1.input_schema"),
-              (re.compile(r"\btools\.(\d+)\.function\.name\b"), r"tools.\1.name"),
-              (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "output_config.format.schema"),
-              (re.compile(r"\bresponse_format\b"), "output_config.format"),
-              (re.compile(r"\bthinking_token_budget\b"), "thinking.budget_tokens"))
-
-
-def in_anthropic_names(e: APIError) -> APIError:
-    """`e`, raised by the equivalent chat request's checks, naming the fields this request sent."""
-    return renamed(e, CHAT_PATHS)
-
-
-def prepare_messages(ctx: ServingContext, body: MessagesRequest | CountTokensRequest,
-                     request_id: str) -> tuple[Submission, ChatPlan]:
-    """prepare_chat of the equivalent chat request; an error it raises names this API's fields."""
-    try:
-        return prepare_chat(ctx, body.to_chat(), request_id)
-    except APIError as e:
-        raise in_anthropic_names(e) from None
-
-
-def _tool_choice(choice: ToolChoice) -> Any:
-    if choice.type == "tool":
-        if not choice.name:
-            raise APIError(400, "tool_choice type tool needs a name", param="tool_choice.name", code="invalid_value")
-        return {"type": "function", "function": {"name": choice.name}}
-    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-
-
-def _chat_messages(m: Message) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages: a user turn's tool results become tool messages."""
-    if isinstance(m.content, str):
-        return [{"role": m.role, "content": m.content}]
-    texts = [b.text for b in m.content if isinstance(b, TextBlock)]
-    if m.role == "system":  # rendered where it stands, as the chat template renders a system message there
-        if len(texts) != len(m.content):
-            raise APIError(400, "a system message may hold text blocks only", param="messages", code="invalid_value")
-        return [{"role": "system", "content": "\n".join(texts)}]
-    if m.role == "assistant":
-        out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-        thinking = [b.thinking for b in m.content if isinstance(b, ThinkingBlock)]
-        if thinking:
-            out["reasoning_content"] = "".join(thinking)
-        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
-                 for b in m.content if isinstance(b, ToolUseBlock)]
-        if calls:
-            out["tool_calls"] = calls
-        return [out]
-    if any(isinstance(b, ToolUseBlock | ThinkingBlock) for b in m.content):
-        raise APIError(400, "a user message cannot carry tool_use or thinking blocks", param="messages",
-                       code="invalid_value")
-    out_messages = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)}
-                    for b in m.content if isinstance(b, ToolResultBlock)]
-    if texts or not out_messages:
-        out_messages.append({"role": "user", "content": "\n".join(texts)})
-    return out_messages
-
-
-def _result_text(b: ToolResultBlock) -> str:
-    text = b.content if isinstance(b.content, str) else "\n".join(t.text for t in b.content or ())
-    return f"Error: {text}" if b.is_error else text
-
-
-# ---- the answer ---------------------------------------------------------------------------------
 
 def _usage(out: Completion) -> dict[str, int]:
     cached = out.cache.cached_tokens
@@ -371,14 +91,6 @@ def _message(msg_id: str, model: str, content: list, out: Completion | None,
     usage = _usage(out) if out is not None else {"input_tokens": 0, "output_tokens": 0}
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
-
-
-class CountTokensRequest(PromptFields):
-    """/v1/messages/count_tokens: a Messages request's prompt fields alone."""
-
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat request of a Messages request with these fields (its prompt: max_tokens does not enter it)."""
-        return MessagesRequest.model_construct(**dict(self), max_tokens=1).to_chat()
 
 
 async def count_tokens(ctx: ServingContext, body: CountTokensRequest) -> dict:
