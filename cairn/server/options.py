@@ -37,9 +37,10 @@ class ServerOptions:
     body_read_mib_per_s: float = _f(128.0, "past its first 256 KiB, read a request body at most this fast (MiB/s), "
                                            "so that receiving a huge one does not slow the running streams (0: no "
                                            "limit)")
-    max_connections: int = _f(1024, "open connections allowed at once; one more gets 503 and is closed (0: no cap)")
+    max_connections: int = _f(1024, "open connections allowed at once; one more gets 503 and is closed, but /health "
+                                    "and /ready are answered on it (0: no cap)")
     api_key: str | None = field(default=None, repr=False, metadata={  # (a secret: kept out of repr)
-        "help": "require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health (401 "
+        "help": "require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health and /ready (401 "
                 "otherwise); the CAIRN_API_KEY environment variable sets it too, and keeps it out of the process list"})
     api_key_file: str | None = _f(None, "read the API key from this file (its first line; e.g. a secret a container "
                                         "mounts), which keeps it out of the process list and the shell history")
