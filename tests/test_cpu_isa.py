@@ -69,6 +69,7 @@ def test_the_widest_fused_body_follows_the_path():
 
 def test_an_arm_machine_runs_bf16_on_the_reference_kernels_and_builds_nothing(monkeypatch, caplog):
     """aarch64 (Graviton, Apple): the ops are x86 C++, so no build is tried; bf16 serves on the references."""
+    monkeypatch.delenv("CAIRN_CPU_ISA", raising=False)  # the path chosen, not one a forced-path run asks for
     monkeypatch.setattr(cpu_isa._platform, "machine", lambda: "aarch64")
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": set())
     import torch.utils.cpp_extension

@@ -131,7 +131,8 @@ def test_packed_bf16_layout_gives_the_plain_logits(checkpoints):
     assert (got - ref).abs().max().item() < 0.02 * ref.std().item()
 
 
-def test_auto_layout_is_chosen_per_machine_and_logged(caplog):
+def test_auto_layout_is_chosen_per_machine_and_logged(caplog, monkeypatch):
+    monkeypatch.delenv("CAIRN_CPU_ISA", raising=False)  # the machine's own path, not one a forced-path run asks for
     cpu = torch.device("cpu")
     assert layout.choose_layout("auto", torch.float32, cpu)[0] == "plain"
     # bf16: cairn's gemv kernel where the CPU has AVX512-BF16 and it builds, plain elsewhere
