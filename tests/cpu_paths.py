@@ -16,6 +16,7 @@ BUILDS = not isinstance(cpu_gemv.load(FLAGS), str)  # the ops build here (or are
 PATHS = cpu_isa.runnable(FLAGS) if BUILDS else ["none"]
 COMPILED = [p for p in PATHS if p != "none"]
 BEST = PATHS[-1]
+CPU_BEST = cpu_isa.best_path(FLAGS)  # the best path by the CPU's flags, whether or not the ops build here
 
 # /proc/cpuinfo "flags" of the families cairn meets (the lines as such CPUs print them, cut to what matters here)
 _X86 = {"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "f16c"}

@@ -18,7 +18,7 @@ import pytest
 from cairn.config import ConfigError, ModelOptions
 from cairn.engine.llm import LLM
 from cairn.ops import cpu_isa
-from tests.cpu_paths import BEST, COMPILED, ICELAKE, OLD_X86, PATHS, SAPPHIRE_RAPIDS, ZEN3, ZEN4
+from tests.cpu_paths import COMPILED, CPU_BEST, ICELAKE, OLD_X86, PATHS, SAPPHIRE_RAPIDS, ZEN3, ZEN4
 from tests.server_process import REPO_ROOT
 
 FAMILIES = [(ZEN3, "x86_64", "avx2"), (ZEN4, "x86_64", "avx512_bf16"), (SAPPHIRE_RAPIDS, "x86_64", "amx_bf16"),
@@ -88,15 +88,15 @@ def test_the_engine_runs_the_path_asked_for_and_says_so_in_one_line(path, caplog
         llm = LLM(**TINY, cpu_isa=path)
     assert llm.engine.cpu_path == path
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU path:")]
-    assert said == [f"CPU path: {path} (forced by --cpu-isa / CAIRN_CPU_ISA; this CPU's best is {BEST})"]
+    assert said == [f"CPU path: {path} (forced by --cpu-isa / CAIRN_CPU_ISA; this CPU's best is {CPU_BEST})"]
     assert f"cairn-cpu-path {path}" in llm.engine.platform  # so exact resumption keeps the paths' states apart
     if path != "none":
         assert {m.kernel.isa for m in llm.engine.model.modules() if hasattr(m, "kernel") and m.kernel} == {path}
 
 
-@pytest.mark.skipif(BEST == "amx_bf16", reason="no path above this CPU's best")
+@pytest.mark.skipif(CPU_BEST == "amx_bf16", reason="no path above this CPU's best")
 def test_the_engine_refuses_a_path_above_this_cpus_best():
-    above = cpu_isa.PATHS[cpu_isa.PATHS.index(BEST) + 1]
+    above = cpu_isa.PATHS[cpu_isa.PATHS.index(CPU_BEST) + 1]  # (by its flags: where nothing builds, too)
     with pytest.raises(ConfigError, match=f"--cpu-isa / CAIRN_CPU_ISA {above}: this CPU's best path is"):
         LLM(**TINY, cpu_isa=above)
 

@@ -114,6 +114,7 @@ def test_op_runs_the_widest_body_its_path_allows(path):
     assert cpu_silu.vector_body(path) == ("avx512" if wide else "avx2")
 
 
+@pytest.mark.skipif(not COMPILED, reason="the op does not build here (no compiler)")
 def test_op_is_kept_when_the_engine_flushes_subnormals_after_worker_threads_started():
     """The engine sets flush-to-zero on its thread (torch.set_flush_denormal) when torch's worker threads may
     already run without it: the load check must still find ATen's bits (it once compared the op with ATen's work
