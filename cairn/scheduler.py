@@ -236,7 +236,8 @@ class Scheduler:
         try:
             admission = self.cache.admit(CacheRequest(
                 seq.token_ids, seq.state_slot, message_starts=seq.message_starts,
-                user_message_starts=seq.user_message_starts, cache_prompt=seq.params.cache_prompt and resume))
+                user_message_starts=seq.user_message_starts, cache_prompt=seq.params.cache_prompt and resume,
+                cache_salt=seq.params.cache_salt))
             if admission is not None:
                 self._apply(seq, admission)
             admitted = admission is not None and self._grow(seq, seq.num_tokens)
@@ -357,7 +358,8 @@ class Scheduler:
     @staticmethod
     def _view(seq: Sequence) -> CacheRequest:
         """seq as the cache reads it after admission (its lists shared, not copied)."""
-        return CacheRequest(seq.token_ids, seq.state_slot, seq.page_table, seq.num_computed)
+        return CacheRequest(seq.token_ids, seq.state_slot, seq.page_table, seq.num_computed,
+                            cache_salt=seq.params.cache_salt)
 
     # ---- after a step -----------------------------------------------------------------------------
 

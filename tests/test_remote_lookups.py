@@ -13,7 +13,7 @@ def gated():
     """(a lookup function that answers [len(tokens)] once `gate` is set, gate, the prompts it was asked)"""
     gate, asked = threading.Event(), []
 
-    def find(token_ids, message_starts):
+    def find(token_ids, message_starts, salt_key=None):
         asked.append(list(token_ids))
         assert gate.wait(30)
         return [len(token_ids)]
@@ -59,7 +59,7 @@ def test_a_lookup_that_raises_is_a_logged_miss_and_gives_its_place_back(caplog):
     its in-flight place is free again, so the next prompt's lookup is not refused by the cap."""
     asked = []
 
-    def broken(token_ids, message_starts):
+    def broken(token_ids, message_starts, salt_key=None):
         asked.append(list(token_ids))
         raise KeyError("a bug in the lookup")
     lookups = RemoteLookups(broken, max_in_flight=1)

@@ -248,10 +248,10 @@ def test_remote_tier_persists_a_path_and_another_replica_resumes_its_snapshot(re
     assert writer.store.flush()
     reader = SegmentTier(make_store(redis_server.url), PAGE, name=REMOTE)
     found = lookup(reader, tokens + [1, 2], message_starts=[9])
-    assert [(len(p), start, snap, logits) for p, start, _, snap, logits in found] == [(9, 0, True, False),
-                                                                                       (22, 9, True, True)]
-    assert [(p, start, snap) for p, start, _, snap, _ in reader.stored_paths()] == \
-        [(p, start, snap) for p, start, _, snap, _ in found]  # what the tree would be given, as the disk tier's
+    assert [(len(p), start, snap, logits, salt) for p, start, _, snap, logits, salt in found] == \
+        [(9, 0, True, False, None), (22, 9, True, True, None)]
+    assert [(p, start, snap) for p, start, _, snap, *_ in reader.stored_paths()] == \
+        [(p, start, snap) for p, start, _, snap, *_ in found]  # what the tree would be given, as the disk tier's
     other_path = _path(tokens, [0, 9, 22])  # the reader's own tree: what a lookup found is not written again
     for node in other_path:
         node.snapshot = SnapshotEntry(8, "grid", node.end == 22, handle=TieredSnapshot(node.end == 22))

@@ -18,7 +18,7 @@ returns). A cache that caches nothing is the separate `NullCache`, not a flag in
     release(adm, req, finished, aborted)  when req stops running (finished, aborted or preempted); a finished
                       or aborted request's path is inserted before the scheduler frees its pages and slot.
     evict_pages(n)    free at least n KV pages if it can; returns how many it freed.
-    prefetch(ids, starts)  from any thread, before the request is queued: start the lookups admission would
+    prefetch(ids, starts, salt)  from any thread, before the request is queued: start the lookups admission would
                       otherwise wait for (the remote tier's); admit returns None while one is running.
 """
 
@@ -59,6 +59,7 @@ class CacheRequest:
     message_starts: list[int] = field(default_factory=list)  # token position of each chat message start
     user_message_starts: list[int] = field(default_factory=list)  # the subset starting a user message
     cache_prompt: bool = True  # False: the client opted out of the prefix cache
+    cache_salt: str | None = None  # the tenant's namespace: nothing is shared with another salt's (None: unsalted)
 
 
 @dataclass
@@ -125,12 +126,13 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None:  # noqa: B027 (optional hook: a cache with no bookkeeping has nothing to check)
         """Raise AssertionError if the cache's bookkeeping is inconsistent."""
 
-    def probe(self, token_ids: list[int]) -> ProbeResult:
-        """What admitting this prompt now would plan (ProbeResult); locks, copies and loads nothing. A
-        cache that caches nothing resumes nowhere."""
+    def probe(self, token_ids: list[int], cache_salt: str | None = None) -> ProbeResult:
+        """What admitting this prompt (under cache_salt) now would plan (ProbeResult); locks, copies and loads
+        nothing. A cache that caches nothing resumes nowhere."""
         return ProbeResult()
 
-    def prefetch(self, token_ids: list[int], message_starts: list[int]) -> Future | None:
+    def prefetch(self, token_ids: list[int], message_starts: list[int], cache_salt: str | None = None
+                 ) -> Future | None:
         """Any thread: start looking this prompt up in a tier that is slow to ask (the remote tier), so that
         admission finds the answer ready; a Future done when it is in, or None (nothing to look up)."""
         return None

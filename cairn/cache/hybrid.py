@@ -19,7 +19,9 @@ to take snapshots), the planner (where to resume) and the tiers (where the bytes
     release     when the request finishes, snapshot its end, insert its path and, with a disk tier,
                 write what is not yet on disk; unlock.
 
-Nothing a request does writes another conversation's stored state (DESIGN invariant 2).
+Nothing a request does writes another conversation's stored state (DESIGN invariant 2). A request with a cache
+salt matches and inserts under its salt's root of the tree, whose paths every segment tier chains from the salt's
+key (segment.salt_key_of): it resumes nothing another salt (or no salt) stored, in any tier (DESIGN invariant 8).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from cairn.cache.policy.retention import retention_key
 from cairn.cache.policy.speeds import SpeedMeter
 from cairn.cache.remote.finder import RemoteFinder
 from cairn.cache.segments.index import DiskIndex
+from cairn.cache.segments.segment import salt_key_of
 from cairn.cache.stats import CacheStats, DiskStats
 from cairn.cache.tiers.base import Unreadable
 from cairn.cache.tiers.tier_set import TieredSnapshot, TierSet
@@ -121,7 +124,7 @@ class HybridPrefixCache(PrefixCache):
             report.miss_reason = outcome  # "corrupt", "evicted" (a segment's value gone) or "unavailable"
             self.resume_failures[outcome] += 1
             self._forget_stale_disk_keys()
-            match = self.tree.match(req.token_ids)
+            match = self.tree.match(req.token_ids, salt_key=salt_key_of(req.cache_salt))
         report.match_length = match.match_len
         if report.miss_reason is None:
             report.miss_reason = self._miss_reason(match, chosen)
@@ -136,19 +139,21 @@ class HybridPrefixCache(PrefixCache):
         too: the router ranks replicas by what admission would find) and, when the prompt is not all cached,
         hanging what the remote tier's lookup of it found. The lookup runs off the engine thread (prefetch):
         None while it runs (`wait`; else the match without it), and one is started if none was."""
-        match = self.tree.match(req.token_ids)
+        key = salt_key_of(req.cache_salt)
+        match = self.tree.match(req.token_ids, salt_key=key)
         if match.match_len == len(req.token_ids):
             return match
         hung = any([index.rescan() for index in self.indexes.values()])
-        found = self.remote.hang(req.token_ids, req.message_starts, wait)
+        found = self.remote.hang(req.token_ids, req.message_starts, wait, key)
         if found is None:
             return None
-        return self.tree.match(req.token_ids) if hung or found else match
+        return self.tree.match(req.token_ids, salt_key=key) if hung or found else match
 
-    def prefetch(self, token_ids: list[int], message_starts: list[int]) -> Future | None:
+    def prefetch(self, token_ids: list[int], message_starts: list[int], cache_salt: str | None = None
+                 ) -> Future | None:
         """Any thread: start the remote tier's lookup of this prompt, so that admission (or a probe) finds the
         answer ready instead of waiting for Redis; a Future done when it is in (None: no remote tier)."""
-        return self.remote.prefetch(token_ids, message_starts)
+        return self.remote.prefetch(token_ids, message_starts, salt_key_of(cache_salt))
 
     def _plan(self, match: MatchResult, prompt_len: int) -> Plan:
         """The planner's choice among the usable snapshots on the matched path (a copy in a disk segment
@@ -368,13 +373,13 @@ class HybridPrefixCache(PrefixCache):
 
     def _budget_miss(self, req: CacheRequest, pos: int) -> None:
         self.counters["snapshots_skipped_budget"] += 1
-        self.tree.mark_budget_miss(req.token_ids[:pos], req.page_table)
+        self.tree.mark_budget_miss(req.token_ids[:pos], req.page_table, salt_key_of(req.cache_salt))
 
     def _attach(self, req: CacheRequest, state: _RequestState, pos: int, source: str, handle: TieredSnapshot) -> None:
         """Hang a device copy of req's state at `pos` on the tree (or free it if one is already there)."""
         nbytes = handle.copies[self.tiers.device.name].nbytes
         entry = SnapshotEntry(nbytes=nbytes, source=source, has_logits=handle.has_logits, handle=handle)
-        if not self.tree.attach_snapshot(req.token_ids[:pos], req.page_table, entry):
+        if not self.tree.attach_snapshot(req.token_ids[:pos], req.page_table, entry, salt_key_of(req.cache_salt)):
             self.tiers.release(handle)
             return
         state.taken.add(pos)
@@ -405,7 +410,7 @@ class HybridPrefixCache(PrefixCache):
                 self._take(req, state, "request_end", None)
             if (finished or aborted) and state.taken and any(t.write_through for t in self.tiers.tiers):
                 tokens = req.token_ids[: max(state.taken)]
-                node = self.tree.insert(tokens, req.page_table)
+                node = self.tree.insert(tokens, req.page_table, salt_key_of(req.cache_salt))
                 self.tiers.write_through(node, self.tiers.request_source(self.kv, req.page_table))
         finally:
             adm.state = None
@@ -483,14 +488,14 @@ class HybridPrefixCache(PrefixCache):
 
     # ---- probing (the router's question) ------------------------------------------------------------
 
-    def probe(self, token_ids: list[int]) -> ProbeResult:
+    def probe(self, token_ids: list[int], cache_salt: str | None = None) -> ProbeResult:
         """What admitting this prompt now would plan. Locks, copies and loads nothing, and never waits for
         Redis: what the remote tier's lookup of the prompt found (started by prefetch, or here, for a later
         probe) is hung on the tree as admission would, and counted in the plan, as is what a read-only disk
         store's rescan finds. Call it on the engine thread
         (between steps), like every other method here."""
         self._forget_stale_disk_keys()
-        req = CacheRequest(token_ids, state_slot=-1)
+        req = CacheRequest(token_ids, state_slot=-1, cache_salt=cache_salt)
         chosen = self._plan(self._match(req, wait=False), len(token_ids))
         return ProbeResult(chosen.position, chosen.estimated_s, chosen.snapshot_tier,
-                           self.remote.deepest_snapshot(token_ids))
+                           self.remote.deepest_snapshot(token_ids, salt_key_of(cache_salt)))

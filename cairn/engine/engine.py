@@ -198,21 +198,24 @@ class Engine:
 
     # ---- the prefix cache, asked outside a request (the server's probe and metrics) -----------------
 
-    def prefetch(self, token_ids: list[int], message_starts: list[int]) -> Future | None:
+    def prefetch(self, token_ids: list[int], message_starts: list[int], cache_salt: str | None = None
+                 ) -> Future | None:
         """Any thread (the server calls it right after tokenizing, off the engine thread): start looking this
         prompt up in a tier that is slow to ask (the remote tier), so that its admission, or a probe, finds the
         answer ready and the engine thread never waits on Redis. Changes no request and nothing the scheduler
         holds: the answer is hung on the tree later, on the engine thread. Returns a Future, done once the answer
-        is in (await it from any thread), or None when there is nothing to look up (no remote tier)."""
-        return self.cache.prefetch(token_ids, message_starts)
+        is in (await it from any thread), or None when there is nothing to look up (no remote tier). `cache_salt`:
+        the request's (SamplingParams.cache_salt), whose namespace alone is looked up."""
+        return self.cache.prefetch(token_ids, message_starts, cache_salt)
 
-    def probe(self, token_ids: list[int]) -> ProbeResult:
+    def probe(self, token_ids: list[int], cache_salt: str | None = None) -> ProbeResult:
         """Engine thread only, between steps: where a request with this prompt would resume now (position, tier,
         estimated seconds to the first token, what the remote tier holds). Locks, copies and loads nothing and never
         waits for Redis: it hangs on the tree what a finished lookup of the prompt found, as admission would, and
         starts one when none was (prefetch). The answer is a value, true when made: the next step may change it.
-        The token ids are not checked here (check_prompt_token_ids)."""
-        return self.cache.probe(token_ids)
+        The token ids are not checked here (check_prompt_token_ids). Under `cache_salt`, only what that salt's
+        requests stored counts (SamplingParams.cache_salt)."""
+        return self.cache.probe(token_ids, cache_salt)
 
     def cache_stats(self) -> CacheStats | None:
         """Engine thread only: the prefix cache's counters and gauges (cairn/cache/stats.py), copied now, so safe

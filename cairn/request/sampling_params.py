@@ -53,6 +53,8 @@ class SamplingParams:
     top_logprobs: int = 0  # and this many most likely alternatives
     structured: StructuredOutput | None = None  # constrain the output to a grammar (response_format)
     cache_prompt: bool = True  # read and write the prefix cache for this request
+    cache_salt: str | None = None  # the tenant's prefix-cache namespace (vLLM's): no cached state is shared with
+    # a request of another salt, or of none, in any tier
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # free-form per-request tags
 
     def __post_init__(self):
@@ -83,6 +85,8 @@ class SamplingParams:
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
             (len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
              "stop must be at most 16 non-empty strings"),
+            (self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+             "cache_salt must be a non-empty string"),
         ]
         for ok, message in checks:
             if not ok:

@@ -60,6 +60,7 @@ from cairn.server.http.middleware import (
     JSONBodiesOnly,
     RequestCounter,
     RequestId,
+    cache_salt,
     current_request_id,
 )
 from cairn.server.metrics import EngineStats, ServerMetrics
@@ -69,7 +70,7 @@ from cairn.server.openai.response_bodies import model_list
 from cairn.server.openai.responses import output as responses_output
 from cairn.server.openai.responses.output import ResponseStore
 from cairn.server.options import MIB, ServerOptions
-from cairn.server.prepare import JSON_ERRORS, invalid_json, parse_body, prepare, prepare_response
+from cairn.server.prepare import JSON_ERRORS, Prepared, invalid_json, parse_body, prepare, prepare_response
 from cairn.server.serving import ServingContext, new_request_id
 
 log = logging.getLogger(__name__)
@@ -155,17 +156,29 @@ async def read_body(request: Request, model: type[M], offload: Offload) -> M:
     return parse_body(model, data)
 
 
+def salted(p: Prepared, request: Request) -> Prepared:
+    """p, its submission's cache salt inside the request's API key tenant (--cache-isolation per-key)."""
+    params = p.submission.params
+    salt = cache_salt(request.scope, params.cache_salt)
+    if salt == params.cache_salt:
+        return p
+    sub = dataclasses.replace(p.submission, params=dataclasses.replace(params, cache_salt=salt))
+    return dataclasses.replace(p, submission=sub)
+
+
 def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     offload = ctx.bridge.offload
 
     async def chat_request(request: Request) -> Response:
         start_s = time.monotonic()
         p = await prepare(ctx, offload, await body_chunks(request), "chat", new_request_id("chatcmpl"))
+        p = salted(p, request)
         return await chat_completions(ctx, p.submission, p.plan, p.body, request, start_s)
 
     async def completion_request(request: Request) -> Response:
         start_s = time.monotonic()
-        p = await prepare(ctx, offload, await body_chunks(request), "completion", new_request_id("cmpl"))
+        p = salted(await prepare(ctx, offload, await body_chunks(request), "completion", new_request_id("cmpl")),
+                   request)
         return await completions(ctx, p.submission, p.body, request, start_s)
 
     @app.post("/v1/chat/completions")
@@ -178,7 +191,7 @@ def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     async def messages_request(request: Request) -> Response:
         start_s = time.monotonic()
-        p = await prepare(ctx, offload, await body_chunks(request), "messages", new_request_id("msg"))
+        p = salted(await prepare(ctx, offload, await body_chunks(request), "messages", new_request_id("msg")), request)
         return await anthropic.messages(ctx, p.submission, p.plan, p.body, request, start_s)
 
     @app.post("/v1/messages")
@@ -207,6 +220,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
     async def create_request(request: Request) -> Response:
         start_s = time.monotonic()
         p, prior = await prepare_response(ctx, await body_chunks(request), store)
+        p = salted(p, request)
         return await responses_output.create(ctx, store, p.submission, p.plan, p.body, prior, request, start_s)
 
     @app.post("/v1/responses")
@@ -300,9 +314,10 @@ def add_middlewares(app: FastAPI, options: ServerOptions, metrics: ServerMetrics
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes, timeout_s=options.body_timeout_s,
                        max_bytes_per_s=options.body_read_mib_per_s * MIB)
     app.add_middleware(JSONBodiesOnly)
-    if options.api_key:
+    if options.api_keys:
         public = ("/health", "/ready", "/metrics") if options.metrics_public else ("/health", "/ready")
-        app.add_middleware(APIKeyAuth, api_key=options.api_key, public_paths=public)
+        app.add_middleware(APIKeyAuth, api_keys=options.api_keys, public_paths=public,
+                           tenants=options.cache_isolation == "per-key")
     app.add_middleware(RequestId)
     if options.origins:
         app.add_middleware(CORSMiddleware, allow_origins=options.origins, allow_methods=["GET", "POST", "DELETE"],

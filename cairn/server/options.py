@@ -41,12 +41,17 @@ class ServerOptions:
                                     "and /ready are answered on it (0: no cap)")
     api_key: str | None = field(default=None, repr=False, metadata={  # (a secret: kept out of repr)
         "help": "require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health and /ready (401 "
-                "otherwise); the CAIRN_API_KEY environment variable sets it too, and keeps it out of the process list"})
+                "otherwise); several keys, comma-separated, are each accepted; the CAIRN_API_KEY environment variable "
+                "sets it too, and keeps it out of the process list"})
     api_key_file: str | None = _f(None, "read the API key from this file (its first line; e.g. a secret a container "
                                         "mounts), which keeps it out of the process list and the shell history")
     remote_cache_file: str | None = _f(None, "read --remote-cache's Redis URL from this file (its first line), which "
                                              "keeps its password out of the process list; the CAIRN_REMOTE_CACHE "
                                              "environment variable sets it too")
+    cache_isolation: str = _f("none", "per-key: each API key's requests get a prefix cache namespace of their own "
+                                      "(a keyed hash of the key, with any request cache_salt inside it), so no "
+                                      "key resumes, or can time, another's prompts; needs --api-key; none: only a "
+                                      "request's cache_salt separates", choices=("none", "per-key"))
     metrics_public: bool = _f(False, "serve /metrics without the API key")
     allowed_origins: str | None = _f(None, "comma-separated origins browsers may call the API from (CORS), or '*'; "
                                            "default: none")
@@ -64,8 +69,11 @@ class ServerOptions:
             raise ConfigError(f"--port must be in [0, 65536), got {self.port}")
         check_at_least(self, {"max_request_bytes": 1, "shutdown_timeout_s": 0, "header_timeout_s": 0,
                               "body_timeout_s": 0, "body_read_mib_per_s": 0, "max_connections": 0})
-        if self.api_key is not None and not self.api_key.strip():
+        if self.api_key is not None and not self.api_keys:
             raise ConfigError("--api-key must not be empty")
+        if self.cache_isolation == "per-key" and not self.api_keys:
+            raise ConfigError("--cache-isolation per-key tells tenants apart by their API key: give --api-key or "
+                              "--api-key-file")
         for origin in self.origins:  # what a browser sends as Origin: scheme://host[:port], no path
             if origin != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+", origin):
                 raise ConfigError(f"--allowed-origins: {origin!r} is no origin a browser sends (scheme://host[:port], "
@@ -78,6 +86,11 @@ class ServerOptions:
         """The Host names this server answers, None for any: bound to a loopback address, its own names and
         allowed_hosts; bound to another address (0.0.0.0, a LAN address), any (it serves other machines)."""
         return loopback_host_names(self.host, self.allowed_hosts)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (api_key, comma-separated); () without --api-key."""
+        return tuple(comma_list(self.api_key))
 
     @property
     def origins(self) -> list[str]:

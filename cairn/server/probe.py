@@ -18,7 +18,8 @@ thread between two steps.
 
 The estimate ignores the wait behind queued requests: the router weighs `waiting` and `running` itself.
 A chat request's forced generation prefix (tool_choice naming a function) is not rendered here: it only
-changes the last few tokens.
+changes the last few tokens. A body's `cache_salt` (inside the API key's tenant with --cache-isolation per-key)
+names the namespace probed, as it would the request's: nothing another salt cached is counted.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cairn.engine.engine import Engine, check_prompt_token_ids
 from cairn.request.sampling_params import SamplingParams
 from cairn.server.anthropic.request import MessagesRequest
 from cairn.server.engine_io.bridge import Submission
+from cairn.server.http.middleware import cache_salt
 from cairn.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.server.openai.responses.output import ResponseStore
 from cairn.server.openai.responses.request import ResponsesRequest, previous_not_found
@@ -55,10 +57,11 @@ def add_probe_route(app: FastAPI, ctx: ServingContext, read_body, guarded, store
     @app.post(PATH)
     async def probe_route(request: Request) -> Response:
         body = (await read_body(request, ProbeRequest, offload)).root
-        return await guarded(probe(ctx, body), "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        return await guarded(probe(ctx, body, request), "messages" if isinstance(body, ChatCompletionRequest)
+                             else "prompt")
 
     async def probe_messages(request: Request) -> Response:
-        return await probe(ctx, (await read_body(request, MessagesRequest, offload)).to_chat())
+        return await probe(ctx, (await read_body(request, MessagesRequest, offload)).to_chat(), request)
 
     @app.post(MESSAGES_PATH)
     async def probe_messages_route(request: Request) -> Response:
@@ -71,34 +74,33 @@ def add_probe_route(app: FastAPI, ctx: ServingContext, read_body, guarded, store
             prior = store.conversation(body.previous_response_id)
             if prior is None:
                 raise previous_not_found(body.previous_response_id)
-        return await probe(ctx, body.to_chat(prior))
+        return await probe(ctx, body.to_chat(prior), request)
 
     @app.post(RESPONSES_PATH)
     async def probe_responses_route(request: Request) -> Response:
         return await guarded(probe_responses(request), "input")
 
 
-async def probe(ctx: ServingContext, body: ChatCompletionRequest | CompletionRequest) -> Response:
+async def probe(ctx: ServingContext, body: ChatCompletionRequest | CompletionRequest, request: Request) -> Response:
     ctx.check_model(body.model)
-    sub = _submission(body)
+    sub = _submission(body, cache_salt(request.scope, body.cache_salt))
     prompt = await ctx.bridge.tokenize(sub)
     check_prompt_token_ids(prompt.token_ids, ctx.vocab_size)  # as /v1/completions would refuse them
     await ctx.bridge.prefetch(prompt, sub.params)  # the remote tier's lookup, off the engine thread
-    answer = await ctx.bridge.call(lambda engine: _answer(engine, prompt.token_ids))
+    answer = await ctx.bridge.call(lambda engine: _answer(engine, prompt.token_ids, sub.params.cache_salt))
     return JSONResponse({"tokens": len(prompt.token_ids), **answer})
 
 
-def _submission(body: ChatCompletionRequest | CompletionRequest) -> Submission:
-    request_id = f"probe-{uuid.uuid4().hex[:8]}"
+def _submission(body: ChatCompletionRequest | CompletionRequest, salt: str | None) -> Submission:
+    request_id, params = f"probe-{uuid.uuid4().hex[:8]}", SamplingParams(cache_salt=salt)
     if isinstance(body, ChatCompletionRequest):
-        return Submission(request_id, SamplingParams(), messages=body.template_messages(),
-                          template_kwargs=body.prompt_kwargs())
+        return Submission(request_id, params, messages=body.template_messages(), template_kwargs=body.prompt_kwargs())
     prompt = body.engine_prompt()
-    return Submission(request_id, SamplingParams(), prompt=prompt, message_starts=body.checked_message_starts(prompt))
+    return Submission(request_id, params, prompt=prompt, message_starts=body.checked_message_starts(prompt))
 
 
-def _answer(engine: Engine, token_ids: list[int]) -> dict:
-    """On the engine thread: the cache's plan for these tokens, and the queue."""
-    found = engine.probe(token_ids)
+def _answer(engine: Engine, token_ids: list[int], salt: str | None) -> dict:
+    """On the engine thread: the cache's plan for these tokens (under their cache salt), and the queue."""
+    found = engine.probe(token_ids, salt)
     return {"position": found.position, "tier": found.tier, "est_ttft_s": found.estimated_s,
             "remote_position": found.remote_position, "waiting": engine.num_waiting, "running": engine.num_running}

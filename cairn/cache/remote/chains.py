@@ -29,11 +29,13 @@ WAIT_POLL_S = 0.02  # how often a waiting lookup probes again
 
 
 class ChainLookup:
-    def lookup(self, tokens: Sequence[int], positions: Iterable[int]) -> list[SegmentInfo]:
-        """Probe the index entries at these prefix positions of tokens in one round trip; register the deepest
-        chain that ends in a snapshot and return its segments, parents first ([] on a miss or when down).
-        While another replica's marker announces a deeper one, probe again (see the module docstring)."""
-        keys = prefix_keys(tokens, positions)
+    def lookup(self, tokens: Sequence[int], positions: Iterable[int], salt_key: bytes | None = None
+               ) -> list[SegmentInfo]:
+        """Probe the index entries at these prefix positions of tokens (chained from salt_key's root) in one round
+        trip; register the deepest chain that ends in a snapshot and return its segments, parents first ([] on a
+        miss or when down). While another replica's marker announces a deeper one, probe again (see the module
+        docstring)."""
+        keys = prefix_keys(tokens, positions, salt_key)
         if not keys:  # an empty prompt (the server looks it up before the engine refuses it): Redis is not asked
             return []
         order = sorted(keys, reverse=True)
@@ -46,7 +48,7 @@ class ChainLookup:
                 break
             self.saw_epoch(values[len(epoch) - 1])
             values = values[len(epoch):]
-            infos = self._deepest_chain(tokens, order, keys, values[:len(order)])
+            infos = self._deepest_chain(tokens, order, keys, values[:len(order)], salt_key)
             depth = infos[-1].start_position + infos[-1].num_tokens if infos else 0
             if not self.markers.announced_deeper(tokens, order, values[len(order):], depth):
                 break
@@ -72,8 +74,8 @@ class ChainLookup:
         with self._lock:
             return self._counts[name]
 
-    def _deepest_chain(self, tokens: Sequence[int], order: list[int], keys: dict[int, bytes], values: list
-                       ) -> list[SegmentInfo]:
+    def _deepest_chain(self, tokens: Sequence[int], order: list[int], keys: dict[int, bytes], values: list,
+                       salt_key: bytes | None) -> list[SegmentInfo]:
         """The deepest chain ending in a snapshot among the entries read at the positions `order`, registered
         here; bad entries are counted and deleted."""
         found: dict[int, tuple[IndexEntry, str]] = {}  # end -> (entry, its Redis name), deepest probe first
@@ -90,9 +92,10 @@ class ChainLookup:
         for end in sorted(found, reverse=True):
             entry, name = found[end]
             if entry.has_snapshot:
-                chain = chain_keys(tokens, entry.bounds)
+                chain = chain_keys(tokens, entry.bounds, salt_key)
                 if chain[-1] == entry.key:
-                    infos = self._register_chain(tokens, entry.bounds, chain, {e: f[0] for e, f in found.items()})
+                    infos = self._register_chain(tokens, entry.bounds, chain, {e: f[0] for e, f in found.items()},
+                                                 salt_key)
                     break
                 bad.append(name)  # bounds that do not lead to its key: garbage
         if bad:
@@ -106,8 +109,8 @@ class ChainLookup:
         self.redis.pipelined([("delete", name) for name in names])
 
     def _register_chain(self, tokens: Sequence[int], bounds: tuple[int, ...], chain: list[bytes],
-                        found: dict[int, IndexEntry]) -> list[SegmentInfo]:
-        h, infos, parent = canonical_hasher(), [], None
+                        found: dict[int, IndexEntry], salt_key: bytes | None) -> list[SegmentInfo]:
+        h, infos, parent = canonical_hasher(salt_key), [], salt_key
         for i, (start, stop) in enumerate(pairwise(bounds)):
             h.update(_tokens_to_bytes(tokens[start:stop]))
             e = found.get(stop)

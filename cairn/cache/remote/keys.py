@@ -3,7 +3,8 @@
 A segment is stored under `cairn:<namespace>:s:<segment key hex>` with its exact disk-format bytes
 (segment.py). A replica that never saw a conversation does not know where the writer's node
 boundaries were, so beside each segment the writer stores a small *index entry* keyed by the
-canonical key of the path up to the segment's END, `cairn:<namespace>:e:<segment_key(None, path[:end]) hex>`:
+canonical key of the path up to the segment's END, `cairn:<namespace>:e:<segment_key(root, path[:end]) hex>`
+(root: the path's salt key, None without a cache salt; segment.salt_key):
 
     {"v": 1, "key": <segment key hex>, "bounds": [0, b1, ..., end], "tail": [],
      "snap": bool, "logits": bool, "size": <bytes>}
@@ -24,26 +25,25 @@ and every segment read is fully verified (checksums, version, namespace) by segm
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from cairn.cache.segments.segment import KEY_BYTES, ROOT_KEY, Segment, _tokens_to_bytes, segment_key
+from cairn.cache.segments.segment import KEY_BYTES, Segment, _tokens_to_bytes, path_hasher, segment_key
 
 ENTRY_VERSION = 1
 MAX_ENTRY_BYTES = 1 << 20  # an entry larger than this is refused as malformed
 
 
-def canonical_hasher():
-    """The running hash whose digest after tokens[:p] is segment_key(None, tokens[:p])."""
-    return hashlib.blake2b(ROOT_KEY, digest_size=KEY_BYTES, person=b"cairn-segment")
+def canonical_hasher(salt_key: bytes | None = None):
+    """The running hash whose digest after tokens[:p] is segment_key(salt_key, tokens[:p])."""
+    return path_hasher(salt_key)
 
 
-def prefix_keys(tokens: Sequence[int], positions: Iterable[int]) -> dict[int, bytes]:
-    """{p: segment_key(None, tokens[:p])} for each position 0 < p <= len(tokens), in one pass over tokens."""
-    h, done, out = canonical_hasher(), 0, {}
+def prefix_keys(tokens: Sequence[int], positions: Iterable[int], salt_key: bytes | None = None) -> dict[int, bytes]:
+    """{p: segment_key(salt_key, tokens[:p])} for each position 0 < p <= len(tokens), in one pass over tokens."""
+    h, done, out = canonical_hasher(salt_key), 0, {}
     for p in sorted({p for p in positions if 0 < p <= len(tokens)}):
         h.update(_tokens_to_bytes(tokens[done:p]))
         done = p
@@ -51,10 +51,11 @@ def prefix_keys(tokens: Sequence[int], positions: Iterable[int]) -> dict[int, by
     return out
 
 
-def chain_keys(tokens: Sequence[int], bounds: Sequence[int]) -> list[bytes]:
-    """The segment keys of a chain cut at `bounds` ([0, b1, ..., end]) over tokens: one per segment."""
-    parents = prefix_keys(tokens, bounds[1:-1])
-    return [segment_key(parents.get(start), tokens[start:stop]) for start, stop in pairwise(bounds)]
+def chain_keys(tokens: Sequence[int], bounds: Sequence[int], salt_key: bytes | None = None) -> list[bytes]:
+    """The segment keys of a chain cut at `bounds` ([0, b1, ..., end]) over tokens, chained from salt_key's root:
+    one per segment."""
+    parents = prefix_keys(tokens, bounds[1:-1], salt_key)
+    return [segment_key(parents[start] if start else salt_key, tokens[start:stop]) for start, stop in pairwise(bounds)]
 
 
 @dataclass(frozen=True)

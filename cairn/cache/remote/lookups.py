@@ -4,17 +4,18 @@ A lookup is one Redis round trip (up to the client's timeout when Redis is slow,
 Made at admission on the engine thread, it would stall every running stream that long; so it runs on a
 small pool of lookup threads, and admission only reads the answer:
 
-    start(token_ids, message_starts)  any thread: queue the lookup of this prompt (nothing when one for the same
-                     tokens is queued, running or answered less than ANSWER_TTL_S ago); returns a
-                     concurrent Future, done when the answer is in (the server awaits it before the request
-                     reaches the engine queue, so admission finds it there)
-    answer(token_ids)  any thread (the engine's, at admission): the found segments (a list, [] on a miss or
+    start(token_ids, message_starts, salt_key)  any thread: queue the lookup of this prompt (nothing when one
+                     for the same tokens and salt key is queued, running or answered less than ANSWER_TTL_S
+                     ago); returns a concurrent Future, done when the answer is in (the server awaits it
+                     before the request reaches the engine queue, so admission finds it there)
+    answer(token_ids, salt_key)  any thread (the engine's, at admission): the found segments (a list, [] on a miss or
                      while Redis is down) when the lookup is done, PENDING while it runs, None when none was
                      started (or its answer expired); deepest_snapshot(token_ids) reads it for a probe
 
 The answer of a lookup is kept ANSWER_TTL_S (an old answer may miss segments written since) and at most
 MAX_ANSWERS prompts are remembered (the oldest are forgotten first). While MAX_IN_FLIGHT lookups are
-running, a new one is not queued: it answers [] at once (counted as "lookups_refused").
+running, a new one is not queued: it answers [] at once (counted as "lookups_refused"). An answer is kept under
+the prompt and its salt key together: the same prompt under another cache salt is another lookup.
 
 What this is not: the lookup itself (finder.py's lookup) or what the cache does with an answer (DiskIndex).
 """
@@ -41,14 +42,14 @@ MAX_IN_FLIGHT = 64  # lookups queued or running; one more answers [] at once
 NUM_THREADS = 2
 
 
-def prompt_digest(token_ids: Sequence[int]) -> bytes:
-    return hashlib.blake2b(_tokens_to_bytes(token_ids), digest_size=16).digest()
+def prompt_digest(token_ids: Sequence[int], salt_key: bytes | None = None) -> bytes:
+    return hashlib.blake2b(_tokens_to_bytes(token_ids), digest_size=16, key=salt_key or b"").digest()
 
 
 class RemoteLookups:
-    def __init__(self, find: Callable[[Sequence[int], Sequence[int]], list], ttl_s: float = ANSWER_TTL_S,
+    def __init__(self, find: Callable[[Sequence[int], Sequence[int], bytes | None], list], ttl_s: float = ANSWER_TTL_S,
                  max_answers: int = MAX_ANSWERS, max_in_flight: int = MAX_IN_FLIGHT):
-        self._find = find  # finder.lookup over one tier: (token_ids, message_starts) -> found segments
+        self._find = find  # finder.lookup over one tier: (token_ids, message_starts, salt_key) -> found segments
         self.ttl_s, self.max_answers, self.max_in_flight = ttl_s, max_answers, max_in_flight
         self.counters: Counter[str] = Counter()  # lookups_started, lookups_refused, answers_expired
         self._answers: OrderedDict[bytes, tuple[float, Future]] = OrderedDict()  # digest -> (started, future)
@@ -56,8 +57,9 @@ class RemoteLookups:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(NUM_THREADS, thread_name_prefix="cairn-remote-lookup")
 
-    def start(self, token_ids: Sequence[int], message_starts: Sequence[int] = ()) -> Future:
-        digest, now = prompt_digest(token_ids), time.monotonic()
+    def start(self, token_ids: Sequence[int], message_starts: Sequence[int] = (), salt_key: bytes | None = None
+              ) -> Future:
+        digest, now = prompt_digest(token_ids, salt_key), time.monotonic()
         with self._lock:
             known = self._answers.get(digest)
             if known is not None and (not known[1].done() or now - known[0] < self.ttl_s):
@@ -74,12 +76,12 @@ class RemoteLookups:
             while len(self._answers) > self.max_answers:
                 self._answers.popitem(last=False)
                 self.counters["answers_expired"] += 1
-        self._pool.submit(self._run, future, list(token_ids), list(message_starts))
+        self._pool.submit(self._run, future, list(token_ids), list(message_starts), salt_key)
         return future
 
-    def _run(self, future: Future, token_ids: list[int], message_starts: list[int]) -> None:
+    def _run(self, future: Future, token_ids: list[int], message_starts: list[int], salt_key: bytes | None) -> None:
         try:
-            found = self._find(token_ids, message_starts)
+            found = self._find(token_ids, message_starts, salt_key)
         except Exception:  # a bug, not Redis (the store turns Redis errors into misses): a miss all the same
             log.exception("remote lookup failed")
             found = []
@@ -88,10 +90,10 @@ class RemoteLookups:
                 self._num_in_flight -= 1
         _settle(future, found)
 
-    def answer(self, token_ids: Sequence[int]):
+    def answer(self, token_ids: Sequence[int], salt_key: bytes | None = None):
         """The found segments, PENDING, or None (see the module docstring)."""
         with self._lock:
-            known = self._answers.get(prompt_digest(token_ids))
+            known = self._answers.get(prompt_digest(token_ids, salt_key))
         if known is None:
             return None
         started, future = known
@@ -99,13 +101,13 @@ class RemoteLookups:
             return PENDING
         return future.result() if time.monotonic() - started < self.ttl_s else None
 
-    def deepest_snapshot(self, token_ids: Sequence[int]) -> int:
+    def deepest_snapshot(self, token_ids: Sequence[int], salt_key: bytes | None = None) -> int:
         """The end of the deepest found segment holding a snapshot, in the answer for this prompt (0: none,
         or no answer yet)."""
-        found = self.answer(token_ids)
+        found = self.answer(token_ids, salt_key)
         if found is None or found is PENDING:
             return 0
-        return max([0, *(len(path) for path, _, _, has_snapshot, _ in found if has_snapshot)])
+        return max([0, *(len(path) for path, _, _, has_snapshot, *_ in found if has_snapshot)])
 
     def close(self) -> None:
         """Stop the lookup threads; every lookup not done answers [] (nobody waits on one for ever)."""

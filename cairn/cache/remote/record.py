@@ -102,8 +102,8 @@ class KnownSegments:
     def chain_of(self, segment: Segment) -> tuple[tuple[int, ...], object, object] | None:
         """(bounds of the chain segment ends, canonical_hasher() after the path before it, and after its end), from
         its parent's record; None when its parent is not known here, or ends elsewhere than where it starts."""
-        if segment.parent_key is None:
-            bounds, start = (0,), canonical_hasher()
+        if segment.start_position == 0:  # a path's first segment: its parent key, when it has one, is its salt key
+            bounds, start = (0,), canonical_hasher(segment.parent_key)
         else:
             parent = self.ending_at(segment.parent_key)
             if parent is None or parent.info.start_position + parent.info.num_tokens != segment.start_position:

@@ -70,7 +70,7 @@ class DiskIndex:
 
     def hang_found(self, found) -> bool:
         """Hang what a lookup by prompt found in a store shared with other writers (the remote tier, which
-        holds more than this process indexed at start-up): (path, start, ref, has_snapshot, has_logits)
+        holds more than this process indexed at start-up): (path, start, ref, has_snapshot, has_logits, salt key)
         segments, parents first, stopping at one found unreadable before. True when it hung any (match
         again: nodes may have been split). No I/O: the lookup ran elsewhere (cache/remote/lookups.py)."""
         usable = []
@@ -82,10 +82,11 @@ class DiskIndex:
         return bool(usable)
 
     def _hang(self, stored) -> int:
-        """Hang (path, start, ref, has_snapshot, has_logits) segments, parents first; the snapshots newly hung."""
+        """Hang (path, start, ref, has_snapshot, has_logits, salt key) segments, parents first, each under its salt's
+        root; the snapshots newly hung."""
         found = 0
-        for path, start, ref, has_snapshot, has_logits in stored:
-            node = self.tree.insert_from_segment(self.disk.name, path, start, ref)
+        for path, start, ref, has_snapshot, has_logits, salt_key in stored:
+            node = self.tree.insert_from_segment(self.disk.name, path, start, ref, salt_key)
             if has_snapshot:
                 found += self._hang_snapshot(node, ref.key, has_logits)
         return found
@@ -151,7 +152,7 @@ class DiskIndex:
         name, found = self.disk.name, 0
         for node in [n for n in self.tree.iter_nodes() if name in n.kv and n.kv[name].key in back]:
             if node.parent is not None and node.end == node.kv[name].segment_end:
-                found += self._hang(self.disk.paths_below(_path_tokens(node)))
+                found += self._hang(self.disk.paths_below(*_path_of(node)))
         if found:
             log.info("%s cache: %d snapshots below %d rewritten segments are resumable again", name, found, len(back))
         return found
@@ -190,10 +191,10 @@ class DiskIndex:
         self.forgotten.update(reason for key, reason in gone.items() if key not in self._gone)
 
 
-def _path_tokens(node: Node) -> tuple[int, ...]:
-    """The tokens of the path from the root to node's end."""
+def _path_of(node: Node) -> tuple[tuple[int, ...], bytes | None]:
+    """The tokens of the path from its root to node's end, and that root's salt key."""
     runs = []
     while node.parent is not None:
         runs.append(tuple(node.tokens))
         node = node.parent
-    return tuple(t for run in reversed(runs) for t in run)
+    return tuple(t for run in reversed(runs) for t in run), node.salt_key

@@ -189,6 +189,25 @@ def segment_key(parent_key: bytes | None, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + _tokens_to_bytes(tokens), digest_size=KEY_BYTES, person=b"cairn-segment").digest()
 
 
+def salt_key_of(cache_salt: str | None) -> bytes | None:
+    """The root a cache salt's chains hang from, in place of ROOT_KEY (None without a salt: today's keys).
+
+    Every content address chains from its path's root: a salted path's first segment names this key as its
+    parent (a segment at position 0 with a parent key), and each canonical key of its prefixes hashes this key
+    where an unsalted one hashes ROOT_KEY. So no key of one salt equals a key of another, or of no salt, in any
+    tier (DESIGN invariant 8). A keyed hash: the salt itself is written nowhere."""
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), key=ROOT_KEY, digest_size=KEY_BYTES,
+                           person=b"cairn-salt").digest()
+
+
+def path_hasher(root: bytes | None = None):
+    """The running hash whose digest after path[:p] is segment_key(root, path[:p]): the canonical key of a prefix
+    of a path chained from `root` (a salt_key; None: ROOT_KEY)."""
+    return hashlib.blake2b(ROOT_KEY if root is None else root, digest_size=KEY_BYTES, person=b"cairn-segment")
+
+
 def digest_bytes(compat_digest: str) -> bytes:
     """The compatibility digest (a hex string) as raw bytes; ValueError if it is not 1..64 bytes of hex."""
     try:

@@ -3,11 +3,13 @@
 
 A node [start, end) is written as one segment: its tokens, the KV pages of its page indices (whole
 pages, as stored on the device), and the snapshot (with logits) at its end when it has one. Its
-parent key is the canonical key of the path before it, segment_key(None, path[:start]), so a segment
+parent key is the canonical key of the path before it, segment_key(root, path[:start]), so a segment
 names its prefix whatever node boundaries the writer had, and equal prefixes get equal keys across
-requests, restarts and servers. A snapshot is only resumable from disk when every node above it is on
-disk too, so `persist` writes the missing ancestors first, and a chain continues only from a segment's
-end, so an ancestor that is the front slice of a longer segment is written again as a segment of its own.
+requests, restarts and servers. The root is the path's salt key for a salted path (its first segment names it
+as its parent key), None (ROOT_KEY) otherwise: no key of one cache salt is another's (segment.salt_key_of). A
+snapshot is only resumable from disk when every node above it is on disk too, so `persist` writes the missing
+ancestors first, and a chain continues only from a segment's end, so an ancestor that is the front slice of a
+longer segment is written again as a segment of its own.
 
 The namespace is the compatibility digest (cairn/engine/compat.py, computed by the engine): the model
 weights' content digest, the architecture, dtypes, page size and format version (with exact resumption, the
@@ -36,7 +38,6 @@ lookup of a prompt in Redis (remote/finder.py), or the choice of what to write w
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 from collections import Counter
@@ -45,7 +46,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from cairn.cache.segments.named_bytes import layout_meta, read_layout
-from cairn.cache.segments.segment import ROOT_KEY, Segment, _tokens_to_bytes, segment_key
+from cairn.cache.segments.segment import Segment, _tokens_to_bytes, path_hasher, segment_key
 from cairn.cache.segments.store import SegmentInfo, SegmentStore
 from cairn.cache.tiers.base import KV, Source, State, Unreadable
 from cairn.cache.tree.nodes import DISK, DiskRef, Node, page_indices
@@ -315,10 +316,12 @@ class SegmentTier:
 
     @staticmethod
     def _prefix_keys(path: list[Node]) -> Iterator[tuple[Node, bytes | None]]:
-        """(node, canonical key of the path before it) for each node of a root-to-node path."""
-        h = hashlib.blake2b(ROOT_KEY, digest_size=32, person=b"cairn-segment")
+        """(node, canonical key of the path before it) for each node of a root-to-node path: for the first node,
+        its root's salt key (None for the shared root)."""
+        root = path[0].parent.salt_key if path and path[0].parent is not None else None
+        h = path_hasher(root)
         for node in path:
-            yield node, (h.copy().digest() if node.start else None)
+            yield node, (h.copy().digest() if node.start else root)
             h.update(_tokens_to_bytes(node.tokens))
 
     def _segment(self, node: Node, parent_key: bytes | None, kv, snapshot) -> Segment:
@@ -371,9 +374,10 @@ class SegmentTier:
 
     # ---- start-up -----------------------------------------------------------------------------------
 
-    def stored_paths(self) -> Iterator[tuple[tuple[int, ...], int, DiskRef, bool, bool]]:
-        """(path tokens [0, end), start, ref, has_snapshot, has_logits) for every indexed segment whose
-        prefix chain is complete, parents before children. Orphans (a missing parent: evicted, or a file
+    def stored_paths(self) -> Iterator[tuple[tuple[int, ...], int, DiskRef, bool, bool, bytes | None]]:
+        """(path tokens [0, end), start, ref, has_snapshot, has_logits, salt key) for every indexed segment whose
+        prefix chain is complete, parents before children (a segment at position 0 with a parent key begins a
+        salted path: that key is its salt key). Orphans (a missing parent: evicted, or a file
         found bad, which leaves every segment below it unreachable) are counted and, once every segment
         was seen, deleted by the store's lock holder: they would take the budget and be scanned at
         every start for nothing."""
@@ -381,36 +385,43 @@ class SegmentTier:
         yield from self._chains(None, orphans)
         self._remove_orphans(orphans)
 
-    def paths_below(self, path: tuple[int, ...]) -> list[tuple[tuple[int, ...], int, DiskRef, bool, bool]]:
-        """As stored_paths, the indexed segments chained below `path` alone (whose own segment was just written
-        again, after it was found bad: what lies below it was unreachable meanwhile); reads their tokens only."""
-        return list(self._chains(path, []))
+    def paths_below(self, path: tuple[int, ...], salt_key: bytes | None = None
+                    ) -> list[tuple[tuple[int, ...], int, DiskRef, bool, bool, bytes | None]]:
+        """As stored_paths, the indexed segments chained below `path` (under salt_key's root) alone (whose own
+        segment was just written again, after it was found bad: what lies below it was unreachable meanwhile);
+        reads their tokens only."""
+        return list(self._chains((path, salt_key), []))
 
-    def _chains(self, below: tuple[int, ...] | None, orphans: list[bytes]):
-        """Walk the indexed segments parents first, yielding each whose prefix chain is complete: from the root
+    def _chains(self, below: tuple[tuple[int, ...], bytes | None] | None, orphans: list[bytes]):
+        """Walk the indexed segments parents first, yielding each whose prefix chain is complete: from a root
         (below None; a segment that does not chain is counted and appended to `orphans`) or from the end of
-        `below` (the others are skipped unread)."""
+        `below`, a (path, salt key) (the others are skipped unread)."""
         infos = [self.store.info(k) for k in self.store.keys()]  # noqa: SIM118 (a store, not a dict)
         infos = sorted((i for i in infos if i is not None), key=lambda i: (i.start_position, i.key))
         wanted = Counter(i.parent_key for i in infos if i.parent_key is not None)
-        paths: dict[bytes, tuple[int, ...]] = {} if below is None else {segment_key(None, below): below}
-        root = () if below is None else None  # the prefix of a segment without a parent (none, below a path)
+        # canonical key of a path's end -> (the path, its salt key)
+        paths: dict[bytes, tuple[tuple[int, ...], bytes | None]] = {}
+        if below is not None:
+            paths[segment_key(below[1], below[0])] = below
         for info in infos:
-            prefix = root if info.parent_key is None else paths.get(info.parent_key)
+            if info.start_position == 0:  # a path's first segment: its parent key is its salt key (or None)
+                prefix = ((), info.parent_key) if below is None else None
+            else:
+                prefix = paths.get(info.parent_key)
             if prefix is None and below is not None:
                 continue
             tokens = self.store.get_tokens(info.key)
-            if tokens is None or prefix is None or len(prefix) != info.start_position:
+            if tokens is None or prefix is None or len(prefix[0]) != info.start_position:
                 if below is None:
                     self.counters["orphan_segments"] += 1
                     orphans.append(info.key)
                 continue
-            path = prefix + tokens
-            end_key = segment_key(None, path)
+            path, salt = prefix[0] + tokens, prefix[1]
+            end_key = segment_key(salt, path)
             if wanted[end_key]:
-                paths[end_key] = path
+                paths[end_key] = path, salt
             yield path, info.start_position, DiskRef(info.key, info.start_position, len(path)), \
-                info.has_snapshot, info.has_logits
+                info.has_snapshot, info.has_logits, salt
 
     def _remove_orphans(self, keys: list[bytes]) -> None:
         """Delete them, but from a shared store: there a segment whose parent this process does not know is not an

@@ -242,7 +242,7 @@ class TierSet:
         """Write node and its ancestors into every write-through segment tier (at a request's end), read from
         `source` (default: the tiers themselves)."""
         for tier in self.tiers:
-            if tier.pages is None and tier.write_through and node is not self.tree.root:
+            if tier.pages is None and tier.write_through and node.end > 0:
                 tier.store_kv(node, source or self)
 
 

@@ -47,7 +47,7 @@ class DiskRef:
 
 @dataclass(eq=False)
 class Node:
-    """A run of tokens [start, end) shared by every path through it. The root is the empty run [0, 0)."""
+    """A run of tokens [start, end) shared by every path through it. A root is the empty run [0, 0)."""
 
     node_id: int  # creation order, unique per tree; the last KV-eviction tie-break
     tokens: tuple[int, ...]  # the token ids at positions [start, end); len == end - start
@@ -65,6 +65,7 @@ class Node:
     lock_count: int = 0  # outstanding LockHandles whose locked path passes through this node (and a KV move in
     # progress below it or at it, TieredRadixTree.moving); > 0: KV kept
     last_access: int = 0  # clock tick of the last lock/insert/attach whose path entered this node
+    salt_key: bytes | None = None  # a salted namespace's root (RadixTree.roots): its key; None on every other node
 
     @property
     def pages(self) -> list[int] | None:

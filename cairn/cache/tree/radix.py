@@ -20,6 +20,11 @@ lists the pages of page indices start // page_size .. (end - 1) // page_size:
 
 The page a node lists for index i holds valid KV for every position of page i before the node's end
 on the node's paths; positions after that may belong to another branch.
+
+Namespaces (DESIGN invariant 8). Every path hangs from one root: the shared root (`root`), or the root of its
+cache salt's namespace (`roots[salt_key]`, made by the first insert under that salt and gone with its last
+node). A walk starts at the root its caller names, so a match never crosses namespaces, and a salted root's
+paths are chained from its key in every segment tier (cache/segments/segment.py, salt_key).
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ class RadixTree:
         self.page_size = page_size
         self.allocators = allocators
         self.on_snapshot_released = on_snapshot_released
-        self.root = Node(node_id=0, tokens=(), start=0, end=0, parent=None)
+        self.root = Node(node_id=0, tokens=(), start=0, end=0, parent=None)  # the unsalted paths' root
+        self.roots: dict[bytes, Node] = {}  # salt key -> the root of that salt's paths (never empty)
         self.clock = 0  # logical time of the last lock/insert/attach
         self._next_node_id = 1
         self._num_nodes = 0  # nodes below the root
@@ -93,7 +99,8 @@ class RadixTree:
 
     # ---- reading --------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], need_logits_at_end: bool = True) -> MatchResult:
+    def match(self, tokens: Sequence[int], need_logits_at_end: bool = True, salt_key: bytes | None = None
+              ) -> MatchResult:
         """Longest cached prefix of `tokens` and the deepest usable resume point. Mutates nothing.
 
         A snapshot at position p is usable iff p <= match_len and p <= len(tokens) and
@@ -101,9 +108,10 @@ class RadixTree:
         computed for logits unless the snapshot stores them (DESIGN invariant 1). When a deeper point
         than the resume position is not usable, miss_reason describes the deepest position in
         (resume_position, match_len] that had a snapshot: "needs_logits" if one is there now,
-        "evicted" if its snapshot was evicted, and "no_snapshot" if there is none.
+        "evicted" if its snapshot was evicted, and "no_snapshot" if there is none. Only the paths under
+        `salt_key`'s root are matched (None: the shared root's).
         """
-        path, match_len = self._walk(tokens)
+        path, match_len = self._walk(tokens, salt_key)
         resume_node = None
         for node in path:
             if node.end <= match_len and node.snapshot is not None and self._usable(node, tokens, need_logits_at_end):
@@ -131,7 +139,7 @@ class RadixTree:
 
     def iter_nodes(self) -> Iterator[Node]:
         """Every node below the root, parents before children. Do not mutate the tree while iterating."""
-        stack = list(self.root.children.values())
+        stack = [node for root in (self.root, *self.roots.values()) for node in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -180,7 +188,7 @@ class RadixTree:
 
     # ---- inserting ------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], page_table: list[int]) -> Node:
+    def insert(self, tokens: Sequence[int], page_table: list[int], salt_key: bytes | None = None) -> Node:
         """Make `tokens` a path of the tree; returns the node whose end == len(tokens) (root if empty).
 
         page_table is the caller's page table of the whole path (len >= ceil(len(tokens) / page_size)).
@@ -188,12 +196,14 @@ class RadixTree:
         position), creates nodes for the suffix the tree lacks, listing and increfing page_table's
         pages for their page indices; for tokens already present the tree keeps its own pages and
         takes none of the caller's (the caller still owns and later decrefs its references).
-        Advances the clock and stamps every node on the path and every snapshot on it.
+        Advances the clock and stamps every node on the path and every snapshot on it. The path hangs from
+        `salt_key`'s root (made if it is the salt's first; None: the shared root).
         """
         self.clock += 1
-        return self._insert(tokens, page_table)
+        return self._insert(tokens, page_table, salt_key)
 
-    def attach_snapshot(self, tokens: Sequence[int], page_table: list[int], entry: SnapshotEntry) -> bool:
+    def attach_snapshot(self, tokens: Sequence[int], page_table: list[int], entry: SnapshotEntry,
+                        salt_key: bytes | None = None) -> bool:
         """insert(tokens, page_table), then hang `entry` at position len(tokens) unless one is there.
 
         True: attached (stamped with the clock, tombstone at that node cleared, the tree now owns
@@ -204,7 +214,7 @@ class RadixTree:
         assert entry.nbytes > 0 and entry.lock_count == 0 and entry.source in SNAPSHOT_SOURCES, \
             f"the cache builds every entry it attaches whole and unlocked, from a placement source: {entry}"
         self.clock += 1
-        node = self._insert(tokens, page_table)
+        node = self._insert(tokens, page_table, salt_key)
         if node.snapshot is not None:
             return False
         entry.last_access = self.clock
@@ -228,8 +238,13 @@ class RadixTree:
             if node.snapshot is not None:
                 num_snapshots += 1
                 snapshot_bytes += node.snapshot.nbytes
-        if self.root.snapshot is not None or self.root.kv or self.root.tokens or self.root.end != 0:
-            raise AssertionError("the root must be empty: no tokens, pages or snapshot")
+        for key, root in [(None, self.root), *self.roots.items()]:
+            if root.snapshot is not None or root.kv or root.tokens or root.end != 0:
+                raise AssertionError("the root must be empty: no tokens, pages or snapshot")
+            if root.salt_key != key:
+                raise AssertionError("a salted root is held under another salt's key")
+            if key is not None and not root.children:
+                raise AssertionError("a salted root with no path is kept")
         if (num_nodes, num_snapshots, snapshot_bytes) != (self._num_nodes, self._num_snapshots, self._snapshot_bytes):
             raise AssertionError(
                 f"totals (nodes, snapshots, bytes) counted {(num_nodes, num_snapshots, snapshot_bytes)}, "
@@ -270,10 +285,22 @@ class RadixTree:
 
     # ---- internals ------------------------------------------------------------------------------
 
-    def _walk(self, tokens: Sequence[int]) -> tuple[list[Node], int]:
+    def root_of(self, salt_key: bytes | None, create: bool = False) -> Node | None:
+        """The root of salt_key's paths (the shared root for None); a salted one is made when `create`, else None
+        while the salt has no path."""
+        if salt_key is None:
+            return self.root
+        root = self.roots.get(salt_key)
+        if root is None and create:
+            root = self.roots[salt_key] = Node(node_id=0, tokens=(), start=0, end=0, parent=None, salt_key=salt_key)
+        return root
+
+    def _walk(self, tokens: Sequence[int], salt_key: bytes | None) -> tuple[list[Node], int]:
         """(nodes entered, root excluded; tokens matched)."""
         path: list[Node] = []
-        node, matched = self.root, 0
+        node, matched = self.root_of(salt_key), 0
+        if node is None:
+            return path, matched
         while matched < len(tokens):
             child = node.children.get(tokens[matched])
             if child is None:
@@ -302,11 +329,11 @@ class RadixTree:
                     return "budget"
         return "no_snapshot"
 
-    def _insert(self, tokens: Sequence[int], page_table: list[int]) -> Node:
+    def _insert(self, tokens: Sequence[int], page_table: list[int], salt_key: bytes | None) -> Node:
         """insert() without advancing the clock: stamps nodes and snapshots with the current tick."""
         if len(page_table) < -(-len(tokens) // self.page_size):
             raise ValueError(f"{len(page_table)} pages cannot hold {len(tokens)} tokens of {self.page_size}")
-        node = self.root
+        node = self.root_of(salt_key, create=True) if len(tokens) else self.root
         while node.end < len(tokens):
             child = node.children.get(tokens[node.end])
             if child is None:
@@ -360,7 +387,10 @@ class RadixTree:
         """Take an unlocked leaf out of the tree; returns the device pages the allocator freed."""
         if node.snapshot is not None:
             self._release_snapshot(node, RELEASE_KV_EVICTED)
-        del node.parent.children[node.tokens[0]]
+        parent = node.parent
+        del parent.children[node.tokens[0]]
+        if parent.salt_key is not None and not parent.children:  # a salt's last path: its root goes
+            del self.roots[parent.salt_key]
         node.parent = None
         self._num_nodes -= 1
         freed = {tier: self._decref(tier, node.kv.pop(tier)) for tier in list(node.kv) if tier in self.allocators}
@@ -378,14 +408,14 @@ class RadixTree:
 
     def _ancestors(self, node: Node | None) -> Iterator[Node]:
         """node and its ancestors, root excluded."""
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             yield node
             node = node.parent
 
     def _attached(self, node: Node) -> bool:
         while node.parent is not None:
             node = node.parent
-        return node is self.root
+        return node is self.root_of(node.salt_key)
 
     def _incref(self, tier: str, pages: list[int]) -> None:
         self.allocators[tier].incref(pages)

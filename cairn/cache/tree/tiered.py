@@ -186,27 +186,28 @@ class TieredRadixTree(RadixTree):
     def put_snapshot(self, node: Node, entry: SnapshotEntry) -> None:
         """Hang `entry` on an existing node below the root that holds no snapshot (a snapshot found in a segment
         tier: the segment index checks that the node holds none, and a segment's node is never the root)."""
-        assert node.snapshot is None and node is not self.root, "put_snapshot on the root or over a snapshot"
+        assert node.snapshot is None and node.end > 0, "put_snapshot on a root or over a snapshot"
         self.clock += 1
         entry.last_access = self.clock
         node.snapshot, node.snapshot_evicted = entry, False
         self._num_snapshots += 1
         self._snapshot_bytes += entry.nbytes
 
-    def mark_budget_miss(self, tokens: Sequence[int], page_table: list[int]) -> None:
-        """Insert tokens and record that the snapshot due at their end was not taken for lack of budget
-        (match reports "budget" for it until a snapshot is attached there)."""
-        node = self.insert(tokens, page_table)
-        if node is not self.root and node.snapshot is None:
+    def mark_budget_miss(self, tokens: Sequence[int], page_table: list[int], salt_key: bytes | None = None) -> None:
+        """Insert tokens (under salt_key's root) and record that the snapshot due at their end was not taken for
+        lack of budget (match reports "budget" for it until a snapshot is attached there)."""
+        node = self.insert(tokens, page_table, salt_key)
+        if node.end > 0 and node.snapshot is None:
             node.budget_miss = True
 
     # ---- restart --------------------------------------------------------------------------------
 
-    def insert_from_segment(self, tier: str, tokens: Sequence[int], start: int, ref: DiskRef) -> Node:
-        """Make tokens a path whose part [start, len(tokens)) lives in segment `ref` of segment tier `tier`;
-        [0, start) must already be a path. Nodes created here hold only that copy. Returns the node ending
-        at len(tokens)."""
-        node = self.root
+    def insert_from_segment(self, tier: str, tokens: Sequence[int], start: int, ref: DiskRef,
+                            salt_key: bytes | None = None) -> Node:
+        """Make tokens a path (under salt_key's root) whose part [start, len(tokens)) lives in segment `ref` of
+        segment tier `tier`; [0, start) must already be a path. Nodes created here hold only that copy. Returns
+        the node ending at len(tokens)."""
+        node = self.root_of(salt_key, create=True)
         self.clock += 1
         while node.end < len(tokens):
             child = node.children.get(tokens[node.end])

@@ -18,7 +18,7 @@ from pydantic import AfterValidator, Field, ValidationError, model_validator
 from cairn.server.anthropic.context import ContextManagement
 from cairn.server.chat.output import ChatPlan
 from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
-from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
+from cairn.server.chat.strict import CacheSalt, Strict, refuse_lone_surrogates, refuse_unimplemented
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_validation_errors, renamed
 from cairn.server.openai.chat import prepare_chat
@@ -160,6 +160,7 @@ class MessagesRequest(PromptFields):
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
+    cache_salt: CacheSalt | None = None  # cairn / vLLM extension: requests of another salt share no cached prefix
 
     @model_validator(mode="after")
     def _no_stop_in_a_constrained_answer(self) -> MessagesRequest:
@@ -188,7 +189,7 @@ class MessagesRequest(PromptFields):
             self.context_management.apply(messages)
         chat: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
                                 "stop": self.stop_sequences, "temperature": self.temperature, "top_p": self.top_p,
-                                "top_k": self.top_k}
+                                "top_k": self.top_k, "cache_salt": self.cache_salt}
         if self.tools:
             chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                                "parameters": t.input_schema, "strict": t.strict}}

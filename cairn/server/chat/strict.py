@@ -109,4 +109,5 @@ def _optional_keys(model: type[BaseModel]) -> frozenset[str]:
 
 
 StrictInt = Annotated[int, Field(strict=True)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]  # vLLM's cache_salt: a tenant's cache namespace
 TokenIds = list[Annotated[int, Field(strict=True)]]

@@ -285,7 +285,8 @@ class EngineBridge:
         """Wait for the cache's lookup of the prompt in a slow tier (the remote one), started here, off the
         engine thread: admission then finds the answer ready and never waits on Redis (PrefixCache.prefetch
         is safe from any thread; a Redis that is down or slow answers a miss within its timeout)."""
-        future = self.engine.prefetch(prompt.token_ids, prompt.message_starts) if params.cache_prompt else None
+        future = (self.engine.prefetch(prompt.token_ids, prompt.message_starts, params.cache_salt)
+                  if params.cache_prompt else None)
         if future is not None:
             await asyncio.wrap_future(future)
 

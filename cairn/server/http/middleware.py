@@ -8,8 +8,11 @@ it arrived in (never joined: a copy of megabytes would hold the interpreter lock
 needs), then hands later `receive` calls (the disconnect) through untouched. Past its first
 PACE_AFTER_BYTES, a body is read no faster than `max_bytes_per_s` (see `_pace`).
 
-`APIKeyAuth` answers 401 to a request without the key, except on public paths. The key is read from
-`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's), on every path.
+`APIKeyAuth` answers 401 to a request without a key, except on public paths. The key is read from
+`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's), on every path. With
+`tenants` (--cache-isolation per-key) it notes in the request's scope state which key it was, as a keyed hash
+(`key_tenant`), and `cache_salt` makes that the namespace of the request's prefix cache: a tenant never resumes
+another's prefix, nor learns from cached_tokens or timing what another sent (the key itself is kept nowhere).
 
 `RequestId` echoes a client's `X-Request-Id` header on the response and exposes it, while the request
 is handled, through `current_request_id()` (a context variable), for ids and log lines.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import hashlib
 import hmac
 import re
 from collections.abc import Awaitable, Callable, Collection
@@ -215,26 +219,54 @@ class RequestCounter:
             end.finish()
 
 
+TENANT = "cairn.cache_tenant"  # the scope state key APIKeyAuth notes a request's tenant under (per-key isolation)
+
+
+def key_tenant(key: bytes) -> str:
+    """The tenant of an API key: a keyed hash (fixed length), so that neither a cache key nor a log holds the key."""
+    return hashlib.blake2b(key, key=b"cairn.cache-isolation", digest_size=16).hexdigest()
+
+
+def cache_salt(scope: Scope, salt: str | None) -> str | None:
+    """The prefix-cache salt of a request: its own `cache_salt` field, inside its API key's tenant when the
+    server isolates the cache per key (the tenant is fixed-length, so no salt of one tenant is another's)."""
+    tenant = scope.get("state", {}).get(TENANT)
+    if tenant is None:
+        return salt
+    return f"key:{tenant}" if salt is None else f"key:{tenant}:{salt}"
+
+
 class APIKeyAuth:
-    def __init__(self, app: ASGIApp, api_key: str, public_paths: Collection[str]):
+    def __init__(self, app: ASGIApp, api_keys: Collection[str], public_paths: Collection[str], tenants: bool = False):
         self.app = app
-        self.key = api_key.encode()
+        self.keys = [key.encode() for key in api_keys]
         self.public_paths = frozenset(public_paths)
+        self.tenants = tenants  # note each request's key_tenant in its scope state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in self.public_paths or self._has_key(scope):
+        if scope["type"] != "http" or scope.get("path") in self.public_paths:
+            return await self.app(scope, receive, send)
+        key = self._key_of(scope)
+        if key is not None:
+            if self.tenants:
+                scope.setdefault("state", {})[TENANT] = key_tenant(key)
             return await self.app(scope, receive, send)
         await send_error(send, APIError(401, "A valid API key is required: send the header 'Authorization: "
                                              "Bearer <key>' or 'x-api-key: <key>'.", code="invalid_api_key",
                                         headers={"WWW-Authenticate": "Bearer"}), scope)
 
-    def _has_key(self, scope: Scope) -> bool:
-        """Either header holds the key (compared in constant time)."""
+    def _key_of(self, scope: Scope) -> bytes | None:
+        """The key either header holds, or None (each key compared in constant time, every one of them)."""
         headers = dict(scope.get("headers", []))
         scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(bearer.strip(), self.key):
-            return True
-        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)
+        given = [bearer.strip()] if scheme.lower() == b"bearer" else []
+        given.append(headers.get(b"x-api-key", b"").strip())
+        found = None
+        for key in self.keys:
+            for value in given:
+                if hmac.compare_digest(value, key):
+                    found = key
+        return found
 
 
 class RequestId:

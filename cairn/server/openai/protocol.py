@@ -22,7 +22,14 @@ from cairn.errors import SamplingError
 from cairn.request.sampling_params import SEED_RANGE, SamplingParams, StructuredOutput
 from cairn.server.chat.schema import ChatMessage, NamedToolChoice, Tools, template_message, template_variables
 from cairn.server.chat.schema_keywords import refuse_unknown_keywords
-from cairn.server.chat.strict import Strict, StrictInt, TokenIds, refuse_lone_surrogates, refuse_unimplemented
+from cairn.server.chat.strict import (
+    CacheSalt,
+    Strict,
+    StrictInt,
+    TokenIds,
+    refuse_lone_surrogates,
+    refuse_unimplemented,
+)
 from cairn.server.errors import APIError, from_exception, naming_max_tokens
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -91,6 +98,7 @@ class SamplingFields(Strict):
     store: Literal[False] | None = None
     ignore_eos: bool = False  # extension: keep generating past end-of-sequence tokens
     cache_prompt: bool = True  # extension: False neither reads nor writes the prefix cache
+    cache_salt: CacheSalt | None = None  # vLLM extension: requests of another salt share no cached prefix
     return_token_ids: bool = False  # extension (vLLM): the prompt and output token ids in the response
     n: StrictInt = 1  # choices to generate; they share the prompt's prefix (computed once)
     frequency_penalty: float | None = None
@@ -135,6 +143,7 @@ class SamplingFields(Strict):
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=_stop_tuple(self.stop),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               logprobs=logprobs, top_logprobs=top_logprobs, cache_prompt=self.cache_prompt,
+                              cache_salt=self.cache_salt,
                               n=self.n, logit_bias=_logit_bias(self.logit_bias), min_tokens=self.min_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens,

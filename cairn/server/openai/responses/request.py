@@ -44,7 +44,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from cairn.server.chat.output import ChatPlan
 from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
-from cairn.server.chat.strict import Strict, refuse_lone_surrogates, refuse_unimplemented
+from cairn.server.chat.strict import CacheSalt, Strict, refuse_lone_surrogates, refuse_unimplemented
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_validation_errors, renamed
 from cairn.server.openai.chat import prepare_chat
@@ -154,6 +154,7 @@ class ResponsesRequest(Strict):
     safety_identifier: str | None = None  # stored nowhere
     client_metadata: dict[str, str] | None = None  # the client's own tags (the Codex CLI's session ids): stored nowhere
     prompt_cache_key: str | None = None  # accepted: cairn caches every prefix on its own
+    cache_salt: CacheSalt | None = None  # cairn / vLLM extension: requests of another salt share no cached prefix
     store: bool = True
     previous_response_id: str | None = None
 
@@ -209,7 +210,7 @@ class ResponsesRequest(Strict):
         chat: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.instructions, items),
                                 "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "user": self.user, "metadata": self.metadata,
-                                "parallel_tool_calls": self.parallel_tool_calls}
+                                "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt}
         if self.tools:
             chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                                "parameters": t.parameters, "strict": t.strict}}
