@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 
 from cairn import __version__
-from cairn.config import ConfigError
+from cairn.config import DEMO_NAME, ConfigError
 from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.logs import LOG_FORMATS, setup_logging
 from cairn.model.config import WeightError
@@ -43,7 +43,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * the top probability")
     p.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    add_engine_args(p)
+    add_engine_args(p, defaults={"model": DEMO_NAME})
 
 
 def _parse_messages(text: str | None) -> list[dict] | None:
@@ -127,7 +127,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from cairn.server.options import ServerOptions
 
     add_dataclass_args(p, ServerOptions, "server options")
-    add_engine_args(p)
+    add_engine_args(p, defaults={"model": DEMO_NAME})
 
 
 def run_serve(ns: argparse.Namespace) -> int:

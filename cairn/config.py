@@ -47,13 +47,19 @@ def check_at_least(options, least: dict[str, float], positive: tuple[str, ...] =
             raise ConfigError(f"{flag} must be {'above' if strict else 'at least'} {lo}, got {value}")
 
 
+DEMO_NAME = "cairn-demo"  # the trained demo model shipped with cairn (cairn.engine.demo)
+RANDOM_DEMO_NAME = "cairn-demo-random"  # the demo model's shape with random weights from --demo-seed
+
+
 @dataclass(frozen=True)
 class ModelOptions:
-    model: str | None = _f(None, "Hugging Face checkpoint directory; omit it for the built-in demo model")
+    model: str | None = _f(None, f"Hugging Face checkpoint directory, or a built-in demo model: {DEMO_NAME} (trained, "
+                           f"shipped with cairn; the command line's default) or {RANDOM_DEMO_NAME} (random weights; "
+                           "the library's default)")
     dtype: str = _f("auto", "weights and activations: auto (the checkpoint's), bfloat16, float16 or float32",
                     choices=("auto", "bfloat16", "float16", "float32"))
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    demo_seed: int = _f(0, "seed of the demo model's random weights (refused with --model)")
+    demo_seed: int = _f(0, f"seed of the random demo model's weights ({RANDOM_DEMO_NAME} only)")
     quantization: str = _f("none", "weight-only quantization of the linear layers (CPU, dense models): none or "
                            "int8 (one scale per output channel; half the bytes a bf16 decode step reads)",
                            choices=("none", "int8"))
@@ -82,8 +88,9 @@ class ModelOptions:
                               f"{', '.join(CPU_ISAS)})")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"--device {self.device}: must be auto, cpu, cuda or cuda:N")
-        if self.model is not None and self.demo_seed != 0:
-            raise ConfigError("--demo-seed seeds the demo model's random weights: drop it with --model")
+        if self.model not in (None, RANDOM_DEMO_NAME) and self.demo_seed != 0:
+            raise ConfigError(f"--demo-seed seeds the random demo model's weights: drop it, or pass --model "
+                              f"{RANDOM_DEMO_NAME}")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cairn.config import DEMO_NAME, RANDOM_DEMO_NAME
+from cairn.model.demo_checkpoint import demo_checkpoint
+
 if TYPE_CHECKING:
     from cairn.model.config import ModelConfig
 
@@ -39,10 +42,13 @@ class UserError(Exception):
 
 
 def check_model(model: str | None, quantization: str = "none") -> None:
-    """The --model directory is a checkpoint cairn can load (None, the demo model, always is), and
-    `--quantization` is implemented for it (a QuantizationError, one line, before the weights load)."""
-    if model is None:
+    """The --model directory is a checkpoint cairn can load (None and the random demo model always are; the
+    trained demo model's files must match their checksums), and `--quantization` is implemented for it (a
+    QuantizationError, one line, before the weights load)."""
+    if model in (None, RANDOM_DEMO_NAME):
         return
+    if model == DEMO_NAME:
+        model = str(demo_checkpoint())
     path = Path(model)
     if not path.exists():
         if HUB_ID.match(model):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-MODEL = "cairn-demo"
+MODEL = "cairn-demo-random"
 CHAT = [{"role": "user", "content": "hi"}]
 
 

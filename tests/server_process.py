@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cairn.config import RANDOM_DEMO_NAME
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_POOLS = ("--kv-cache-gib", "0.05", "--state-cache-gib", "0.05")
 
@@ -93,8 +95,10 @@ class ServerProcess:
 
 
 def start_server(*flags: str, timeout_s: float = 90.0, env: dict[str, str] | None = None) -> ServerProcess:
-    """`cairn serve` on the demo model with tiny pools and `flags`, healthy; `env` is added to the environment."""
-    return start_cli("serve", *TINY_POOLS, *flags, timeout_s=timeout_s, env=env)
+    """`cairn serve` with tiny pools and `flags`, healthy, on the random demo model unless `flags` name a --model;
+    `env` is added to the environment."""
+    model = () if "--model" in flags else ("--model", RANDOM_DEMO_NAME)
+    return start_cli("serve", *model, *TINY_POOLS, *flags, timeout_s=timeout_s, env=env)
 
 
 def start_router(*flags: str, timeout_s: float = 60.0) -> ServerProcess:

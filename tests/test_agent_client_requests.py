@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cairn.config import RANDOM_DEMO_NAME
 from tests.server_process import served_fixture
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agent_requests"
@@ -29,7 +30,8 @@ served = served_fixture("--max-model-len", "32768", "--max-num-seqs", "2", "--lo
 
 
 def sent(name: str) -> dict:
-    return json.loads((FIXTURES / name).read_text())
+    """The body as the client sent it, to the model the tests serve (the clients were pointed at `cairn-demo`)."""
+    return {**json.loads((FIXTURES / name).read_text()), "model": RANDOM_DEMO_NAME}
 
 
 def streamed(http, body: dict) -> list[dict]:

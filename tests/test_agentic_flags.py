@@ -12,7 +12,8 @@ from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-CHAT = {"model": "cairn-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+CHAT = {"model": "cairn-demo-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+        "temperature": 0}
 
 
 @pytest.fixture(scope="module")

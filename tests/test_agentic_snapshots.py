@@ -67,11 +67,11 @@ def test_served_streamed_chat_with_reasoning_and_tool_calls_resumes_at_every_mes
     rendered = http.post("/tokenize", json={"messages": messages}).json()
     ids, starts = rendered["tokens"], rendered["message_starts"]
     assert len(starts) == len(messages) + 1  # each message's start, and where the generation prompt starts
-    chunks = list(client.chat.completions.create(model="cairn-demo", messages=messages, max_tokens=2, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(client.chat.completions.create(model="cairn-demo-random", messages=messages, max_tokens=2,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
     assert next(c.usage for c in chunks if c.usage).prompt_tokens == len(ids)
     branch = http.post("/tokenize", json={"prompt": "Zz"}).json()["tokens"]
     for k, p in enumerate(starts[1:], start=1):
-        r = client.completions.create(model="cairn-demo", prompt=ids[:p] + branch, max_tokens=1, temperature=0)
+        r = client.completions.create(model="cairn-demo-random", prompt=ids[:p] + branch, max_tokens=1, temperature=0)
         role = messages[k]["role"] if k < len(messages) else "generation prompt"
         assert r.usage.model_extra["cairn"]["resume_position"] == p, (k, role)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.server_process import served_fixture
 
-MODEL = "cairn-demo"
+MODEL = "cairn-demo-random"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

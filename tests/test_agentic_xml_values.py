@@ -221,7 +221,7 @@ served = served_fixture("--max-model-len", "2048", "--max-num-seqs", "2", "--log
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_served_xml_call_values_follow_pattern_and_format(client, stream):
-    ask = dict(model="cairn-demo", messages=[{"role": "user", "content": "Book it."}], tools=[BOOKING],
+    ask = dict(model="cairn-demo-random", messages=[{"role": "user", "content": "Book it."}], tools=[BOOKING],
                tool_choice={"type": "function", "function": {"name": "book"}}, temperature=1.0, max_tokens=300)
     for seed in range(2):
         if stream:
@@ -240,7 +240,7 @@ def test_served_unenforceable_keyword_is_a_400_naming_it(client):
     tool = {"type": "function", "function": {"name": "f", "parameters": schema_of(
         {"type": "string", "format": "no-such-format"})}}
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="cairn-demo", messages=[{"role": "user", "content": "Go."}],
+        client.chat.completions.create(model="cairn-demo-random", messages=[{"role": "user", "content": "Go."}],
                                        tools=[tool], tool_choice="required", max_tokens=20)
     error = info.value.body
     assert error["param"] == "tools" and "no-such-format" in error["message"], error

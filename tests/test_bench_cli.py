@@ -116,7 +116,7 @@ def test_an_http_run_with_another_tokenizer_than_the_servers_says_to_pass_tokeni
 
     write_checkpoint_tokenizer(tmp_path, CHATML.replace("<|im_start|>", "<|im_start|> "))  # not the demo's count
     with TestClient(create_app(Engine(CONFIG), ServerOptions())) as client:
-        runner = HTTPRunner("http://testserver", HFTokenizer(tmp_path), model="cairn-demo", client=client)
+        runner = HTTPRunner("http://testserver", HFTokenizer(tmp_path), model="cairn-demo-random", client=client)
         with pytest.raises(RuntimeError, match=r"^original: the server counted \d+ prompt tokens, the local "
                                                r"tokenizer \d+: pass --tokenizer"):
             run_workload(all_workloads()["edit"], "server", lambda: runner, SIZES, seed=0)

@@ -142,7 +142,7 @@ def engine() -> Engine:
 def cached(client: TestClient, key: str | None = None, **fields) -> int:
     """cached_tokens of a completion of the prompt PROMPT[:40] (headers with API key `key`)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    r = client.post("/v1/completions", headers=headers, json={"model": "cairn-demo", "prompt": PROMPT[:40],
+    r = client.post("/v1/completions", headers=headers, json={"model": "cairn-demo-random", "prompt": PROMPT[:40],
                                                                "max_tokens": 2, "ignore_eos": True, **fields})
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -153,7 +153,7 @@ def test_the_request_field_separates_and_a_probe_sees_the_same_namespace(engine)
         assert cached(client, cache_salt="s1") == 0
         assert cached(client, cache_salt="s2") == 0 and cached(client) == 0
         assert cached(client, cache_salt="s1") > 0
-        probe = {"model": "cairn-demo", "prompt": PROMPT[:40]}
+        probe = {"model": "cairn-demo-random", "prompt": PROMPT[:40]}
         assert client.post("/v1/cache/probe", json={**probe, "cache_salt": "s1"}).json()["position"] > 0
         assert client.post("/v1/cache/probe", json={**probe, "cache_salt": "s3"}).json()["position"] == 0
 
@@ -167,12 +167,12 @@ def test_per_key_isolation_keeps_two_api_keys_apart_and_the_same_key_resumes(eng
         assert cached(client, "key-one") > 0 and cached(client, "key-two") > 0
 
 
-CHAT = {"model": "cairn-demo", "messages": [{"role": "user", "content": "hi"}]}
-MESSAGES = {"model": "cairn-demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": {"model": "cairn-demo", "prompt": "hi"},
-          "/v1/responses": {"model": "cairn-demo", "input": "hi"}, "/v1/messages": MESSAGES,
+CHAT = {"model": "cairn-demo-random", "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"model": "cairn-demo-random", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": {"model": "cairn-demo-random", "prompt": "hi"},
+          "/v1/responses": {"model": "cairn-demo-random", "input": "hi"}, "/v1/messages": MESSAGES,
           "/v1/cache/probe": CHAT, "/v1/cache/probe/messages": MESSAGES,
-          "/v1/cache/probe/responses": {"model": "cairn-demo", "input": "hi"}}
+          "/v1/cache/probe/responses": {"model": "cairn-demo-random", "input": "hi"}}
 
 
 def test_a_cache_salt_that_is_not_a_non_empty_string_is_a_400_naming_it_on_every_route(engine):

@@ -53,7 +53,7 @@ def test_cache_ls_verify_and_purge_a_disk_cache(tmp_path):
     assert listed.returncode == 0
     row = next(line.split() for line in listed.stdout.splitlines() if line.startswith(namespace[:16]))
     size_mib = sum(p.stat().st_size for p in (tmp_path / namespace).glob("*.seg")) / 2**20
-    assert row[1] == "cairn-demo" and int(row[2]) > 0 and float(row[3]) == pytest.approx(size_mib, abs=0.01)
+    assert row[1] == "cairn-demo-random" and int(row[2]) > 0 and float(row[3]) == pytest.approx(size_mib, abs=0.01)
     assert cairn("cache", "verify", "--disk-cache", str(tmp_path)).returncode == 0
     victim = next((tmp_path / namespace).glob("*.seg"))
     data = bytearray(victim.read_bytes())

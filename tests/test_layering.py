@@ -25,6 +25,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cairn"
 LAYERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     # the entry points: the public API's lazy re-exports, `cairn ...`, `python -m cairn.bench`
     "entry": (("cairn", "cairn.cli", "cairn.bench.__main__"), frozenset({"*"})),
+    # the trained demo model's corpus and training (transformers' classes; never imported when serving)
+    "demo": (("cairn.demo",), frozenset({"request", "leaf"})),
     # the router in front of several servers (cairn/router/): it reads what each can resume
     "router": (("cairn.router",), frozenset({"server", "command_line", "cache", "request", "leaf"})),
     # `cairn bench`: a client of the engine (in-process) or of a server (over HTTP)

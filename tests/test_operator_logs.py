@@ -95,7 +95,7 @@ def test_log_format_json_makes_every_log_line_a_json_object():
 def test_server_logs_access_and_finished_lines_by_default():
     server = start_server()
     try:
-        r = httpx.post(server.base_url + "/v1/completions", json={"model": "cairn-demo", "prompt": "Hello",
+        r = httpx.post(server.base_url + "/v1/completions", json={"model": "cairn-demo-random", "prompt": "Hello",
                                                                   "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
         httpx.get(server.base_url + "/health", timeout=10)

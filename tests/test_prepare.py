@@ -20,17 +20,17 @@ from cairn.server.prepare import TEXT_FIELDS, UNPACK_IDS, Prepared, prepare, pre
 from cairn.server.serving import ServingContext
 
 MAX_MODEL_LEN = 1000
-CTX = ServingContext(None, None, ByteTokenizer(), "cairn-demo", frozenset(), MAX_MODEL_LEN, vocab_size=300)
+CTX = ServingContext(None, None, ByteTokenizer(), "cairn-demo-random", frozenset(), MAX_MODEL_LEN, vocab_size=300)
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CHAT = {"model": "cairn-demo", "max_tokens": 4, "messages": [
+CHAT = {"model": "cairn-demo-random", "max_tokens": 4, "messages": [
     {"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo, what is the weather?"},
     {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
     {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
     "tools": [TOOL], "tool_choice": "required", "chat_template_kwargs": {"enable_thinking": True}}
 COMPLETION = {"prompt": "once upon a time", "max_tokens": 3, "stop": ["end"]}
-ANTHROPIC = {"model": "cairn-demo", "max_tokens": 5, "system": "be brief", "stop_sequences": ["end"],
+ANTHROPIC = {"model": "cairn-demo-random", "max_tokens": 5, "system": "be brief", "stop_sequences": ["end"],
              "messages": [{"role": "user", "content": [{"type": "text", "text": "héllo"}]}],
              "tools": [{"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}]}
 

@@ -12,7 +12,7 @@ from cairn.engine.engine import Engine
 from cairn.server.app import create_app
 from cairn.server.options import ServerOptions
 
-MODEL = "cairn-demo"
+MODEL = "cairn-demo-random"
 MESSAGES = [{"role": "user", "content": "the same question twice"}]
 
 

@@ -54,7 +54,7 @@ def replicas():
 
 
 def chat(base_url: str, messages: list[dict], **kw) -> dict:
-    body = {"model": "cairn-demo", "messages": messages, "tools": TOOLS, "max_tokens": 12, "temperature": 0,
+    body = {"model": "cairn-demo-random", "messages": messages, "tools": TOOLS, "max_tokens": 12, "temperature": 0,
             "logprobs": True, **kw}
     resp = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
@@ -62,7 +62,7 @@ def chat(base_url: str, messages: list[dict], **kw) -> dict:
 
 
 def probe(base_url: str, messages: list[dict]) -> dict:
-    body = {"model": "cairn-demo", "messages": messages, "tools": TOOLS}
+    body = {"model": "cairn-demo-random", "messages": messages, "tools": TOOLS}
     resp = httpx.post(base_url + "/v1/cache/probe", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     return resp.json()

@@ -18,7 +18,7 @@ import pytest
 
 from tests.server_process import served_fixture
 
-MODEL = "cairn-demo"
+MODEL = "cairn-demo-random"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
                           "required": ["city"], "additionalProperties": False}}

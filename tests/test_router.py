@@ -64,12 +64,13 @@ def cluster():
 
 
 def chat(base_url: str, messages: list[dict], **kw) -> httpx.Response:
-    body = {"model": "cairn-demo", "messages": messages, "max_tokens": 6, "temperature": 0, **kw}
+    body = {"model": "cairn-demo-random", "messages": messages, "max_tokens": 6, "temperature": 0, **kw}
     return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
 
 
 def probe(base_url: str, messages: list[dict]) -> dict:
-    resp = httpx.post(base_url + "/v1/cache/probe", json={"model": "cairn-demo", "messages": messages}, timeout=60)
+    resp = httpx.post(base_url + "/v1/cache/probe", json={"model": "cairn-demo-random", "messages": messages},
+                      timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -97,16 +98,16 @@ def test_streaming_passes_through_the_router_unchanged(cluster):
     messages = [{"role": "user", "content": text(40, 5)}]
     direct = chat(a.base_url, messages).json()["choices"][0]["message"]["content"]
     client = openai_client(router)
-    stream = client.chat.completions.create(model="cairn-demo", messages=messages, max_tokens=6, temperature=0,
+    stream = client.chat.completions.create(model="cairn-demo-random", messages=messages, max_tokens=6, temperature=0,
                                             stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == direct
-    assert httpx.get(router.base_url + "/v1/models", timeout=30).json()["data"][0]["id"] == "cairn-demo"
+    assert httpx.get(router.base_url + "/v1/models", timeout=30).json()["data"][0]["id"] == "cairn-demo-random"
 
 
 def test_a_bad_probe_is_an_openai_error_and_a_completion_prompt_probes_too(cluster):
     a, _, _ = cluster
-    bad = httpx.post(a.base_url + "/v1/cache/probe", json={"model": "cairn-demo"}, timeout=30)
+    bad = httpx.post(a.base_url + "/v1/cache/probe", json={"model": "cairn-demo-random"}, timeout=30)
     assert bad.status_code == 400 and "error" in bad.json()
     unknown = httpx.post(a.base_url + "/v1/cache/probe", json={"model": "nope", "prompt": "hi"}, timeout=30)
     assert unknown.status_code == 404
@@ -144,8 +145,8 @@ def test_a_placed_replica_that_is_busier_than_the_others_is_probed_and_loses_to_
     turn1 = [{"role": "user", "content": text(60, 40)}]
     first = chat(router.base_url, turn1)
     placed_on = first.headers["x-cairn-replica"]
-    long = {"model": "cairn-demo", "messages": reply_and_ask(turn1, first, 41), "max_tokens": 4000, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    long = {"model": "cairn-demo-random", "messages": reply_and_ask(turn1, first, 41), "max_tokens": 4000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
     url = router.base_url + "/v1/chat/completions"
     with httpx.stream("POST", url, json=long, timeout=60) as s1, httpx.stream("POST", url, json=long, timeout=60) as s2:
         assert s1.headers["x-cairn-replica"] == s2.headers["x-cairn-replica"] == placed_on  # one more in flight is fine
@@ -165,7 +166,7 @@ def aborted(base_url: str) -> float:
 
 def test_a_client_leaving_a_stream_through_the_router_aborts_it_on_the_replica(cluster):
     _, _, router = cluster
-    body = {"model": "cairn-demo", "messages": [{"role": "user", "content": text(10, 20)}], "max_tokens": 4000,
+    body = {"model": "cairn-demo-random", "messages": [{"role": "user", "content": text(10, 20)}], "max_tokens": 4000,
             "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", router.base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
         replica = resp.headers["x-cairn-replica"]
@@ -189,14 +190,14 @@ def test_an_anthropic_conversation_is_routed_and_its_next_turn_goes_back_to_its_
     claude = anthropic_client(router)
     system, turn1 = text(100, 50), [{"role": "user", "content": text(50, 51)}]
     probed = routed_by(router).get("probe", 0)
-    first = claude.messages.with_raw_response.create(model="cairn-demo", system=system, messages=turn1,
+    first = claude.messages.with_raw_response.create(model="cairn-demo-random", system=system, messages=turn1,
                                                      max_tokens=6)
     assert routed_by(router)["probe"] == probed + 1  # a new conversation: probed (/v1/cache/probe/messages)
     answer = first.parse()
     turn2 = turn1 + [{"role": "assistant", "content": answer.content[0].text or "ok"},
                      {"role": "user", "content": text(20, 52)}]
-    counted = claude.messages.count_tokens(model="cairn-demo", system=system, messages=turn2).input_tokens
-    with claude.messages.stream(model="cairn-demo", system=system, messages=turn2, max_tokens=6) as stream:
+    counted = claude.messages.count_tokens(model="cairn-demo-random", system=system, messages=turn2).input_tokens
+    with claude.messages.stream(model="cairn-demo-random", system=system, messages=turn2, max_tokens=6) as stream:
         second = stream.get_final_message()
         replica = stream.response.headers["x-cairn-replica"]
     assert replica == first.headers["x-cairn-replica"]  # placed: its prefix keys are known
@@ -207,13 +208,13 @@ def test_an_anthropic_conversation_is_routed_and_its_next_turn_goes_back_to_its_
 
 def test_the_messages_probe_tokenizes_a_messages_body_as_count_tokens_does(cluster):
     a, _, _ = cluster
-    body = {"model": "cairn-demo", "system": text(30, 60), "max_tokens": 4,
+    body = {"model": "cairn-demo-random", "system": text(30, 60), "max_tokens": 4,
             "messages": [{"role": "user", "content": [{"type": "text", "text": text(10, 61)}]}]}
     probed = httpx.post(a.base_url + "/v1/cache/probe/messages", json=body, timeout=60)
     counted = httpx.post(a.base_url + "/v1/messages/count_tokens", timeout=60,
                          json={k: v for k, v in body.items() if k != "max_tokens"})
     assert probed.status_code == 200 and probed.json()["tokens"] == counted.json()["input_tokens"]
-    bad = httpx.post(a.base_url + "/v1/cache/probe/messages", json={"model": "cairn-demo"}, timeout=60)
+    bad = httpx.post(a.base_url + "/v1/cache/probe/messages", json={"model": "cairn-demo-random"}, timeout=60)
     assert bad.status_code == 400
 
 
@@ -222,7 +223,7 @@ def test_a_responses_conversation_goes_back_to_the_replica_that_stores_it(cluste
     the router's memory of who answered it, or, for one stored where this router did not see it, through the
     probe (which only that replica answers)."""
     a, b, router = cluster
-    ask = {"model": "cairn-demo", "max_output_tokens": 4, "temperature": 0, "reasoning": {"effort": "none"}}
+    ask = {"model": "cairn-demo-random", "max_output_tokens": 4, "temperature": 0, "reasoning": {"effort": "none"}}
     first = httpx.post(router.base_url + "/v1/responses", json={"input": text(80, 21), **ask}, timeout=120)
     assert first.status_code == 200, first.text
     holder, first_id = first.headers["x-cairn-replica"], first.json()["id"]

@@ -23,7 +23,8 @@ def auth(key: str = KEY) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("method,path", [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-                                         ("GET", "/v1/models"), ("GET", "/v1/models/cairn-demo"), ("GET", "/metrics")])
+                                         ("GET", "/v1/models"), ("GET", "/v1/models/cairn-demo-random"),
+                                         ("GET", "/metrics")])
 @pytest.mark.parametrize("headers", [{}, auth("wrong"), {"Authorization": KEY}], ids=["none", "wrong", "no-bearer"])
 def test_every_endpoint_but_health_needs_the_api_key(server, method, path, headers):
     r = httpx.request(method, server.base_url + path, json=COMPLETION if method == "POST" else None, headers=headers)
@@ -50,7 +51,7 @@ def test_the_x_api_key_header_opens_every_endpoint_as_the_bearer_token_does(serv
     every other endpoint, take it; a wrong one is a 401."""
     anthropic = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
     r = httpx.post(server.base_url + "/v1/messages", headers=anthropic, timeout=60, json={
-        "model": "cairn-demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        "model": "cairn-demo-random", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and r.json()["type"] == "message", r.text
     r = httpx.post(server.base_url + "/v1/completions", json=COMPLETION, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == 200, r.text
@@ -62,7 +63,7 @@ def test_the_x_api_key_header_opens_every_endpoint_as_the_bearer_token_does(serv
 def test_a_refused_key_on_v1_messages_is_an_anthropic_authentication_error(server):
     """Anthropic's clients read error.type: the 401 on /v1/messages has Anthropic's shape, OpenAI's elsewhere."""
     r = httpx.post(server.base_url + "/v1/messages", headers={"x-api-key": "wrong"}, timeout=60, json={
-        "model": "cairn-demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        "model": "cairn-demo-random", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 401, r.text
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "authentication_error", body

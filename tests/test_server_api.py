@@ -15,7 +15,7 @@ import pytest
 
 from tests.server_process import served_fixture
 
-MODEL = "cairn-demo"
+MODEL = "cairn-demo-random"
 MAX_MODEL_LEN = 1024
 MAX_REQUEST_BYTES = 65536
 CHAT = [{"role": "user", "content": "Hello, cairn"}]

@@ -17,7 +17,7 @@ from cairn.server.http.connections import DIRECT_BODY_BYTES
 from tests.server_process import served_fixture
 
 BODY_TIMEOUT_S = 1.5
-CHAT = {"model": "cairn-demo", "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+CHAT = {"model": "cairn-demo-random", "max_tokens": 4, "temperature": 0, "return_token_ids": True,
         "messages": [{"role": "user", "content": "héllo there"}]}
 
 served = served_fixture("--body-timeout-s", str(BODY_TIMEOUT_S), "--log-level", "INFO", client_timeout_s=120)

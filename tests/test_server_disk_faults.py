@@ -38,7 +38,7 @@ def follow_up(topic: str) -> list[dict]:
 
 
 def complete(http: httpx.Client, messages: list[dict], cache: bool = True) -> dict:
-    r = http.post("/v1/chat/completions", json={"model": "cairn-demo", "messages": messages, "max_tokens": 8,
+    r = http.post("/v1/chat/completions", json={"model": "cairn-demo-random", "messages": messages, "max_tokens": 8,
                                                 "temperature": 0, "ignore_eos": True, "cache_prompt": cache})
     assert r.status_code == 200, r.text
     return r.json()

@@ -24,7 +24,7 @@ served = served_fixture("--max-model-len", str(MAX_MODEL_LEN), "--max-request-by
 
 
 def test_malformed_json_is_400_invalid_json(http):
-    r = http.post("/v1/chat/completions", content=b'{"model": "cairn-demo", "messages": [',
+    r = http.post("/v1/chat/completions", content=b'{"model": "cairn-demo-random", "messages": [',
                   headers={"content-type": "application/json"})
     assert_error(r, 400, "invalid_json")
     assert_still_serving(http)

@@ -27,7 +27,7 @@ from cairn.server.openai.responses.request import ResponsesRequest
 from cairn.server.options import ServerOptions
 from cairn.server.tokenize import REQUESTS
 
-MODEL = "cairn-demo"
+MODEL = "cairn-demo-random"
 USER = [{"role": "user", "content": "hi"}]
 CHAT = {"model": MODEL, "messages": USER, "max_tokens": 1}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 1}

@@ -18,7 +18,7 @@ from tests.server_process import served_fixture, start_server
 MAX_CONNECTIONS = 4
 served = served_fixture("--allowed-hosts", "cairn.internal", "--max-connections", str(MAX_CONNECTIONS),
                         "--max-model-len", "256")
-TOKENIZE = {"model": "cairn-demo", "prompt": "hi"}
+TOKENIZE = {"model": "cairn-demo-random", "prompt": "hi"}
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
@@ -27,7 +27,7 @@ TOKENIZE = {"model": "cairn-demo", "prompt": "hi"}
                                   "/tokenize", "/v1/cache/probe"])
 def test_a_post_whose_body_is_not_sent_as_json_is_a_415_naming_the_content_type(http, path, content_type):
     headers = {} if content_type is None else {"content-type": content_type}
-    r = http.post(path, content=b'{"model": "cairn-demo", "prompt": "hi"}', headers=headers)
+    r = http.post(path, content=b'{"model": "cairn-demo-random", "prompt": "hi"}', headers=headers)
     assert r.status_code == 415, r.text
     message = r.json()["error"]["message"]
     assert (content_type or "no Content-Type") in message, message
@@ -36,7 +36,7 @@ def test_a_post_whose_body_is_not_sent_as_json_is_a_415_naming_the_content_type(
 @pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON",
                                           "application/vnd.cairn+json"])
 def test_a_json_body_is_taken_with_any_json_media_type(http, content_type):
-    r = http.post("/tokenize", content=b'{"model": "cairn-demo", "prompt": "hi"}',
+    r = http.post("/tokenize", content=b'{"model": "cairn-demo-random", "prompt": "hi"}',
                   headers={"content-type": content_type})
     assert r.status_code == 200, r.text
 
@@ -85,7 +85,7 @@ def test_the_api_key_and_the_redis_url_from_a_file_or_the_environment_never_reac
     server = start_server("--api-key-file", str(tmp_path / "key"), "--log-level", "DEBUG",
                           env={"CAIRN_REMOTE_CACHE": f"redis://:{password}@127.0.0.1:1/0"})
     try:
-        chat = {"model": "cairn-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        chat = {"model": "cairn-demo-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert httpx.post(server.base_url + "/v1/chat/completions", json=chat).status_code == 401
         r = httpx.post(server.base_url + "/v1/chat/completions", json=chat, timeout=60,
                        headers={"authorization": f"Bearer {key}"})

@@ -51,13 +51,13 @@ KEY = "sk-fuzz"
 ORIGIN = "http://app.example"
 BODY_TIMEOUT_S = 0.25  # (a body whose Content-Length says more than was sent waits this long for its 408)
 GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
-ROUTES = [("GET", p, None) for p in ("/health", "/ready", "/v1/models", "/v1/models/cairn-demo", "/metrics",
+ROUTES = [("GET", p, None) for p in ("/health", "/ready", "/v1/models", "/v1/models/cairn-demo-random", "/metrics",
                                      "/v1/responses/resp_none", "/nope", "/health/")] + [
     ("DELETE", "/v1/responses/resp_none", None), ("POST", "/v1/chat/completions/", BODIES["/v1/chat/completions"][0]),
     *(("POST", path, body) for path, (body, _) in sorted(BODIES.items()))]
 HEADER_EXAMPLES = 15  # for each header name (and random names, hundreds of headers): 480 in all
 QUERY_EXAMPLES = 20  # for each route: 400 in all
-ID_ROUTES = {"/v1/models/cairn-demo": "/v1/models/", "/v1/responses/resp_none": "/v1/responses/"}
+ID_ROUTES = {"/v1/models/cairn-demo-random": "/v1/models/", "/v1/responses/resp_none": "/v1/responses/"}
 
 TCHAR = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # (a header name's)
 VCHAR = "".join(map(chr, [*range(0x21, 0x7F), *range(0x80, 0x100)]))  # (a header value's, with SP and HTAB)

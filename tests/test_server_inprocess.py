@@ -24,7 +24,7 @@ from cairn.server.engine_io.bridge import EngineBridge, Submission
 from cairn.server.engine_io.offload import Offload
 from cairn.server.options import ServerOptions
 
-MODEL = "cairn-demo"
+MODEL = "cairn-demo-random"
 MAX_MODEL_LEN = 64
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True}
 

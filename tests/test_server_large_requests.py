@@ -20,7 +20,7 @@ import pytest
 from cairn.server.engine_io.offload import LARGE_INPUT_BYTES
 from tests.server_process import served_fixture
 
-MODEL = "cairn-demo"
+MODEL = "cairn-demo-random"
 CHAT = {"model": MODEL, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo there"}]}
 COMPLETION = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 4, "temperature": 0,

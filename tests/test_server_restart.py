@@ -16,7 +16,7 @@ CONVERSATION = [
 
 def chat(server, messages):
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
-    return client.chat.completions.create(model="cairn-demo", messages=messages, max_tokens=8, temperature=0,
+    return client.chat.completions.create(model="cairn-demo-random", messages=messages, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
 
 

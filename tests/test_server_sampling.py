@@ -15,7 +15,7 @@ import pytest
 
 from tests.server_process import served_fixture
 
-MODEL = "cairn-demo"
+MODEL = "cairn-demo-random"
 CHAT = [{"role": "user", "content": "Sampling parity"}]
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                              "maximum": 9}},

@@ -40,7 +40,7 @@ def metric(text: str, name: str) -> float:
 
 
 def test_startup_objects_are_frozen_out_of_full_collections(server):
-    body = {"model": "cairn-demo", "prompt": "once upon a time", "max_tokens": 8, "temperature": 0}
+    body = {"model": "cairn-demo-random", "prompt": "once upon a time", "max_tokens": 8, "temperature": 0}
     assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
     text = httpx.get(server.base_url + "/metrics", timeout=10).text
     assert metric(text, "cairn_gc_frozen_objects") >= MIN_FROZEN_OBJECTS
@@ -64,7 +64,7 @@ def test_settle_heap_collects_garbage_then_freezes_what_is_alive():
 def test_each_step_of_a_stream_is_written_as_its_own_event(server):
     """The event loop writes every step's output as it arrives (one token per event at n=1), so a
     client sees tokens at the engine's pace, not in bursts (the stall benchmarks' gaps rely on it)."""
-    body = {"model": "cairn-demo", "prompt": "a story", "max_tokens": 24, "ignore_eos": True, "stream": True,
+    body = {"model": "cairn-demo-random", "prompt": "a story", "max_tokens": 24, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     per_event = []
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:

@@ -128,8 +128,9 @@ def events(response) -> list[dict]:
     return [json.loads(line) for line in lines[:-1]]
 
 
-COMPLETION = {"model": "cairn-demo", "prompt": "Hello", "max_tokens": 32, "temperature": 0}
-CHAT = {"model": "cairn-demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32, "temperature": 0}
+COMPLETION = {"model": "cairn-demo-random", "prompt": "Hello", "max_tokens": 32, "temperature": 0}
+CHAT = {"model": "cairn-demo-random", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32,
+        "temperature": 0}
 
 
 @pytest.mark.parametrize("skip", [None, True, False])
@@ -160,7 +161,7 @@ def test_chat_content_skips_special_tokens_whole_and_streamed(demo, skip):
 
 
 def test_anthropic_messages_leave_special_tokens_text_out(demo):
-    r = demo.post("/v1/messages", json={"model": "cairn-demo", "max_tokens": 32, "temperature": 0,
+    r = demo.post("/v1/messages", json={"model": "cairn-demo-random", "max_tokens": 32, "temperature": 0,
                                         "messages": [{"role": "user", "content": "Hello"}]})
     assert r.status_code == 200, r.text
     assert r.json()["content"] == [{"type": "text", "text": SKIPPED}]

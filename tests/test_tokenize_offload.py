@@ -42,8 +42,9 @@ class RefusedInServer(ByteTokenizer):
         return super().decode(ids)
 
 
-PLAIN = ServingContext(None, None, ByteTokenizer(), "cairn-demo", frozenset(), 1000, vocab_size=300)
-REFUSED = ServingContext(None, None, RefusedInServer(os.getpid()), "cairn-demo", frozenset(), 1000, vocab_size=300)
+PLAIN = ServingContext(None, None, ByteTokenizer(), "cairn-demo-random", frozenset(), 1000, vocab_size=300)
+REFUSED = ServingContext(None, None, RefusedInServer(os.getpid()), "cairn-demo-random", frozenset(), 1000,
+                         vocab_size=300)
 BODIES = [
     ("tokenize", {"prompt": "héllo <|im_end|> there " * 50}),
     ("tokenize", {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo"}]}),

@@ -34,7 +34,7 @@ from cairn.bench.policies import LABELS, POLICIES, SMOKE_MIN_GAP_TOKENS, parse_n
 from cairn.bench.record import SCHEMA, BenchRecord, WorkloadResult, evaluate_targets
 from cairn.bench.report import report, requests_table
 from cairn.bench.workloads import all_workloads
-from cairn.config import EngineConfig
+from cairn.config import RANDOM_DEMO_NAME, EngineConfig
 from cairn.flags import add_dataclass_args, add_engine_args, build_group, config_from_args
 from cairn.preflight import check_model
 from cairn.request.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -184,7 +184,7 @@ def _progress(opts: BenchOptions, result: WorkloadResult, wall_s: float) -> None
 def _resolve_model(opts: BenchOptions, base: EngineConfig, stack: ExitStack) -> tuple[EngineConfig, str]:
     """The engine config with --size's checkpoint in place (made if absent), and the model's name."""
     if opts.size == "demo":
-        return base, base.model.model or "cairn-demo"
+        return base, base.model.model or RANDOM_DEMO_NAME
     if base.model.model:
         raise SystemExit("cairn bench: give --size or --model, not both")
     path = Path(opts.checkpoint_dir) if opts.checkpoint_dir else Path(stack.enter_context(

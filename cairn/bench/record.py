@@ -137,7 +137,7 @@ class BenchRecord:
     created_utc: str  # ISO 8601
     command: str  # the command line that produced it
     target: str  # "engine" (in-process) or the server's URL
-    model: str  # checkpoint directory, or "cairn-demo"
+    model: str  # checkpoint directory, or a demo model's name
     size: str  # "demo", "tiny", "0.8b" (random weights) or "checkpoint"
     preset: str  # workload sizes preset
     seed: int  # workload seed

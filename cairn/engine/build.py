@@ -22,7 +22,7 @@ from cairn.cache.factory import build_cache
 from cairn.config import CacheOptions, ConfigError, EngineConfig, ModelOptions
 from cairn.decode_graphs import CaptureBackend, DecodeGraphs
 from cairn.engine.compat import compat_digest, kernel_platform, weights_digest
-from cairn.engine.demo import DEMO_NAME, build_demo
+from cairn.engine.demo import DEMO_NAME, RANDOM_DEMO_NAME, build_demo, demo_checkpoint, is_demo
 from cairn.engine.sizing import resolve_sizes
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -52,7 +52,7 @@ class EngineParts:
     platform: str  # torch, CPU matrix instructions or GPU: part of the exact-resume namespace (compat.py)
     model: HybridModel
     model_config: ModelConfig
-    model_name: str  # the checkpoint directory, or DEMO_NAME
+    model_name: str  # the checkpoint directory, or a demo model's name (DEMO_NAME, RANDOM_DEMO_NAME)
     weight_layout: str  # the layout the plain linears were laid out in (model/layout.py)
     tokenizer: Tokenizer
     grammars: GrammarCompiler  # structured output's grammars, for this tokenizer and vocabulary
@@ -86,7 +86,7 @@ def build_parts(config: EngineConfig, cache: PrefixCache | None = None, show_pro
     cpu_path = _cpu_path(opts.cpu_isa, device, dtype)
     # cairn's compiled CPU ops serve bf16 alone: other dtypes run the references whatever the path
     model.kernels = select_kernels(device, opts.fast_kernels, cpu_path if dtype == torch.bfloat16 else "none")
-    config = resolve_sizes(config, device, is_demo=opts.model is None)
+    config = resolve_sizes(config, device, is_demo=is_demo(opts.model))
     backend = _graph_backend(graph_backend, config, model, model_config, device)
     kv, states = _allocate_pools(config, model_config, dtype, device, reserved_slots=int(backend is not None))
     sched = config.scheduler
@@ -150,13 +150,16 @@ def prefill_block(requested: int | None, dtype: torch.dtype, max_num_batched_tok
 def _load_model(opts: ModelOptions, device: torch.device, show_progress: bool
                 ) -> tuple[HybridModel, ModelConfig, Tokenizer, str, dict]:
     """The model, its config, its tokenizer, its name and generation_config.json's sampling defaults (logged)."""
-    if opts.model is None:
+    if opts.model in (None, RANDOM_DEMO_NAME):
         dtype = torch.float32 if opts.dtype == "auto" else getattr(torch, opts.dtype)
         model, model_config, tokenizer = build_demo(dtype, device, opts.demo_seed)
-        return model, model_config, tokenizer, DEMO_NAME, {}
-    model, model_config = load_checkpoint(opts.model, opts.dtype, device, show_progress)
-    tokenizer = HFTokenizer(opts.model, model_config.eos_token_ids + generation_eos_ids(opts.model))
-    defaults = generation_defaults(opts.model)
+        return model, model_config, tokenizer, RANDOM_DEMO_NAME, {}
+    path, dtype = opts.model, opts.dtype
+    if opts.model == DEMO_NAME:  # shipped in bfloat16 to stay small; served in float32 (resumes anywhere) by default
+        path, dtype = str(demo_checkpoint()), "float32" if opts.dtype == "auto" else opts.dtype
+    model, model_config = load_checkpoint(path, dtype, device, show_progress)
+    tokenizer = HFTokenizer(path, model_config.eos_token_ids + generation_eos_ids(path))
+    defaults = generation_defaults(path)
     if defaults:
         log.info("sampling defaults from generation_config.json (for fields a request leaves out): %s",
                  ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))

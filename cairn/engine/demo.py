@@ -1,8 +1,12 @@
-"""The built-in demo model: a small Qwen3.5-architecture model with deterministic random weights.
+"""The built-in demo models, by name: the trained one cairn ships, and one with deterministic random weights.
 
-It lets `cairn serve` and `cairn generate` run on a fresh machine with nothing downloaded. Its
-weights are random (fixed seed), so its text is meaningless; it exercises every part of the engine
-and the cache exactly as a real checkpoint does. Point `--model` at a checkpoint directory for text.
+`cairn-demo` (DEMO_NAME, what `cairn serve` and `cairn generate` serve when no --model is given) is
+a small Qwen3.5-architecture checkpoint trained on a CPU (cairn/demo/: its corpus and training) and
+shipped in the package at DEMO_CHECKPOINT; it is loaded as any Hugging Face checkpoint is, after
+its files are checked against the SHA256SUMS written beside them. `cairn-demo-random`
+(RANDOM_DEMO_NAME, also what the library builds when no model is given: `LLM()`, `EngineConfig()`)
+has the same shape, a byte tokenizer and random weights from --demo-seed: its text is meaningless,
+and it exercises every part of the engine and the cache exactly as a real checkpoint does.
 """
 
 from __future__ import annotations
@@ -11,13 +15,21 @@ import math
 
 import torch
 
+from cairn.config import DEMO_NAME, RANDOM_DEMO_NAME
 from cairn.model.config import ModelConfig
+from cairn.model.demo_checkpoint import DEMO_CHECKPOINT, demo_checkpoint
 from cairn.model.families import family_of
 from cairn.model.hybrid import HybridModel
 from cairn.model.loader import build_model
 from cairn.request.tokenizer import ByteTokenizer
 
-DEMO_NAME = "cairn-demo"
+__all__ = ["DEMO_NAME", "RANDOM_DEMO_NAME", "DEMO_CHECKPOINT", "demo_checkpoint", "is_demo", "demo_config",
+           "init_random_weights", "build_demo"]
+
+
+def is_demo(model: str | None) -> bool:
+    """Whether `model` (--model) names one of the built-in demo models (None: the random one)."""
+    return model in (None, DEMO_NAME, RANDOM_DEMO_NAME)
 
 
 def demo_config(vocab_size: int) -> ModelConfig:
