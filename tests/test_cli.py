@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cairn.cli import COMMANDS, build_parser, config_from_args
+from cairn.config import RANDOM_DEMO_NAME
 from cairn.engine.llm import LLM
 from cairn.request.sampling_params import SamplingParams
 
@@ -20,6 +21,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def cairn(*args: str) -> subprocess.CompletedProcess:
+    """`cairn ARGS`; a generate or serve without --model runs the random demo model (its refusals are the flags')."""
+    if args and args[0] in ("generate", "serve") and "--model" not in args:
+        args = (*args, "--model", RANDOM_DEMO_NAME)
     return subprocess.run([sys.executable, "-m", "cairn.cli", *args], capture_output=True, text=True, timeout=120)
 
 

@@ -19,10 +19,14 @@ import sys
 
 import pytest
 
+from cairn.config import RANDOM_DEMO_NAME
 from tests.test_cli import assert_one_line_error
 
 
 def cairn(*args: str) -> subprocess.CompletedProcess:
+    """`cairn ARGS`; a generate or serve without --model runs the random demo model (its refusals are the flags')."""
+    if args and args[0] in ("generate", "serve") and "--model" not in args:
+        args = (*args, "--model", RANDOM_DEMO_NAME)
     return subprocess.run([sys.executable, "-m", "cairn.cli", *args], capture_output=True, text=True, timeout=120)
 
 

@@ -209,8 +209,8 @@ def test_the_keys_remembered_as_unreadable_are_bounded_and_forgotten_all_at_once
         for key in keys:
             index.mark_bad(key)
         index.forget()  # as admission does first: none of them is on the tree
-        first, last = ((tuple(range(t, t + 8)), 0, DiskRef(k, 0, 8), False, False) for t, k in ((1, keys[0]),
-                                                                                               (100, keys[-1])))
+        first, last = ((tuple(range(t, t + 8)), 0, DiskRef(k, 0, 8), False, False, None)  # unsalted
+                       for t, k in ((1, keys[0]), (100, keys[-1])))
         assert not index.hang_found([last])  # the newest mark is kept
         assert index.hang_found([first]) and DISK in llm.engine.cache.tree.match(first[0]).path[0].kv
 

@@ -38,10 +38,13 @@ def test_every_imported_package_is_declared():
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     runtime = declared(project["dependencies"])
     bench = runtime | declared(project["optional-dependencies"]["bench"])
-    package = [p for p in (REPO_ROOT / "cairn").rglob("*.py") if "bench" not in p.parts]
+    demo = runtime | declared(project["optional-dependencies"]["demo"])
+    package = [p for p in (REPO_ROOT / "cairn").rglob("*.py") if not {"bench", "demo"} & set(p.parts)]
     bench_files = list((REPO_ROOT / "cairn" / "bench").rglob("*.py"))
+    demo_files = list((REPO_ROOT / "cairn" / "demo").rglob("*.py"))
     assert not distributions(imported_top_levels(package)) - runtime
     assert not distributions(imported_top_levels(bench_files)) - bench  # `cairn bench` needs the bench extra
+    assert not distributions(imported_top_levels(demo_files)) - demo  # the demo model's training, the demo extra
 
 
 

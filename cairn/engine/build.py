@@ -155,9 +155,9 @@ def _load_model(opts: ModelOptions, device: torch.device, show_progress: bool
         model, model_config, tokenizer = build_demo(dtype, device, opts.demo_seed)
         return model, model_config, tokenizer, RANDOM_DEMO_NAME, {}
     path, dtype = opts.model, opts.dtype
-    if opts.model == DEMO_NAME:  # shipped in bfloat16 to stay small; served in float32 (resumes anywhere) by default
+    if opts.model == DEMO_NAME:  # shipped in bf16 to stay small (17 MB: no progress bar); served in float32 by default
         path, dtype = str(demo_checkpoint()), "float32" if opts.dtype == "auto" else opts.dtype
-    model, model_config = load_checkpoint(path, dtype, device, show_progress)
+    model, model_config = load_checkpoint(path, dtype, device, show_progress and opts.model != DEMO_NAME)
     tokenizer = HFTokenizer(path, model_config.eos_token_ids + generation_eos_ids(path))
     defaults = generation_defaults(path)
     if defaults:
