@@ -43,8 +43,8 @@ class UserError(Exception):
 
 def check_model(model: str | None, quantization: str = "none") -> None:
     """The --model directory is a checkpoint cairn can load (None and the random demo model always are; the
-    trained demo model's files must match their checksums; it is known to load, and its check imports no torch), and `--quantization` is implemented for it (a
-    QuantizationError, one line, before the weights load)."""
+    trained demo model's files must match their checksums: it is known to load, and its check imports no torch),
+    and `--quantization` is implemented for it (a QuantizationError, one line, before the weights load)."""
     if model in (None, RANDOM_DEMO_NAME):
         return
     if model == DEMO_NAME:  # shipped with cairn and known to load: its files need only be the ones shipped
