@@ -78,7 +78,7 @@ def tool_prompts(n: int) -> list[tuple[str, dict, str, dict]]:
         cuts = [i for i, msg in enumerate(d.messages) if msg.get("tool_calls")]
         i = w.pick(cuts)
         call = d.messages[i]["tool_calls"][0]["function"]
-        text = dialogues._TEMPLATE.render(messages=d.messages[:i], tools=d.tools, add_generation_prompt=True)
+        text = dialogues.render_prompt(d.messages[:i], d.tools)
         tools = {t["function"]["name"]: t["function"]["parameters"] for t in d.tools}
         out.append((text, tools, call["name"], call["arguments"]))
     return out
@@ -90,8 +90,7 @@ def thinking_prompts(n: int) -> list[str]:
     while len(out) < n:
         d = w.rng.choice((dialogues.docs_chat, dialogues.tool_choice, dialogues.small_talk))(w)
         cut = max(i for i, msg in enumerate(d.messages) if msg["role"] == "user") + 1
-        out.append(dialogues._TEMPLATE.render(messages=d.messages[:cut], tools=d.tools or None,
-                                              add_generation_prompt=True, enable_thinking=True))
+        out.append(dialogues.render_prompt(d.messages[:cut], d.tools, enable_thinking=True))
     return out
 
 

@@ -51,6 +51,11 @@ DEMO_NAME = "cairn-demo"  # the trained demo model shipped with cairn (cairn.eng
 RANDOM_DEMO_NAME = "cairn-demo-random"  # the demo model's shape with random weights from --demo-seed
 
 
+def is_random_demo(model: str | None) -> bool:
+    """Whether --model `model` is the random demo model (None, the library's default, is)."""
+    return model in (None, RANDOM_DEMO_NAME)
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     model: str | None = _f(None, f"Hugging Face checkpoint directory, or a built-in demo model: {DEMO_NAME} (trained, "
@@ -88,7 +93,7 @@ class ModelOptions:
                               f"{', '.join(CPU_ISAS)})")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"--device {self.device}: must be auto, cpu, cuda or cuda:N")
-        if self.model not in (None, RANDOM_DEMO_NAME) and self.demo_seed != 0:
+        if not is_random_demo(self.model) and self.demo_seed != 0:
             raise ConfigError(f"--demo-seed seeds the random demo model's weights: drop it, or pass --model "
                               f"{RANDOM_DEMO_NAME}")
 

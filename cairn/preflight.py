@@ -26,7 +26,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cairn.config import DEMO_NAME, RANDOM_DEMO_NAME
+from cairn.config import DEMO_NAME, is_random_demo
 from cairn.model.demo_checkpoint import demo_checkpoint
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def check_model(model: str | None, quantization: str = "none") -> None:
     """The --model directory is a checkpoint cairn can load (None and the random demo model always are; the
     trained demo model's files must match their checksums: it is known to load, and its check imports no torch),
     and `--quantization` is implemented for it (a QuantizationError, one line, before the weights load)."""
-    if model in (None, RANDOM_DEMO_NAME):
+    if is_random_demo(model):
         return
     if model == DEMO_NAME:  # shipped with cairn and known to load: its files need only be the ones shipped
         demo_checkpoint()

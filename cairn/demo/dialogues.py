@@ -464,3 +464,9 @@ def render(d: Dialogue) -> str:
         at = text.rindex(_LAST_TURN) + len(_LAST_TURN)
         text = text[:at] + "<think>\n\n</think>\n\n" + text[at:]
     return text
+
+
+def render_prompt(messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool | None = None) -> str:
+    """`messages` rendered as a prompt the model continues (the generation prompt appended), as the server does."""
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return _TEMPLATE.render(messages=messages, tools=tools or None, add_generation_prompt=True, **extra)

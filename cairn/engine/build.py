@@ -19,7 +19,7 @@ import torch
 
 from cairn.cache.base import NullCache, PrefixCache
 from cairn.cache.factory import build_cache
-from cairn.config import CacheOptions, ConfigError, EngineConfig, ModelOptions
+from cairn.config import CacheOptions, ConfigError, EngineConfig, ModelOptions, is_random_demo
 from cairn.decode_graphs import CaptureBackend, DecodeGraphs
 from cairn.engine.compat import compat_digest, kernel_platform, weights_digest
 from cairn.engine.demo import DEMO_NAME, RANDOM_DEMO_NAME, build_demo, demo_checkpoint, is_demo
@@ -150,7 +150,7 @@ def prefill_block(requested: int | None, dtype: torch.dtype, max_num_batched_tok
 def _load_model(opts: ModelOptions, device: torch.device, show_progress: bool
                 ) -> tuple[HybridModel, ModelConfig, Tokenizer, str, dict]:
     """The model, its config, its tokenizer, its name and generation_config.json's sampling defaults (logged)."""
-    if opts.model in (None, RANDOM_DEMO_NAME):
+    if is_random_demo(opts.model):
         dtype = torch.float32 if opts.dtype == "auto" else getattr(torch, opts.dtype)
         model, model_config, tokenizer = build_demo(dtype, device, opts.demo_seed)
         return model, model_config, tokenizer, RANDOM_DEMO_NAME, {}

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from cairn.config import DEMO_NAME, RANDOM_DEMO_NAME
+from cairn.config import DEMO_NAME, RANDOM_DEMO_NAME, is_random_demo
 from cairn.model.config import ModelConfig
 from cairn.model.demo_checkpoint import DEMO_CHECKPOINT, demo_checkpoint
 from cairn.model.families import family_of
@@ -29,7 +29,7 @@ __all__ = ["DEMO_NAME", "RANDOM_DEMO_NAME", "DEMO_CHECKPOINT", "demo_checkpoint"
 
 def is_demo(model: str | None) -> bool:
     """Whether `model` (--model) names one of the built-in demo models (None: the random one)."""
-    return model in (None, DEMO_NAME, RANDOM_DEMO_NAME)
+    return model == DEMO_NAME or is_random_demo(model)
 
 
 def demo_config(vocab_size: int) -> ModelConfig:
