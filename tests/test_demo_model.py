@@ -93,3 +93,39 @@ def test_the_training_script_writes_a_checkpoint_cairn_loads_with_its_mtp_head(t
     ids = tok.encode(tok.render_chat([{"role": "user", "content": "Hello"}]))
     assert harness.prefill(model, ids).shape == (len(ids), cfg.vocab_size)
     assert tok.decode(tok.encode("<tool_call>\n<think>")) == "<tool_call>\n<think>"
+
+
+def test_a_resumed_training_run_ends_with_the_weights_of_an_unbroken_one(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from cairn.demo import train
+
+    monkeypatch.setattr(train, "SAVE_EVERY", 2)
+    run = {"seed": 0, "steps": 4, "batch": 1, "seq": 64, "lr": 1e-3, "log_every": 1, "tokenizer_docs": 100}
+    train.train(tmp_path / "unbroken", **run)
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    broken = tmp_path / "broken"
+    with monkeypatch.context() as m:  # the run stops after its step-2 save, before writing the checkpoint
+        m.setattr(train, "save", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            train.train(broken, **run)
+    assert torch.load(broken / "resume.pt", weights_only=True)["step"] == 2
+    with pytest.raises(SystemExit, match="not of"):  # a different run's state is refused
+        train.train(broken, **{**run, "lr": 2e-3}, resume=True)
+    record = train.train(broken, **run, resume=True)
+    assert not (broken / "resume.pt").exists() and [p["step"] for p in record["curve"]] == [0, 1, 2, 3]
+    a, b = load_file(str(tmp_path / "unbroken" / "model.safetensors")), load_file(str(broken / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_only_the_replies_of_a_conversation_count_fully_in_the_training_loss():
+    from cairn.demo import train
+
+    text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+    reply = text.index("Hello")
+    offsets = [(0, reply), (reply, reply + 5), (reply + 5, len(text) - 1), (len(text) - 1, len(text))]
+    assert train.token_weights(text, offsets) == [train.CONTEXT_WEIGHT, 1.0, 1.0, train.CONTEXT_WEIGHT]
+    assert train.token_weights("def f():\n", [(0, 3), (3, 9)]) == [1.0, 1.0]

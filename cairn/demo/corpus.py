@@ -1,9 +1,9 @@
 """The demo corpus: a seeded stream of documents mixing generated conversations with the machine's own text.
 
 `documents(seed, part)` yields texts, each ending with `<|endoftext|>`: a generated dialogue
-(cairn.demo.dialogues, rendered in the demo template) 70% of the time, else a window of up to
-`WINDOW_CHARS` characters (cut at line ends) of a standard-library source (15%) or of an English
-licence or documentation text (15%). `part="train"` draws from the training part of every source list,
+(cairn.demo.dialogues, rendered in the demo template) 80% of the time, else a window of up to
+`WINDOW_CHARS` characters (cut at line ends) of a standard-library source (10%) or of an English
+licence or documentation text (10%). `part="train"` draws from the training part of every source list,
 `part="held_out"` from the rest (cairn.demo.sources.held_out), with its own seed, for the evaluation.
 """
 
@@ -17,7 +17,7 @@ from cairn.demo import dialogues, sources
 
 END = "<|endoftext|>"
 WINDOW_CHARS = 4000
-MIX = (("dialogue", 70), ("python", 15), ("english", 15))
+MIX = (("dialogue", 80), ("python", 10), ("english", 10))
 
 
 @cache

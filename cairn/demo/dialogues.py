@@ -438,7 +438,7 @@ def small_talk(w: World) -> Dialogue:
     return Dialogue(msgs)
 
 
-KINDS = ((agent_episode, 35), (tool_choice, 20), (docs_chat, 18), (json_answer, 8), (edit_turn, 9), (small_talk, 10))
+KINDS = ((agent_episode, 35), (tool_choice, 30), (docs_chat, 12), (json_answer, 8), (edit_turn, 7), (small_talk, 8))
 
 
 def dialogue(w: World) -> Dialogue:

@@ -9,12 +9,17 @@ From a seed, on this machine's CPU, in one run:
    (`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, one full-attention decoder layer
    `mtp.layers.0.*`, `mtp.norm`), trained together: next-token loss plus MTP_WEIGHT times the MTP head's
    loss on the token after next (it reads the model's last hidden state at t, normed, and the embedding
-   of token t + 1);
+   of token t + 1). In the generated conversations the loss counts a reply's tokens (the assistant turns, their
+   `<|im_end|>` included) fully and the rest of the conversation (system, user and tool turns, what the model
+   reads but does not write) at CONTEXT_WEIGHT; plain source and English text count fully. The forward and
+   backward passes run under bfloat16 autocast (the weights and the optimizer stay float32);
 3. an unchanged Hugging Face checkpoint: config.json, model.safetensors (bfloat16), tokenizer.json,
    tokenizer_config.json (with the demo chat template), generation_config.json, training.json (the run:
    seed, steps, tokens, minutes, the CPU, the loss curve) and SHA256SUMS, which cairn checks on load.
 
-Training is deterministic for a seed on a given machine and thread count. docs/demo-model.md has the
+Every SAVE_EVERY steps the run writes its state (`resume.pt` in the output directory: weights, optimizer,
+step, curve); `--resume` continues from it, so a run can span sessions. Training is deterministic for a seed
+on a given machine and thread count, resumed or not. docs/demo-model.md has the
 figures of the shipped run.
 """
 
@@ -42,6 +47,10 @@ SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 TOKENIZER_DOCS = 4000
 MTP_WEIGHT = 0.3
+CONTEXT_WEIGHT = 0.3
+SAVE_EVERY = 100
+REPLY_START = "<|im_start|>assistant\n"
+REPLY_END = "<|im_end|>"
 CHECKSUMMED = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -97,31 +106,66 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
 
-def losses(model, mtp: MTPHead, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token loss and the MTP head's loss on the token after next, for a [B, T] batch."""
+def losses(model, mtp: MTPHead, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted next-token loss and the MTP head's weighted loss on the token after next, for a [B, T] batch
+    and the [B, T] weights of its tokens as targets."""
     out = model.model(input_ids=ids)
     hidden = out.last_hidden_state
     head = model.lm_head.weight
-    main = F.cross_entropy((hidden[:, :-1] @ head.T).flatten(0, 1), ids[:, 1:].flatten())
+
+    def weighted(logits: torch.Tensor, targets: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        return (nll * w.flatten()).sum() / w.sum()
+
+    main = weighted(hidden[:, :-1] @ head.T, ids[:, 1:], weights[:, 1:])
     b, t = ids.shape
     positions = torch.arange(1, t, device=ids.device)[None, None].expand(3, b, t - 1)
     rope = model.model.rotary_emb(hidden, positions)
     m = mtp(hidden[:, :-1], model.model.embed_tokens(ids[:, 1:]), rope)
-    extra = F.cross_entropy((m[:, :-1] @ head.T).flatten(0, 1), ids[:, 2:].flatten())
+    extra = weighted(m[:, :-1] @ head.T, ids[:, 2:], weights[:, 2:])
     return main, extra
 
 
+def reply_spans(text: str) -> list[tuple[int, int]]:
+    """The character spans of a rendered conversation's replies: after each `<|im_start|>assistant\n` up to and
+    including its `<|im_end|>` (or the text's end)."""
+    spans, at = [], 0
+    while (start := text.find(REPLY_START, at)) >= 0:
+        start += len(REPLY_START)
+        end = text.find(REPLY_END, start)
+        end = len(text) if end < 0 else end + len(REPLY_END)
+        spans.append((start, end))
+        at = end
+    return spans
+
+
+def token_weights(text: str, offsets: list[tuple[int, int]]) -> list[float]:
+    """Each token's weight as a target: 1 in a reply or in a text with no replies, else CONTEXT_WEIGHT."""
+    spans = reply_spans(text)
+    if not spans:
+        return [1.0] * len(offsets)
+    out, i = [], 0
+    for start, _ in offsets:
+        while i < len(spans) and spans[i][1] <= start:
+            i += 1
+        out.append(1.0 if i < len(spans) and spans[i][0] <= start else CONTEXT_WEIGHT)
+    return out
+
+
 def token_batches(tok, seed: int, batch: int, seq: int):
-    """Endless [batch, seq] id tensors cut from the packed document stream."""
-    buf: list[int] = []
+    """Endless ([batch, seq] ids, [batch, seq] weights) cut from the packed document stream."""
+    ids: list[int] = []
+    weights: list[float] = []
     docs = corpus.documents(seed)
     need = batch * seq
     while True:
-        while len(buf) < need:
-            buf.extend(itertools.chain.from_iterable(e.ids for e in tok.encode_batch(
-                list(itertools.islice(docs, 64)), add_special_tokens=False)))
-        yield torch.tensor(buf[:need]).view(batch, seq)
-        del buf[:need]
+        while len(ids) < need:
+            texts = list(itertools.islice(docs, 64))
+            for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False), strict=True):
+                ids.extend(enc.ids)
+                weights.extend(token_weights(text, enc.offsets))
+        yield torch.tensor(ids[:need]).view(batch, seq), torch.tensor(weights[:need]).view(batch, seq)
+        del ids[:need], weights[:need]
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -163,7 +207,7 @@ def save(out: Path, model, mtp: MTPHead, tok, cfg, record: dict) -> None:
 
 
 def train(out: Path, seed: int, steps: int, batch: int, seq: int, lr: float, log_every: int,
-          tokenizer_docs: int = TOKENIZER_DOCS) -> dict:
+          tokenizer_docs: int = TOKENIZER_DOCS, resume: bool = False) -> dict:
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -177,30 +221,51 @@ def train(out: Path, seed: int, steps: int, batch: int, seq: int, lr: float, log
     rest = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
-    curve = []
+    run = {"seed": seed, "steps": steps, "tokenizer_docs": tokenizer_docs, "batch": batch, "seq": seq, "lr": lr}
+    state_path = out / "resume.pt"
+    first, curve, spent = 0, [], 0.0
+    batches = token_batches(tok, seed, batch, seq)
+    if resume:
+        state = torch.load(state_path, weights_only=True)
+        if state["run"] != run:
+            raise SystemExit(f"{state_path} is a run of {state['run']}, not of {run}")
+        model.load_state_dict(state["model"])
+        mtp.load_state_dict(state["mtp"])
+        opt.load_state_dict(state["opt"])
+        first, curve, spent = state["step"], state["curve"], state["minutes"]
+        for _ in range(first):  # the same batches in the same order as an unbroken run
+            next(batches)
     sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (model, mtp)]
     print(f"tokenizer: {tok.get_vocab_size()} tokens ({time.perf_counter() - started:.0f} s); model {sizes[0]:.2f} M "
-          f"+ MTP {sizes[1]:.2f} M parameters; {steps} steps of {batch} x {seq} tokens", flush=True)
-    batches = token_batches(tok, seed, batch, seq)
-    for step in range(steps):
+          f"+ MTP {sizes[1]:.2f} M parameters; steps {first} to {steps} of {batch} x {seq} tokens", flush=True)
+
+    def minutes() -> float:
+        return spent + (time.perf_counter() - started) / 60
+
+    for step in range(first, steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup=min(100, steps // 10 + 1))
-        main, extra = losses(model, mtp, next(batches))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            main, extra = losses(model, mtp, *next(batches))
         (main + MTP_WEIGHT * extra).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % log_every == 0 or step == steps - 1:
-            minutes = (time.perf_counter() - started) / 60
             curve.append({"step": step, "loss": round(main.item(), 4), "mtp_loss": round(extra.item(), 4),
-                          "minutes": round(minutes, 2)})
-            print(f"step {step:5d}  loss {main.item():.3f}  mtp {extra.item():.3f}  {minutes:.1f} min", flush=True)
-    record = {"seed": seed, "steps": steps, "tokenizer_docs": tokenizer_docs, "batch": batch, "seq": seq, "lr": lr,
-              "tokens": steps * batch * seq,
-              "minutes": round((time.perf_counter() - started) / 60, 1), "cpu": cpu_name(),
+                          "minutes": round(minutes(), 2)})
+            print(f"step {step:5d}  loss {main.item():.3f}  mtp {extra.item():.3f}  {minutes():.1f} min", flush=True)
+        if (step + 1) % SAVE_EVERY == 0 and step + 1 < steps:
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save({"run": run, "model": model.state_dict(), "mtp": mtp.state_dict(), "opt": opt.state_dict(),
+                        "step": step + 1, "curve": curve, "minutes": minutes()}, state_path.with_suffix(".tmp"))
+            state_path.with_suffix(".tmp").replace(state_path)
+    record = {**run, "tokens": steps * batch * seq, "loss_weights": {"reply": 1.0, "context": CONTEXT_WEIGHT},
+              "autocast": "bfloat16", "minutes": round(minutes(), 1), "cpu": cpu_name(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": tf.__version__,
               "python": platform.python_version(), "corpus_mix": dict(corpus.MIX), "curve": curve}
     save(out, model.eval(), mtp.eval(), tok, cfg, record)
+    state_path.unlink(missing_ok=True)
     return record
 
 
@@ -208,14 +273,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m cairn.demo.train", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=SHIPPED, help="checkpoint directory to write (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=1800, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine to a tenth)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--tokenizer-docs", type=int, default=TOKENIZER_DOCS, help="documents the tokenizer learns from")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in OUT/resume.pt")
     args = p.parse_args(argv)
-    record = train(args.out, args.seed, args.steps, args.batch, args.seq, args.lr, args.log_every, args.tokenizer_docs)
+    record = train(args.out, args.seed, args.steps, args.batch, args.seq, args.lr, args.log_every, args.tokenizer_docs,
+                   args.resume)
     print(f"wrote {args.out} ({record['minutes']} min, {record['tokens']} tokens)")
 
 
