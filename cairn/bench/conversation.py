@@ -61,9 +61,12 @@ class BenchRequest:
 
     label: str  # what it is within the workload ("turn 7", "A again", "replay", ...)
     messages: list[dict]  # chat messages {"role", "content"}, rendered with the model's chat template
-    max_tokens: int  # tokens to generate (greedy, end-of-sequence ignored)
+    max_tokens: int  # tokens to generate (greedy, end-of-sequence ignored unless until_end_of_turn)
     conversation: str = "main"  # the conversation it belongs to
     restart_before: bool = False  # the server restarts (a fresh engine on the same disk cache) first
+    tools: list[dict] | None = None  # OpenAI function tools, rendered into the prompt by the chat template
+    until_end_of_turn: bool = False  # generate until the model ends its turn (at most max_tokens), not exactly
+    # max_tokens: for workloads whose turns the model writes (its calls parsed and run by the workload)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 What it is: `EngineRunner(config)` builds an Engine (and sends it one uncached warm-up request, so
 one-time start-up costs do not land on the first measured request), serves each request greedily
-with end-of-sequence ignored, and measures time to first token as wall time from `add_request` to
-the step that returns the request's first token. `restart()` drops the engine and builds a fresh
+with end-of-sequence ignored (or, for a request `until_end_of_turn`, until the model ends its
+turn; a request's `tools` go to the chat template), and measures time to first token as wall time from
+`add_request` to the step that returns the request's first token. `restart()` drops the engine and builds a fresh
 one from the same config (so on the same disk cache directory, when the config names one), as a
 server restart would. `snapshots()` reads the cache's radix tree.
 
@@ -40,10 +41,12 @@ class EngineRunner:
         return engine
 
     def serve(self, request: BenchRequest) -> Served:
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        prompt_ids = self.engine.tokenize_chat(request.messages)[0]
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0,
+                                ignore_eos=not request.until_end_of_turn)
+        template_kwargs = {"tools": request.tools} if request.tools else {}
+        prompt_ids = self.engine.tokenize_chat(request.messages, **template_kwargs)[0]
         start_s = time.perf_counter()
-        request_id = self.engine.add_request(None, params, messages=request.messages)
+        request_id = self.engine.add_request(None, params, messages=request.messages, template_kwargs=template_kwargs)
         ttft_s, final = self._until_finished(request_id, start_s)
         if final.error:
             raise RuntimeError(f"{request.label}: the engine failed the request: {final.error}")

@@ -41,6 +41,9 @@ class HTTPRunner:
         self.model = model or self.client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
 
     def serve(self, request: BenchRequest) -> Served:
+        if request.tools or request.until_end_of_turn:  # the text is rebuilt from content deltas: calls would be lost
+            raise ValueError(f"{request.label}: the HTTP runner serves no requests with tools or until the end of "
+                             "the turn: run this workload in-process")
         prompt_ids = self.tokenizer.encode_chat(request.messages)[0]
         body = {"model": self.model, "messages": request.messages, "max_tokens": request.max_tokens,
                 "temperature": 0, "ignore_eos": True, "logprobs": True, "stream": True,
