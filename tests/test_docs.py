@@ -1,5 +1,6 @@
 """The project's documents stay true: links resolve inside the repository, docs/architecture.md names
-only tests that exist, and its layer table is the one tests/test_layering.py enforces."""
+only tests that exist, and its layer table is the one tests/test_layering.py enforces; docs/flags.md is the
+commands' --help."""
 
 from __future__ import annotations
 
@@ -115,3 +116,11 @@ def test_the_testing_map_names_every_test_file():
     files = {p.stem.removeprefix("test_") for p in (ROOT / "tests").glob("test_*.py")}
     assert not files - named, f"test files docs/testing.md's map leaves out: {sorted(files - named)}"
     assert not named - files, f"docs/testing.md's map names test files that do not exist: {sorted(named - files)}"
+
+
+def test_the_flag_reference_is_the_commands_help():
+    from cairn.cli import help_reference
+
+    assert (ROOT / "docs" / "flags.md").read_text() == help_reference(), \
+        "docs/flags.md is not the commands' --help: regenerate it with scripts/flags-reference"
+
