@@ -90,7 +90,7 @@ def test_version_prints_the_package_version():
 
 def test_hub_id_as_model_is_one_line_saying_how_to_download_it():
     out = cairn("serve", "--model", "Qwen/Qwen3.5-0.8B")
-    assert_one_line_error(out, "Qwen/Qwen3.5-0.8B", "huggingface-cli download Qwen/Qwen3.5-0.8B --local-dir",
+    assert_one_line_error(out, "Qwen/Qwen3.5-0.8B", "hf download Qwen/Qwen3.5-0.8B --local-dir",
                           "--model")
 
 

@@ -1,12 +1,17 @@
 """The project's documents stay true: links resolve inside the repository, docs/architecture.md names
 only tests that exist, and its layer table is the one tests/test_layering.py enforces; docs/flags.md is the
-commands' --help."""
+commands' --help, and the hub download command the documents give is the installed one's."""
 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.test_layering import LAYERS
 
@@ -124,3 +129,24 @@ def test_the_flag_reference_is_the_commands_help():
     assert (ROOT / "docs" / "flags.md").read_text() == help_reference(), \
         "docs/flags.md is not the commands' --help: regenerate it with scripts/flags-reference"
 
+
+def test_the_hub_download_command_the_documents_give_is_the_installed_hubs():
+    """README.md, docs/ and the refusal of a hub id as --model say to run `hf download REPO --local-dir DIR`: the
+    installed huggingface_hub ships that command (its `hf` script beside this interpreter), with that option. No
+    network: `--help` only, offline, with the hub's update check off."""
+    from cairn.preflight import UserError, check_model
+
+    with pytest.raises(UserError) as refusal:
+        check_model("Qwen/Qwen3.5-0.8B")
+    texts = {doc.name: doc.read_text() for doc in DOCUMENTS} | {"the hub id's refusal": str(refusal.value)}
+    assert not [name for name, text in texts.items() if "huggingface-cli" in text]
+    commands = {name: re.findall(r"\bhf download (\S+) --local-dir (\S+)", text) for name, text in texts.items()}
+    assert commands["README.md"] and commands["the hub id's refusal"], commands
+    assert not [name for name, text in texts.items() if text.count("hf download") != len(commands[name])], \
+        "an `hf download` that is not `hf download REPO --local-dir DIR`"
+    hf = Path(sys.executable).with_name("hf")
+    assert hf.is_file(), f"no {hf}: the installed huggingface_hub does not ship the `hf` command"
+    out = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "--local-dir" in out.stdout, out.stdout
