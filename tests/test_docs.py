@@ -63,14 +63,6 @@ def test_the_architecture_layer_table_is_the_one_the_layering_test_enforces():
     assert documented == {group: may for group, (_, may) in LAYERS.items()}
 
 
-def test_the_readme_layout_names_every_module_and_package_of_cairn():
-    layout = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n```\n", 2)[1]
-    named = set(re.findall(r"\b(\w+\.py)\b", layout)) | set(re.findall(r"^  (\w+)/", layout, re.M))
-    modules = {p.name for p in (ROOT / "cairn").glob("*.py") if p.name != "__init__.py"}
-    packages = {p.name for p in (ROOT / "cairn").iterdir() if (p / "__init__.py").is_file()}
-    assert not (modules | packages) - named, f"README.md's layout leaves out: {sorted((modules | packages) - named)}"
-
-
 def _map_text_per_folder() -> dict[str, str]:
     """docs/architecture.md's map of cairn/: for each folder ("cairn", "cairn.cache.disk", ...) the text of its own
     rows (a folder row is `name/` indented two spaces per level; the rows below it, until the next folder row at its
