@@ -207,6 +207,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+HELP_WIDTH = 100  # the columns of docs/flags.md's help texts, whatever the terminal
+
+
+def help_reference() -> str:
+    """docs/flags.md: `cairn --help` and each command's `--help` (scripts/flags-reference writes it), formatted at
+    HELP_WIDTH columns and without the environment's defaults (CAIRN_CPU_ISA), so that the file is the same on every
+    machine."""
+    saved = {name: os.environ.pop(name, None) for name in ("COLUMNS", "CAIRN_CPU_ISA", "NO_COLOR")}
+    os.environ.update(COLUMNS=str(HELP_WIDTH), NO_COLOR="1")
+    try:
+        parser = build_parser()
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        helps = [("cairn --help", parser.format_help())]
+        helps += [(f"cairn {name} --help", commands[name].format_help()) for name in COMMANDS]
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+    text = ("# Every flag of every command\n\n"
+            "Generated from the commands' `--help` by `scripts/flags-reference`; tests/test_docs.py checks that it is\n"
+            "current. README.md's Flags table has the few flags a first run needs, and docs/serving.md explains each\n"
+            "flag of `cairn serve`.\n")
+    return text + "".join(f"\n## `{title}`\n\n```\n{body.rstrip()}\n```\n" for title, body in helps)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     setup_logging(ns.log_level or QUIET_COMMANDS.get(ns.command, "INFO"), ns.log_format)

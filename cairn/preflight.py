@@ -55,7 +55,7 @@ def check_model(model: str | None, quantization: str = "none") -> None:
         if HUB_ID.match(model):
             local = f"~/models/{model.split('/')[-1]}"
             raise UserError(f"--model {model}: no such directory; it looks like a Hugging Face hub id, and cairn "
-                            f"loads a local checkpoint directory: download it first (e.g. `huggingface-cli download "
+                            f"loads a local checkpoint directory: download it first (e.g. `hf download "
                             f"{model} --local-dir {local}`), then pass --model {local}")
         raise UserError(f"--model {model}: no such directory (pass a Hugging Face checkpoint directory)")
     if not path.is_dir():

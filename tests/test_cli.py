@@ -90,7 +90,7 @@ def test_version_prints_the_package_version():
 
 def test_hub_id_as_model_is_one_line_saying_how_to_download_it():
     out = cairn("serve", "--model", "Qwen/Qwen3.5-0.8B")
-    assert_one_line_error(out, "Qwen/Qwen3.5-0.8B", "huggingface-cli download Qwen/Qwen3.5-0.8B --local-dir",
+    assert_one_line_error(out, "Qwen/Qwen3.5-0.8B", "hf download Qwen/Qwen3.5-0.8B --local-dir",
                           "--model")
 
 
@@ -203,10 +203,14 @@ def test_bench_flags_do_not_overlap_the_engine_flags():
     assert not flags & {"--seed", "--min-gap-tokens", "--snapshot-policy", "--prefix-cache"}
 
 
-def readme_flag_rows() -> dict[str, str]:
-    """{flag: its default cell} of README.md's Flags table (`--[no-]x` gives --x and --no-x; a row naming two
-    flags, `--host`, `--port`, gives each its part of the cell)."""
-    table = (REPO_ROOT / "README.md").read_text().split("### Flags", 1)[1].split("\n## ", 1)[0]
+FLAG_TABLES = {"README.md": "\n## Flags\n", "docs/serving.md": "\n## Every flag of `cairn serve`\n"}
+
+
+def flag_rows(doc: str) -> dict[str, str]:
+    """{flag: its default cell} of `doc`'s flags table (FLAG_TABLES: README.md's has the flags a first run needs,
+    docs/serving.md's every flag of `cairn serve`; `--[no-]x` gives --x and --no-x; a row naming two flags, `--host`,
+    `--port`, gives each its part of the cell)."""
+    table = (REPO_ROOT / doc).read_text().split(FLAG_TABLES[doc], 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in table.splitlines():
         if line.startswith("| `--"):
@@ -219,24 +223,27 @@ def readme_flag_rows() -> dict[str, str]:
     return rows
 
 
-def test_readme_lists_every_serve_flag():
+def test_the_serving_document_lists_every_serve_flag():
     flags = {f for line in help_lines("serve") for f in re.findall(r"--[a-z][a-z0-9-]+", line.split("  ")[0])}
-    listed = set(readme_flag_rows())
-    assert not flags - listed, f"README.md's Flags table does not list: {sorted(flags - listed)}"
-    assert not listed - flags, f"README.md's Flags table lists what `cairn serve` lacks: {sorted(listed - flags)}"
+    listed = set(flag_rows("docs/serving.md"))
+    assert not flags - listed, f"docs/serving.md's flags table does not list: {sorted(flags - listed)}"
+    assert not listed - flags, f"docs/serving.md's flags table lists what `cairn serve` lacks: {sorted(listed - flags)}"
+    readme = set(flag_rows("README.md"))
+    assert not readme - flags, f"README.md's Flags table lists what `cairn serve` lacks: {sorted(readme - flags)}"
 
 
-def test_readme_flag_table_states_the_defaults_serve_help_gives(monkeypatch):
+@pytest.mark.parametrize("doc", FLAG_TABLES)
+def test_the_flag_tables_state_the_defaults_serve_help_gives(monkeypatch, doc):
     monkeypatch.delenv("CAIRN_CPU_ISA", raising=False)  # (a forced-path run sets --cpu-isa's default)
-    rows, wrong = readme_flag_rows(), []
+    rows, wrong = flag_rows(doc), []
     for line in help_lines("serve"):
         found = re.search(r"\(default: ([^);]*)[^)]*\)\s*$", line)
-        if found:
+        if found and line.split()[0].rstrip(",") in rows:
             stated = found.group(1).removesuffix(".0")
             cell = rows[line.split()[0].rstrip(",")]
             mib = re.fullmatch(r"(\d+) MiB", cell)
             if (str(int(mib.group(1)) << 20) if mib else cell) != stated:
-                wrong.append(f"{line.split()[0]}: README {cell!r}, --help {stated!r}")
+                wrong.append(f"{line.split()[0]}: {doc} {cell!r}, --help {stated!r}")
     assert not wrong, wrong
 
 
@@ -268,7 +275,7 @@ def test_help_and_version_do_not_import_torch():
 
 
 def test_the_package_names_its_api_lazily():
-    """`from cairn import LLM, Engine, EngineConfig, SamplingParams` (README's example) gives the classes, and
+    """`from cairn import LLM, Engine, EngineConfig, SamplingParams` (docs/api.md's example) gives the classes, and
     an unknown name is an AttributeError."""
     import cairn
     from cairn.config import EngineConfig

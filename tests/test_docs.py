@@ -1,11 +1,17 @@
 """The project's documents stay true: links resolve inside the repository, docs/architecture.md names
-only tests that exist, and its layer table is the one tests/test_layering.py enforces."""
+only tests that exist, and its layer table is the one tests/test_layering.py enforces; docs/flags.md is the
+commands' --help, and the hub download command the documents give is the installed one's."""
 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.test_layering import LAYERS
 
@@ -55,14 +61,6 @@ def test_the_architecture_layer_table_is_the_one_the_layering_test_enforces():
                                                if may.startswith("nothing") else
                                                frozenset(m.strip().replace(" ", "_") for m in may.split(",")))
     assert documented == {group: may for group, (_, may) in LAYERS.items()}
-
-
-def test_the_readme_layout_names_every_module_and_package_of_cairn():
-    layout = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n```\n", 2)[1]
-    named = set(re.findall(r"\b(\w+\.py)\b", layout)) | set(re.findall(r"^  (\w+)/", layout, re.M))
-    modules = {p.name for p in (ROOT / "cairn").glob("*.py") if p.name != "__init__.py"}
-    packages = {p.name for p in (ROOT / "cairn").iterdir() if (p / "__init__.py").is_file()}
-    assert not (modules | packages) - named, f"README.md's layout leaves out: {sorted((modules | packages) - named)}"
 
 
 def _map_text_per_folder() -> dict[str, str]:
@@ -115,3 +113,32 @@ def test_the_testing_map_names_every_test_file():
     files = {p.stem.removeprefix("test_") for p in (ROOT / "tests").glob("test_*.py")}
     assert not files - named, f"test files docs/testing.md's map leaves out: {sorted(files - named)}"
     assert not named - files, f"docs/testing.md's map names test files that do not exist: {sorted(named - files)}"
+
+
+def test_the_flag_reference_is_the_commands_help():
+    from cairn.cli import help_reference
+
+    assert (ROOT / "docs" / "flags.md").read_text() == help_reference(), \
+        "docs/flags.md is not the commands' --help: regenerate it with scripts/flags-reference"
+
+
+def test_the_hub_download_command_the_documents_give_is_the_installed_hubs():
+    """README.md, docs/ and the refusal of a hub id as --model say to run `hf download REPO --local-dir DIR`: the
+    installed huggingface_hub ships that command (its `hf` script beside this interpreter), with that option. No
+    network: `--help` only, offline, with the hub's update check off."""
+    from cairn.preflight import UserError, check_model
+
+    with pytest.raises(UserError) as refusal:
+        check_model("Qwen/Qwen3.5-0.8B")
+    texts = {doc.name: doc.read_text() for doc in DOCUMENTS} | {"the hub id's refusal": str(refusal.value)}
+    assert not [name for name, text in texts.items() if "huggingface-cli" in text]
+    commands = {name: re.findall(r"\bhf download (\S+) --local-dir (\S+)", text) for name, text in texts.items()}
+    assert commands["README.md"] and commands["the hub id's refusal"], commands
+    assert not [name for name, text in texts.items() if text.count("hf download") != len(commands[name])], \
+        "an `hf download` that is not `hf download REPO --local-dir DIR`"
+    hf = Path(sys.executable).with_name("hf")
+    assert hf.is_file(), f"no {hf}: the installed huggingface_hub does not ship the `hf` command"
+    out = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "--local-dir" in out.stdout, out.stdout

@@ -85,7 +85,7 @@ def test_request_whose_own_sampling_fails_fails_alone(client, http):
 
 def test_a_structured_output_complete_before_min_tokens_fails_its_request_rather_than_ignoring_min_tokens(client):
     """A boolean schema is complete after a few tokens; only end-of-sequence may follow, which min_tokens bans. The
-    request used to stop there, min_tokens silently ignored; it fails with the reason, as README says."""
+    request used to stop there, min_tokens silently ignored; it fails with the reason, as docs/api.md says."""
     boolean = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}}
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, response_format=boolean,
