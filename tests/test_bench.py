@@ -26,7 +26,8 @@ from cairn.bench.engine_runner import EngineRunner
 from cairn.bench.http_runner import HTTPRunner
 from cairn.bench.oracle import oracle_tokens
 from cairn.bench.policies import POLICIES
-from cairn.bench.record import BenchRecord, RequestRecord, WorkloadResult
+from cairn.bench.record import REPLAY_LABEL, BenchRecord, RequestRecord, WorkloadResult, evaluate_targets
+from cairn.bench.report import targets_table
 from cairn.bench.run import run_workload
 from cairn.bench.sessions import client_keeps
 from cairn.bench.text import TextSource
@@ -49,7 +50,7 @@ CONFIG = config_with_overrides(EngineConfig(), kv_cache_gib=0.02, state_cache_gi
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[BenchRecord, dict]:
     out = tmp_path_factory.mktemp("bench")
-    opts = BenchOptions(out=str(out), threads=1, print_requests=False)
+    opts = BenchOptions(out=str(out), threads=1)
     record = bench(opts, CONFIG, command="pytest", sizes=SIZES)
     return record, json.loads((out / "record.json").read_text())
 
@@ -227,7 +228,7 @@ def test_bench_size_makes_its_checkpoint_from_the_package_alone(tmp_path):
     source checkout on sys.path to borrow benchmarks/engine_throughput.py."""
     path_before = list(sys.path)
     opts = BenchOptions(size="tiny", checkpoint_dir=str(tmp_path / "tiny"), workloads="edit", policies="cairn",
-                        out=str(tmp_path / "out"), plots=False, print_requests=False)
+                        out=str(tmp_path / "out"), plots=False)
     record = bench(opts, CONFIG, command="pytest", sizes=SIZES)
     assert sys.path == path_before
     assert record.model == str(tmp_path / "tiny") and record.size == "tiny"
@@ -290,3 +291,27 @@ def test_the_skeleton_size_has_the_layers_of_the_size_it_mirrors():
                       for s in ("0.8b", "0.8b-skeleton"))
     assert skeleton.layer_types == full.layer_types and skeleton.family == full.family
     assert skeleton.hidden_size < full.hidden_size and skeleton.vocab_size < full.vocab_size
+
+
+def _request(label: str, prompt: int, cached: int, oracle: int, ttft_s: float, miss: str | None = None):
+    return RequestRecord(index=0, label=label, conversation="main", prompt_tokens=prompt, cached_tokens=cached,
+                         computed_tokens=prompt - cached, oracle_tokens=oracle, resume_position=cached,
+                         resume_tier="device" if cached else None, resume_source=None, match_length=oracle,
+                         miss_reason=miss, snapshots_taken=0, output_tokens=1, ttft_s=ttft_s)
+
+
+def test_a_missed_target_says_in_one_line_where_its_shortfall_comes_from():
+    results = [
+        WorkloadResult("compaction", "none", [_request(REPLAY_LABEL, 1000, 0, 900, 1.0)]),
+        WorkloadResult("compaction", "cairn", [_request(REPLAY_LABEL, 1000, 900, 900, 0.2)]),
+        WorkloadResult("agentic", "cairn", [_request("turn 0", 100, 0, 0, 0.1),
+                                            _request("turn 1", 200, 40, 190, 0.1, miss="evicted")]),
+    ]
+    targets = {t.workload: t for t in evaluate_targets(results, "cairn")}
+    assert targets["compaction"].met is False and targets["agentic"].met is False
+    assert "computed 100 of 1000 tokens in 0.200 s" in targets["compaction"].note
+    assert "'turn 1': 40 of 190" in targets["agentic"].note and "evicted" in targets["agentic"].note
+    record = BenchRecord("s", "", "", "engine", "m", "demo", "smoke", 0, 0, {}, {}, ["none", "cairn"], [], {},
+                         results, list(targets.values()))
+    missed = [line for line in targets_table(record).splitlines() if line.startswith("- ")]
+    assert len(missed) == 2 and all("missed: " in line for line in missed)

@@ -121,7 +121,7 @@ def model_dir(checkpoints):
 
 def test_bench_runs_its_workloads_on_a_nemotron_h_shaped_checkpoint(tmp_path):
     opts = BenchOptions(size="nemotron-h-tiny", checkpoint_dir=str(tmp_path / "nh"), workloads="edit,compaction",
-                        policies="none,cairn", out=str(tmp_path / "out"), plots=False, print_requests=False)
+                        policies="none,cairn", out=str(tmp_path / "out"), plots=False)
     record = bench(opts, CONFIG, command="pytest", sizes=SIZES)
     assert json.loads((tmp_path / "nh" / "config.json").read_text())["model_type"] == "nemotron_h"
     by_policy = {(r.workload, r.policy): r for r in record.results}

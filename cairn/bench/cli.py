@@ -64,7 +64,8 @@ class BenchOptions:
     threads: int = _f(1, "torch CPU threads (0: torch's default, one per core); 1 keeps times steady, and on a "
                       "loaded machine torch's default can be 10x slower")
     plots: bool = _f(True, "write the PNG plots")
-    print_requests: bool = _f(True, "print every request's row")
+    verbose: bool = _f(False, "also print each run's progress line and every request's row (the report without "
+                       "them fits one screen; report.md and record.json hold everything either way)")
 
 
 # The engine flags `cairn bench` sets per policy (--policies picks them), and the engine defaults it
@@ -169,6 +170,8 @@ def _over_http(opts: BenchOptions, workloads: list[Workload], sizes: WorkloadSiz
 
 
 def _progress(opts: BenchOptions, result: WorkloadResult, wall_s: float) -> None:
+    if not opts.verbose:
+        return
     name = f"{result.workload} / {LABELS.get(result.policy, result.policy)}"
     if result.skipped:
         print(f"{name}: skipped: {result.skipped}", flush=True)
@@ -177,8 +180,7 @@ def _progress(opts: BenchOptions, result: WorkloadResult, wall_s: float) -> None
     reuse = "n/a" if t["reuse_of_oracle"] is None else f"{100 * t['reuse_of_oracle']:.1f}%"
     print(f"{name}: {t['num_requests']} requests, cached {t['cached_tokens']:,} of oracle {t['oracle_tokens']:,} "
           f"({reuse}), TTFT total {t['ttft_total_s']:.2f} s, wall {wall_s:.1f} s", flush=True)
-    if opts.print_requests:
-        print(requests_table(result) + "\n", flush=True)
+    print(requests_table(result) + "\n", flush=True)
 
 
 def _resolve_model(opts: BenchOptions, base: EngineConfig, stack: ExitStack) -> tuple[EngineConfig, str]:

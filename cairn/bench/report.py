@@ -79,10 +79,11 @@ def targets_table(record: BenchRecord) -> str:
     lines = ["| target | policy | value | required | met |", "|---|---|---:|---:|---|"]
     for t in record.targets:
         met = {True: "yes", False: "**no**", None: "n/a"}[t.met]
-        note = f" ({t.note})" if t.note else ""
+        note = f" ({t.note})" if t.note and t.met is not False else ""
         lines.append(f"| {t.name} | {_label(t.policy)} | {_pct(t.value)} | {t.comparison} {_pct(t.threshold)} | "
                      f"{met}{note} |")
-    return "\n".join(lines)
+    missed = [f"- {t.name}: missed: {t.note}" for t in record.targets if t.met is False]
+    return "\n".join(lines + ([""] + missed if missed else []))
 
 
 def report(record: BenchRecord) -> str:
