@@ -29,7 +29,7 @@ breakdown, whose ranges are the modules', runs on the modules (the plan off).
 The profiler adds a few microseconds per op, which inflates the many small ops against the matmuls;
 the step time printed first is measured without it. On a shared machine the profiler's ranges hold
 other processes' time slices too: `--clock cpu --threads 1` sums this process's CPU time per range
-instead (BENCHMARKS.md's figures). A benchmark, not a test: asserts nothing.
+instead. A benchmark, not a test: asserts nothing.
 """
 
 from __future__ import annotations

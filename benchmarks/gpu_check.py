@@ -11,9 +11,10 @@
    kernel with no fast version is reported as "reference" (on CPU every row compares the reference with
    itself: the path the test checks). Whole models too: greedy tokens and their log-probabilities, fast
    against reference kernels, on the random checkpoints of each size.
-3. Prefill and decode tok/s and the compaction-replay time to first token (BENCHMARKS.md, "Prefix cache
-   on the device tier": a conversation cut back to 70% plus a 64-token instruction, resumed from the
-   deepest snapshot below the cut), reference and fast kernels side by side, at the largest size.
+3. Prefill and decode tok/s and the compaction-replay time to first token (BENCHMARKS.md, "Time to first
+   token per resume tier", its row "compaction replay, 70% kept plus 64 tokens (cache_bench)": a conversation
+   cut back to 70% plus a 64-token instruction, resumed from the deepest snapshot below the cut), reference
+   and fast kernels side by side, at the largest size.
 4. CUDA graphs for decode (`--cuda-graphs`, cairn/decode_graphs.py) at the largest size, both sides on the graph
    path's kernels: greedy tokens and log-probabilities of graph replay against the eager engine, and decode tok/s
    of both, alternated. On CPU (--dry-run) the graph side runs the checking stand-in (cairn/ops/graph_check.py):

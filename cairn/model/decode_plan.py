@@ -12,7 +12,7 @@ once the model is loaded, so a plan binds them once, per layer, and a step then 
               pending = down_i(silu(gate_up_i(h)))       SwiGLU: its linears' decode_call (the gemv kernel, or int8's),
                                                          cpu_silu.bound_silu_mul
 
-Measured (BENCHMARKS.md, the eleventh pass) on the 0.8B's 24 layers at tiny widths, where only the calls
+Measured (docs/kernels.md, the decode plan) on the 0.8B's 24 layers at tiny widths, where only the calls
 cost: a batch-1 step in half the time. The ops, their arguments and their order are the module path's, so
 are the bits (a test holds greedy tokens and log-probabilities equal to it, batched and alone).
 

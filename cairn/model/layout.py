@@ -30,12 +30,12 @@ with AVX2 + FMA where oneDNN has no bf16 matmul (CPUs without AVX-512: most AMD 
 laptops), and plain otherwise (fp32: MKL's gemv already streams at memory speed; fp16; CUDA; an
 AVX-512 CPU without AVX512-BF16, where F.linear has oneDNN's bf16 and the kernel's AVX2 path was not
 measured against it, runs that path only when asked for); the choice, and why gemv was not taken, is
-logged in one line. Measured (BENCHMARKS.md, gemv_bench.py): on AVX512-BF16 the kernel streams the
-0.8B model's weights at batch 1 faster than F.linear and the packed layout; on an AVX2-only CPU
-F.linear's bf16 falls back to ATen's own GEMM, whose cost grows with every row of x, and the kernel's
-AVX2 path is faster at every decode batch size. The packed layout was slower than plain at batch 1
-and 4 on a quiet 2-core Xeon with AMX (7.1 against 9.2 tok/s at batch 1) and stays a choice
-(`--weight-layout packed`).
+logged in one line. Measured (gemv_bench.py): on AVX512-BF16 the kernel streams the 0.8B model's
+weights at batch 1 faster than F.linear and the packed layout; on an AVX2-only CPU F.linear's bf16
+falls back to ATen's own GEMM, whose cost grows with every row of x, and the kernel's AVX2 path is
+faster at every decode batch size (BENCHMARKS.md, "Decode speed in bf16": gemv against plain on
+Zen 3). The packed layout was slower than plain at batch 1 and 4 on a quiet 2-core Xeon with AMX
+(7.1 against 9.2 tok/s at batch 1) and stays a choice (`--weight-layout packed`).
 
 Quantization changes the model's numbers, so it is applied before the prefix cache digests the
 weights (a disk cache of the float model is not resumed by the int8 one); the layouts keep the
@@ -93,16 +93,16 @@ class GemvLinear(nn.Module):
     Up to that many rows the kernel streams the weight once for all of them; above, a GEMM. Every path takes
     16 (cpu_gemv.MAX_ROWS), so a token's outputs are bit for bit the same alone or in a decode batch of up to
     16, which F.linear's oneDNN does not give (its one-row product sums in another order than its two-row one).
-    Measured (BENCHMARKS.md): the AMX path reads a step's weights at 89-100% of `sum` at 1 to 16 rows (1.5-1.9x
-    F.linear); on a Zen 4 the AVX512-BF16 path beats F.linear at every row count from 1 to 16 (1.9x at 1,
-    1.2x at 16). Those two paths take W as loaded: `weight` is the very parameter (a tied lm_head stays tied
-    to the embedding).
+    Measured (docs/kernels.md, the gemv kernel alone): the AMX path reads a step's weights at 89-100% of `sum`
+    at 1 to 16 rows (1.5x F.linear at 16); on a Zen 4 the AVX512-BF16 path beats F.linear at every row count
+    from 1 to 16 (1.9x at 1, 1.2x at 16; gemv_bench.py). Those two paths take W as loaded: `weight` is the very
+    parameter (a tied lm_head stays tied to the embedding).
 
     On the AVX2 path (`kernel.packs`), chosen where F.linear's bf16 is ATen's fallback GEMM, every row runs
     the kernel: decode batches of any size and a prefill, MAX_ROWS rows at a time. There the weight is re-laid
-    once into the kernel's packed blocks (`cpu_gemv.pack`, the outer-product form: BENCHMARKS.md, the seventh
-    pass), held as the `packed` buffer, which replaces the parameter (no second copy); every row's outputs
-    are one sequential fp32 sum per output, the same bits in a prefill, alone or in a batch. `pack=False`
+    once into the kernel's packed blocks (`cpu_gemv.pack`, the outer-product form; its kernel alone on Zen 3:
+    docs/kernels.md), held as the `packed` buffer, which replaces the parameter (no second copy); every row's
+    outputs are one sequential fp32 sum per output, the same bits in a prefill, alone or in a batch. `pack=False`
     keeps W as loaded on that path too, in the row-major kernel at every row count (each output a fixed-order
     sum over its own row alone, so also the same bits at any row count): apply_layout passes it for a weight
     that is also read elsewhere (a tied lm_head's embedding, a weight its module reads itself).

@@ -5,7 +5,7 @@ cairn/ops/cpu_silu.py) with the contract of `attention.paged_decode_attention`: 
 sequence, q [B, H, D], over its first context_lens[b] positions in a paged pool [pages, page_size, KV heads, D],
 found through its page table. The reference gathers each sequence's pages into a padded batch (a copy, unless
 one sequence's pages are consecutive) and calls SDPA, whose CPU kernel, in bf16 on a CPU without bf16
-arithmetic, runs about ten times slower than in fp32 and expands K and V for grouped queries (BENCHMARKS.md:
+arithmetic, runs about ten times slower than in fp32 and expands K and V for grouped queries (docs/kernels.md:
 12 ms per layer at 4k tokens of context, 127 ms at 32k). The op reads every key and value once, from its page,
 for all the query heads of its group:
 

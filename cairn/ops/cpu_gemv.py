@@ -72,17 +72,18 @@ class GemvKernel:
     def direct_rows(self) -> int:
         """Rows of x the kernel takes directly, on every path: MAX_ROWS. Each output is a fixed-order sum over its
         own row, so a token's outputs are the same bits alone and in a decode batch of up to 16 (above, a prefill:
-        F.linear, or the kernel MAX_ROWS rows at a time on the AVX2 path). Measured (BENCHMARKS.md, gemv_bench.py):
-        AMX's tiles take 16 rows for the price of one; on a Zen 4 the AVX512-BF16 dot products beat oneDNN's
-        F.linear at every row count from 1 to 16 (20.8 against 11.0 GB/s at 1 row, 9.7 against 8.2 at 16); the
-        AVX2 path runs where F.linear's bf16 is ATen's fallback GEMM, which it beats at every row count."""
+        F.linear, or the kernel MAX_ROWS rows at a time on the AVX2 path). Measured: AMX's tiles take 16 rows for
+        the price of one (docs/kernels.md); on a Zen 4 the AVX512-BF16 dot products beat oneDNN's F.linear at every
+        row count from 1 to 16 (gemv_bench.py: 20.8 against 11.0 GB/s at 1 row, 9.7 against 8.2 at 16); the AVX2
+        path runs where F.linear's bf16 is ATen's fallback GEMM, which it beats at every row count
+        (docs/kernels.md)."""
         return MAX_ROWS
 
     @property
     def slices_prefill(self) -> bool:
         """Whether the layout runs a prefill's rows through the kernel too, MAX_ROWS at a time, rather than
-        F.linear: on the AVX2 path, which runs where F.linear's bf16 is ATen's fallback GEMM (measured
-        BENCHMARKS.md, the AVX2-only pass)."""
+        F.linear: on the AVX2 path, which runs where F.linear's bf16 is ATen's fallback GEMM (measured:
+        BENCHMARKS.md, "Decode speed in bf16", prefill 512 on Zen 3 against `plain`)."""
         return self.isa == "avx2"
 
     @property

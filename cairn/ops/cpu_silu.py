@@ -3,7 +3,7 @@
 What it is: one C++ op (cairn/ops/csrc/silu.cpp, built on first use by cpu_build and cached by torch like
 cairn/ops/cpu_norm.py) that turns a bf16 [rows, 2 * inner] gate_up row ([gate | up]) into bf16(bf16(silu(gate)) *
 up), what the reference (cairn/ops/activation.py) does in two ATen calls with a tensor between them (with the
-chunk, three calls a layer and about 100 us of a decode step's CPU each, BENCHMARKS.md). On AVX-512 (16 lanes)
+chunk, three calls a layer and about 100 us of a decode step's CPU each). On AVX-512 (16 lanes)
 and on AVX2 + FMA (8 lanes; the widest the instruction path allows, cairn/ops/cpu_isa.py: `vector_body(path)`
 says which) it computes the silu with libtorch's own vectorised exp, the one ATen's vectorised code calls on that
 CPU, in ATen's formula (cairn/ops/csrc/vec.h), and rounds where ATen rounds, so it gives the reference's bits;
@@ -13,7 +13,7 @@ subnormal mode of the thread that computes them (`torch.set_flush_denormal` sets
 threads created later), and above one thread's grain ATen and this op split the work differently; so on
 prefill-sized inputs a subnormal gate (|x| < 1.2e-38) may come out flushed in one and not the other. Decode rows run on
 the calling thread in both: the same bits. An earlier scalar build of this op was slower than ATen's two
-vectorised calls and was not kept (BENCHMARKS.md, fourth pass).
+vectorised calls and was not kept.
 
 What it is not: for fp32 / fp16 models (the reference), nor the MoE experts' activations (their own loops).
 `load()` returns the module, or a one-line reason why not.

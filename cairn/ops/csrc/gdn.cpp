@@ -149,8 +149,9 @@ struct HeadArgs {
 };
 // The state streams from memory one row after another; a software prefetch a few rows ahead keeps more
 // cache-line fills in flight than the hardware prefetcher alone (past the head's last row it fetches the
-// next head's, usually this thread's next; prefetches never fault). Measured at batch 16 (BENCHMARKS.md):
-// 1.2x with it, one thread; 4, 8 or 16 rows ahead alike.
+// next head's, usually this thread's next; prefetches never fault). Measured at batch 16 against scratch builds
+// of the op without it or at another distance (figures kept here only): 1.2x with it, one thread; 4, 8 or 16 rows
+// ahead alike. The op's current figures: docs/kernels.md.
 constexpr int64_t kPrefetchRows = 8;
 using HeadFn = void (*)(const HeadArgs&, int64_t, int64_t, float*);
 using ConvFn = void (*)(const at::BFloat16*, at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, int64_t,

@@ -3,7 +3,7 @@
 // before `gemv()`, which calls `gemv_amx` and `has_amx_bf16`.
 //
 // How it computes, and why every call runs the same instructions whatever its rows of x, is said at its top; what it
-// measured is in BENCHMARKS.md (issue 14, batched decode).
+// measures alone is in docs/kernels.md.
 
 // ---- AMX-BF16: 16 weight rows x 32 bf16 per tile, against every row of x at once --------------------
 // C^T = W x^T: the weight is the A operand as it lies (16 rows of 64 bytes, row stride k), x the B

@@ -3,8 +3,8 @@
 //
 // The row-major dot-product kernel against x widened to fp32, its walk over the weight, and the outer-product kernel
 // on the packed weight (cairn/ops/cpu_gemv.py: pack, pack_int8). How each computes, and why an output's bits do not
-// depend on the rows, tiles or threads, is said below; what they measured is in BENCHMARKS.md (issue 14, the sixth
-// to eighth passes).
+// depend on the rows, tiles or threads, is said below; what they measure alone is in docs/kernels.md, and in a
+// decode step BENCHMARKS.md's "Decode speed in bf16" (Zen 3).
 
 // ---- AVX2 + FMA: R weight rows side by side against x widened to fp32 once per call ------------------
 // No bf16 dot product here, so the weights are widened in registers: a 256-bit load holds 16 bf16 as 8
@@ -300,8 +300,8 @@ PackedTile<F> packed_tile_for(int nb, int mt) {
   return nb >= 1 && nb <= 4 && mt >= 1 && mt <= 6 ? table[nb][mt] : nullptr;
 }
 
-// The tile for m_rows rows of x: (blocks side by side, rows of x per pass). Measured (BENCHMARKS.md, the
-// seventh pass): 4 x 1 at one row; 3 x 2 at two; 2 x 3 at three; above, 1 x 6 in passes of up to six rows.
+// The tile for m_rows rows of x: (blocks side by side, rows of x per pass). Measured (gemv_step_bench.py --tiles,
+// on Zen 3): 4 x 1 at one row; 3 x 2 at two; 2 x 3 at three; above, 1 x 6 in passes of up to six rows.
 std::pair<int, int> packed_plan(int64_t m_rows) {
   if (m_rows == 1) return {4, 1};
   if (m_rows == 2) return {3, 2};

@@ -146,7 +146,7 @@ class BodySizeLimit:
         interpreter lock the engine thread takes back after every torch op. Over loopback or a fast link,
         megabytes arrive back to back: the loop then runs without a pause and the engine's steps around
         it take longer (1.3-1.4x while a 20 MiB body arrives unpaced past h11, 1.05-1.2x paced; quiet, the
-        demo model; BENCHMARKS.md). While the loop sleeps here, uvicorn stops reading the socket (its
+        demo model; stall_bench.py). While the loop sleeps here, uvicorn stops reading the socket (its
         flow control pauses above 64 KiB not taken by the app), so the client waits on TCP and the cost
         is spread over time. At 128 MiB/s a 20 MiB body takes 160 ms more at
         most; a client sending slower than the limit (most networks) never waits.
