@@ -42,7 +42,7 @@ def bench_command(*flags: str, timeout_s: float = 600) -> subprocess.CompletedPr
 def test_bench_over_http_runs_the_workloads_on_a_real_server_and_skips_the_restart(tmp_path):
     server = start_server()
     try:
-        done = bench_command("--url", server.base_url, "--workloads", "edit,restart", "--no-plots",
+        done = bench_command("--url", server.base_url, "--workloads", "edit,restart", "--no-plots", "--verbose",
                              "--out", str(tmp_path))
     finally:
         server.stop()
@@ -100,6 +100,7 @@ def test_a_bench_whose_every_workload_is_skipped_reports_it_and_draws_no_plot(tm
     done = bench_command("--url", "http://127.0.0.1:9", "--workloads", "restart", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "| restart | - | - | - | skipped |" in done.stdout
+    assert "restart / server" not in done.stdout  # the progress lines are --verbose's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "report.md"]
     redrawn = subprocess.run([sys.executable, "-m", "cairn.bench.plots", str(tmp_path)], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=120)
