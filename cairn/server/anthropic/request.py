@@ -382,3 +382,7 @@ class CountTokensRequest(PromptFields):
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request of a Messages request with these fields (its prompt: max_tokens does not enter it)."""
         return MessagesRequest.model_construct(**dict(self), max_tokens=1).to_chat()
+
+    def cache_marks(self) -> list[CacheMark]:
+        """The cache marks of a Messages request with these fields (see MessagesRequest.cache_marks)."""
+        return MessagesRequest.model_construct(**dict(self), max_tokens=1).cache_marks()
