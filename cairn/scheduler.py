@@ -236,7 +236,8 @@ class Scheduler:
         try:
             admission = self.cache.admit(CacheRequest(
                 seq.token_ids, seq.state_slot, message_starts=seq.message_starts,
-                user_message_starts=seq.user_message_starts, cache_prompt=seq.params.cache_prompt and resume,
+                user_message_starts=seq.user_message_starts, breakpoints=seq.breakpoints,
+                cache_prompt=seq.params.cache_prompt and resume,
                 cache_salt=seq.params.cache_salt))
             if admission is not None:
                 self._apply(seq, admission)
@@ -281,6 +282,7 @@ class Scheduler:
         seq.ready_logits = admission.ready_logits
         if not seq.num_output_tokens:
             admission.report.snapshots_taken += seq.cache.snapshots_taken
+            admission.report.breakpoint_stored = max(admission.report.breakpoint_stored, seq.cache.breakpoint_stored)
             seq.cache = admission.report
 
     def _unadmit(self, seq: Sequence) -> None:

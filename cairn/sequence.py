@@ -41,6 +41,7 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     message_starts: list[int] = field(default_factory=list)  # token position of each chat message start
     user_message_starts: list[int] = field(default_factory=list)  # the subset starting a user message
+    breakpoints: dict[int, int] = field(default_factory=dict)  # the client's cache breakpoints: position -> TTL (s)
     status: Status = Status.WAITING
     num_computed: int = 0
     num_cached: int = 0

@@ -25,7 +25,7 @@ from cairn.bench.policies import LABELS  # noqa: E402
 from cairn.bench.record import RequestRecord, SnapshotPoint, WorkloadResult  # noqa: E402
 
 TIER_COLOURS = {"device": "tab:blue", "host": "tab:orange", "disk": "tab:green"}
-SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk", "remote")
+SOURCES = ("grid", "message", "breakpoint", "prompt_end", "request_end", "branch", "disk", "remote")
 
 
 def _label(policy: str) -> str:

@@ -45,6 +45,8 @@ class CacheReport:
     match_length: int = 0  # longest common prefix with any cached path
     miss_reason: str | None = None  # why a deeper point than resume_position was not usable
     snapshots_taken: int = 0  # snapshots this request added to the cache
+    breakpoint_stored: int = 0  # deepest position where this request added a snapshot placed for one of its cache
+    #   breakpoints (0: none); the prompt tokens below it and above cached_tokens are the ones it stored for the client
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class CacheRequest:
     num_computed: int = 0  # tokens whose KV is in page_table and whose state the working slot holds
     message_starts: list[int] = field(default_factory=list)  # token position of each chat message start
     user_message_starts: list[int] = field(default_factory=list)  # the subset starting a user message
+    breakpoints: dict[int, int] = field(default_factory=dict)  # the client's cache breakpoints: position -> TTL (s)
     cache_prompt: bool = True  # False: the client opted out of the prefix cache
     cache_salt: str | None = None  # the tenant's namespace: nothing is shared with another salt's (None: unsalted)
 
@@ -74,7 +77,8 @@ class Admission:
     num_cached: int = 0  # tokens resumed: KV in page_table, recurrent state restored into req.state_slot
     page_table: list[int] = field(default_factory=list)  # pages of [0, num_cached), one reference held for the request
     ready_logits: torch.Tensor | None = None  # next-token logits when num_cached is the whole prompt (none computed)
-    report: CacheReport = field(default_factory=CacheReport)  # what the cache did (snapshots_taken: 0 here)
+    report: CacheReport = field(default_factory=CacheReport)  # what the cache did (snapshots_taken: 0 here; the
+    #   cache raises breakpoint_stored as the request's steps store its breakpoints' snapshots)
     # the planned captures: position -> placement source of each snapshot still to take for the request (the
     # cache plans them at admission and pops each one as its step takes it or finds no room for it)
     planned_captures: dict[int, str] = field(default_factory=dict)

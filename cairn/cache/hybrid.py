@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 import torch
 
 from cairn.cache.base import Admission, CacheReport, CacheRequest, PrefixCache, ProbeResult
-from cairn.cache.policy.placement import PlacementInput, PlacementOptions, place, request_end_allowed
+from cairn.cache.policy.placement import (
+    PlacementInput,
+    PlacementOptions,
+    place,
+    placed_breakpoints,
+    request_end_allowed,
+)
 from cairn.cache.policy.planner import Candidate, Plan, plan
 from cairn.cache.policy.retention import retention_key
 from cairn.cache.policy.speeds import SpeedMeter
@@ -64,6 +70,8 @@ class _RequestState:
     taken: set[int] = field(default_factory=set)  # positions this request attached snapshots at
     captures: dict[int, TieredSnapshot] = field(default_factory=dict)  # position -> slot a step writes
     missed: set[int] = field(default_factory=set)  # positions whose capture found no room
+    breakpoints: set[int] = field(default_factory=set)  # planned positions that stand for a client's breakpoint
+    report: CacheReport | None = None  # the request's report (its breakpoint_stored raised as they are stored)
 
 
 class HybridPrefixCache(PrefixCache):
@@ -109,9 +117,9 @@ class HybridPrefixCache(PrefixCache):
         if match is None:
             self.counters["admissions_awaiting_remote"] += 1
             return None  # a remote lookup is running off this thread: admit when its answer is in
-        state = _RequestState()
-        admission = Admission(state=state)
+        admission = Admission()
         report = admission.report
+        state = admission.state = _RequestState(report=report)
         for _ in range(MAX_PLANS):  # a copy found unreadable is marked bad (never planned again): plan again
             chosen = self._plan(match, len(req.token_ids))
             if chosen.position == 0:
@@ -128,10 +136,12 @@ class HybridPrefixCache(PrefixCache):
         report.match_length = match.match_len
         if report.miss_reason is None:
             report.miss_reason = self._miss_reason(match, chosen)
-        admission.planned_captures = place(PlacementInput(
+        placement = PlacementInput(
             prompt_len=len(req.token_ids), resume_position=admission.num_cached, match_length=match.match_len,
             path_has_deeper_snapshot=self._has_snapshot_beyond(match), message_starts=tuple(req.message_starts),
-            user_message_starts=tuple(req.user_message_starts)), self.placement)
+            user_message_starts=tuple(req.user_message_starts), breakpoints=tuple(sorted(req.breakpoints)))
+        admission.planned_captures = place(placement, self.placement)
+        state.breakpoints = placed_breakpoints(admission.planned_captures, placement, self.placement)
         return admission
 
     def _match(self, req: CacheRequest, wait: bool = True) -> MatchResult | None:
@@ -383,6 +393,8 @@ class HybridPrefixCache(PrefixCache):
             self.tiers.release(handle)
             return
         state.taken.add(pos)
+        if pos in state.breakpoints and state.report is not None:
+            state.report.breakpoint_stored = max(state.report.breakpoint_stored, pos)
         self.counters["snapshots_taken"] += 1
         self.taken_by_source[source] += 1
 

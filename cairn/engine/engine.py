@@ -63,6 +63,15 @@ def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
         raise RequestTooLarge(f"prompt token ids must be in [0, {vocab_size})")
 
 
+def _breakpoints(prompt: TokenizedPrompt) -> dict[int, int]:
+    """The prompt's cache breakpoints as the cache takes them: position -> TTL in seconds (the longest of those
+    that share a position)."""
+    ttls: dict[int, int] = {}
+    for b in prompt.breakpoints:
+        ttls[b.position] = max(ttls.get(b.position, 0), b.ttl_s)
+    return ttls
+
+
 class Engine:
     def __init__(self, config: EngineConfig, cache: PrefixCache | None = None, show_progress: bool = True,
                  graph_backend: CaptureBackend | None = None):
@@ -121,7 +130,8 @@ class Engine:
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seqs = [Sequence(request_id if i == 0 else f"{request_id}#{i}", ids if i == 0 else list(ids), params,
                          eos_token_ids=eos + params.stop_token_ids, message_starts=list(prompt.message_starts),
-                         user_message_starts=list(prompt.user_message_starts), group_id=request_id, index=i,
+                         user_message_starts=list(prompt.user_message_starts), breakpoints=_breakpoints(prompt),
+                         group_id=request_id, index=i,
                          grammar=grammar if i == 0 or grammar is None else grammar.fork())
                  for i in range(params.n)]
         self.scheduler.check_fits(seqs[0])  # before looking at every id: a huge prompt is refused at once

@@ -11,11 +11,40 @@ against the model (vocabulary, context length), which `Engine.add_request` makes
 
 from __future__ import annotations
 
+import json
+import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from cairn.errors import PromptTooLong
 from cairn.request.tokenizer import Tokenizer
+
+log = logging.getLogger("cairn.tokenizer")
+CACHE_MARKS = "cache_marks"  # the template_kwargs key of a chat's CacheMarks (popped before the template runs)
+
+
+@dataclass(frozen=True)
+class CacheMark:
+    """A client's cache breakpoint before the render (Anthropic's `cache_control`): the end of a marked block,
+    said in the chat messages the template renders. Either the marked text ends at character `content_end` of
+    messages[`message`]["content"], or the marked block is the tool `tools[tool]` of the template's tools."""
+
+    ttl_s: int  # how long the client asks the prefix to be kept (not yet honoured by retention)
+    where: str  # the marked field as the client sent it ("system.1", "messages.0.content.1", "tools.3"), for the log
+    message: int | None = None
+    content_end: int = 0
+    tool: int | None = None
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    """A cache breakpoint located in the prompt: the cache places a snapshot (source `breakpoint`) at `position`,
+    the last token boundary at or before the end of the marked block in the render (the end itself whenever a
+    token ends there: always with byte tokens, and before a special token)."""
+
+    position: int
+    ttl_s: int
 
 
 @dataclass(frozen=True)
@@ -24,6 +53,7 @@ class TokenizedPrompt:
     message_starts: list[int] = field(default_factory=list)  # sorted positions in (0, len) where a message
     #   or the generation prompt starts (empty for a plain prompt)
     user_message_starts: list[int] = field(default_factory=list)  # the positions that start a user message
+    breakpoints: list[Breakpoint] = field(default_factory=list)  # the located cache marks, sorted by position
 
 
 def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | None = None,
@@ -43,16 +73,86 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | None = None,
         return TokenizedPrompt(ids, sorted({p for p in message_starts or () if 0 < p < len(ids)}))
     kwargs = dict(template_kwargs or {})
     generation_prefix = kwargs.pop("generation_prefix", "")  # forced start of the answer (a tool call's)
-    if kwargs.pop("continue_final_message", False):  # the answer continues the last message's content
-        text, char_starts = tokenizer.render_chat_continuing(messages, **kwargs)
-    else:
-        text, char_starts = tokenizer.render_chat_with_starts(messages, **kwargs)
+    marks: list[CacheMark] = kwargs.pop(CACHE_MARKS, None) or []
+    continuing = kwargs.pop("continue_final_message", False)  # the answer continues the last message's content
+    render = tokenizer.render_chat_continuing if continuing else tokenizer.render_chat_with_starts
+    text, char_starts = render(messages, **kwargs)
+    mark_ends = _mark_ends(render, messages, kwargs, text, marks) if marks else {}
     text += generation_prefix
     _refuse_if_surely_too_long(tokenizer, text, max_model_len)
-    ids, starts = tokenizer.encode_rendered(text, char_starts)
+    located = list(mark_ends.items())
+    ids, positions = tokenizer.encode_rendered(text, char_starts + [end for _, end in located])
+    starts, mark_positions = positions[:len(char_starts)], positions[len(char_starts):]
     # starts[k - 1] is where messages[k] starts (and the last one where the generation prompt starts)
     user_starts = [p for p, m in zip(starts, messages[1:], strict=False) if m.get("role") == "user"]
-    return TokenizedPrompt(ids, sorted({p for p in starts if 0 < p < len(ids)}), user_starts)
+    breakpoints = sorted((Breakpoint(p, mark.ttl_s) for (mark, _), p in zip(located, mark_positions, strict=True)
+                          if 0 < p <= len(ids)), key=lambda b: b.position)
+    return TokenizedPrompt(ids, sorted({p for p in starts if 0 < p < len(ids)}), user_starts, breakpoints)
+
+
+def _mark_ends(render, messages: list[dict[str, Any]], kwargs: dict[str, Any], text: str,
+               marks: list[CacheMark]) -> dict[CacheMark, int]:
+    """The character of the render `text` where each mark's block ends, for the marks that can be located; each
+    one that cannot is left out (no snapshot for it, a debug log line), never given a guessed place.
+
+    A marked text: the messages rendered again with a unique sentinel right after the marked text; that render,
+    less its sentinels, must be `text` exactly (else the sentinels changed what the template rendered, and no text
+    mark is located), each sentinel must appear once, and the render must show the message's content up to the
+    mark right before it. A marked tool: where its JSON (as the template's `tojson` writes it) ends, when the
+    render holds that JSON exactly once (a template that renders tools otherwise locates none)."""
+    ends: dict[CacheMark, int] = {}
+    texts = [m for m in marks if m.message is not None]
+    if texts:
+        ends.update(_text_mark_ends(render, messages, kwargs, text, texts))
+    for mark in marks:
+        if mark.tool is None:
+            continue
+        tools = kwargs.get("tools") or []
+        spelled = json.dumps(tools[mark.tool], ensure_ascii=False) if mark.tool < len(tools) else None
+        if spelled is not None and text.count(spelled) == 1:
+            ends[mark] = text.index(spelled) + len(spelled)
+    for mark in marks:
+        if mark not in ends:
+            log.debug("cache_control on %s: its end was not found in the rendered prompt; no snapshot for it",
+                      mark.where)
+    return ends
+
+
+def _text_mark_ends(render, messages: list[dict[str, Any]], kwargs: dict[str, Any], text: str,
+                    marks: list[CacheMark]) -> dict[CacheMark, int]:
+    """_mark_ends of the marks on message contents (see there)."""
+    tag = secrets.token_hex(8)
+    sentinels = {mark: f"\x00{tag}:{k}\x00" for k, mark in enumerate(marks)}
+    marked = [dict(m) for m in messages]
+    by_message: dict[int, list[CacheMark]] = {}
+    for mark in marks:
+        content = messages[mark.message].get("content") if mark.message < len(messages) else None
+        if isinstance(content, str) and 0 <= mark.content_end <= len(content):
+            by_message.setdefault(mark.message, []).append(mark)
+    for i, on_it in by_message.items():
+        content = messages[i]["content"]
+        pieces, cut = [], 0
+        for mark in sorted(on_it, key=lambda m: m.content_end):
+            pieces += [content[cut:mark.content_end], sentinels[mark]]
+            cut = mark.content_end
+        marked[i]["content"] = "".join(pieces) + content[cut:]
+    try:
+        with_sentinels = render(marked, **kwargs)[0]
+    except Exception:  # the template refuses what it accepted without the sentinels: locate none
+        return {}
+    ends: dict[CacheMark, int] = {}
+    clean, cut, removed = [], 0, 0
+    found = sorted((with_sentinels.find(s), mark) for mark, s in sentinels.items() if with_sentinels.count(s) == 1
+                   and mark.message in by_message)
+    for at, mark in found:
+        clean.append(with_sentinels[cut:at])
+        ends[mark] = at - removed
+        cut, removed = at + len(sentinels[mark]), removed + len(sentinels[mark])
+    clean.append(with_sentinels[cut:])
+    if "".join(clean) != text:  # the sentinels changed the render (or one of them is not in it once)
+        return {}
+    return {mark: end for mark, end in ends.items()
+            if text[:end].endswith(messages[mark.message]["content"][:mark.content_end].lstrip())}
 
 
 def _refuse_if_surely_too_long(tokenizer: Tokenizer, text: str, max_model_len: int | None) -> None:

@@ -9,6 +9,7 @@ are returned, since the cache already holds what lies below it.
                grid: every `interval` tokens of absolute position (k * interval)
                message: where each chat message starts
                branch: `match`, when the prompt leaves a cached path that has a snapshot deeper than it
+               breakpoint: where the client marked a block to cache (Anthropic's cache_control), in (resume, prompt_len]
                prompt_end: prompt_len (stored with the logits of its last token)
 
 The end of the request after generation is placed by the cache when the request finishes
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SOURCES = ("grid", "message", "branch", "prompt_end", "request_end")
+SOURCES = ("grid", "message", "breakpoint", "branch", "prompt_end", "request_end")
 POLICIES = ("cairn", "none", "last_chunk", "prompt_end_branch", "user_messages")
 LAST_CHUNK_ALIGN = 64
 
@@ -64,6 +65,7 @@ class PlacementInput:
     path_has_deeper_snapshot: bool  # the matched cached path holds a snapshot beyond match_length
     message_starts: tuple[int, ...] = field(default=())  # token position of each chat message start
     user_message_starts: tuple[int, ...] = field(default=())  # the subset that starts a user message
+    breakpoints: tuple[int, ...] = field(default=())  # where the client's cache breakpoints are (cairn's policy only)
 
 
 def place(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
@@ -75,7 +77,8 @@ def place(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
 def _aligned(chosen: dict[int, str], inp: PlacementInput, align: int) -> dict[int, str]:
     """Each position moved down to a multiple of `align` (the first source to land there names it)."""
     out: dict[int, str] = {}
-    priority = ("prompt_end", "branch", "message", "grid", "request_end")  # as `place` names a shared position
+    # as `place` names a shared position
+    priority = ("prompt_end", "branch", "breakpoint", "message", "grid", "request_end")
     for p, source in sorted(chosen.items(), key=lambda item: priority.index(item[1])):
         q = p // align * align
         if inp.resume_position < q:
@@ -90,6 +93,9 @@ def _place(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
         chosen[hi] = "prompt_end"
     if opts.at_branch and inp.path_has_deeper_snapshot and lo < inp.match_length < hi:
         chosen.setdefault(inp.match_length, "branch")
+    for p in inp.breakpoints:  # the client asked for these (a prompt end there keeps its name and logits)
+        if lo < p <= hi:
+            chosen.setdefault(p, "breakpoint")
     if opts.at_messages:
         for p in inp.message_starts:
             if lo < p < hi:
@@ -102,6 +108,16 @@ def _place(inp: PlacementInput, opts: PlacementOptions) -> dict[int, str]:
                 continue
             chosen.setdefault(p, "grid")
     return dict(sorted(chosen.items()))
+
+
+def placed_breakpoints(chosen: dict[int, str], inp: PlacementInput, opts: PlacementOptions) -> set[int]:
+    """The positions of `chosen` (what `place` returned) that stand for a client's breakpoint: each breakpoint past
+    the resume point, moved down to a multiple of `align` as `place` moved it, whatever source names it there (a
+    prompt end, a branch point)."""
+    if opts.policy != "cairn":
+        return set()
+    aligned = (p // opts.align * opts.align if opts.align else p for p in inp.breakpoints)
+    return {p for p in aligned if inp.resume_position < p <= inp.prompt_len and p in chosen}
 
 
 def request_end_allowed(position: int, opts: PlacementOptions) -> bool:

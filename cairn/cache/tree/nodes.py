@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-SNAPSHOT_SOURCES = ("grid", "message", "prompt_end", "request_end", "branch", "disk", "remote")  # "disk": found
-# in the disk store (start-up, rescans); "remote": found in the Redis tier by a lookup at admission
+SNAPSHOT_SOURCES = ("grid", "message", "breakpoint", "prompt_end", "request_end", "branch", "disk", "remote")
+# "disk": found in the disk store (start-up, rescans); "remote": found in the Redis tier by a lookup at admission
 MISS_REASONS = ("no_snapshot", "evicted", "budget", "needs_logits")  # the tree's; admission adds "corrupt" (a
 # segment failed verification), "evicted" for a segment whose value its store no longer had, and "unavailable"
 # for one whose store did not answer (Redis down)

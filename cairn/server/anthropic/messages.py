@@ -13,9 +13,11 @@ parsers, prefix cache and snapshots. The answer comes back as content blocks (`t
 response_format json_schema: the text block is JSON valid for its schema (after the thinking block,
 if any); `output_config.effort` is accepted null or "high" (Anthropic's default; cairn has no other level).
 `context_management` edits: `clear_thinking_20251015` is carried out, others refused (see `context`).
-usage: `input_tokens` counts the prompt tokens computed, `cache_read_input_tokens` those resumed from
-cairn's prefix cache (the same figure as OpenAI's cached_tokens); cairn has no separate cache write
-(`cache_creation_input_tokens` is 0), `cache_control` marks are accepted and change nothing. The
+usage, in Anthropic's terms: `cache_read_input_tokens` counts the prompt tokens resumed from cairn's prefix cache
+(the same figure as OpenAI's cached_tokens), `cache_creation_input_tokens` those this request stored at its
+`cache_control` breakpoints (from the resume point to the deepest breakpoint whose snapshot it newly took; 0 when
+it took none), `input_tokens` the rest of the prompt: the three add up to the prompt's tokens. `usage.cairn` is
+cairn's report of the cache (resume position, tier, placement source, ...), as on the OpenAI routes. The
 thinking `budget_tokens` is enforced when the template opens the thinking block (Qwen3.5, the demo
 model): after that many thinking tokens `</think>` is forced and the answer follows (the chat path's
 `thinking_token_budget`); max_tokens still bounds thinking and answer together. The sampling fields
@@ -44,15 +46,20 @@ from cairn.server.anthropic.request import CountTokensRequest, MessagesRequest, 
 from cairn.server.chat.output import ChatDelta, ChatPlan, ChatShaper, tool_arguments
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_exception
+from cairn.server.openai.response_bodies import usage_of
 from cairn.server.serving import Generation, ServingContext, SSEResponse, start_generation
 
 log = logging.getLogger(__name__)
 
 
-def _usage(out: Completion) -> dict[str, int]:
+def _usage(out: Completion) -> dict[str, Any]:
+    """The usage of an answer (so far): the prompt's tokens as read from the cache, stored at the request's
+    breakpoints and the rest, which add up to them; cairn's cache report beside."""
     cached = out.cache.cached_tokens
-    return {"input_tokens": out.num_prompt_tokens - cached, "output_tokens": len(out.token_ids),
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    created = max(0, out.cache.breakpoint_stored - cached) if out.cache.breakpoint_stored else 0
+    return {"input_tokens": out.num_prompt_tokens - cached - created, "output_tokens": len(out.token_ids),
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": created,
+            "cairn": usage_of(out).cairn.model_dump()}
 
 
 def _stop(ctx: ServingContext, shaper: ChatShaper, out: Completion, stops: list[str]) -> tuple[str, str | None]:

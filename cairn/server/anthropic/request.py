@@ -6,15 +6,24 @@ runs it (system, user / assistant turns, `tool_use` -> assistant tool_calls, `to
 `thinking` -> reasoning_content, the `thinking` config -> the template's enable_thinking, `stop_sequences` ->
 stop, a last assistant message (a prefill) -> continue_final_message). `prepare_messages` prepares that chat
 request, and an error its checks raise names the fields this request sent. The answer: `messages`.
+
+`cache_control` marks (`{"type": "ephemeral"}`, `ttl` "5m" or "1h") on `system` text blocks, `tools` and message
+content blocks are cache breakpoints: `cache_marks` says where each marked block ends in the chat messages (or
+which tool it is), and the prompt's tokenizing locates them in the render (`cairn.request.prompt.CacheMark`), where
+the prefix cache places a snapshot. A marked `tool_use` block (rendered by the template as a call, not as text) is
+not located, nor is the top-level `cache_control` (automatic caching) placed: both are validated and accepted.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
+from cairn.request.prompt import CACHE_MARKS, CacheMark
 from cairn.server.anthropic.context import ContextManagement
 from cairn.server.chat.output import ChatPlan
 from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
@@ -25,11 +34,26 @@ from cairn.server.openai.chat import prepare_chat
 from cairn.server.openai.protocol import ChatCompletionRequest
 from cairn.server.serving import ServingContext
 
+log = logging.getLogger(__name__)
+
+TTL_SECONDS = {"5m": 300, "1h": 3600}  # the `ttl` values of a cache_control mark; 5m when left out
+
+
+class CacheControl(Strict):
+    """A cache breakpoint: the prefix up to the end of the block it is on is to be cached (for `ttl`)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def ttl_s(self) -> int:
+        return TTL_SECONDS[self.ttl or "5m"]
+
 
 class TextBlock(Strict):
     type: Literal["text"]
     text: str
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
     citations: None = None
 
 
@@ -50,7 +74,7 @@ class ToolUseBlock(Strict):
     id: str
     name: FunctionName
     input: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
     caller: DirectCaller | None = None
     toolset_name: None = None
 
@@ -60,7 +84,7 @@ class ToolResultBlock(Strict):
     tool_use_id: str
     content: str | list[TextBlock] | None = None
     is_error: bool | None = None
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
     toolset_name: None = None
 
 
@@ -78,7 +102,7 @@ class AnthropicTool(Strict):
     input_schema: dict[str, Any]
     strict: bool | None = None  # true: the tool_use input follows input_schema (constrained decoding)
     type: Literal["custom"] | None = None
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 def _unique_tool_names(tools: list[AnthropicTool]) -> list[AnthropicTool]:
@@ -135,7 +159,7 @@ class PromptFields(Strict):
     tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
-    cache_control: dict[str, Any] | None = None  # accepted; cairn caches every prefix on its own
+    cache_control: CacheControl | None = None  # automatic caching: validated, accepted (cairn caches prefixes anyway)
     output_config: OutputConfig | None = None
     context_management: ContextManagement | None = None  # clear_thinking honoured (see anthropic.context)
 
@@ -179,12 +203,7 @@ class MessagesRequest(PromptFields):
 
     def to_chat(self) -> ChatCompletionRequest:
         """The equivalent chat request."""
-        messages: list[dict[str, Any]] = []
-        if self.system:
-            system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
-            messages.append({"role": "system", "content": system})
-        for m in self.messages:
-            messages += _chat_messages(m)
+        messages, _ = self._conversation()
         if self.context_management is not None:
             self.context_management.apply(messages)
         chat: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
@@ -211,6 +230,29 @@ class MessagesRequest(PromptFields):
             return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
         except ValidationError as e:  # a value this API's fields take and the chat request's do not
             raise from_validation_errors(e.errors(include_url=False)) from None
+
+    def _conversation(self) -> tuple[list[dict[str, Any]], list[CacheMark]]:
+        """The chat messages of the system prompt and the turns, and the cache marks on their blocks and tools."""
+        messages: list[dict[str, Any]] = []
+        marks: list[CacheMark] = []
+        if self.system:
+            blocks = [TextBlock(type="text", text=self.system)] if isinstance(self.system, str) else self.system
+            system, system_marks = _joined([(f"system.{j}", b) for j, b in enumerate(blocks)], "\n", 0)
+            messages.append({"role": "system", "content": system})
+            marks += system_marks
+        for i, m in enumerate(self.messages):
+            converted, on_them = _chat_messages(m, len(messages), f"messages.{i}")
+            messages += converted
+            marks += on_them
+        for k, tool in enumerate(self.tools or ()):
+            if tool.cache_control is not None:
+                marks.append(CacheMark(tool.cache_control.ttl_s, f"tools.{k}", tool=k))
+        return messages, marks
+
+    def cache_marks(self) -> list[CacheMark]:
+        """Where this request's cache_control marks end, in the chat messages of `to_chat` (or which tool each
+        marks); a marked block the chat has no text for (a tool_use block) is left out, with a debug log line."""
+        return self._conversation()[1]
 
     def _check_prefill(self) -> None:
         """A last assistant message is a prefill: the answer continues its text (`continue_final_message`),
@@ -248,9 +290,13 @@ def prepare_messages(ctx: ServingContext, body: MessagesRequest | CountTokensReq
                      request_id: str) -> tuple[Submission, ChatPlan]:
     """prepare_chat of the equivalent chat request; an error it raises names this API's fields."""
     try:
-        return prepare_chat(ctx, body.to_chat(), request_id)
+        sub, plan = prepare_chat(ctx, body.to_chat(), request_id)
     except APIError as e:
         raise in_anthropic_names(e) from None
+    marks = body.cache_marks()
+    if marks:  # located where the prompt is rendered (cairn.request.prompt.tokenize_prompt)
+        sub = replace(sub, template_kwargs={**(sub.template_kwargs or {}), CACHE_MARKS: marks})
+    return sub, plan
 
 
 def _tool_choice(choice: ToolChoice) -> Any:
@@ -261,17 +307,36 @@ def _tool_choice(choice: ToolChoice) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def _chat_messages(m: Message) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages: a user turn's tool results become tool messages."""
+def _joined(blocks: list[tuple[str, TextBlock]], separator: str, message: int, offset: int = 0
+            ) -> tuple[str, list[CacheMark]]:
+    """The texts of `blocks` ((the block's field, the block)) joined by `separator`, and a mark at the end of each
+    marked block, in the content of chat message `message`, which holds the joined text from character `offset` on."""
+    marks, end = [], offset
+    for j, (where, b) in enumerate(blocks):
+        end += len(b.text) + (len(separator) if j else 0)
+        if b.cache_control is not None:
+            marks.append(CacheMark(b.cache_control.ttl_s, where, message=message, content_end=end))
+    return separator.join(b.text for _, b in blocks), marks
+
+
+def _chat_messages(m: Message, first: int = 0, where: str = "messages") -> tuple[list[dict[str, Any]], list[CacheMark]]:
+    """One Anthropic message as chat messages (the first of them is chat message `first`; `where`: the message's
+    field), and the cache marks on its blocks: a user turn's tool results become tool messages."""
     if isinstance(m.content, str):
-        return [{"role": m.role, "content": m.content}]
-    texts = [b.text for b in m.content if isinstance(b, TextBlock)]
+        return [{"role": m.role, "content": m.content}], []
+    texts = [(f"{where}.content.{j}", b) for j, b in enumerate(m.content) if isinstance(b, TextBlock)]
     if m.role == "system":  # rendered where it stands, as the chat template renders a system message there
         if len(texts) != len(m.content):
             raise APIError(400, "a system message may hold text blocks only", param="messages", code="invalid_value")
-        return [{"role": "system", "content": "\n".join(texts)}]
+        content, marks = _joined(texts, "\n", first)
+        return [{"role": "system", "content": content}], marks
     if m.role == "assistant":
-        out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        content, marks = _joined(texts, "", first)
+        for j, b in enumerate(m.content):
+            if isinstance(b, ToolUseBlock) and b.cache_control is not None:
+                log.debug("cache_control on %s.content.%d (a tool_use block, rendered as a call) is not located in "
+                          "the prompt: no snapshot for it", where, j)
+        out: dict[str, Any] = {"role": "assistant", "content": content}
         thinking = [b.thinking for b in m.content if isinstance(b, ThinkingBlock)]
         if thinking:
             out["reasoning_content"] = "".join(thinking)
@@ -279,20 +344,36 @@ def _chat_messages(m: Message) -> list[dict[str, Any]]:
                  for b in m.content if isinstance(b, ToolUseBlock)]
         if calls:
             out["tool_calls"] = calls
-        return [out]
+        return [out], marks
     if any(isinstance(b, ToolUseBlock | ThinkingBlock) for b in m.content):
         raise APIError(400, "a user message cannot carry tool_use or thinking blocks", param="messages",
                        code="invalid_value")
-    out_messages = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)}
-                    for b in m.content if isinstance(b, ToolResultBlock)]
+    out_messages: list[dict[str, Any]] = []
+    marks = []
+    for j, b in enumerate(m.content):
+        if isinstance(b, ToolResultBlock):
+            content, on_it = _result_text(b, first + len(out_messages), f"{where}.content.{j}")
+            out_messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
+            marks += on_it
     if texts or not out_messages:
-        out_messages.append({"role": "user", "content": "\n".join(texts)})
-    return out_messages
+        content, on_texts = _joined(texts, "\n", first + len(out_messages))
+        out_messages.append({"role": "user", "content": content})
+        marks += on_texts
+    return out_messages, marks
 
 
-def _result_text(b: ToolResultBlock) -> str:
-    text = b.content if isinstance(b.content, str) else "\n".join(t.text for t in b.content or ())
-    return f"Error: {text}" if b.is_error else text
+def _result_text(b: ToolResultBlock, message: int, where: str) -> tuple[str, list[CacheMark]]:
+    """A tool result's text (in chat message `message`; `where`: the block's field), and the marks on it and its
+    text blocks."""
+    prefix = "Error: " if b.is_error else ""
+    if isinstance(b.content, str) or b.content is None:
+        text, marks = b.content or "", []
+    else:
+        text, marks = _joined([(f"{where}.content.{k}", t) for k, t in enumerate(b.content)], "\n", message,
+                              len(prefix))
+    if b.cache_control is not None:
+        marks.append(CacheMark(b.cache_control.ttl_s, where, message=message, content_end=len(prefix + text)))
+    return prefix + text, marks
 
 
 class CountTokensRequest(PromptFields):
@@ -301,3 +382,7 @@ class CountTokensRequest(PromptFields):
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request of a Messages request with these fields (its prompt: max_tokens does not enter it)."""
         return MessagesRequest.model_construct(**dict(self), max_tokens=1).to_chat()
+
+    def cache_marks(self) -> list[CacheMark]:
+        """The cache marks of a Messages request with these fields (see MessagesRequest.cache_marks)."""
+        return MessagesRequest.model_construct(**dict(self), max_tokens=1).cache_marks()
