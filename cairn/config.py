@@ -154,6 +154,9 @@ class CacheOptions:
     snapshot_policy: str = _f("cairn", "where snapshots go: cairn, or a baseline for comparison (none, last_chunk, "
                               "prompt_end_branch, user_messages)",
                               choices=("cairn", "none", "last_chunk", "prompt_end_branch", "user_messages"))
+    breakpoint_pin_share: float = _f(0.5, "share of each page tier's snapshot budget (device, host) that snapshots at "
+                                     "clients' cache breakpoints (cache_control) keep ahead of the others for their "
+                                     "TTL (5 minutes, or 1 hour when asked); 0: ordinary retention for them too")
     snapshot_min_gap: int = _f(0, "least distance between snapshots, in tokens: of the user_messages policy's "
                                  "message starts, or with cairn, of a grid snapshot from a message-start, prompt-end "
                                  "or branch one (closer grid points are skipped)")
@@ -179,6 +182,8 @@ class CacheOptions:
         # (`cairn cache purge` does that on purpose; no --disk-cache means no disk tier)
         check_at_least(self, {"snapshot_interval": 0, "snapshot_min_gap": 0, "device_snapshot_gib": 0,
                               "host_cache_gib": 0}, positive=("disk_cache_gib",))
+        if not 0 <= self.breakpoint_pin_share <= 1:
+            raise ConfigError(f"--breakpoint-pin-share must be between 0 and 1, not {self.breakpoint_pin_share}")
         if self.disk_cache is None:  # a disk tier's own flag without the tier would do nothing
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             for name, flag in (("disk_cache_gib", "--disk-cache-gib"), ("disk_compression", "--disk-compression"),

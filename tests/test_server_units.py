@@ -303,7 +303,7 @@ def test_every_cache_metric_keeps_the_name_and_label_it_had_with_string_keys():
                        snapshots_per_tier={"disk": 1}, snapshot_used_bytes={"host": 1},
                        snapshot_budget_bytes={"host": 1}, num_tree_nodes=1, host_kv_used_bytes=1,
                        disk=DiskStats(1, 1, {"bad": 1}, {"disk_evicted": 1}, {"write_failed": 1}, {"puts": 1}, 2),
-                       resume_failures={"evicted": 1})
+                       resume_failures={"evicted": 1}, pinned_bytes={"device": 1}, pins={"expired": 1})
     families = {m.group(1): m.group(2) for m in re.finditer(r"^# TYPE (\S+) (\S+)$", _exposition(stats), re.M)}
     assert families == {
         "cairn_cache_kv_pages_evicted_total": "counter", "cairn_cache_snapshots_taken_by_total": "counter",
@@ -315,14 +315,16 @@ def test_every_cache_metric_keeps_the_name_and_label_it_had_with_string_keys():
         "cairn_cache_num_disk_segments": "gauge", "cairn_cache_disk_faults_total": "counter",
         "cairn_cache_disk_segments_forgotten_total": "counter", "cairn_cache_disk_operations_total": "counter",
         "cairn_cache_disk_store_segments_total": "counter", "cairn_cache_resume_failures_total": "counter",
-        "cairn_cache_disk_budget_bytes": "gauge"}
+        "cairn_cache_disk_budget_bytes": "gauge", "cairn_cache_pinned_bytes": "gauge",
+        "cairn_cache_pins_total": "counter"}
     labels = set(re.findall(r"^cairn_cache_(\w+)\{(\w+)=", _exposition(stats), re.M))
     assert labels == {("snapshots_taken_by_total", "source"), ("snapshots_restored_from_total", "tier"),
                       ("snapshots_dropped_total", "reason"), ("tier_moves_total", "kind"),
                       ("tier_drops_total", "reason"), ("num_snapshots", "tier"), ("snapshot_used_bytes", "tier"),
                       ("snapshot_budget_bytes", "tier"), ("disk_faults_total", "reason"),
                       ("disk_segments_forgotten_total", "reason"), ("disk_operations_total", "kind"),
-                      ("disk_store_segments_total", "event"), ("resume_failures_total", "reason")}
+                      ("disk_store_segments_total", "event"), ("resume_failures_total", "reason"),
+                      ("pinned_bytes", "tier"), ("pins_total", "event")}
 
 
 def test_null_cache_stats_export_nothing():

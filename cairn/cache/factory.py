@@ -64,7 +64,7 @@ def build_cache(opts: CacheOptions, kv: KVPool, states: StatePool, vocab_size: i
     if opts.remote_cache:
         store = RedisSegmentStore(opts.remote_cache, _digest(digest), kv.page_size)
         lower.append(SegmentTier(store, kv.page_size, name=REMOTE, bandwidth=REMOTE_BANDWIDTH))
-    tiers = TierSet(device, lower)
+    tiers = TierSet(device, lower, pin_share=opts.breakpoint_pin_share)
     _measure(states, tiers)
     log.info("prefix cache: %d device snapshot slots (%.1f MiB), host %s, disk %s, remote %s, snapshot every %d "
              "tokens", device.num_slots, opts.device_snapshot_bytes / 2**20,

@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 import torch
 
 from cairn.cache.base import Admission, CacheReport, CacheRequest, PrefixCache, ProbeResult
+from cairn.cache.policy.pins import pin
 from cairn.cache.policy.placement import (
     PlacementInput,
     PlacementOptions,
+    breakpoint_position,
     place,
     placed_breakpoints,
     request_end_allowed,
@@ -70,7 +72,8 @@ class _RequestState:
     taken: set[int] = field(default_factory=set)  # positions this request attached snapshots at
     captures: dict[int, TieredSnapshot] = field(default_factory=dict)  # position -> slot a step writes
     missed: set[int] = field(default_factory=set)  # positions whose capture found no room
-    breakpoints: set[int] = field(default_factory=set)  # planned positions that stand for a client's breakpoint
+    breakpoints: dict[int, int] = field(default_factory=dict)  # planned positions that stand for a client's
+    #   breakpoint -> its TTL in seconds (the longest, when several stand at one position)
     report: CacheReport | None = None  # the request's report (its breakpoint_stored raised as they are stored)
 
 
@@ -141,8 +144,26 @@ class HybridPrefixCache(PrefixCache):
             path_has_deeper_snapshot=self._has_snapshot_beyond(match), message_starts=tuple(req.message_starts),
             user_message_starts=tuple(req.user_message_starts), breakpoints=tuple(sorted(req.breakpoints)))
         admission.planned_captures = place(placement, self.placement)
-        state.breakpoints = placed_breakpoints(admission.planned_captures, placement, self.placement)
+        placed = placed_breakpoints(admission.planned_captures, placement, self.placement)
+        for p, ttl in req.breakpoints.items():
+            q = breakpoint_position(p, self.placement)
+            if q in placed:
+                state.breakpoints[q] = max(state.breakpoints.get(q, 0), ttl)
+        self._refresh_pins(req, match)
         return admission
+
+    def _refresh_pins(self, req: CacheRequest, match: MatchResult) -> None:
+        """Extend the pins of the snapshots already at this request's breakpoints (policy/pins.py): a client that
+        reads a marked prefix again keeps it for another TTL."""
+        if not self.tiers.pin_share or self.placement.policy != "cairn" or not req.breakpoints:
+            return
+        ends = {node.end: node for node in match.path if node.end <= match.match_len and node.snapshot is not None}
+        now = self.tiers.clock()
+        for p, ttl in req.breakpoints.items():
+            node = ends.get(breakpoint_position(p, self.placement))
+            if node is not None:
+                pin(node.snapshot, ttl, now)
+                self.tiers.pins["refreshed"] += 1
 
     def _match(self, req: CacheRequest, wait: bool = True) -> MatchResult | None:
         """The tree's match, after a rescan of a read-only disk store (at most every rescan_interval_s, a probe's
@@ -393,8 +414,13 @@ class HybridPrefixCache(PrefixCache):
             self.tiers.release(handle)
             return
         state.taken.add(pos)
-        if pos in state.breakpoints and state.report is not None:
-            state.report.breakpoint_stored = max(state.report.breakpoint_stored, pos)
+        ttl = state.breakpoints.get(pos)
+        if ttl is not None:
+            if state.report is not None:
+                state.report.breakpoint_stored = max(state.report.breakpoint_stored, pos)
+            if self.tiers.pin_share:
+                pin(entry, ttl, self.tiers.clock())
+                self.tiers.pins["pinned"] += 1
         self.counters["snapshots_taken"] += 1
         self.taken_by_source[source] += 1
 
@@ -482,6 +508,7 @@ class HybridPrefixCache(PrefixCache):
             restored_by_tier=dict(self.restored_by_tier), dropped_by_reason=dict(self.dropped_by_reason),
             resume_failures=dict(self.resume_failures),
             tier_moves=dict(self.tiers.moved), tier_drops=dict(self.tiers.dropped),
+            pinned_bytes=self.tiers.pinned_bytes(), pins=dict(self.tiers.pins),
             snapshots_per_tier={t: per_tier.get(t, 0) for t in self.tiers.names},
             snapshot_used_bytes={t.name: t.used_bytes for t in pools},
             snapshot_budget_bytes={t.name: t.budget_bytes for t in pools},

@@ -52,6 +52,13 @@ class CacheStats:
     # what resumes put back on the device ("snapshot disk->device", "kv disk->device", ...)
     tier_moves: dict[str, int] = field(default_factory=dict)
     tier_drops: dict[str, int] = field(default_factory=dict)  # counter cairn_cache_tier_drops_total{reason}
+    # gauge cairn_cache_pinned_bytes{tier}: bytes of the snapshots each page tier holds ahead of the others for
+    # clients' cache breakpoints (their TTLs, within --breakpoint-pin-share of its budget; policy/pins.py)
+    pinned_bytes: dict[str, int] = field(default_factory=dict)
+    # counter cairn_cache_pins_total{event}: pinned (a snapshot stored at a breakpoint), refreshed (a request read
+    # one again), expired (its TTL ran out: ordinary retention from then on), demoted (a held pin moved down a
+    # tier because nothing unpinned was left there: that tier's pins want more room)
+    pins: dict[str, int] = field(default_factory=dict)
     snapshots_per_tier: dict[str, int] = field(default_factory=dict)  # gauge cairn_cache_num_snapshots{tier}
     snapshot_used_bytes: dict[str, int] = field(default_factory=dict)  # gauge ..._snapshot_used_bytes{tier}
     snapshot_budget_bytes: dict[str, int] = field(default_factory=dict)  # gauge ..._snapshot_budget_bytes{tier}

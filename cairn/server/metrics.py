@@ -112,6 +112,8 @@ CACHE_SERIES = (
     ("resume_failures", "resume_failures", "reason", False),
     ("tier_moves", "tier_moves", "kind", False),
     ("tier_drops", "tier_drops", "reason", False),
+    ("pinned_bytes", "pinned_bytes", "tier", True),
+    ("pins", "pins", "event", False),
     ("snapshots_per_tier", "num_snapshots", "tier", True),
     ("snapshot_used_bytes", "snapshot_used_bytes", "tier", True),
     ("snapshot_budget_bytes", "snapshot_budget_bytes", "tier", True),

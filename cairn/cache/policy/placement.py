@@ -116,8 +116,14 @@ def placed_breakpoints(chosen: dict[int, str], inp: PlacementInput, opts: Placem
     prompt end, a branch point)."""
     if opts.policy != "cairn":
         return set()
-    aligned = (p // opts.align * opts.align if opts.align else p for p in inp.breakpoints)
+    aligned = (breakpoint_position(p, opts) for p in inp.breakpoints)
     return {p for p in aligned if inp.resume_position < p <= inp.prompt_len and p in chosen}
+
+
+def breakpoint_position(position: int, opts: PlacementOptions) -> int:
+    """Where the snapshot standing for a client's breakpoint at `position` goes: moved down to a multiple of
+    `align` (the prefill blocks exact resumption computes in), as `place` moves it."""
+    return position // opts.align * opts.align if opts.align else position
 
 
 def request_end_allowed(position: int, opts: PlacementOptions) -> bool:

@@ -3,6 +3,8 @@
 Eviction demotes before it drops: a snapshot or KV copy that must leave a tier is stored into the
 next tier down that takes it (making room there the same way) unless a slower tier already holds
 it; only when no slower tier takes it is it dropped, and every drop is counted with its reason.
+A page tier's snapshots leave in retention order, the pins of clients' cache breakpoints it holds
+last (policy/pins.py).
 Restoring copies into the request's working slot and fresh device pages; the stored copies stay, and
 what a resume read from a slower tier is put back on the device (`promote`).
 The tiers are `Tier` objects (tiers/base.py): the device (a `DeviceTier`) first, then the `LowerTier`s,
@@ -15,16 +17,18 @@ or victims (tree/tiered.py); it keeps the radix tree's location records in step 
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Sequence
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from cairn.cache.policy.pins import held_pins
 from cairn.cache.tiers.base import KV, LowerTier, PageTier, Source, State, Tier, Unreadable
 from cairn.cache.tiers.pools import DeviceTier
-from cairn.cache.tree.nodes import DEVICE, RELEASE_EVICTED, Node, page_indices
+from cairn.cache.tree.nodes import DEVICE, RELEASE_EVICTED, Node, SnapshotEntry, page_indices
 from cairn.cache.tree.tiered import KVVictims, SnapshotVictims, TieredRadixTree
 from cairn.memory.kv_pool import KVPool
 from cairn.memory.state_pool import StatePool
@@ -41,13 +45,19 @@ class TieredSnapshot:
 
 
 class TierSet:
-    def __init__(self, device: DeviceTier, lower: Sequence[LowerTier] = ()):
+    def __init__(self, device: DeviceTier, lower: Sequence[LowerTier] = (), pin_share: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        """`pin_share`: the share of each page tier's snapshot budget that the pins of clients' cache breakpoints
+        hold ahead of other snapshots (0: none is held); `clock`: the pins' clock, in seconds."""
         self.device = device  # the first tier: requests write it, nothing is stored into it
         self.tiers: list[Tier] = [device, *lower]  # fastest first
         self.by_name = {tier.name: tier for tier in self.tiers}
         self.tree: TieredRadixTree | None = None  # bound by the cache
         self.moved: Counter[str] = Counter()  # "snapshot device->host", "kv host->disk", ...
         self.dropped: Counter[str] = Counter()  # snapshots / KV dropped by the last tier, by reason
+        self.pin_share, self.clock = pin_share, clock
+        self.pins: Counter[str] = Counter()  # "pinned", "refreshed" (the cache's), "expired", "demoted" (a held
+        #   pin moved off a tier because nothing unpinned was left there)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -105,10 +115,10 @@ class TierSet:
         return TieredSnapshot(False, {DEVICE: self.device.reserve()})
 
     def _make_snapshot_room(self, tier: Tier, with_logits: bool) -> bool:
-        """Demote `tier`'s snapshots in retention order until one more fits; False when none can move."""
+        """Demote `tier`'s snapshots until one more fits, the pins it holds last; False when none can move."""
         victims = None
         while not tier.fits(with_logits):
-            victims = victims or SnapshotVictims(self.tree, lambda e: tier.name in e.handle.copies)
+            victims = victims or _PinnedLast(self, tier)
             node = victims.pop()
             if node is None:
                 return False
@@ -131,6 +141,30 @@ class TierSet:
         if not handle.copies:
             self.dropped[f"snapshot_{tier.name}_full"] += 1
             self.tree.remove_snapshot(node, RELEASE_EVICTED)
+
+    # ---- pins -------------------------------------------------------------------------------------
+
+    def expire_pins(self) -> float:
+        """Clear the pins whose time is up (their snapshots fall back to ordinary retention); returns now."""
+        now = self.clock()
+        for _, entry, _ in self.tree.iter_snapshots():
+            if 0 < entry.pinned_until <= now:
+                entry.pinned_until = 0.0
+                self.pins["expired"] += 1
+        return now
+
+    def held_pins(self, tier: Tier, now: float) -> list[tuple[SnapshotEntry, Node]]:
+        """The pinned snapshots `tier` (a page tier) holds ahead of the others, soonest-expiring first."""
+        if not self.pin_share or tier.pages is None:
+            return []
+        on_tier = {id(entry): node for _, entry, node in self.tree.iter_snapshots() if tier.name in entry.handle.copies}
+        held = held_pins((n.snapshot for n in on_tier.values()), int(self.pin_share * tier.budget_bytes), now)
+        return [(entry, on_tier[id(entry)]) for entry in held]
+
+    def pinned_bytes(self) -> dict[str, int]:
+        """Page tier name -> bytes of the pinned snapshots it holds ahead of the others."""
+        now = self.expire_pins()
+        return {tier.name: sum(entry.nbytes for entry, _ in self.held_pins(tier, now)) for tier in self.page_tiers}
 
     def release(self, handle: TieredSnapshot) -> None:
         """Free every copy of a snapshot the tree let go (a segment tier's file stays, LRU there)."""
@@ -244,6 +278,29 @@ class TierSet:
         for tier in self.tiers:
             if tier.pages is None and tier.write_through and node.end > 0:
                 tier.store_kv(node, source or self)
+
+
+class _PinnedLast:
+    """One tier's snapshot victims for one eviction call: the unpinned snapshots (and the pins the tier does not
+    hold) in retention order, then the pins it holds, soonest-expiring first (policy/pins.py)."""
+
+    def __init__(self, tiers: TierSet, tier: Tier):
+        self.tiers, self.tier = tiers, tier
+        held = tiers.held_pins(tier, tiers.expire_pins())
+        kept = {id(entry) for entry, _ in held}
+        self.unpinned = SnapshotVictims(tiers.tree, lambda e: tier.name in e.handle.copies and id(e) not in kept)
+        self.pinned = deque(held)
+
+    def pop(self) -> Node | None:
+        node = self.unpinned.pop()
+        if node is not None:
+            return node
+        while self.pinned:
+            entry, node = self.pinned.popleft()
+            if node.snapshot is entry and not entry.lock_count and self.tier.name in entry.handle.copies:
+                self.tiers.pins["demoted"] += 1
+                return node
+        return None
 
 
 class _RequestSource:

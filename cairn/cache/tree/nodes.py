@@ -5,7 +5,7 @@ each field stating its meaning and unit, plus the page-index rule every node fol
 
 What it is not: no behaviour beyond checking a node (`Node.check_integrity`).
 The tree (radix.py) is the only writer of these fields, except the first four of `SnapshotEntry`,
-which the creator of a snapshot fills in. Torch-free.
+which the creator of a snapshot fills in, and its `pinned_until`, which the cache's pins keep. Torch-free.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ RELEASE_KV_EVICTED = "kv_evicted"  # on_snapshot_released reason: its node lost 
 
 @dataclass(eq=False)
 class SnapshotEntry:
-    """One snapshot of every recurrent layer's state at its node's end. The tree sets the last two fields."""
+    """One snapshot of every recurrent layer's state at its node's end. The tree sets lock_count and last_access."""
 
     nbytes: int  # bytes the stored state (and logits, if any) occupies in its tier; > 0
     source: str  # placement rule that created it: one of SNAPSHOT_SOURCES
@@ -34,6 +34,8 @@ class SnapshotEntry:
     handle: object = None  # owned by a storage tier (slot id, buffer, file key); the tree never reads it
     lock_count: int = 0  # outstanding LockHandles resuming from it; > 0: never evicted
     last_access: int = 0  # clock tick of the last lock/insert/attach whose path contained its position
+    pinned_until: float = 0.0  # time.monotonic() until which a client's cache breakpoint keeps it ahead of unmarked
+    #   snapshots (policy/pins.py; set by the cache); 0: not pinned
 
 
 @dataclass(frozen=True)
