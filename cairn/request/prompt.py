@@ -30,7 +30,7 @@ class CacheMark:
     said in the chat messages the template renders. Either the marked text ends at character `content_end` of
     messages[`message`]["content"], or the marked block is the tool `tools[tool]` of the template's tools."""
 
-    ttl_s: int  # how long the client asks the prefix to be kept (not yet honoured by retention)
+    ttl_s: int  # how long the client asks the prefix to be kept (the cache pins its snapshot: cache/policy/pins.py)
     where: str  # the marked field as the client sent it ("system.1", "messages.0.content.1", "tools.3"), for the log
     message: int | None = None
     content_end: int = 0
