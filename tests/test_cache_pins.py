@@ -157,3 +157,21 @@ def test_metrics_count_pinned_bytes_per_tier_and_pin_events():
 def test_a_pin_share_outside_zero_to_one_is_refused_naming_the_flag(share):
     with pytest.raises(ConfigError, match="--breakpoint-pin-share"):
         CacheOptions(breakpoint_pin_share=share)
+
+
+def test_a_pin_the_device_cannot_hold_moves_to_the_host_and_is_held_there():
+    """The share of the device's budget holds no whole snapshot, the host's holds two: the marked snapshot leaves
+    the device as any other, and on the host it outlasts the unmarked ones."""
+    llm = LLM(kv_cache_gib=0.02, state_cache_gib=0.02, page_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+              snapshot_interval=16, host_cache_gib=0.05)
+    tiers = llm.engine.cache.tiers
+    size = tiers.device.snapshot_bytes(True)
+    host = tiers.by_name["host"]
+    tiers.device.budget_bytes, host.budget_bytes = DEVICE_SNAPSHOTS * size, 20 * size
+    tiers.pin_share, tiers.clock = 0.1, Clock()
+    run(llm, MARKED, (32, 300))
+    pressure(llm, count=10)
+    entry = snapshot_at(llm, MARKED, 32)
+    assert entry is not None and list(entry.handle.copies) == ["host"]
+    assert snapshot_at(llm, MARKED, 16) is None and tiers.pinned_bytes() == {DEVICE: 0, "host": entry.nbytes}
+    llm.engine.check_integrity()
