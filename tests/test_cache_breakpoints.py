@@ -171,3 +171,15 @@ def test_the_streamed_usage_counts_the_breakpoints_stored_in_message_start_and_m
         assert usage.cache_creation_input_tokens > 0
         assert usage.cache_read_input_tokens + usage.cache_creation_input_tokens == end_a
         assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == total
+
+
+def test_the_top_level_cache_control_marks_the_end_of_the_last_block():
+    """Automatic caching: the request's own cache_control is a breakpoint where the last message's text ends."""
+    body = {"model": "m", "max_tokens": 5, "cache_control": {**EPHEMERAL, "ttl": "1h"},
+            "system": "be brief", "messages": [{"role": "user", "content": "first turn"},
+                                               {"role": "assistant", "content": "ok"},
+                                               {"role": "user", "content": [{"type": "text", "text": "last turn"}]}]}
+    prompt = tokenized(body)
+    [bp] = prompt.breakpoints
+    assert ByteTokenizer().decode(prompt.token_ids[:bp.position]).endswith("last turn") and bp.ttl_s == 3600
+    assert not tokenized({**body, "cache_control": None}).breakpoints

@@ -11,7 +11,8 @@ request, and an error its checks raise names the fields this request sent. The a
 content blocks are cache breakpoints: `cache_marks` says where each marked block ends in the chat messages (or
 which tool it is), and the prompt's tokenizing locates them in the render (`cairn.request.prompt.CacheMark`), where
 the prefix cache places a snapshot. A marked `tool_use` block (rendered by the template as a call, not as text) is
-not located, nor is the top-level `cache_control` (automatic caching) placed: both are validated and accepted.
+not located (validated and accepted). The top-level `cache_control` (automatic caching) marks the last block: the
+end of the last chat message's text.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class PromptFields(Strict):
     tools: Annotated[list[AnthropicTool], AfterValidator(_unique_tool_names)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
-    cache_control: CacheControl | None = None  # automatic caching: validated, accepted (cairn caches prefixes anyway)
+    cache_control: CacheControl | None = None  # automatic caching: a breakpoint at the end of the last block
     output_config: OutputConfig | None = None
     context_management: ContextManagement | None = None  # clear_thinking honoured (see anthropic.context)
 
@@ -247,6 +248,10 @@ class MessagesRequest(PromptFields):
         for k, tool in enumerate(self.tools or ()):
             if tool.cache_control is not None:
                 marks.append(CacheMark(tool.cache_control.ttl_s, f"tools.{k}", tool=k))
+        if self.cache_control is not None and messages and isinstance(messages[-1].get("content"), str):
+            last = len(messages) - 1  # automatic caching: the last block, which ends the last message's text
+            marks.append(CacheMark(self.cache_control.ttl_s, "cache_control", message=last,
+                                   content_end=len(messages[last]["content"])))
         return messages, marks
 
     def cache_marks(self) -> list[CacheMark]:
