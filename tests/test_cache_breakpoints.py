@@ -183,3 +183,21 @@ def test_the_top_level_cache_control_marks_the_end_of_the_last_block():
     [bp] = prompt.breakpoints
     assert ByteTokenizer().decode(prompt.token_ids[:bp.position]).endswith("last turn") and bp.ttl_s == 3600
     assert not tokenized({**body, "cache_control": None}).breakpoints
+
+
+def test_a_marked_chat_content_part_is_a_breakpoint_at_the_end_of_its_text():
+    """Clients that send Anthropic's cache_control on the chat route put it on text parts: each is located where
+    its part's text ends in the render, with its TTL."""
+    from cairn.server.chat.schema import part_cache_marks
+    from cairn.server.openai.protocol import ChatCompletionRequest
+    parts = [{"type": "text", "text": "stable instructions", "cache_control": {**EPHEMERAL, "ttl": "1h"}},
+             {"type": "text", "text": "today is monday"}]
+    request = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "system", "content": parts},
+        {"role": "user", "content": [{"type": "text", "text": "a question", "cache_control": EPHEMERAL}]}]})
+    kwargs = {**request.prompt_kwargs(), CACHE_MARKS: part_cache_marks(request.messages)}
+    prompt = tokenize_prompt(ByteTokenizer(), None, request.template_messages(), kwargs)
+    tok = ByteTokenizer()
+    (system, question) = prompt.breakpoints
+    assert tok.decode(prompt.token_ids[:system.position]).endswith("stable instructions") and system.ttl_s == 3600
+    assert tok.decode(prompt.token_ids[:question.position]).endswith("a question") and question.ttl_s == 300

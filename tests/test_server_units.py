@@ -169,12 +169,21 @@ def test_a_json_schema_beside_a_response_format_type_that_does_not_read_it_is_re
     assert _refusal(req.to_sampling_params, 10).param == "response_format.json_schema"
 
 
-@pytest.mark.parametrize("key", ["cache_control", "foo"])
-def test_a_text_part_with_a_key_beside_type_and_text_is_refused_naming_it(key):
-    part = {"type": "text", "text": "hi", key: {"type": "ephemeral"}}
+def test_a_text_part_with_a_key_beside_type_text_and_cache_control_is_refused_naming_it():
+    part = {"type": "text", "text": "hi", "foo": {"type": "ephemeral"}}
     req = ChatCompletionRequest(messages=[{"role": "user", "content": [part]}])
     error = _refusal(req.template_messages)
-    assert (error.param, error.code) == (f"messages.0.content.0.{key}", "unknown_field")
+    assert (error.param, error.code) == ("messages.0.content.0.foo", "unknown_field")
+
+
+@pytest.mark.parametrize("mark, param", [({"type": "persistent"}, "cache_control.type"),
+                                         ({"type": "ephemeral", "ttl": "2h"}, "cache_control.ttl"),
+                                         ("ephemeral", "cache_control")])
+def test_a_text_parts_cache_control_of_another_type_or_ttl_is_refused_naming_it(mark, param):
+    part = {"type": "text", "text": "hi", "cache_control": mark}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [part]}])
+    error = _refusal(req.template_messages)
+    assert (error.param, error.code) == (f"messages.0.content.0.{param}", "invalid_value")
 
 
 def test_a_text_part_without_its_text_is_refused_saying_the_text_is_missing():

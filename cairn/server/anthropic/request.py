@@ -27,7 +27,7 @@ from pydantic import AfterValidator, Field, ValidationError, model_validator
 from cairn.request.prompt import CACHE_MARKS, CacheMark
 from cairn.server.anthropic.context import ContextManagement
 from cairn.server.chat.output import ChatPlan
-from cairn.server.chat.schema import FunctionName, refuse_duplicate_names
+from cairn.server.chat.schema import CacheControl, FunctionName, refuse_duplicate_names
 from cairn.server.chat.strict import CacheSalt, Strict, refuse_lone_surrogates, refuse_unimplemented
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_validation_errors, renamed
@@ -36,20 +36,6 @@ from cairn.server.openai.protocol import ChatCompletionRequest
 from cairn.server.serving import ServingContext
 
 log = logging.getLogger(__name__)
-
-TTL_SECONDS = {"5m": 300, "1h": 3600}  # the `ttl` values of a cache_control mark; 5m when left out
-
-
-class CacheControl(Strict):
-    """A cache breakpoint: the prefix up to the end of the block it is on is to be cached (for `ttl`)."""
-
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
-
-    @property
-    def ttl_s(self) -> int:
-        return TTL_SECONDS[self.ttl or "5m"]
-
 
 class TextBlock(Strict):
     type: Literal["text"]

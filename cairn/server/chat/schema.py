@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, ValidationError
 
+from cairn.request.prompt import CacheMark
 from cairn.request.tokenizer import TEMPLATE_VARIABLES_SET_HERE
 from cairn.server.chat.strict import Strict
 from cairn.server.errors import APIError
@@ -145,6 +146,48 @@ def _template_tool_call(index: int, j: int, c: ToolCall) -> dict[str, Any]:
     return call
 
 
+TTL_SECONDS = {"5m": 300, "1h": 3600}  # the `ttl` values of a cache_control mark; 5m when left out
+
+
+class CacheControl(Strict):
+    """A cache breakpoint: the prefix up to the end of the block it is on is to be cached (for `ttl`)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def ttl_s(self) -> int:
+        return TTL_SECONDS[self.ttl or "5m"]
+
+
+def part_cache_marks(messages) -> list[CacheMark]:
+    """The cache breakpoints on chat messages' text parts (`cache_control`, as Anthropic's blocks take it, which
+    some clients send on the chat route too): each ends where its part's text ends in the message's content
+    (`text_content` joins the parts with newlines)."""
+    marks = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, str) or m.content is None:
+            continue
+        end = -1
+        for j, part in enumerate(m.content):
+            end += 1 + len(part["text"])
+            if part.get("cache_control") is not None:
+                where = f"messages.{i}.content.{j}"
+                marks.append(CacheMark(_cache_control(where, part["cache_control"]).ttl_s, where, message=i,
+                                       content_end=end))
+    return marks
+
+
+def _cache_control(where: str, value: Any) -> CacheControl:
+    try:
+        return CacheControl.model_validate(value)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        field = ".".join(str(k) for k in error["loc"])
+        param = f"{where}.cache_control" + (f".{field}" if field else "")
+        raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
+
+
 def text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -153,7 +196,7 @@ def text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
 
 def _part_text(where: str, part: dict[str, Any]) -> str:
     """The text of the content part at `where`: only text parts, {"type": "text", "text": str}, are
-    supported; a key beside those two is refused as an unknown field is."""
+    supported, with a `cache_control` mark or none; another key is refused as an unknown field is."""
     kind = part.get("type")
     if kind != "text":
         raise APIError(400, f"content part of type {kind!r} is not supported: only text parts", param=where,
@@ -163,7 +206,9 @@ def _part_text(where: str, part: dict[str, Any]) -> str:
     if not isinstance(part["text"], str):
         raise APIError(400, "a text content part's text must be a string", param=f"{where}.text",
                        code="invalid_value")
-    extra = [key for key in part if key not in ("type", "text")]
+    if part.get("cache_control") is not None:
+        _cache_control(where, part["cache_control"])
+    extra = [key for key in part if key not in ("type", "text", "cache_control")]
     if extra:
         raise APIError(400, f"unknown field `{where}.{extra[0]}`: this server does not implement it",
                        param=f"{where}.{extra[0]}", code="unknown_field")

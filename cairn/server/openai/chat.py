@@ -17,8 +17,9 @@ from starlette.responses import JSONResponse, Response
 
 from cairn.engine.outputs import Completion, RequestOutput
 from cairn.errors import RequestTooLarge
+from cairn.request.prompt import CACHE_MARKS
 from cairn.server.chat.output import ChatPlan, ChatShaper, Constraints, openai_deltas, openai_message, plan_chat
-from cairn.server.chat.schema import NamedToolChoice
+from cairn.server.chat.schema import NamedToolChoice, part_cache_marks
 from cairn.server.engine_io.bridge import Submission
 from cairn.server.errors import APIError, from_exception, naming_max_tokens
 from cairn.server.openai.protocol import ChatCompletionRequest
@@ -80,6 +81,9 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: s
     kwargs = body.prompt_kwargs()
     if plan.generation_prefix:
         kwargs = {**kwargs, "generation_prefix": plan.generation_prefix}
+    marks = part_cache_marks(body.messages)
+    if marks:  # located where the prompt is rendered (cairn.request.prompt.tokenize_prompt)
+        kwargs = {**kwargs, CACHE_MARKS: marks}
     sub = Submission(request_id, params, messages=body.template_messages(), template_kwargs=kwargs,
                      fit_max_tokens=body.requested_max_tokens is None)
     return sub, plan
