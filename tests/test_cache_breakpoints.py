@@ -201,3 +201,21 @@ def test_a_marked_chat_content_part_is_a_breakpoint_at_the_end_of_its_text():
     (system, question) = prompt.breakpoints
     assert tok.decode(prompt.token_ids[:system.position]).endswith("stable instructions") and system.ttl_s == 3600
     assert tok.decode(prompt.token_ids[:question.position]).endswith("a question") and question.ttl_s == 300
+
+
+def test_a_chat_request_resumes_at_the_breakpoint_of_its_marked_content_part(http):
+    """The chat route places the marked part's snapshot: a later request sharing the part, then differing right
+    after it, resumes exactly where the part ends, from that snapshot."""
+    stable = "You are the chat route's agent in this test. Be brief."
+
+    def chat(tail: str) -> dict:
+        parts = [{"type": "text", "text": stable, "cache_control": EPHEMERAL}, {"type": "text", "text": tail}]
+        body = {"model": RANDOM_DEMO_NAME, "max_tokens": 2, "messages": [{"role": "system", "content": parts},
+                                                                        {"role": "user", "content": "hi"}]}
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["cairn"]
+
+    chat("It is monday.")
+    again = chat("It is tuesday.")
+    assert again["resume_position"] == system_prefix_tokens(stable) and again["source"] == "breakpoint"
