@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cairn.router.affinity import Placements, prefix_keys
+from cairn.router.affinity import Placements, prefix_keys, routing_keys
 from cairn.router.app import Router
 from cairn.router.options import RouterOptions
 from tests.server_process import free_port
@@ -77,4 +77,29 @@ def test_a_known_conversation_goes_to_its_replica_unless_that_one_is_busier_by_m
     ranked(router, keys)
     assert router.routed_by["probe"] == 1
     assert all(not r.available() for r in router.replicas)  # the probes found nothing listening
+    asyncio.run(router.close())
+
+
+def test_a_prompt_cache_key_is_the_deepest_key_on_every_generation_route():
+    """Requests naming one conversation share their last key whatever their messages (a compacted history), on
+    chat, completions and Responses bodies; another model or key does not share it, and no key adds none."""
+    first = routing_keys("/v1/chat/completions", chat("a", prompt_cache_key="session-1"))
+    compacted = routing_keys("/v1/chat/completions", chat("summary", prompt_cache_key="session-1"))
+    assert first[:-1] == prefix_keys(chat("a")) and first[-1] == compacted[-1]
+    completion = routing_keys("/v1/completions", {"model": "m", "prompt": "hi", "prompt_cache_key": "session-1"})
+    responses = routing_keys("/v1/responses", {"model": "m", "input": "hi", "prompt_cache_key": "session-1"})
+    assert completion == responses == [first[-1]]
+    other_model = routing_keys("/v1/responses", {"model": "n", "input": "hi", "prompt_cache_key": "session-1"})
+    other_key = routing_keys("/v1/responses", {"model": "m", "input": "hi", "prompt_cache_key": "session-2"})
+    assert other_model[-1] != first[-1] and other_key[-1] != first[-1]
+    assert routing_keys("/v1/completions", {"model": "m", "prompt": "hi"}) == []
+    assert routing_keys("/v1/chat/completions", chat("a")) == prefix_keys(chat("a"))
+
+
+def test_a_request_with_a_known_prompt_cache_key_goes_where_its_conversation_went():
+    closed = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    router = Router(closed, RouterOptions())
+    router.placements.record(routing_keys("/v1/chat/completions", chat("a", "b", prompt_cache_key="s")), closed[2])
+    compacted = routing_keys("/v1/chat/completions", chat("a summary of a and b", prompt_cache_key="s"))
+    assert ranked(router, compacted)[0] == closed[2] and router.routed_by == {"placement": 1}
     asyncio.run(router.close())

@@ -481,3 +481,9 @@ def test_an_api_error_made_by_keyword_survives_the_pickle_a_request_worker_sends
         back = pickle.loads(pickle.dumps(e))
         assert (back.status, back.message, back.type, back.param, back.code, back.headers) == \
             (e.status, e.message, e.type, e.param, e.code, e.headers)
+
+
+def test_prompt_cache_key_is_taken_on_chat_and_completions_bodies():
+    """The router's routing key (cairn/router/affinity.py): a replica takes it, as the Responses route does."""
+    assert ChatCompletionRequest(messages=CHAT, prompt_cache_key="session-1").prompt_cache_key == "session-1"
+    assert CompletionRequest(prompt="hi", prompt_cache_key="session-1").prompt_cache_key == "session-1"

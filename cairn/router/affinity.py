@@ -18,6 +18,10 @@ What this does not know: requests that reached the replicas without this router,
 or lost in a restart (then every replica is as cold, or reads the same Redis: sending the request to R loses
 nothing). What it is not: the choice itself (app.py) or the ranking of probes (replicas.py). Torch-free.
 
+A request that names its conversation (`prompt_cache_key`, on chat, completions and Responses bodies: the Codex
+CLI sends its session id) gets one more key, the deepest, from the key and the model: requests with the same
+key go where the last one went, whatever their messages (a compacted or edited history keeps its replica).
+
 The router also keeps a Placements of Responses API ids (each the one key of a stored response), to send a
 follow-up (previous_response_id) to the replica that stores the response it names.
 """
@@ -43,6 +47,19 @@ def prefix_keys(body: dict) -> list[bytes]:
     for message in messages:
         key = _digest(key + _digest(_canonical(message)))
         keys.append(key)
+    return keys
+
+
+# the routes whose body is a message list (prefix_keys); each of the three generation routes reads prompt_cache_key
+PREFIX_ROUTES = ("/v1/chat/completions", "/v1/messages")
+
+
+def routing_keys(path: str, body: dict) -> list[bytes]:
+    """A request's keys for Placements: a chat or Messages body's prefix keys, then its prompt_cache_key's."""
+    keys = prefix_keys(body) if path in PREFIX_ROUTES else []
+    cache_key = body.get("prompt_cache_key")
+    if isinstance(cache_key, str) and cache_key:
+        keys.append(_digest(b"prompt_cache_key\0" + _canonical([body.get("model"), cache_key])))
     return keys
 
 

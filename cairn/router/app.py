@@ -63,7 +63,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cairn.router.affinity import Placements, prefix_keys
+from cairn.router.affinity import Placements, routing_keys
 from cairn.router.options import RouterOptions
 from cairn.router.replicas import Probe, Ranker, Replica
 from cairn.server.http.middleware import BodySizeLimit
@@ -395,7 +395,7 @@ def create_app(urls: list[str], options: RouterOptions) -> Starlette:
 
     async def generation(request: Request) -> Response:
         path, body, headers = request.url.path, await request.body(), _request_headers(request)
-        keys = await _read_body(body, prefix_keys, []) if path in ("/v1/chat/completions", "/v1/messages") else []
+        keys = await _read_body(body, lambda data: routing_keys(path, data), [])
         order = None
         if path == "/v1/responses":
             order = router.holder_first(await _read_body(body, _previous_response_id, None))

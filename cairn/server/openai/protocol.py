@@ -83,6 +83,9 @@ class SamplingFields(Strict):
     """Fields shared by both endpoints."""
 
     model: str | None = None  # None: the served model
+    # the client's name for its conversation: `cairn router` sends the requests of one key to one replica (each
+    # replica's cache is keyed by the prompt's content, so a replica alone needs no key)
+    prompt_cache_key: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -153,7 +153,7 @@ class ResponsesRequest(Strict):
     user: str | None = None
     safety_identifier: str | None = None  # stored nowhere
     client_metadata: dict[str, str] | None = None  # the client's own tags (the Codex CLI's session ids): stored nowhere
-    prompt_cache_key: str | None = None  # accepted: cairn caches every prefix on its own
+    prompt_cache_key: str | None = None  # `cairn router`'s routing key (see the chat request's)
     cache_salt: CacheSalt | None = None  # cairn / vLLM extension: requests of another salt share no cached prefix
     store: bool = True
     previous_response_id: str | None = None
