@@ -147,6 +147,8 @@ class TierSet:
     def expire_pins(self) -> float:
         """Clear the pins whose time is up (their snapshots fall back to ordinary retention); returns now."""
         now = self.clock()
+        if not self.pin_share:  # the cache pins nothing then: no walk of the snapshots on every eviction call
+            return now
         for _, entry, _ in self.tree.iter_snapshots():
             if 0 < entry.pinned_until <= now:
                 entry.pinned_until = 0.0
