@@ -115,6 +115,14 @@ def test_non_text_content_part_is_400(http):
     assert_still_serving(http)
 
 
+def test_a_non_text_part_after_a_cache_marked_text_part_is_400_naming_it(http):
+    parts = [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}},
+             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    assert_error(chat(http, messages=[{"role": "user", "content": parts}]), 400, "unsupported_value",
+                 "messages.0.content.1")
+    assert_still_serving(http)
+
+
 def test_body_over_the_limit_is_413_from_content_length(http):
     r = http.post("/v1/completions", content=b" " * (MAX_REQUEST_BYTES + 1), headers={"content-type":
                                                                                         "application/json"})

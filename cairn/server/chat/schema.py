@@ -170,9 +170,9 @@ def part_cache_marks(messages) -> list[CacheMark]:
             continue
         end = -1
         for j, part in enumerate(m.content):
-            end += 1 + len(part["text"])
+            where = f"messages.{i}.content.{j}"
+            end += 1 + len(_part_text(where, part))
             if part.get("cache_control") is not None:
-                where = f"messages.{i}.content.{j}"
                 marks.append(CacheMark(_cache_control(where, part["cache_control"]).ttl_s, where, message=i,
                                        content_end=end))
     return marks
