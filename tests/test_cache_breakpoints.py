@@ -73,12 +73,25 @@ def test_a_marked_tool_is_located_at_the_end_of_its_json_and_a_marked_tool_resul
     assert tok.decode(prompt.token_ids[:result.position]).endswith("out put") and result.ttl_s == 300
 
 
-def test_a_marked_tool_use_block_is_not_located_and_places_nothing():
-    messages = [{"role": "user", "content": "go"},
-                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "a", "input": {},
-                                                   "cache_control": EPHEMERAL}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]
-    assert tokenized({"model": "m", "max_tokens": 5, "messages": messages}).breakpoints == []
+@pytest.mark.parametrize("marked", [0, 1])
+def test_a_marked_tool_use_block_is_located_where_the_render_of_its_call_ends(marked):
+    """Of two calls in one assistant turn, the marked one (the first or the last) ends its breakpoint: the render
+    up to it ends with that call's closing tag, holds its arguments, and what follows is the next call's opening
+    or the end of the turn."""
+    uses = [{"type": "tool_use", "id": f"t{k}", "name": name, "input": {"path": f"/tmp/{name}.txt"}}
+            for k, name in enumerate(["read", "grep"])]
+    uses[marked]["cache_control"] = {**EPHEMERAL, "ttl": "1h"}
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": uses},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u["id"], "content": "x"}
+                                             for u in uses]}]
+    prompt = tokenized({"model": "m", "max_tokens": 5, "messages": messages})
+    (bp,) = prompt.breakpoints
+    tok = ByteTokenizer()
+    before, after = tok.decode(prompt.token_ids[:bp.position]), tok.decode(prompt.token_ids[bp.position:])
+    name = uses[marked]["name"]
+    assert before.endswith("</tool_call>") and f"/tmp/{name}.txt" in before[before.rindex("<tool_call>"):]
+    assert after.startswith("\n<tool_call>" if marked == 0 else "<|im_end|>"), after[:20]
+    assert bp.ttl_s == 3600
 
 
 @pytest.mark.parametrize(("cache_control", "param"), [({**EPHEMERAL, "ttl": "10m"}, "cache_control.ttl"),

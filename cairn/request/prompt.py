@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,13 +28,15 @@ CACHE_MARKS = "cache_marks"  # the template_kwargs key of a chat's CacheMarks (p
 @dataclass(frozen=True)
 class CacheMark:
     """A client's cache breakpoint before the render (Anthropic's `cache_control`): the end of a marked block,
-    said in the chat messages the template renders. Either the marked text ends at character `content_end` of
-    messages[`message`]["content"], or the marked block is the tool `tools[tool]` of the template's tools."""
+    said in the chat messages the template renders: the marked text ends at character `content_end` of
+    messages[`message`]["content"], or the marked block is the tool call messages[`message`]["tool_calls"][`call`],
+    or the tool `tools[tool]` of the template's tools."""
 
     ttl_s: int  # how long the client asks the prefix to be kept (the cache pins its snapshot: cache/policy/pins.py)
     where: str  # the marked field as the client sent it ("system.1", "messages.0.content.1", "tools.3"), for the log
     message: int | None = None
     content_end: int = 0
+    call: int | None = None
     tool: int | None = None
 
 
@@ -98,12 +101,18 @@ def _mark_ends(render, messages: list[dict[str, Any]], kwargs: dict[str, Any], t
     A marked text: the messages rendered again with a unique sentinel right after the marked text; that render,
     less its sentinels, must be `text` exactly (else the sentinels changed what the template rendered, and no text
     mark is located), each sentinel must appear once, and the render must show the message's content up to the
-    mark right before it. A marked tool: where its JSON (as the template's `tojson` writes it) ends, when the
-    render holds that JSON exactly once (a template that renders tools otherwise locates none)."""
+    mark right before it. A marked tool call: see `_call_mark_end`. A marked tool: where its JSON (as the
+    template's `tojson` writes it) ends, when the render holds that JSON exactly once (a template that renders
+    tools otherwise locates none)."""
     ends: dict[CacheMark, int] = {}
-    texts = [m for m in marks if m.message is not None]
+    texts = [m for m in marks if m.message is not None and m.call is None]
     if texts:
         ends.update(_text_mark_ends(render, messages, kwargs, text, texts))
+    for mark in marks:
+        if mark.call is not None:
+            end = _call_mark_end(render, messages, kwargs, text, mark)
+            if end is not None:
+                ends[mark] = end
     for mark in marks:
         if mark.tool is None:
             continue
@@ -116,6 +125,37 @@ def _mark_ends(render, messages: list[dict[str, Any]], kwargs: dict[str, Any], t
             log.debug("cache_control on %s: its end was not found in the rendered prompt; no snapshot for it",
                       mark.where)
     return ends
+
+
+def _call_mark_end(render, messages: list[dict[str, Any]], kwargs: dict[str, Any], text: str,
+                   mark: CacheMark) -> int | None:
+    """Where the render `text` of `messages` ends the tool call `mark.call` of message `mark.message`, or None.
+
+    The messages are rendered twice more, that message holding the calls up to the marked one: once as it is,
+    once with a sentinel call after it; the two agree exactly up to the end of the marked call (and any text the
+    template writes both after a last call and between two calls), where that message ends in one and the
+    sentinel call starts in the other. That point must be in `text` too (a prefix of it), past the call's name."""
+    i, k = mark.message, mark.call
+    calls = messages[i].get("tool_calls") if i < len(messages) else None
+    if not calls or not 0 <= k < len(calls):
+        return None
+    sentinel = {"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                "function": {"name": f"x{secrets.token_hex(8)}", "arguments": {}}}
+
+    def rendered(with_calls: list[dict[str, Any]]) -> str:
+        changed = [dict(m) for m in messages]
+        changed[i]["tool_calls"] = with_calls
+        return render(changed, **kwargs)[0]
+
+    try:
+        upto, past = rendered(calls[:k + 1]), rendered(calls[:k + 1] + [sentinel])
+    except Exception:  # the template refuses what it accepted without the change: not located
+        return None
+    end = len(os.path.commonprefix([upto, past]))
+    name = calls[k].get("function", {}).get("name", "")
+    if sentinel["function"]["name"] not in past[end:] or not text.startswith(upto[:end]) or name not in text[:end]:
+        return None
+    return end
 
 
 def _text_mark_ends(render, messages: list[dict[str, Any]], kwargs: dict[str, Any], text: str,

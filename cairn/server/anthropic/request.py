@@ -10,14 +10,13 @@ request, and an error its checks raise names the fields this request sent. The a
 `cache_control` marks (`{"type": "ephemeral"}`, `ttl` "5m" or "1h") on `system` text blocks, `tools` and message
 content blocks are cache breakpoints: `cache_marks` says where each marked block ends in the chat messages (or
 which tool it is), and the prompt's tokenizing locates them in the render (`cairn.request.prompt.CacheMark`), where
-the prefix cache places a snapshot. A marked `tool_use` block (rendered by the template as a call, not as text) is
-not located (validated and accepted). The top-level `cache_control` (automatic caching) marks the last block: the
+the prefix cache places a snapshot; a marked `tool_use` block ends where the template's render of that call ends.
+The top-level `cache_control` (automatic caching) marks the last block: the
 end of the last chat message's text.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import replace
 from typing import Annotated, Any, Literal
@@ -35,7 +34,6 @@ from cairn.server.openai.chat import prepare_chat
 from cairn.server.openai.protocol import ChatCompletionRequest
 from cairn.server.serving import ServingContext
 
-log = logging.getLogger(__name__)
 
 class TextBlock(Strict):
     type: Literal["text"]
@@ -241,8 +239,8 @@ class MessagesRequest(PromptFields):
         return messages, marks
 
     def cache_marks(self) -> list[CacheMark]:
-        """Where this request's cache_control marks end, in the chat messages of `to_chat` (or which tool each
-        marks); a marked block the chat has no text for (a tool_use block) is left out, with a debug log line."""
+        """Where this request's cache_control marks end, in the chat messages of `to_chat`: in a message's text,
+        after one of its tool calls (a tool_use block), or after a tool of the template's tools."""
         return self._conversation()[1]
 
     def _check_prefill(self) -> None:
@@ -323,10 +321,9 @@ def _chat_messages(m: Message, first: int = 0, where: str = "messages") -> tuple
         return [{"role": "system", "content": content}], marks
     if m.role == "assistant":
         content, marks = _joined(texts, "", first)
-        for j, b in enumerate(m.content):
-            if isinstance(b, ToolUseBlock) and b.cache_control is not None:
-                log.debug("cache_control on %s.content.%d (a tool_use block, rendered as a call) is not located in "
-                          "the prompt: no snapshot for it", where, j)
+        uses = [(j, b) for j, b in enumerate(m.content) if isinstance(b, ToolUseBlock)]
+        marks += [CacheMark(b.cache_control.ttl_s, f"{where}.content.{j}", message=first, call=k)
+                  for k, (j, b) in enumerate(uses) if b.cache_control is not None]
         out: dict[str, Any] = {"role": "assistant", "content": content}
         thinking = [b.thinking for b in m.content if isinstance(b, ThinkingBlock)]
         if thinking:
