@@ -214,3 +214,18 @@ def test_client_disconnect_before_a_whole_response_aborts_it(http):
     assert m["cairn_num_requests_running"] == 0 and pages_leaked(m) == 0
     assert aborted(http) == aborted_before + 1
     assert_still_serving(http)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_prompt_cache_retention_is_a_400_naming_it_on_every_openai_route_not_ignored(http, route):
+    """cairn does not map `prompt_cache_retention` onto its tiers' lifetimes yet, so a value is refused by name
+    (a client's `in_memory` or `24h` must not silently mean nothing); `prompt_cache_key` beside it is accepted."""
+    body = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+            "/v1/completions": {"prompt": "hi"}, "/v1/responses": {"input": "hi"}}[route]
+    limit = "max_output_tokens" if route == "/v1/responses" else "max_tokens"
+    for retention in ("in_memory", "24h"):
+        r = http.post(route, json={"model": MODEL, limit: 16, "prompt_cache_retention": retention, **body})
+        assert_error(r, 400, param="prompt_cache_retention")
+    r = http.post(route, json={"model": MODEL, limit: 16, "prompt_cache_key": "conversation-1", **body})
+    assert r.status_code == 200, r.text
+    assert_still_serving(http)
