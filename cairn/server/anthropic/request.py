@@ -11,8 +11,7 @@ request, and an error its checks raise names the fields this request sent. The a
 content blocks are cache breakpoints: `cache_marks` says where each marked block ends in the chat messages (or
 which tool it is), and the prompt's tokenizing locates them in the render (`cairn.request.prompt.CacheMark`), where
 the prefix cache places a snapshot; a marked `tool_use` block ends where the template's render of that call ends.
-The top-level `cache_control` (automatic caching) marks the last block: the
-end of the last chat message's text.
+The top-level `cache_control` (automatic caching) marks the last block: the end of the last chat message's text.
 """
 
 from __future__ import annotations
