@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from cairn.errors import PromptTooLong
-from cairn.request.tokenizer import Tokenizer
+from cairn.request.tokenizer import Tokenizer, common_prefix_len
 
 log = logging.getLogger("cairn.tokenizer")
 CACHE_MARKS = "cache_marks"  # the template_kwargs key of a chat's CacheMarks (popped before the template runs)
@@ -151,7 +150,7 @@ def _call_mark_end(render, messages: list[dict[str, Any]], kwargs: dict[str, Any
         upto, past = rendered(calls[:k + 1]), rendered(calls[:k + 1] + [sentinel])
     except Exception:  # the template refuses what it accepted without the change: not located
         return None
-    end = len(os.path.commonprefix([upto, past]))
+    end = common_prefix_len(upto, past)
     name = calls[k].get("function", {}).get("name", "")
     if sentinel["function"]["name"] not in past[end:] or not text.startswith(upto[:end]) or name not in text[:end]:
         return None

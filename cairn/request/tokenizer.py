@@ -240,11 +240,11 @@ class Tokenizer(abc.ABC):
             except ChatTemplateError:  # the template refuses this prefix (e.g. no user message yet)
                 starts.append(starts[-1] if starts else 0)
                 continue
-            starts.append(_common_prefix_len(prefix, full))
+            starts.append(common_prefix_len(prefix, full))
         return full, starts
 
 
-def _common_prefix_len(a: str, b: str) -> int:
+def common_prefix_len(a: str, b: str) -> int:
     """Length of the common prefix, by bisection over slice comparisons (which run in C)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
