@@ -15,8 +15,8 @@ from cairn.request.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     Tokenizer,
-    _common_prefix_len,
     _token_at_or_after,
+    common_prefix_len,
 )
 
 # The shape of Qwen3's template: a system/tools header, a backwards scan for the last user query
@@ -65,7 +65,7 @@ def starts_by_prefix_renders(tok: Tokenizer, messages: list[dict], **extra) -> l
     stops agreeing with the whole render, for k = 1 .. len(messages)."""
     full = tok.render_chat(messages, add_generation_prompt=True, **extra)
     ids, offsets = tok.encode_with_offsets(full)
-    return [_token_at_or_after(offsets, _common_prefix_len(tok.render_chat(messages[:k], add_generation_prompt=False,
+    return [_token_at_or_after(offsets, common_prefix_len(tok.render_chat(messages[:k], add_generation_prompt=False,
                                                                             **extra), full), len(ids))
             for k in range(1, len(messages) + 1)]
 
